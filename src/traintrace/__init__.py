@@ -1,0 +1,134 @@
+"""traintrace: telemetry for model training that never slows or breaks it.
+
+Quick start::
+
+    import traintrace as tt
+
+    tt.configure()                      # files under ./traintrace_logs/<job>/
+    with tt.training_loop():
+        for step, batch in enumerate(loader):
+            with tt.training_iteration(step) as it:
+                loss = train_step(batch)
+                it.add_metrics(loss=loss)
+"""
+
+from ._api import (
+    application,
+    application_running,
+    backward,
+    checkpoint_load,
+    checkpoint_save,
+    checkpoint_save_async,
+    checkpoint_save_finalization,
+    close,
+    configure,
+    data_loader_init,
+    data_loading,
+    distributed_init,
+    error,
+    event,
+    flush,
+    forward,
+    get_recorder,
+    is_configured,
+    model_init,
+    optimizer_init,
+    optimizer_step,
+    running,
+    span,
+    start,
+    stop,
+    test,
+    timed_span,
+    training,
+    training_iteration,
+    training_loop,
+    validation,
+    zero_grad,
+)
+from ._config import (
+    BackendConfig,
+    Config,
+    ConfigError,
+    FileBackendConfig,
+    LogBackendConfig,
+)
+from ._metrics import (
+    ApplicationMetrics,
+    CheckpointMetrics,
+    CheckpointSaveMetrics,
+    CheckPointType,
+    CustomMetrics,
+    EvaluationMetrics,
+    IterationMetrics,
+    TestMetrics,
+    ValidationMetrics,
+)
+from ._names import EventName, RecordKind, SpanName, SpanStatus, Verbosity
+from ._recorder import Recorder, Span, TraintraceWarning, current_span
+from ._version import __version__
+from .backends import Backend, BaseBackend, FileBackend, LogBackend, MemoryBackend
+
+__all__ = [
+    "ApplicationMetrics",
+    "Backend",
+    "BackendConfig",
+    "BaseBackend",
+    "CheckPointType",
+    "CheckpointMetrics",
+    "CheckpointSaveMetrics",
+    "Config",
+    "ConfigError",
+    "CustomMetrics",
+    "EvaluationMetrics",
+    "EventName",
+    "FileBackend",
+    "FileBackendConfig",
+    "IterationMetrics",
+    "LogBackend",
+    "LogBackendConfig",
+    "MemoryBackend",
+    "RecordKind",
+    "Recorder",
+    "Span",
+    "SpanName",
+    "SpanStatus",
+    "TestMetrics",
+    "TraintraceWarning",
+    "ValidationMetrics",
+    "Verbosity",
+    "__version__",
+    "application",
+    "application_running",
+    "backward",
+    "checkpoint_load",
+    "checkpoint_save",
+    "checkpoint_save_async",
+    "checkpoint_save_finalization",
+    "close",
+    "configure",
+    "current_span",
+    "data_loader_init",
+    "data_loading",
+    "distributed_init",
+    "error",
+    "event",
+    "flush",
+    "forward",
+    "get_recorder",
+    "is_configured",
+    "model_init",
+    "optimizer_init",
+    "optimizer_step",
+    "running",
+    "span",
+    "start",
+    "stop",
+    "test",
+    "timed_span",
+    "training",
+    "training_iteration",
+    "training_loop",
+    "validation",
+    "zero_grad",
+]

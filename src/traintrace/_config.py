@@ -1,0 +1,411 @@
+"""Configuration: dataclasses, a TOML/YAML file and ``TRAINTRACE_*`` variables.
+
+Precedence, lowest first: defaults < configuration file < ``configure()``
+keyword arguments < ``TRAINTRACE_*`` environment variables. The environment
+wins so that an operator can change a job's telemetry without editing code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ._names import Verbosity
+
+ENV_PREFIX = "TRAINTRACE_"
+
+
+class ConfigError(ValueError):
+    """Raised by ``configure()`` for a bad setting; the message names the field."""
+
+
+def parse_ranks(spec: object, world_size: int) -> frozenset[int]:
+    """The ranks a selector names.
+
+    ``"all"``, ``"none"``, ``"last"``, an int (negative counts from the end),
+    ``"0,2,5"``, ``"0-3"``, or a sequence of ints.
+    """
+    if isinstance(spec, bool):
+        raise ValueError(f"not a rank selector: {spec!r}")
+    if isinstance(spec, int):
+        parts: list[str] = [str(spec)]
+    elif isinstance(spec, str):
+        text = spec.strip().lower()
+        if text in ("all", "*", ""):
+            return frozenset(range(world_size))
+        if text == "none":
+            return frozenset()
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+    elif isinstance(spec, Sequence):
+        parts = [str(int(p)) for p in spec]
+    else:
+        raise ValueError(f"not a rank selector: {spec!r}")
+    ranks: set[int] = set()
+    for part in parts:
+        if part == "last":
+            ranks.add(world_size - 1)
+        elif "-" in part[1:]:
+            low, high = part.split("-", 1) if not part.startswith("-") else (part, "")
+            ranks.update(range(int(low), int(high) + 1))
+        else:
+            value = int(part)
+            ranks.add(value + world_size if value < 0 else value)
+    return frozenset(ranks)
+
+
+@dataclass
+class BackendConfig:
+    """Fields every backend shares.
+
+    ``ranks`` picks the ranks where the backend runs at ``verbosity``; on the
+    other ranks it runs at ``verbosity_elsewhere``, or not at all when that is
+    ``None`` (e.g. logs at ``info`` on rank 0 and only errors elsewhere).
+    """
+
+    type: ClassVar[str] = ""
+    registry: ClassVar[dict[str, type[BackendConfig]]] = {}
+
+    enabled: bool = True
+    verbosity: Verbosity | str | int = Verbosity.INFO
+    ranks: str | int | Sequence[int] = "all"
+    verbosity_elsewhere: Verbosity | str | int | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.type:
+            BackendConfig.registry[cls.type] = cls
+
+    def effective_verbosity(self, rank: int, world_size: int) -> Verbosity | None:
+        """The level this backend runs at on ``rank``, or None where it is off."""
+        if not self.enabled:
+            return None
+        if rank in parse_ranks(self.ranks, world_size):
+            return Verbosity.parse(self.verbosity)
+        if self.verbosity_elsewhere is None:
+            return None
+        return Verbosity.parse(self.verbosity_elsewhere)
+
+    def validate(self, where: str) -> None:
+        """Raise ConfigError for a bad field; normalise what is good."""
+        try:
+            self.verbosity = Verbosity.parse(self.verbosity)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.verbosity: {exc}") from None
+        if self.verbosity_elsewhere is not None:
+            try:
+                self.verbosity_elsewhere = Verbosity.parse(self.verbosity_elsewhere)
+            except ValueError as exc:
+                raise ConfigError(f"{where}.verbosity_elsewhere: {exc}") from None
+        try:
+            parse_ranks(self.ranks, 1 << 20)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"{where}.ranks: {exc} (use 'all', 'none', 'last', 3, -1, '0,2', '0-3')"
+            ) from None
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"{where}.enabled: expected true or false, got {self.enabled!r}")
+
+
+@dataclass
+class FileBackendConfig(BackendConfig):
+    """JSON-lines files, one stream per process.
+
+    ``path`` is a template, relative to ``Config.log_dir`` unless absolute, with
+    the placeholders ``{job}``, ``{rank}``, ``{local_rank}``, ``{node}``,
+    ``{world_size}``, ``{restart}``, ``{host}``, ``{pid}``, ``{date}``
+    (YYYYmmdd) and ``{time}`` (HHMMSS). Substituted values are made safe as
+    path components, and a relative path must stay inside ``log_dir``.
+    """
+
+    type: ClassVar[str] = "file"
+    path: str = "{job}/rank{rank}.jsonl"
+    verbosity: Verbosity | str | int = Verbosity.PROFILING
+    file_mode: int = 0o640
+    fsync_on_close: bool = True
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if not isinstance(self.path, str) or not self.path.strip():
+            raise ConfigError(f"{where}.path: expected a non-empty path template")
+        if not isinstance(self.file_mode, int) or not 0 <= self.file_mode <= 0o777:
+            raise ConfigError(f"{where}.file_mode: expected permission bits like 0o640")
+
+
+@dataclass
+class LogBackendConfig(BackendConfig):
+    """Records as key=value (or JSON) lines through a ``logging`` logger.
+
+    Default: ``info`` on rank 0, errors from every other rank.
+    """
+
+    type: ClassVar[str] = "log"
+    logger: str = "traintrace.records"
+    format: str = "kv"
+    ranks: str | int | Sequence[int] = "0"
+    verbosity_elsewhere: Verbosity | str | int | None = Verbosity.ERROR
+
+    def validate(self, where: str) -> None:
+        super().validate(where)
+        if self.format not in ("kv", "json"):
+            raise ConfigError(f"{where}.format: expected 'kv' or 'json', got {self.format!r}")
+        if not isinstance(self.logger, str) or not self.logger:
+            raise ConfigError(f"{where}.logger: expected a logger name")
+
+
+def _default_backends() -> dict[str, BackendConfig]:
+    return {"file": FileBackendConfig(), "log": LogBackendConfig()}
+
+
+@dataclass
+class Config:
+    """Everything ``configure()`` accepts. Unset identity fields are detected."""
+
+    job_id: str | None = None
+    job_name: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    node_rank: int | None = None
+    restart_count: int | None = None
+    host: str | None = None
+    log_dir: str = "traintrace_logs"
+    backends: dict[str, BackendConfig] = field(default_factory=_default_backends)
+    queue_size: int = 65536
+    flush_interval: float = 0.5
+    blocking: bool = False
+    close_timeout: float = 5.0
+    handle_sigterm: bool = True
+    fork: str = "quiet"
+    log_interval: int = 100
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad field."""
+        for name in ("rank", "world_size", "local_rank", "local_world_size", "node_rank"):
+            _check_int(name, getattr(self, name), minimum=0, optional=True)
+        _check_int("restart_count", self.restart_count, minimum=0, optional=True)
+        if self.world_size is not None and self.world_size < 1:
+            raise ConfigError("world_size: must be at least 1")
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ConfigError(f"rank: {self.rank} is not below world_size {self.world_size}")
+        _check_int("queue_size", self.queue_size, minimum=16)
+        _check_int("log_interval", self.log_interval, minimum=1)
+        for name in ("flush_interval", "close_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
+        if self.fork not in ("quiet", "own_stream"):
+            raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
+        for name in ("blocking", "handle_sigterm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected true or false")
+        for name in ("job_id", "job_name", "host"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
+        if not isinstance(self.log_dir, str | os.PathLike):
+            raise ConfigError(f"log_dir: expected a path, got {self.log_dir!r}")
+        if not isinstance(self.metadata, dict):
+            raise ConfigError("metadata: expected a mapping")
+        for key, backend in self.backends.items():
+            backend.validate(f"backends.{key}")
+
+
+def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name}: must be at least {minimum}, got {value}")
+
+
+# ---------------------------------------------------------------- merging
+
+
+def _coerce(annotation: Any, raw: Any, where: str) -> Any:
+    """Convert a string from the environment (or a file value) to a field's type."""
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    kinds = _annotation_kinds(annotation)
+    if "NoneType" in kinds and text.lower() in ("", "none", "null"):
+        return None
+    if "bool" in kinds:
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected true or false, got {raw!r}")
+    if "int" in kinds and "str" not in kinds and "Verbosity" not in kinds:
+        try:
+            return int(text, 0)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {raw!r}") from None
+    if "float" in kinds:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
+    return text
+
+
+def _annotation_kinds(annotation: Any) -> set[str]:
+    if isinstance(annotation, str):
+        return {part.strip().split("[")[0] for part in annotation.split("|")} | (
+            {"NoneType"} if "None" in annotation else set()
+        )
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        out: set[str] = set()
+        for arg in typing.get_args(annotation):
+            out |= _annotation_kinds(arg)
+        return out
+    return {getattr(annotation, "__name__", str(annotation))}
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    return {f.name: f.type for f in dataclasses.fields(cls)}
+
+
+def _apply(target: Any, values: Mapping[str, Any], where: str) -> None:
+    known = _fields(type(target))
+    for key, value in values.items():
+        name = key.lower()
+        if name == "backends":
+            _apply_backends(target, value, "backends")
+            continue
+        if name not in known:
+            choices = ", ".join(sorted(known))
+            raise ConfigError(f"{where}{name}: unknown setting (known: {choices})")
+        setattr(target, name, _coerce(known[name], value, f"{where}{name}"))
+
+
+def _apply_backends(config: Config, value: Any, where: str) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            name = str(key).lower()
+            cls = BackendConfig.registry.get(name)
+            if cls is None:
+                choices = ", ".join(sorted(BackendConfig.registry))
+                raise ConfigError(f"{where}.{name}: unknown backend type (known: {choices})")
+            current = config.backends.get(name) or cls(enabled=True)
+            if isinstance(item, BackendConfig):
+                current = item
+            elif isinstance(item, bool):
+                current.enabled = item
+            elif isinstance(item, Mapping):
+                _apply(current, item, f"{where}.{name}.")
+            else:
+                raise ConfigError(f"{where}.{name}: expected a table of settings or true/false")
+            config.backends[name] = current
+        return
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        chosen: dict[str, BackendConfig] = {}
+        for item in value:
+            if not isinstance(item, BackendConfig):
+                raise ConfigError(
+                    f"{where}: a list holds backend configs such as FileBackendConfig(); "
+                    "pass backend objects with extra_backends="
+                )
+            chosen[item.type] = item
+        config.backends = chosen
+        return
+    raise ConfigError(f"{where}: expected a mapping or a list of backend configs")
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a TOML (or, with PyYAML installed, YAML) configuration file."""
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"config file {file}: {exc.strerror or exc}") from None
+    if file.suffix in (".yaml", ".yml"):
+        try:
+            import yaml  # type: ignore[import-untyped]
+        except ImportError:
+            raise ConfigError(
+                f"config file {file}: YAML needs PyYAML (pip install 'traintrace[yaml]'), "
+                "or use TOML"
+            ) from None
+        try:
+            loaded = yaml.safe_load(data) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {file}: {exc}") from None
+    else:
+        import tomllib
+
+        try:
+            loaded = tomllib.loads(data.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {file}: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {file}: expected a table of settings at the top")
+    return loaded.get("traintrace", loaded) if isinstance(loaded.get("traintrace"), dict) else loaded
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings named by ``TRAINTRACE_*`` variables, as a nested mapping.
+
+    ``TRAINTRACE_JOB_ID=x`` sets ``job_id``; ``TRAINTRACE_BACKENDS_FILE_PATH=p``
+    sets ``backends.file.path``; ``TRAINTRACE_BACKENDS_LOG_ENABLED=0`` turns the
+    log backend off.
+    """
+    top = {f.name for f in dataclasses.fields(Config)}
+    out: dict[str, Any] = {}
+    backends: dict[str, dict[str, Any]] = {}
+    for key, value in env.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name.startswith("backends_"):
+            rest = name[len("backends_") :]
+            for kind in sorted(BackendConfig.registry, key=len, reverse=True):
+                if rest.startswith(kind + "_"):
+                    backends.setdefault(kind, {})[rest[len(kind) + 1 :]] = value
+                    break
+            else:
+                raise ConfigError(f"{key}: unknown backend (known: {sorted(BackendConfig.registry)})")
+        elif name in top and name not in ("backends", "metadata"):
+            out[name] = value
+        elif name not in ("config", "disabled"):
+            raise ConfigError(f"{key}: unknown setting (known: {', '.join(sorted(top))})")
+    if backends:
+        out["backends"] = backends
+    return out
+
+
+def build_config(
+    config: Config | None = None,
+    *,
+    config_file: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> Config:
+    """Merge defaults, file, arguments and environment into one validated Config."""
+    env = os.environ if env is None else env
+    result = Config()
+    file_path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if file_path:
+        _apply(result, load_file(file_path), "")
+    if config is not None:
+        if not isinstance(config, Config):
+            raise ConfigError("config: expected a traintrace.Config")
+        for f in dataclasses.fields(Config):
+            default = Config()
+            value = getattr(config, f.name)
+            if value != getattr(default, f.name):
+                setattr(result, f.name, value)
+    if kwargs:
+        _apply(result, kwargs, "")
+    _apply(result, env_overrides(env), "")
+    result.validate()
+    return result

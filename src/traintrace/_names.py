@@ -1,0 +1,109 @@
+"""Standard span and event names, record kinds and verbosity levels.
+
+Names are plain strings: any string is a valid span or event name. The
+constants below are the standard ones, spelled as the reference library
+(``aidot-training-telemetry``) spells them so that dashboards and queries
+written for it keep working.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+
+class Verbosity(enum.IntEnum):
+    """How detailed a record is. A backend receives records at or below its level."""
+
+    ERROR = 0
+    INFO = 1
+    TRACING = 3
+    PROFILING = 4
+
+    @classmethod
+    def parse(cls, value: object) -> Verbosity:
+        """Accept a member, its name (any case) or its number."""
+        if isinstance(value, Verbosity):
+            return value
+        if isinstance(value, bool):
+            raise ValueError(f"not a verbosity: {value!r}")
+        if isinstance(value, int):
+            return cls(value)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.isdigit():
+                return cls(int(text))
+            try:
+                return cls[text.upper()]
+            except KeyError:
+                pass
+        choices = ", ".join(m.name.lower() for m in cls)
+        raise ValueError(f"not a verbosity: {value!r} (choose one of {choices})")
+
+
+class SpanName:
+    """The standard span names."""
+
+    APPLICATION: Final = "main_function"
+    DISTRIBUTED_INIT: Final = "distributed_code_initialization"
+    DATA_LOADER_INIT: Final = "data_loader_initialization"
+    MODEL_INIT: Final = "model_initialization"
+    OPTIMIZER_INIT: Final = "optimizer_initialization"
+    TRAINING_LOOP: Final = "training_loop"
+    ITERATION: Final = "iteration"
+    DATA_LOADING: Final = "data_loading"
+    FORWARD: Final = "model_forward"
+    BACKWARD: Final = "model_backward"
+    ZERO_GRAD: Final = "zero_grad"
+    OPTIMIZER_STEP: Final = "optimizer_update"
+    VALIDATION: Final = "validation_loop"
+    TEST: Final = "test_loop"
+    CHECKPOINT_SAVE_SYNC: Final = "checkpoint_save_sync"
+    CHECKPOINT_SAVE_ASYNC: Final = "checkpoint_save_async"
+    CHECKPOINT_SAVE_FINALIZATION: Final = "checkpoint_save_finalization"
+    CHECKPOINT_LOAD: Final = "checkpoint_load"
+
+
+class EventName:
+    """The standard event names."""
+
+    TRAINING_ITERATIONS: Final = "training_iterations"
+    DEVICE_PROPERTIES: Final = "device_properties"
+    SPAN_ATTRIBUTES: Final = "span_attributes"
+    SIGNAL: Final = "signal"
+    ERROR: Final = "error"
+    EXCEPTION: Final = "exception"
+
+
+class RecordKind:
+    """The ``kind`` field of a record (see docs/format.md)."""
+
+    HEADER: Final = "header"
+    SPAN: Final = "span"
+    START: Final = "start"
+    END: Final = "end"
+    EVENT: Final = "event"
+    ERROR: Final = "error"
+    DROPPED: Final = "dropped"
+    THREAD: Final = "thread"
+    CLOSE: Final = "close"
+
+
+class SpanStatus:
+    """How a span ended."""
+
+    OK: Final = "ok"
+    ERROR: Final = "error"
+    TERMINATED: Final = "terminated"
+    ABANDONED: Final = "abandoned"
+
+
+#: Default verbosity of each standard span; other spans default to INFO.
+DEFAULT_SPAN_VERBOSITY: Final[dict[str, Verbosity]] = {
+    SpanName.ITERATION: Verbosity.TRACING,
+    SpanName.DATA_LOADING: Verbosity.PROFILING,
+    SpanName.FORWARD: Verbosity.PROFILING,
+    SpanName.BACKWARD: Verbosity.PROFILING,
+    SpanName.ZERO_GRAD: Verbosity.PROFILING,
+    SpanName.OPTIMIZER_STEP: Verbosity.PROFILING,
+}

@@ -1,0 +1,476 @@
+"""The recorder: spans, events and errors from the caller's thread into a queue.
+
+The caller's thread only reads a clock, updates the per-context current span,
+and appends a small tuple to a deque. Everything else (building records,
+serialising, I/O) happens on the writer thread in ``_pipeline``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import itertools
+import sys
+import threading
+import traceback
+import warnings
+from collections import deque
+from collections.abc import Callable, Mapping
+from time import perf_counter_ns
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ._names import EventName, SpanStatus, Verbosity
+from ._sanitize import clip_text
+
+if TYPE_CHECKING:
+    from ._pipeline import Pipeline
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Item tags in the queue (small ints compare fastest).
+START, STOP, EVENT, ERROR = 0, 1, 2, 3
+
+_INFO = int(Verbosity.INFO)
+_ERROR = int(Verbosity.ERROR)
+
+_ids = itertools.count(1)
+_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
+    "traintrace_current_span", default=None
+)
+_get_ident = threading.get_ident
+
+#: The recorder that module-level calls use; None when not configured.
+_active: Recorder | None = None
+
+
+class TraintraceWarning(RuntimeWarning):
+    """Misuse of the API: shown once per kind, never raised into the caller."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(kind: str, message: str) -> None:
+    """Warn about misuse once per kind per process; never raise."""
+    if kind in _warned:
+        return
+    _warned.add(kind)
+    try:
+        warnings.warn(f"traintrace: {message}", TraintraceWarning, stacklevel=4)
+    except Exception:  # noqa: BLE001 - with -W error a warning raises; training must not
+        pass
+
+
+def current_span() -> Span | None:
+    """The innermost open span of this thread or asyncio task, or None."""
+    span = _current.get()
+    while span is not None and span.t1 is not None:
+        span = span.parent
+    return span
+
+
+class Span:
+    """A timed phase. A context manager, a decorator, and a handle for ``stop``.
+
+    Add metrics with :meth:`add_metrics` while it is open; they are written
+    with the span's end.
+    """
+
+    __slots__ = (
+        "name",
+        "attrs",
+        "level",
+        "link",
+        "metrics",
+        "id",
+        "parent",
+        "t0",
+        "t1",
+        "tid",
+        "status",
+        "written",
+        "_rec",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        attrs: Mapping[str, Any] | None = None,
+        level: int = _INFO,
+        link: Span | int | None = None,
+    ) -> None:
+        self.name = name
+        self.attrs = attrs
+        self.level = level
+        self.link = link
+        self._rec: Recorder | None = None
+        self.t1: int | None = None
+        self.id = 0
+
+    # -- context manager -------------------------------------------------
+    def __enter__(self) -> Span:
+        rec = _active
+        if rec is not None and self.level <= rec.max_level:
+            rec._start(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        rec = self._rec
+        if rec is None:
+            return
+        if exc is not None:
+            rec._span_failed(self, exc)
+        rec._stop(self)
+
+    # -- decorator -------------------------------------------------------
+    def __call__(self, func: F) -> F:
+        """Use as ``@span("name")``: a fresh span for every call of ``func``."""
+        name, attrs, level, cls = self.name, self.attrs, self.level, type(self)
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                with cls(name, attrs, level):
+                    return await func(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with cls(name, attrs, level):
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    # -- while open ------------------------------------------------------
+    def add_metrics(self, metrics: Mapping[str, Any] | None = None, **more: Any) -> Span:
+        """Attach metrics to the span; they are written with its end."""
+        if self._rec is None:
+            return self
+        if self.t1 is not None:
+            warn_once("metrics_after_stop", f"metrics added to span {self.name!r} after it stopped")
+            return self
+        current = self.metrics
+        if current is None:
+            current = self.metrics = {}
+        try:
+            if metrics:
+                current.update(metrics)
+            if more:
+                current.update(more)
+        except (TypeError, ValueError):
+            warn_once("bad_metrics", f"metrics for span {self.name!r} are not a mapping; ignored")
+        return self
+
+    def event(self, name: str, metrics: Mapping[str, Any] | None = None) -> None:
+        """Record an event inside this span."""
+        rec = self._rec
+        if rec is not None:
+            rec._event(name, metrics, _INFO, self.id)
+
+    @property
+    def open(self) -> bool:
+        """True between start and stop of a recorded span."""
+        return self._rec is not None and self.t1 is None
+
+    @property
+    def duration_ns(self) -> int | None:
+        """Monotonic duration, once stopped."""
+        if self.t1 is None or self._rec is None:
+            return None
+        return self.t1 - self.t0
+
+    def __repr__(self) -> str:
+        state = "open" if self.open else "closed" if self._rec else "unrecorded"
+        return f"<Span {self.name!r} id={self.id} {state}>"
+
+
+class Recorder:
+    """The low-level API: ``start``/``stop``/``event``/``error``/``close``.
+
+    Made by :func:`traintrace.configure`. Methods never raise after
+    configuration; misuse warns once per kind.
+    """
+
+    def __init__(self, pipeline: Pipeline, max_level: int, listeners: list[Any]) -> None:
+        self._pipeline = pipeline
+        self._queue: deque[tuple[Any, ...]] = pipeline.queue
+        self._cap = pipeline.capacity
+        self.max_level = max_level
+        self._listeners = tuple(listeners)
+        self.closed = False
+        self._recorded_exceptions: deque[int] = deque(maxlen=64)
+        self.config = pipeline.config
+        self.header = pipeline.header
+
+    # -- hot path --------------------------------------------------------
+    def _put(self, item: tuple[Any, ...]) -> None:
+        queue = self._queue
+        if len(queue) < self._cap:
+            queue.append(item)
+        else:
+            self._pipeline.overflow(item)
+
+    def _start(self, span: Span) -> None:
+        parent = _current.get()
+        while parent is not None and parent.t1 is not None:
+            parent = parent.parent
+        span.parent = parent
+        span.id = next(_ids)
+        span.tid = _get_ident()
+        span.metrics = None
+        span.status = SpanStatus.OK
+        span.written = False
+        span._rec = self
+        _current.set(span)
+        for listener in self._listeners:
+            listener.span_started(span)
+        span.t0 = perf_counter_ns()
+        queue = self._queue
+        if len(queue) < self._cap:
+            queue.append((START, span))
+        else:
+            self._pipeline.overflow((START, span))
+
+    def _stop(self, span: Span) -> None:
+        t1 = perf_counter_ns()
+        if span.t1 is not None:
+            warn_once("stop_twice", f"span {span.name!r} stopped twice; the second stop is ignored")
+            return
+        if self.closed:
+            warn_once("stop_after_close", f"span {span.name!r} stopped after close(); not recorded")
+            span.t1 = t1
+            return
+        span.t1 = t1
+        if _current.get() is span:
+            parent = span.parent
+            while parent is not None and parent.t1 is not None:
+                parent = parent.parent
+            _current.set(parent)
+        for listener in self._listeners:
+            listener.span_stopped(span)
+        queue = self._queue
+        if len(queue) < self._cap:
+            queue.append((STOP, span))
+        else:
+            self._pipeline.overflow((STOP, span))
+
+    def _event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
+        if level > self.max_level or self.closed:
+            return
+        attrs = dict(metrics) if metrics else None
+        self._put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
+
+    def _span_failed(self, span: Span, exc: BaseException) -> None:
+        if isinstance(exc, Exception):
+            span.status = SpanStatus.ERROR
+            self._exception(exc, EventName.EXCEPTION, None, span.id)
+        else:
+            # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
+            span.status = SpanStatus.TERMINATED
+
+    def _exception(
+        self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int
+    ) -> bool:
+        """Record ``exc`` unless it already was; True if it was recorded now."""
+        if _already_recorded(exc, self._recorded_exceptions):
+            return False
+        if self.closed:
+            return False
+        info = describe_exception(exc)
+        attrs = dict(metrics) if metrics else None
+        self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+        self._pipeline.wake()
+        return True
+
+    # -- public low-level API -------------------------------------------
+    def start(
+        self,
+        name: str,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        level: int | Verbosity = Verbosity.INFO,
+        link: Span | int | None = None,
+    ) -> Span:
+        """Open a span and return its handle; stop it later with :meth:`stop`."""
+        span = Span(name, dict(metrics) if metrics else None, int(level), link)
+        if not self.closed and span.level <= self.max_level:
+            self._start(span)
+        return span
+
+    def stop(
+        self,
+        span: Span,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        status: str | None = None,
+    ) -> None:
+        """Close a span opened by :meth:`start` (from any thread or callback)."""
+        if not isinstance(span, Span):
+            warn_once("stop_unknown", f"stop() got {type(span).__name__}, not a Span; ignored")
+            return
+        if span._rec is None:
+            return
+        if span._rec is not self:
+            warn_once("stop_foreign", f"span {span.name!r} belongs to another recorder")
+            span._rec._stop(span)
+            return
+        if metrics:
+            span.add_metrics(metrics)
+        if status is not None and span.t1 is None:
+            span.status = str(status)
+        self._stop(span)
+
+    def event(
+        self,
+        name: str,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        level: int | Verbosity = Verbosity.INFO,
+    ) -> None:
+        """Record a point event, inside the current span if one is open."""
+        span = current_span()
+        try:
+            self._event(str(name), metrics, int(level), span.id if span is not None else 0)
+        except (TypeError, ValueError):
+            warn_once("bad_event", f"event {name!r} has metrics that are not a mapping; ignored")
+
+    def error(
+        self,
+        error: BaseException | str | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        name: str = EventName.ERROR,
+    ) -> None:
+        """Record an exception (once, however often it is passed) or an error message."""
+        span = current_span()
+        span_id = span.id if span is not None else 0
+        try:
+            if isinstance(error, BaseException):
+                self._exception(error, name, metrics, span_id)
+                return
+            if self.closed:
+                return
+            message = "" if error is None else str(error)
+            stack = "".join(traceback.format_stack(sys._getframe(1)))
+            info = (None, clip_text(message, 65536), clip_text(stack, 65536))
+            attrs = dict(metrics) if metrics else None
+            self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+            self._pipeline.wake()
+        except Exception:  # noqa: BLE001 - error() must never fail the caller
+            warn_once("bad_error", "error() could not record its argument")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Write everything recorded so far; True when done within ``timeout``."""
+        if self.closed:
+            return True
+        return self._pipeline.flush(self.config.close_timeout if timeout is None else timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, end spans still open (status ``abandoned``) and close backends."""
+        global _active
+        if self.closed:
+            return
+        if _active is self:
+            _active = None
+        self.closed = True
+        self._pipeline.close(self.config.close_timeout if timeout is None else timeout)
+
+    def terminate(self, reason: str) -> None:
+        """Flush and end open spans as ``terminated``: the process is about to die."""
+        global _active
+        if self.closed:
+            return
+        self.event(EventName.SIGNAL, {"reason": reason}, level=Verbosity.ERROR)
+        if _active is self:
+            _active = None
+        self.closed = True
+        self._pipeline.close(self.config.close_timeout, open_status=SpanStatus.TERMINATED)
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped so far because the queue was full."""
+        return self._pipeline.dropped
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _already_recorded(exc: BaseException, recent: deque[int]) -> bool:
+    try:
+        if getattr(exc, "__traintrace_recorded__", False):
+            return True
+        exc.__traintrace_recorded__ = True  # type: ignore[attr-defined]
+        return False
+    except Exception:  # noqa: BLE001 - some exception types refuse attributes
+        key = id(exc)
+        if key in recent:
+            return True
+        recent.append(key)
+        return False
+
+
+def describe_exception(exc: BaseException) -> tuple[str, str, str]:
+    """(type, message, stack) with the frames above the catching point included."""
+    kind = type(exc)
+    qualname = kind.__qualname__
+    module = kind.__module__
+    type_name = qualname if module in ("builtins", "__main__") else f"{module}.{qualname}"
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001
+        message = f"<unprintable {qualname}>"
+    try:
+        stack = format_full_traceback(exc)
+    except Exception:  # noqa: BLE001
+        stack = "".join(traceback.format_exception_only(kind, exc))
+    return type_name, clip_text(message, 65536), clip_text(stack, 65536)
+
+
+def format_full_traceback(exc: BaseException) -> str:
+    """The traceback from the program's entry, not only from where it was caught.
+
+    While an exception unwinds, its traceback holds only the frames it has left
+    so far; the frames above are still live and are added here.
+    """
+    parts: list[str] = []
+    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    if cause is not None:
+        parts.extend(traceback.format_exception(cause))
+        parts.append(
+            "\nThe above exception was the direct cause of the following exception:\n\n"
+            if exc.__cause__ is not None
+            else "\nDuring handling of the above exception, another exception occurred:\n\n"
+        )
+    tb = exc.__traceback__
+    outer: list[traceback.FrameSummary] = []
+    if tb is not None and tb.tb_frame.f_back is not None:
+        outer = list(traceback.extract_stack(tb.tb_frame.f_back))
+    inner = list(traceback.extract_tb(tb)) if tb is not None else []
+    if outer or inner:
+        parts.append("Traceback (most recent call last):\n")
+        parts.extend(traceback.format_list(outer + inner))
+    parts.extend(traceback.format_exception_only(type(exc), exc))
+    return "".join(parts)
+
+
+def set_active(recorder: Recorder | None) -> Recorder | None:
+    """Install ``recorder`` for module-level calls; return the previous one."""
+    global _active
+    previous, _active = _active, recorder
+    return previous
+
+
+def get_active() -> Recorder | None:
+    """The configured recorder, or None."""
+    return _active

@@ -1,0 +1,164 @@
+"""Turning whatever a user passes as a metric into bounded, JSON-safe data.
+
+Runs on the writer thread, never on the caller's. The limits are part of the
+record format (docs/format.md, "Values").
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Final
+
+MAX_STRING: Final = 4096
+MAX_KEY: Final = 256
+MAX_ITEMS: Final = 256
+MAX_DEPTH: Final = 6
+MAX_NODES: Final = 4096
+TRUNCATION_MARK: Final = "…[+{} chars]"
+
+_ATOMIC = (str, int, float, bool, type(None))
+
+
+def clip_text(text: str, limit: int = MAX_STRING) -> str:
+    """Cut ``text`` to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + TRUNCATION_MARK.format(len(text) - limit)
+
+
+def clean_key(key: object) -> str:
+    """A metric key as a bounded string."""
+    text = key if isinstance(key, str) else _safe_str(key)
+    return clip_text(text, MAX_KEY)
+
+
+def _safe_str(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:  # noqa: BLE001 - a user's __str__ may raise anything
+        return f"<unprintable {type(value).__name__}>"
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - a user's __repr__ may raise anything
+        return f"<unrepresentable {type(value).__name__}>"
+
+
+def _float(value: float) -> float | str:
+    if math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+def _scalar_from_array(value: Any) -> Any:
+    """numpy scalars, 0-d arrays and 0-d/1-element torch tensors, as Python numbers."""
+    try:
+        size = value.size() if callable(getattr(value, "size", None)) else value.size
+        numel = value.numel() if hasattr(value, "numel") else int(size)
+    except Exception:  # noqa: BLE001
+        return _MISSING
+    if numel == 1:
+        try:
+            return value.item()
+        except Exception:  # noqa: BLE001
+            return _MISSING
+    return _MISSING
+
+
+_MISSING: Final = object()
+
+
+def to_jsonable(value: Any) -> Any:
+    """Return a JSON-safe, size-bounded copy of ``value``. Never raises."""
+    return _guarded(value, 0, [MAX_NODES])
+
+
+def _guarded(value: Any, depth: int, budget: list[int]) -> Any:
+    try:
+        return _convert(value, depth, budget)
+    except Exception:  # noqa: BLE001 - the point is that nothing escapes
+        return f"<unconvertible {type(value).__name__}>"
+
+
+def _convert(value: Any, depth: int, budget: list[int]) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0:
+        return "<truncated>"
+    kind = type(value)
+    if kind is str:
+        return clip_text(value)
+    if kind is int or kind is bool or value is None:
+        return value
+    if kind is float:
+        return _float(value)
+    if isinstance(value, enum.Enum):
+        return _convert(value.value, depth, budget)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return _float(float(value))
+    if isinstance(value, str):
+        return clip_text(str(value))
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = bytes(value[: MAX_STRING // 2])
+        text = raw.hex()
+        extra = len(value) - len(raw)
+        return text + (TRUNCATION_MARK.format(extra * 2) if extra > 0 else "")
+    if isinstance(value, os.PathLike):
+        return clip_text(_safe_str(os.fspath(value)))
+    if isinstance(value, _dt.datetime | _dt.date | _dt.time):
+        return value.isoformat()
+    if isinstance(value, _dt.timedelta):
+        return value.total_seconds()
+    if depth >= MAX_DEPTH:
+        return clip_text(f"<too deep: {type(value).__name__}>")
+    if isinstance(value, Mapping):
+        return _convert_mapping(value, depth + 1, budget)
+    if isinstance(value, list | tuple):
+        return [_guarded(item, depth + 1, budget) for item in value[:MAX_ITEMS]]
+    if isinstance(value, set | frozenset):
+        items = [_guarded(item, depth + 1, budget) for item in list(value)[:MAX_ITEMS]]
+        return sorted(items, key=_safe_repr)
+    if hasattr(value, "item") and (hasattr(value, "numel") or hasattr(value, "size")):
+        scalar = _scalar_from_array(value)
+        if scalar is not _MISSING:
+            return _convert(scalar, depth, budget)
+    if hasattr(value, "tolist") and hasattr(value, "shape"):
+        try:
+            listed = value.tolist()
+        except Exception:  # noqa: BLE001
+            listed = _MISSING
+        if listed is not _MISSING and not hasattr(listed, "tolist"):
+            return _convert(listed, depth, budget)
+    if isinstance(value, complex):
+        return clip_text(_safe_str(value))
+    return clip_text(_safe_repr(value))
+
+
+def convert_mapping(value: Mapping[Any, Any]) -> dict[str, Any]:
+    """A mapping as a dict of string keys to JSON-safe values (at most MAX_ITEMS keys)."""
+    return _convert_mapping(value, 0, [MAX_NODES])
+
+
+def _convert_mapping(value: Mapping[Any, Any], depth: int, budget: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        items = list(value.items())
+    except Exception:  # noqa: BLE001 - a broken mapping becomes a note, not a crash
+        return {"<unreadable>": _safe_repr(type(value))}
+    for index, (key, item) in enumerate(items):
+        if index >= MAX_ITEMS:
+            out["…"] = f"{len(items) - MAX_ITEMS} more keys dropped"
+            break
+        out[clean_key(key)] = _guarded(item, depth, budget)
+    return out

@@ -1,0 +1,149 @@
+"""JSON-lines files: one stream per process, appended, written in batches."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .._names import RecordKind, Verbosity
+from .._serialize import dumps
+from ._base import Record
+
+log = logging.getLogger("traintrace.lib")
+
+
+class FileBackend:
+    """Appends each batch of records to ``path`` with one ``write`` call.
+
+    No Python-level buffer: what a batch wrote is in the kernel's page cache,
+    so it survives the process being killed, and a forked child has nothing
+    buffered to write twice. A failed write (disk full, file gone) drops that
+    batch, warns once, and once writing works again a ``dropped`` record says
+    how many records were lost and their sequence numbers.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verbosity: int = Verbosity.PROFILING,
+        file_mode: int = 0o640,
+        fsync_on_close: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.verbosity = int(verbosity)
+        self.file_mode = file_mode
+        self.fsync_on_close = fsync_on_close
+        self._fd = -1
+        self._header: Record | None = None
+        self._need_newline = False
+        self._lost = 0
+        self._lost_first: int | None = None
+        self._lost_last: int | None = None
+        self._lost_error = ""
+        self._failing = False
+        self.bytes_written = 0
+
+    def open(self, header: Record) -> None:
+        self._header = header
+        self._open_file()
+        self._write_bytes(dumps(dict(header)) + b"\n")
+
+    def _open_file(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750 | (self.file_mode & 0o007))
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        self._fd = os.open(self.path, flags, self.file_mode)
+        size = os.fstat(self._fd).st_size
+        if size > 0:
+            # A process killed mid-line left no newline; start ours on a fresh line.
+            with open(self.path, "rb") as reader:
+                reader.seek(size - 1)
+                self._need_newline = reader.read(1) != b"\n"
+
+    def write(self, records: Sequence[Record]) -> None:
+        if not records:
+            return
+        payload = b"\n".join([dumps(record) for record in records]) + b"\n"
+        if self._lost and not self._failing:
+            payload = self._lost_note() + payload
+        if self._write_bytes(payload):
+            if self._lost and self._failing:
+                self._failing = False
+                self._write_bytes(self._lost_note())
+        else:
+            seqs = [r.get("seq") for r in records if isinstance(r.get("seq"), int)]
+            self._lost += len(records)
+            if seqs:
+                if self._lost_first is None:
+                    self._lost_first = seqs[0]
+                self._lost_last = seqs[-1]
+
+    def _lost_note(self) -> bytes:
+        note: dict[str, Any] = {
+            "seq": None,
+            "kind": RecordKind.DROPPED,
+            "ts": time.time_ns(),
+            "count": self._lost,
+            "reason": "write_error",
+            "error": self._lost_error,
+        }
+        if self._lost_first is not None:
+            note["first_seq"] = self._lost_first
+            note["last_seq"] = self._lost_last
+        self._lost, self._lost_first, self._lost_last = 0, None, None
+        return dumps(note) + b"\n"
+
+    def _write_bytes(self, data: bytes) -> bool:
+        if self._fd < 0:
+            try:
+                self._open_file()
+            except OSError as exc:
+                self._note_failure(exc)
+                return False
+        if self._need_newline:
+            data = b"\n" + data
+        view = memoryview(data)
+        written = 0
+        try:
+            while written < len(view):
+                written += os.write(self._fd, view[written:])
+        except OSError as exc:
+            # Whatever part of the line went out is cut; the next write starts a new line.
+            self._need_newline = written > 0 and not data[:written].endswith(b"\n")
+            self._note_failure(exc)
+            if exc.errno in (errno.EBADF, errno.ESTALE):
+                self._fd = -1
+            return False
+        self._need_newline = False
+        self.bytes_written += written
+        return True
+
+    def _note_failure(self, exc: OSError) -> None:
+        self._lost_error = f"{type(exc).__name__}: {exc.strerror or exc}"
+        if not self._failing:
+            self._failing = True
+            log.warning(
+                "traintrace: cannot write %s (%s); records are dropped and counted until it works",
+                self.path,
+                self._lost_error,
+            )
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if self.fsync_on_close:
+                os.fsync(self._fd)
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+            self._fd = -1
