@@ -1,0 +1,23 @@
+# Sourced by scripts/test and scripts/demo: makes .venv with everything the
+# project needs, reinstalling only when the requirements change.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+VENV=${TRAINTRACE_VENV:-$ROOT/.venv}
+PY=$VENV/bin/python
+if [ ! -x "$PY" ]; then
+    echo "creating $VENV" >&2
+    python3 -m venv "$VENV"
+    "$PY" -m pip install -q --upgrade pip >&2
+fi
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN=${TRAINTRACE_TORCH_PIN:-torch==2.13.0}
+EXTRAS=${TRAINTRACE_EXTRAS:-dev}
+want=$(cat pyproject.toml scripts/_env.sh | sha256sum | cut -c1-16)-$EXTRAS
+have=$(cat "$VENV/.traintrace-deps" 2>/dev/null || true)
+if [ "$want" != "$have" ]; then
+    echo "installing packages into $VENV (first run takes a few minutes)" >&2
+    "$PY" -m pip install -q "$TORCH_PIN" >&2
+    "$PY" -m pip install -q -e ".[$EXTRAS]" >&2
+    echo "$want" > "$VENV/.traintrace-deps"
+fi
