@@ -1,0 +1,431 @@
+"""Loading a job's JSON-lines files into DuckDB, once, and the views the commands share.
+
+One pass of DuckDB's parallel JSON reader materialises the records in a
+columnar table (``raw``); every analysis is a query over it. Only the fields
+the analyses use are parsed into columns (``attrs`` stays JSON text, parsed
+on demand), which keeps a multi-million-record job in a few hundred MB; with
+``memory_limit`` set DuckDB spills to its temporary folder beyond that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["Job", "LoadError", "MissingExtra", "discover", "import_duckdb"]
+
+#: Record fields read into columns; everything else a record holds is ignored.
+COLUMNS: dict[str, str] = {
+    "kind": "VARCHAR",
+    "ts": "BIGINT",
+    "seq": "BIGINT",
+    "name": "VARCHAR",
+    "id": "BIGINT",
+    "parent": "BIGINT",
+    "tid": "BIGINT",
+    "dur": "BIGINT",
+    "status": "VARCHAR",
+    "span": "BIGINT",
+    "link": "BIGINT",
+    "attrs": "JSON",
+    "error_type": "VARCHAR",
+    "message": "VARCHAR",
+    "stack": "VARCHAR",
+    "thread_name": "VARCHAR",
+    "count": "BIGINT",
+    "reason": "VARCHAR",
+    "schema": "VARCHAR",
+    "schema_version": "BIGINT",
+    "job": "VARCHAR",
+    "job_name": "VARCHAR",
+    "rank": "BIGINT",
+    "world_size": "BIGINT",
+    "restart": "BIGINT",
+    "host": "VARCHAR",
+    "pid": "BIGINT",
+    "source": "VARCHAR",
+    "role": "VARCHAR",
+}
+
+ITERATION = "iteration"
+BIG = 9_000_000_000_000_000_000
+
+
+class MissingExtra(RuntimeError):
+    """The analysis extra (DuckDB) is not installed."""
+
+
+class LoadError(RuntimeError):
+    """No traintrace records could be read from the given paths."""
+
+
+def import_duckdb() -> ModuleType:
+    try:
+        import duckdb
+    except ImportError:
+        raise MissingExtra(
+            "the traintrace command needs DuckDB: pip install 'traintrace[analysis]'"
+        ) from None
+    return duckdb
+
+
+def discover(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The .jsonl files named by ``paths``: files as given, folders searched recursively."""
+    found: list[Path] = []
+    for item in paths:
+        path = Path(item)
+        if path.is_dir():
+            found.extend(sorted(p for p in path.rglob("*.jsonl") if p.is_file()))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise LoadError(f"{path}: no such file or folder")
+    unique: dict[str, Path] = {}
+    for path in found:
+        unique.setdefault(str(path.resolve()), path)
+    return [Path(p) for p in unique]
+
+
+@dataclass
+class FileCheck:
+    path: str
+    size: int
+    truncated_last_line: bool
+
+
+def check_tail(path: Path) -> FileCheck:
+    """Whether the file's last line is cut short (a killed writer); reads only the last 64 KiB."""
+    size = path.stat().st_size
+    truncated = False
+    if size:
+        with path.open("rb") as handle:
+            handle.seek(max(0, size - 65536))
+            tail = handle.read()
+        if not tail.endswith(b"\n"):
+            last = tail.rsplit(b"\n", 1)[-1]
+            try:
+                json.loads(last)
+            except ValueError:
+                truncated = True
+    return FileCheck(str(path), size, truncated)
+
+
+@dataclass
+class Job:
+    """A job's records, loaded into an in-process DuckDB database.
+
+    ``notes`` collects what the reader had to tolerate (cut lines, lost
+    records, missing ranks), for the commands to print.
+    """
+
+    paths: list[Path]
+    progress: bool = False
+    threads: int | None = None
+    memory_limit: str | None = None
+    con: Any = None
+    notes: list[str] = field(default_factory=list)
+    files: list[FileCheck] = field(default_factory=list)
+    load_seconds: float = 0.0
+    record_count: int = 0
+
+    @classmethod
+    def open(
+        cls,
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        progress: bool = False,
+        threads: int | None = None,
+        memory_limit: str | None = None,
+    ) -> Job:
+        files = discover(paths)
+        if not files:
+            raise LoadError("no .jsonl files found in " + ", ".join(str(p) for p in paths))
+        job = cls(files, progress, threads, memory_limit)
+        job._load()
+        return job
+
+    # ------------------------------------------------------------ loading
+
+    def _connect(self) -> Any:
+        duckdb = import_duckdb()
+        config: dict[str, Any] = {"preserve_insertion_order": False}
+        if self.threads:
+            config["threads"] = self.threads
+        if self.memory_limit:
+            config["memory_limit"] = self.memory_limit
+        return duckdb.connect(":memory:", config=config)
+
+    def _load(self) -> None:
+        started = time.perf_counter()
+        self.files = [check_tail(p) for p in self.paths]
+        self.con = con = self._connect()
+        columns = "{" + ", ".join(f"'{k}': '{v}'" for k, v in COLUMNS.items()) + "}"
+        names = ", ".join(f'"{k}"' for k in COLUMNS)
+        sql = (
+            f"CREATE TABLE raw AS SELECT filename AS file, {names} FROM read_json($files, "
+            f"format='newline_delimited', columns={columns}, ignore_errors=true, filename=true, "
+            "maximum_object_size=67108864) WHERE kind IS NOT NULL"
+        )
+        with self._progress_while("reading"):
+            con.execute(sql, {"files": [str(f.path) for f in self.files]})
+            self.record_count = int(con.execute("SELECT count(*) FROM raw").fetchone()[0])
+            self._build_tables()
+        if self.record_count == 0:
+            raise LoadError("no traintrace records in " + ", ".join(f.path for f in self.files))
+        self.load_seconds = time.perf_counter() - started
+        self._collect_notes()
+
+    def _build_tables(self) -> None:
+        con = self.con
+        # One row per stream (process start). A record belongs to the stream whose header precedes it in
+        # time in the same file (restarts append); records before a file's first header go to that header.
+        con.execute(
+            f"""
+            CREATE TABLE headers AS
+            SELECT *, CASE WHEN row_number() OVER w = 1 THEN {-BIG} ELSE start_ts END AS lo,
+                   coalesce(lead(start_ts) OVER w, {BIG}) AS hi,
+                   lead(start_ts) OVER w AS next_start
+            FROM (
+                SELECT file, ts AS start_ts, rank, world_size, coalesce(restart, 0) AS restart, job, job_name,
+                       host, pid,
+                       (rank IS NULL OR coalesce(source, role, '') = 'agent'
+                        OR regexp_matches(file, '(^|/)agent[^/]*\\.jsonl$')) AS is_agent,
+                       row_number() OVER (ORDER BY file, ts) AS stream
+                FROM raw WHERE kind = 'header' AND schema = 'traintrace' AND schema_version = 1
+            )
+            WINDOW w AS (PARTITION BY file ORDER BY start_ts)
+            """
+        )
+        con.execute(
+            f"""
+            CREATE TABLE iterations AS
+            SELECT h.stream, h.rank, h.restart, r.ts, r.dur, r.status, r.attrs, r.tid, r.seq, r.id, r.parent, r.file
+            FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+            WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT h.is_agent
+            """
+        )
+        con.execute(
+            f"""
+            CREATE TABLE other AS
+            SELECT h.stream, h.rank AS stream_rank, h.restart AS stream_restart, h.is_agent,
+                   r.* EXCLUDE (rank, restart, world_size, job, job_name, host, pid, schema, schema_version)
+            FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+            WHERE NOT (r.kind = 'span' AND r.name = '{ITERATION}') AND r.kind <> 'header'
+            """
+        )
+        con.execute("DROP TABLE raw")
+        # Spans other than plain iteration records: complete ones, and start/end pairs merged by id.
+        con.execute(
+            """
+            CREATE TABLE spans_small AS
+            SELECT file, stream, stream_rank AS rank, stream_restart AS restart, is_agent, name, id, parent,
+                   tid, link, ts, dur, status, attrs, false AS open
+            FROM other WHERE kind = 'span'
+            UNION ALL
+            SELECT s.file, s.stream, s.stream_rank, s.stream_restart, s.is_agent, s.name, s.id, s.parent, s.tid,
+                   s.link, s.ts, e.dur, coalesce(e.status, 'open'),
+                   CASE WHEN e.attrs IS NULL THEN s.attrs WHEN s.attrs IS NULL THEN e.attrs
+                        ELSE json_merge_patch(s.attrs, e.attrs) END,
+                   e.id IS NULL
+            FROM (SELECT * FROM other WHERE kind = 'start') s
+            LEFT JOIN (SELECT * FROM other WHERE kind = 'end') e ON s.stream = e.stream AND s.id = e.id
+            """
+        )
+        con.execute(
+            f"""
+            INSERT INTO iterations
+            SELECT stream, rank, restart, ts, dur, status, attrs, tid, NULL, id, parent, file FROM spans_small
+            WHERE name = '{ITERATION}' AND NOT is_agent AND NOT open
+            """
+        )
+        con.execute(
+            """
+            CREATE TABLE streams AS
+            SELECT h.* EXCLUDE (lo, hi),
+                   greatest(h.start_ts, coalesce(e.end_ts, h.start_ts), coalesce(i.end_ts, h.start_ts)) AS end_ts,
+                   coalesce(e.n, 0) + coalesce(i.n, 0) + 1 AS records,
+                   greatest(coalesce(e.max_seq, 0), coalesce(i.max_seq, 0)) + 1 AS seq_span,
+                   coalesce(e.closed, false) AS closed, coalesce(e.errors, 0) AS errors,
+                   coalesce(e.dropped, 0) AS dropped, e.last_ts
+            FROM headers h
+            LEFT JOIN (
+                SELECT stream, max(ts + CASE WHEN kind = 'span' THEN coalesce(dur, 0) ELSE 0 END) AS end_ts,
+                       count(*) AS n, max(seq) AS max_seq,
+                       bool_or(kind = 'close') AS closed, count(*) FILTER (kind = 'error') AS errors,
+                       sum(count) FILTER (kind = 'dropped' AND reason = 'queue_full') AS dropped,
+                       max(ts) AS last_ts
+                FROM other GROUP BY stream
+            ) e USING (stream)
+            LEFT JOIN (
+                SELECT stream, max(ts + coalesce(dur, 0)) AS end_ts, count(seq) AS n, max(seq) AS max_seq
+                FROM iterations WHERE status <> 'open' GROUP BY stream
+            ) i USING (stream)
+            """
+        )
+
+    def _collect_notes(self) -> None:
+        for check in self.files:
+            if check.truncated_last_line:
+                self.notes.append(f"{check.path}: last line cut short (writer killed?); skipped")
+        lost = self.con.execute(
+            "SELECT count(*), sum(seq_span - records), sum(dropped) FROM streams WHERE seq_span > records"
+        ).fetchone()
+        if lost and lost[0]:
+            self.notes.append(
+                f"{lost[1]} records missing by sequence number in {lost[0]} stream(s) "
+                f"({int(lost[2] or 0)} reported dropped by the writer; the rest unreadable lines)"
+            )
+        with_header = {row[0] for row in self.con.execute("SELECT DISTINCT file FROM headers").fetchall()}
+        for path in (f.path for f in self.files if f.size and f.path not in with_header):
+            self.notes.append(f"{path}: no traintrace header; its records are ignored")
+        missing = self.missing_ranks()
+        if missing:
+            self.notes.append(f"ranks missing entirely (no file): {compress_ranks(missing)}")
+
+    def missing_ranks(self) -> list[int]:
+        row = self.con.execute("SELECT max(world_size) FROM headers WHERE NOT is_agent").fetchone()
+        world = int(row[0]) if row and row[0] is not None else 0
+        seen = {int(r[0]) for r in self.con.execute("SELECT DISTINCT rank FROM headers WHERE NOT is_agent").fetchall()}
+        return [r for r in range(world) if r not in seen]
+
+    # ------------------------------------------------------------ helpers
+
+    def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        with self._progress_while("analysing"):
+            result: list[tuple[Any, ...]] = self.con.execute(sql, params or []).fetchall()
+        return result
+
+    def one(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> tuple[Any, ...]:
+        rows = self.rows(sql, params)
+        return rows[0] if rows else ()
+
+    def dicts(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        with self._progress_while("analysing"):
+            cursor = self.con.execute(sql, params or [])
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def _progress_while(self, what: str) -> _Progress:
+        return _Progress(self, what)
+
+    def create_query_views(self) -> None:
+        """The documented views for ``traintrace query`` (docs/analysis.md)."""
+        self.con.execute(
+            """
+            CREATE OR REPLACE VIEW records AS
+            SELECT stream, stream_rank AS rank, stream_restart AS restart, is_agent AS agent,
+                   * EXCLUDE (stream, stream_rank, stream_restart, is_agent)
+            FROM other
+            UNION ALL BY NAME
+            SELECT stream, rank, restart, false AS agent, 'span' AS kind, 'iteration' AS name, ts, seq, dur,
+                   status, attrs, tid, file
+            FROM iterations WHERE seq IS NOT NULL;
+            CREATE OR REPLACE VIEW spans AS
+            SELECT rank, restart, stream, name, id, parent, tid, ts, dur, ts + dur AS end_ts, status, attrs, file
+            FROM spans_small WHERE NOT is_agent
+            UNION ALL
+            SELECT rank, restart, stream, 'iteration', NULL, NULL, tid, ts, dur, ts + dur, status, attrs, file
+            FROM iterations;
+            CREATE OR REPLACE VIEW steps AS
+            SELECT rank, restart, stream, try_cast(attrs->>'step' AS BIGINT) AS step, ts, dur, ts + dur AS end_ts, status,
+                   try_cast(attrs->>'loss' AS DOUBLE) AS loss, attrs, file
+            FROM iterations;
+            CREATE OR REPLACE VIEW events AS
+            SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, stream, name, ts, span, tid,
+                   attrs, file
+            FROM other WHERE kind = 'event';
+            CREATE OR REPLACE VIEW errors AS
+            SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, stream, name, ts, span, tid,
+                   error_type, message, stack, attrs, file
+            FROM other WHERE kind = 'error';
+            CREATE OR REPLACE VIEW stream_summary AS SELECT * FROM streams;
+            """
+        )
+
+
+class _Progress:
+    """Prints how far DuckDB has got on stderr, when a terminal is watching and it takes over a second."""
+
+    def __init__(self, job: Job, what: str) -> None:
+        self.job = job
+        self.what = what
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.shown = False
+
+    def __enter__(self) -> _Progress:
+        if self.job.progress:
+            self.thread = threading.Thread(target=self._run, name="traintrace-progress", daemon=True)
+            self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        if self.done.wait(1.0):
+            return
+        size = sum(f.size for f in self.job.files)
+        while not self.done.wait(0.25):
+            try:
+                fraction = float(self.job.con.query_progress())
+            except Exception:  # noqa: BLE001 - progress is best effort
+                fraction = -1.0
+            shown = f" {fraction:5.1f}%" if fraction >= 0 else ""
+            sys.stderr.write(
+                f"\r{self.what} {len(self.job.files)} files ({size / 1e6:,.0f} MB){shown} "
+                f"{time.monotonic() - started:5.1f} s"
+            )
+            sys.stderr.flush()
+            self.shown = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def compress_ranks(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    parts: list[str] = []
+    values = sorted(set(ranks))
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``; raises ValueError on bad input."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def iter_chunks(cursor: Any, size: int = 65536) -> Iterator[list[tuple[Any, ...]]]:
+    while True:
+        rows = cursor.fetchmany(size)
+        if not rows:
+            return
+        yield rows
