@@ -17,7 +17,6 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from . import _recorder
 from ._config import (
     BackendConfig,
     Config,
@@ -57,13 +56,10 @@ def _identity(config: Config) -> Identity:
         "restart_count": config.restart_count,
         "host": config.host,
     }
-    chosen = {k: v for k, v in overrides.items() if v is not None}
+    chosen: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     identity = dataclasses.replace(found, **chosen)
     if identity.rank >= identity.world_size:
-        raise ConfigError(
-            f"rank: {identity.rank} is not below world_size {identity.world_size} "
-            "(set both, or neither)"
-        )
+        raise ConfigError(f"rank: {identity.rank} is not below world_size {identity.world_size} (set both, or neither)")
     return identity
 
 
@@ -226,6 +222,12 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
     _extra_backends_of_last[:] = extra_backends
     set_active(recorder)
     _install_process_hooks(config)
+    if config.fork == "own_stream":
+        import multiprocessing.util
+
+        # multiprocessing children leave through os._exit, which skips atexit;
+        # its after-fork hooks run once the child has cleared its finalizers.
+        multiprocessing.util.register_after_fork(recorder, _close_at_multiprocessing_exit)
     for backend, name, _ in routes:
         path = getattr(backend, "path", None)
         if path is not None:
@@ -238,7 +240,7 @@ def _open(backend: Backend, name: str, header: dict[str, Any]) -> None:
         backend.open(header)
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - turned into a configuration error
+    except Exception as exc:
         raise ConfigError(f"backends.{name}: cannot start: {type(exc).__name__}: {exc}") from exc
 
 
@@ -352,13 +354,16 @@ def _after_fork_in_child() -> None:
                 stem = template.name[: -len(suffix)] if template.suffixes else template.name
                 forked = template.with_name(f"{stem}.pid{{pid}}{suffix}")
                 config.backends[name] = dataclasses.replace(cfg, path=str(forked))
-        child = _start(config, [], {"parent_pid": rec.header.get("pid")})
-        multiprocessing_util = sys.modules.get("multiprocessing.util")
-        if multiprocessing_util is not None:
-            # multiprocessing children leave through os._exit, which skips atexit.
-            multiprocessing_util.Finalize(None, child.close, exitpriority=100)
-    except Exception:  # noqa: BLE001 - a child must start even if its telemetry cannot
+        _start(config, [], {"parent_pid": rec.header.get("pid")})
+    except Exception:
         log.warning("traintrace: the forked child could not start its own stream", exc_info=True)
+
+
+def _close_at_multiprocessing_exit(_: object) -> None:
+    util = sys.modules.get("multiprocessing.util")
+    child = get_active()
+    if util is not None and child is not None:
+        util.Finalize(None, child.close, exitpriority=100)
 
 
 if hasattr(os, "register_at_fork"):
@@ -504,17 +509,13 @@ optimizer_step = _helper(SpanName.OPTIMIZER_STEP, "The optimizer step.")
 validation = _helper(SpanName.VALIDATION, "A validation pass.")
 test = _helper(SpanName.TEST, "A test pass.")
 checkpoint_save = _helper(SpanName.CHECKPOINT_SAVE_SYNC, "A checkpoint save that blocks training.")
-checkpoint_save_async = _helper(
-    SpanName.CHECKPOINT_SAVE_ASYNC, "The blocking part of an asynchronous checkpoint save."
-)
+checkpoint_save_async = _helper(SpanName.CHECKPOINT_SAVE_ASYNC, "The blocking part of an asynchronous checkpoint save.")
 checkpoint_load = _helper(SpanName.CHECKPOINT_LOAD, "Loading a checkpoint.")
 
 _ITERATION_LEVEL = _level_of(SpanName.ITERATION)
 
 
-def training_iteration(
-    step: int | Callable[..., Any] | None = None, metrics: Mapping[str, Any] | None = None
-) -> Any:
+def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Mapping[str, Any] | None = None) -> Any:
     """One training step: ``with training_iteration(step) as it: it.add_metrics(loss=...)``."""
     if callable(step):
         return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
@@ -525,9 +526,7 @@ def training_iteration(
     return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)
 
 
-def checkpoint_save_finalization(
-    async_save: Span | None = None, metrics: Mapping[str, Any] | None = None
-) -> Span:
+def checkpoint_save_finalization(async_save: Span | None = None, metrics: Mapping[str, Any] | None = None) -> Span:
     """The background part of an asynchronous save, linked to its blocking part."""
     return Span(SpanName.CHECKPOINT_SAVE_FINALIZATION, metrics, int(Verbosity.INFO), async_save)
 

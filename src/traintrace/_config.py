@@ -7,6 +7,7 @@ wins so that an operator can change a job's telemetry without editing code.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import os
 import types
@@ -69,7 +70,7 @@ class BackendConfig:
     """
 
     type: ClassVar[str] = ""
-    registry: ClassVar[dict[str, type[BackendConfig]]] = {}
+    registry: ClassVar[dict[str, builtins.type[BackendConfig]]] = {}
 
     enabled: bool = True
     verbosity: Verbosity | str | int = Verbosity.INFO
@@ -103,11 +104,9 @@ class BackendConfig:
             except ValueError as exc:
                 raise ConfigError(f"{where}.verbosity_elsewhere: {exc}") from None
         try:
-            parse_ranks(self.ranks, 1 << 20)
+            parse_ranks(self.ranks, 1)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(
-                f"{where}.ranks: {exc} (use 'all', 'none', 'last', 3, -1, '0,2', '0-3')"
-            ) from None
+            raise ConfigError(f"{where}.ranks: {exc} (use 'all', 'none', 'last', 3, -1, '0,2', '0-3')") from None
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"{where}.enabled: expected true or false, got {self.enabled!r}")
 
@@ -333,8 +332,7 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             import yaml  # type: ignore[import-untyped]
         except ImportError:
             raise ConfigError(
-                f"config file {file}: YAML needs PyYAML (pip install 'traintrace[yaml]'), "
-                "or use TOML"
+                f"config file {file}: YAML needs PyYAML (pip install 'traintrace[yaml]'), or use TOML"
             ) from None
         try:
             loaded = yaml.safe_load(data) or {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._names import RecordKind, SpanStatus, Verbosity
-from ._recorder import ERROR, EVENT, START, STOP, Span
+from ._recorder import ERROR, EVENT, Span
 from ._sanitize import convert_mapping
 
 if TYPE_CHECKING:
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from .backends._base import Backend
 
 log = logging.getLogger("traintrace.lib")
+
+_ERROR_LEVEL = int(Verbosity.ERROR)
 
 # How many queued items the writer converts before letting other threads run.
 _CHUNK = 512
@@ -61,12 +63,10 @@ def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
 class Pipeline:
     """A bounded queue, drained in batches by one daemon thread."""
 
-    def __init__(
-        self, config: Config, header: dict[str, Any], routes: list[tuple[Backend, str, int]]
-    ) -> None:
+    def __init__(self, config: Config, header: dict[str, Any], routes: list[tuple[Backend, str, int]]) -> None:
         self.config = config
         self.header = header
-        self.queue: deque[tuple[Any, ...]] = deque()
+        self.queue: deque[Any] = deque()
         self.capacity = config.queue_size
         self.blocking = config.blocking
         self.dropped = 0
@@ -89,7 +89,7 @@ class Pipeline:
         self._thread.start()
 
     # -- caller side ------------------------------------------------------
-    def overflow(self, item: tuple[Any, ...]) -> None:
+    def overflow(self, item: Any) -> None:
         """The queue is full: wait (blocking mode) or drop and count."""
         self._wake.set()
         if self.blocking and threading.current_thread() is not self._thread:
@@ -147,7 +147,7 @@ class Pipeline:
                 self._cycle()
             self._cycle()
             self._finish(self._closing)
-        except BaseException:  # noqa: BLE001 - the writer must never die silently
+        except BaseException:
             log.exception("traintrace: writer thread failed; telemetry stops here")
         finally:
             self._closed.set()
@@ -204,76 +204,116 @@ class Pipeline:
         out.append((int(Verbosity.INFO), record))
         return native
 
-    def _convert(self, queue: deque[tuple[Any, ...]], out: list[tuple[int, dict[str, Any]]]) -> None:
+    def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]]) -> None:
         popleft = queue.popleft
+        append = out.append
         threads = self._threads
         open_spans = self._open
-        for _ in range(min(len(queue), _CHUNK)):
-            item = popleft()
-            tag = item[0]
-            if tag == START:
-                span: Span = item[1]
-                tid = threads.get(span.tid) or self._thread_id(span.tid, out)
-                t1 = span.t1
-                record = self._record(RecordKind.SPAN if t1 is not None else RecordKind.START, span.t0)
-                record["name"] = span.name
-                record["id"] = span.id
-                parent = span.parent
-                record["parent"] = parent.id if parent is not None else 0
-                record["tid"] = tid
-                if span.link is not None:
-                    link = span.link
-                    record["link"] = link.id if isinstance(link, Span) else int(link)
-                if t1 is not None:
-                    span.written = True
-                    record["dur"] = t1 - span.t0
-                    record["status"] = span.status
-                    attrs = span.attrs
-                    metrics = span.metrics
-                    if metrics:
-                        attrs = {**attrs, **metrics} if attrs else metrics
-                else:
-                    open_spans[span.id] = span
-                    attrs = span.attrs
-                if attrs:
-                    record["attrs"] = clean_attrs(attrs)
-                out.append((span.level, record))
-            elif tag == STOP:
-                span = item[1]
-                if span.written:
+        wall0 = self._anchor_wall - self._anchor_mono
+        seq = self._seq
+        try:
+            for _ in range(min(len(queue), _CHUNK)):
+                item = popleft()
+                if item.__class__ is not tuple:
+                    span: Span = item
+                    state = span.written
+                    if state:
+                        if state == 1:
+                            # The stop of a span whose start was written separately.
+                            self._seq = seq
+                            self._end_record(span, span.t1 or time.perf_counter_ns(), span.status, out)
+                            seq = self._seq
+                        continue
+                    tid = threads.get(span.tid)
+                    if tid is None:
+                        self._seq = seq
+                        tid = self._thread_id(span.tid, out)
+                        seq = self._seq
+                    parent = span.parent
+                    t1 = span.t1
+                    if t1 is not None:
+                        span.written = 2
+                        record = {
+                            "seq": seq,
+                            "kind": "span",
+                            "ts": wall0 + span.t0,
+                            "name": span.name,
+                            "id": span.id,
+                            "parent": parent.id if parent is not None else 0,
+                            "tid": tid,
+                            "dur": t1 - span.t0,
+                            "status": span.status,
+                        }
+                        attrs = span.attrs
+                        metrics = span.metrics
+                        if metrics:
+                            attrs = {**attrs, **metrics} if attrs else metrics
+                    else:
+                        record = {
+                            "seq": seq,
+                            "kind": "start",
+                            "ts": wall0 + span.t0,
+                            "name": span.name,
+                            "id": span.id,
+                            "parent": parent.id if parent is not None else 0,
+                            "tid": tid,
+                        }
+                        open_spans[span.id] = span
+                        span.written = 1
+                        attrs = span.attrs
+                    seq += 1
+                    if span.link is not None:
+                        link = span.link
+                        record["link"] = link.id if isinstance(link, Span) else int(link)
+                    if attrs:
+                        record["attrs"] = clean_attrs(attrs)
+                    append((span.level, record))
                     continue
-                self._end_record(span, span.t1 or time.perf_counter_ns(), span.status, out)
-            elif tag == EVENT:
-                _, name, attrs, span_id, ident, mono, level = item
-                tid = threads.get(ident) or self._thread_id(ident, out)
-                record = self._record(RecordKind.EVENT, mono)
-                record["name"] = name
-                record["span"] = span_id
-                record["tid"] = tid
-                if attrs:
-                    record["attrs"] = clean_attrs(attrs)
-                out.append((level, record))
-            elif tag == ERROR:
-                _, name, attrs, span_id, ident, mono, info = item
-                tid = threads.get(ident) or self._thread_id(ident, out)
-                record = self._record(RecordKind.ERROR, mono)
-                record["name"] = name
-                record["span"] = span_id
-                record["tid"] = tid
-                error_type, message, stack = info
-                if error_type is not None:
-                    record["error_type"] = error_type
-                record["message"] = message
-                record["stack"] = stack
-                if attrs:
-                    record["attrs"] = clean_attrs(attrs)
-                out.append((int(Verbosity.ERROR), record))
+                tag = item[0]
+                if tag == EVENT:
+                    _, name, attrs, span_id, ident, mono, level = item
+                    tid = threads.get(ident)
+                    if tid is None:
+                        self._seq = seq
+                        tid = self._thread_id(ident, out)
+                        seq = self._seq
+                    record = {
+                        "seq": seq,
+                        "kind": "event",
+                        "ts": wall0 + mono,
+                        "name": name,
+                        "span": span_id,
+                        "tid": tid,
+                    }
+                    seq += 1
+                    if attrs:
+                        record["attrs"] = clean_attrs(attrs)
+                    append((level, record))
+                elif tag == ERROR:
+                    _, name, attrs, span_id, ident, mono, info = item
+                    tid = threads.get(ident)
+                    if tid is None:
+                        self._seq = seq
+                        tid = self._thread_id(ident, out)
+                        seq = self._seq
+                    error_type, message, stack = info
+                    record = {"seq": seq, "kind": "error", "ts": wall0 + mono, "name": name}
+                    record["span"] = span_id
+                    record["tid"] = tid
+                    if error_type is not None:
+                        record["error_type"] = error_type
+                    record["message"] = message
+                    record["stack"] = stack
+                    seq += 1
+                    if attrs:
+                        record["attrs"] = clean_attrs(attrs)
+                    append((_ERROR_LEVEL, record))
+        finally:
+            self._seq = seq
 
-    def _end_record(
-        self, span: Span, t1: int, status: str, out: list[tuple[int, dict[str, Any]]]
-    ) -> None:
+    def _end_record(self, span: Span, t1: int, status: str, out: list[tuple[int, dict[str, Any]]]) -> None:
         self._open.pop(span.id, None)
-        span.written = True
+        span.written = 2
         record = self._record(RecordKind.END, t1)
         record["name"] = span.name
         record["id"] = span.id
@@ -307,8 +347,7 @@ class Pipeline:
         if not route.warned:
             route.warned = True
             log.warning(
-                "traintrace: backend %s failed (%s: %s); its records are dropped and counted "
-                "until it recovers",
+                "traintrace: backend %s failed (%s: %s); its records are dropped and counted until it recovers",
                 route.name,
                 type(exc).__name__,
                 exc,
@@ -325,6 +364,8 @@ class Pipeline:
         now = time.perf_counter_ns()
         out: list[tuple[int, dict[str, Any]]] = []
         for span in list(self._open.values()):
+            if span.t1 is None:
+                span.t1 = now  # no longer anyone's parent
             self._end_record(span, now, open_status, out)
         record = self._record(RecordKind.CLOSE, now)
         record["records"] = self._seq

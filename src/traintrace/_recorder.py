@@ -29,16 +29,15 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Item tags in the queue (small ints compare fastest).
-START, STOP, EVENT, ERROR = 0, 1, 2, 3
+# Queue items: a Span object (its start the first time the writer sees it,
+# its stop the second), or a tuple tagged EVENT or ERROR.
+EVENT, ERROR = 2, 3
 
 _INFO = int(Verbosity.INFO)
 _ERROR = int(Verbosity.ERROR)
 
 _ids = itertools.count(1)
-_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
-    "traintrace_current_span", default=None
-)
+_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("traintrace_current_span", default=None)
 _get_ident = threading.get_ident
 
 #: The recorder that module-level calls use; None when not configured.
@@ -79,20 +78,27 @@ class Span:
     """
 
     __slots__ = (
-        "name",
+        "_rec",
         "attrs",
+        "id",
         "level",
         "link",
         "metrics",
-        "id",
+        "name",
         "parent",
+        "status",
         "t0",
         "t1",
         "tid",
-        "status",
         "written",
-        "_rec",
     )
+    # Set when a recorder starts the span (never read on an unrecorded span).
+    parent: Span | None
+    t0: int
+    tid: int
+    status: str
+    written: int
+    metrics: dict[str, Any] | None
 
     def __init__(
         self,
@@ -185,7 +191,7 @@ class Span:
         """Monotonic duration, once stopped."""
         if self.t1 is None or self._rec is None:
             return None
-        return self.t1 - self.t0
+        return int(self.t1 - self.t0)
 
     def __repr__(self) -> str:
         state = "open" if self.open else "closed" if self._rec else "unrecorded"
@@ -201,7 +207,7 @@ class Recorder:
 
     def __init__(self, pipeline: Pipeline, max_level: int, listeners: list[Any]) -> None:
         self._pipeline = pipeline
-        self._queue: deque[tuple[Any, ...]] = pipeline.queue
+        self._queue: deque[Any] = pipeline.queue
         self._cap = pipeline.capacity
         self.max_level = max_level
         self._listeners = tuple(listeners)
@@ -211,7 +217,7 @@ class Recorder:
         self.header = pipeline.header
 
     # -- hot path --------------------------------------------------------
-    def _put(self, item: tuple[Any, ...]) -> None:
+    def _put(self, item: Any) -> None:
         queue = self._queue
         if len(queue) < self._cap:
             queue.append(item)
@@ -227,7 +233,7 @@ class Recorder:
         span.tid = _get_ident()
         span.metrics = None
         span.status = SpanStatus.OK
-        span.written = False
+        span.written = 0
         span._rec = self
         _current.set(span)
         for listener in self._listeners:
@@ -235,18 +241,19 @@ class Recorder:
         span.t0 = perf_counter_ns()
         queue = self._queue
         if len(queue) < self._cap:
-            queue.append((START, span))
+            queue.append(span)
         else:
-            self._pipeline.overflow((START, span))
+            self._pipeline.overflow(span)
 
     def _stop(self, span: Span) -> None:
         t1 = perf_counter_ns()
-        if span.t1 is not None:
-            warn_once("stop_twice", f"span {span.name!r} stopped twice; the second stop is ignored")
-            return
         if self.closed:
             warn_once("stop_after_close", f"span {span.name!r} stopped after close(); not recorded")
-            span.t1 = t1
+            if span.t1 is None:
+                span.t1 = t1
+            return
+        if span.t1 is not None:
+            warn_once("stop_twice", f"span {span.name!r} stopped twice; the second stop is ignored")
             return
         span.t1 = t1
         if _current.get() is span:
@@ -258,9 +265,9 @@ class Recorder:
             listener.span_stopped(span)
         queue = self._queue
         if len(queue) < self._cap:
-            queue.append((STOP, span))
+            queue.append(span)
         else:
-            self._pipeline.overflow((STOP, span))
+            self._pipeline.overflow(span)
 
     def _event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
         if level > self.max_level or self.closed:
@@ -276,9 +283,7 @@ class Recorder:
             # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
             span.status = SpanStatus.TERMINATED
 
-    def _exception(
-        self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int
-    ) -> bool:
+    def _exception(self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int) -> bool:
         """Record ``exc`` unless it already was; True if it was recorded now."""
         if _already_recorded(exc, self._recorded_exceptions):
             return False
