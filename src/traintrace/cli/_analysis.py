@@ -397,14 +397,14 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         """
     )
     last_records = {
-        row[0]: {"kind": row[1], "name": row[2], "ts": row[3]}
+        row[0]: {"kind": row[1]["kind"], "name": row[1]["name"], "ts": row[2]}
         for row in job.rows(
             """
-            SELECT stream, arg_max(kind, ts), arg_max(name, ts), max(ts) FROM (
-                SELECT stream, kind, name, ts FROM other
+            SELECT stream, arg_max({'kind': kind, 'name': name}, (ts, seq)), max(ts) FROM (
+                SELECT stream, kind, name, ts, coalesce(seq, 0) AS seq FROM other
                 UNION ALL
-                SELECT stream, 'span', 'iteration', ts FROM (
-                    SELECT stream, max(ts) AS ts FROM iterations GROUP BY stream)
+                SELECT stream, 'span', 'iteration', ts, seq FROM (
+                    SELECT stream, max(ts) AS ts, max(seq) AS seq FROM iterations GROUP BY stream)
             ) GROUP BY stream
             """
         )

@@ -50,7 +50,7 @@ def export_chrome(
     span_cond = f"{sp}ts + coalesce({sp}dur, 0) >= {lo} AND {sp}ts <= {hi} {rank_filter.replace('rank', sp + 'rank')}"
     rate_fields = ("samples_per_second", "tokens_per_second", "mfu", "tflops")
     counter_args = ", ".join(
-        f"'{key}': coalesce(" + ", ".join(f"try_cast(attrs->>'{a}' AS DOUBLE)" for a in FIELD_ALIASES[key]) + ")"
+        f"'{key}', coalesce(" + ", ".join(f"try_cast(attrs->>'{a}' AS DOUBLE)" for a in FIELD_ALIASES[key]) + ")"
         for key in rate_fields
     )
     parts = {
@@ -84,7 +84,7 @@ def export_chrome(
         """,
         "rates": f"""
             SELECT ',' || to_json({{'name': 'progress', 'ph': 'C', 'pid': rank, 'ts': {us},
-                'args': json_object({counter_args})}})
+                'args': json_merge_patch('{{}}'::JSON, json_object({counter_args}))}})
             FROM (SELECT *, stream_rank AS rank FROM other)
             WHERE kind = 'event' AND name = 'training_iterations' AND {cond}
         """,

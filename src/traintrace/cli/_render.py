@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._analysis import CATEGORIES
+from ._engine import compress_ranks
 
 LABELS = {
     "productive": "productive training",
@@ -189,14 +190,15 @@ def render_errors(e: dict[str, Any], show_stack: bool = True) -> str:
             "lrll",
         ))
     out.append("")
-    rows = []
+    grouped: dict[tuple[Any, ...], list[int]] = {}
     for r in e["ranks"]:
         last = r["last_record"] or {}
         opened = ", ".join(s["name"] for s in r["open_spans"]) or "-"
-        rows.append((r["rank"], r["restart"], r["state"], f"{last.get('kind', '-')} {last.get('name') or ''}".strip(),
-                     when(last.get("ts")), opened))
-    out.append("each rank's last stream")
-    out.append(table(("rank", "restart", "ended", "last record", "at", "open spans"), rows, "rrllll"))
+        key = (r["restart"], r["state"], f"{last.get('kind', '-')} {last.get('name') or ''}".strip(), opened)
+        grouped.setdefault(key, []).append(r["rank"])
+    rows = [(compress_ranks(ranks), *key) for key, ranks in sorted(grouped.items(), key=lambda kv: min(kv[1]))]
+    out.append("each rank's last stream (ranks in the same state grouped)")
+    out.append(table(("ranks", "restart", "ended", "last record", "open spans"), rows, "lrlll"))
     if e["hang_suspects"]:
         out.append(f"\nhang suspects (stopped writing >= {e['hang_after_s']:.0f} s before the end, "
                    f"or hang_suspected): {', '.join(str(x) for x in e['hang_suspects'])}")
