@@ -293,33 +293,36 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     # Components inside (or beside) the step, when recorded: data loading versus compute.
     components = job.rows(
         """
-        SELECT rank, CASE WHEN name = 'data_loading' THEN 'data_loading' ELSE 'compute' END AS part,
-               quantile_cont(dur, 0.5) / 1e9
-        FROM (SELECT rank, name, stream, parent, sum(dur) AS dur FROM spans_small
-              WHERE name IN ('data_loading', 'model_forward', 'model_backward', 'optimizer_update', 'zero_grad')
-                AND dur IS NOT NULL AND NOT is_agent
-              GROUP BY rank, stream, parent, name = 'data_loading', name)
-        GROUP BY ALL
+        SELECT rank, 'data_loading', median(dur) / 1e9 FROM spans_small
+        WHERE name = 'data_loading' AND dur IS NOT NULL AND NOT is_agent GROUP BY rank
+        UNION ALL
+        SELECT rank, 'compute', median(d) / 1e9 FROM (
+            SELECT rank, stream, parent, sum(dur) AS d FROM spans_small
+            WHERE name IN ('model_forward', 'model_backward', 'optimizer_update', 'zero_grad')
+              AND dur IS NOT NULL AND NOT is_agent
+            GROUP BY ALL)
+        GROUP BY rank
         """
     )
     parts: dict[int, dict[str, float]] = {}
     for rank, part, value in components:
         parts.setdefault(rank, {})[part] = value
-    if parts:
-        med = {
-            part: sorted(p[part] for p in parts.values() if part in p)[
-                len([p for p in parts.values() if part in p]) // 2
-            ]
-            for part in ("data_loading", "compute")
-            if any(part in p for p in parts.values())
-        }
-        for r in rows:
-            mine = parts.get(r["rank"], {})
-            r["data_loading_median_s"] = mine.get("data_loading")
-            r["compute_median_s"] = mine.get("compute")
-            excess = {k: mine[k] - med[k] for k in med if k in mine}
-            if r["score"] and r["score"] >= threshold and excess:
-                r["slow_in"] = max(excess, key=lambda k: excess[k])
+    part_median: dict[str, float] = {}
+    for part in ("data_loading", "compute"):
+        values = sorted(p[part] for p in parts.values() if part in p)
+        if values:
+            part_median[part] = values[len(values) // 2]
+    for r in rows:
+        mine = parts.get(r["rank"], {})
+        for part, med in part_median.items():
+            r[f"{part}_median_s"] = mine.get(part)
+            r[f"{part}_score"] = mine[part] / med if part in mine and med else None
+        scores = {part: r.get(f"{part}_score") or 0.0 for part in part_median}
+        worst = max([r["score"] or 0.0, *scores.values()])
+        r["straggler"] = worst >= threshold
+        if r["straggler"]:
+            slow = {k: v for k, v in scores.items() if v >= threshold}
+            r["slow_in"] = max(slow, key=lambda k: slow[k]) if slow else "step"
     # Windows: median step time per rank per time window, relative to the job median of that window.
     grid = job.rows(
         f"""
@@ -342,8 +345,11 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
             r["slow_since_window"] = slow[0]
             r["slow_since_s"] = slow[0] * width / NS
             r["slow_windows"] = len(slow)
-    ordered = sorted(rows, key=lambda r: -(r["score"] or 0))
-    stragglers = [r["rank"] for r in ordered if r["score"] and r["score"] >= threshold][:top]
+    def badness(r: dict[str, Any]) -> float:
+        return max([r["score"] or 0.0] + [r.get(f"{p}_score") or 0.0 for p in part_median])
+
+    ordered = sorted(rows, key=lambda r: -badness(r))
+    stragglers = [r["rank"] for r in ordered if r["straggler"]][:top]
     return {
         "job_median_s": job_median,
         "threshold": threshold,
@@ -367,11 +373,23 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
     all_errors = job.dicts(
         """
         SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, name, ts, error_type, message,
-               stack, attrs
+               stack, attrs, stream, span
         FROM other WHERE kind = 'error' ORDER BY ts, rank
         """
     )
     first = all_errors[0] if all_errors else None
+    if first is not None and first.get("span"):
+        where = job.dicts(
+            """
+            SELECT name, try_cast(attrs->>'step' AS BIGINT) AS step FROM spans_small WHERE stream = $s AND id = $i
+            UNION ALL
+            SELECT 'iteration', try_cast(attrs->>'step' AS BIGINT) FROM iterations WHERE stream = $s AND id = $i
+            """,
+            {"s": first["stream"], "i": first["span"]},
+        )
+        if where:
+            first["in_span"] = where[0]["name"]
+            first["step"] = where[0]["step"]
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     for e in all_errors:
         key = (e["name"] or "", e["error_type"] or "", e["message"] or "")
@@ -389,8 +407,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
     # Each rank's last stream: how it ended, its last record, the spans it still had open.
     last_streams = job.dicts(
         """
-        SELECT s.stream, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.errors, s.last_ts
-        FROM streams s
+        SELECT s.stream, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.errors, s.last_ts, f.failed
+        FROM streams s JOIN stream_facts f USING (stream)
         WHERE NOT s.is_agent AND s.start_ts = (SELECT max(start_ts) FROM streams t WHERE t.rank = s.rank
                                                 AND NOT t.is_agent)
         ORDER BY s.rank
@@ -420,7 +438,12 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
     for s in last_streams:
         rec = last_records.get(s["stream"])
         silent_s = (job_end - s["end_ts"]) / NS
-        state = "closed" if s["closed"] else ("error" if s["errors"] else "ended abruptly")
+        if s["failed"] and s["errors"]:
+            state = "error"
+        elif not s["closed"]:
+            state = "ended abruptly"
+        else:
+            state = "closed" if not s["errors"] else "closed, with errors"
         entry = {
             "rank": s["rank"],
             "restart": s["restart"],

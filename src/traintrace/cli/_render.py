@@ -180,6 +180,9 @@ def render_errors(e: dict[str, Any], show_stack: bool = True) -> str:
         out.append(f"FIRST ERROR (likely root cause): {who}, restart {first['restart']}, at {when(first['ts'])}")
         kind = first["error_type"] or first["name"]
         out.append(f"  {kind}: {first['message']}")
+        if first.get("in_span"):
+            step = f" (step {first['step']})" if first.get("step") is not None else ""
+            out.append(f"  raised in span {first['in_span']}{step}")
         if show_stack and first.get("stack"):
             out.append("  " + "\n  ".join(first["stack"].rstrip().splitlines()))
         out.append("")
