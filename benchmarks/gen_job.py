@@ -42,7 +42,7 @@ def _header(rank: int, world: int, ts: int, restart: int, job: str) -> str:
     )
 
 
-def write_rank(
+def write_rank(  # noqa: PLR0917 - one call site, all arguments named there
     path: Path, rank: int, world: int, iterations: int, checkpoint_every: int,
     straggler: int, failing_rank: int, fail_at: int, t0: int, job: str,
 ) -> int:
@@ -65,7 +65,9 @@ def write_rank(
         seq += 1
         lines.append(f'{{"seq":{seq},"kind":"thread","ts":{ts},"tid":{tid},"thread_name":"MainThread"}}')
         seq += 1
-        lines.append(f'{{"seq":{seq},"kind":"start","ts":{ts + 1000},"name":"main_function","id":1,"parent":0,"tid":{tid}}}')
+        lines.append(
+            f'{{"seq":{seq},"kind":"start","ts":{ts + 1000},"name":"main_function","id":1,"parent":0,"tid":{tid}}}'
+        )
         seq += 1
         lines.append(
             f'{{"seq":{seq},"kind":"span","ts":{ts + 2000},"name":"model_initialization","id":2,"parent":1,'
@@ -159,7 +161,7 @@ def write_rank(
 
     with path.open("w") as handle:
         # Every rank reaches the failure at the same time: the straggler's extra time is waited out by the others.
-        end, failed = run(0, iterations, t0, 0)
+        _, failed = run(0, iterations, t0, 0)
         if failed:
             resume = (fail_at // checkpoint_every) * checkpoint_every
             run(resume, iterations, t0 + _time_to(fail_at + 1, checkpoint_every) + RESTART_GAP_NS, 1)
@@ -171,7 +173,7 @@ def _time_to(step: int, checkpoint_every: int) -> int:
     return INIT_NS + step * (STEP_NS * 14 // 10 + 10_000_000) + (step // checkpoint_every + 1) * SAVE_NS
 
 
-def generate(
+def generate(  # noqa: PLR0917 - mirrors the command-line options
     folder: str | os.PathLike[str], ranks: int = 64, iterations: int = 100_000, checkpoint_every: int = 5000,
     straggler: int = 13, failing_rank: int = 37, fail_at: int | None = None, job: str = "synthetic",
 ) -> int:

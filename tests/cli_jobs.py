@@ -62,7 +62,8 @@ def write_job(folder: Path, script: Script) -> Script:
     return script
 
 
-def _attempt(script: Script, rank: int, world: int, restart: int, first: int, last: int) -> list[str]:
+def _attempt(  # noqa: PLR0917
+    script: Script, rank: int, world: int, restart: int, first: int, last: int) -> list[str]:
     start = T0 if restart == 0 else attempt1_start(script)
     d = script.step_dur(rank)
     lines = []

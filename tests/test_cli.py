@@ -18,7 +18,7 @@ from traintrace.reader import read_file
 
 pytest.importorskip("duckdb")
 
-from traintrace.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_USAGE, main  # noqa: E402
+from traintrace.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
@@ -27,7 +27,8 @@ ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin
 def cli(*args: str, check: int | None = EXIT_OK) -> subprocess.CompletedProcess[str]:
     """Run ``python -m traintrace.cli`` as a separate process, as a user would."""
     result = subprocess.run(
-        [sys.executable, "-m", "traintrace.cli", *args], capture_output=True, text=True, timeout=120, env=ENV
+        [sys.executable, "-m", "traintrace.cli", *args], check=False, capture_output=True, text=True, timeout=120,
+        env=ENV,
     )
     if check is not None:
         assert result.returncode == check, result.stderr
@@ -148,7 +149,8 @@ def test_query_views(tmp_path: Path) -> None:
     assert rows == [{"rank": r, "n": 40, "last": 39} for r in range(4)]
     kinds = cli_json("query", str(tmp_path / "job"), "SELECT DISTINCT kind FROM records ORDER BY 1")
     assert [k["kind"] for k in kinds] == ["close", "end", "span", "start", "thread"]
-    names = cli_json("query", str(tmp_path / "job"), "SELECT count(*) AS n FROM spans WHERE name = 'checkpoint_save_sync'")
+    names = cli_json("query", str(tmp_path / "job"),
+                     "SELECT count(*) AS n FROM spans WHERE name = 'checkpoint_save_sync'")
     assert names == [{"n": 16}]
     assert cli_json("query", str(tmp_path / "job"), "SELECT count(*) AS n FROM streams") == [{"n": 4}]
     assert cli_json("query", str(tmp_path / "job"), "SELECT count(*) AS n FROM events") == [{"n": 0}]

@@ -10,8 +10,8 @@ from tests.cli_jobs import Script, expected, write_job
 
 pytest.importorskip("duckdb")
 
-from traintrace.cli import _analysis  # noqa: E402
-from traintrace.cli._engine import Job  # noqa: E402
+from traintrace.cli import _analysis
+from traintrace.cli._engine import Job
 
 
 def _open(folder: Path) -> Job:

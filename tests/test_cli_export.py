@@ -13,7 +13,7 @@ from tests.cli_jobs import Script, write_job
 
 pytest.importorskip("duckdb")
 
-from traintrace.cli import main  # noqa: E402
+from traintrace.cli import main
 
 
 def _export(folder: Path, out: Path, *extra: str) -> dict[str, Any]:

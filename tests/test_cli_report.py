@@ -15,7 +15,7 @@ from tests.cli_jobs import Script, write_job
 
 pytest.importorskip("duckdb")
 
-from traintrace.cli import main  # noqa: E402
+from traintrace.cli import main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 needs_chromium = pytest.mark.skipif(
@@ -31,7 +31,7 @@ def _chromium(profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *args],
-        capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=120,
     )
 
 

@@ -64,7 +64,8 @@ EXAMPLES = {
 """,
     "query": """views: records, spans, steps, events, errors, streams (columns in docs/analysis.md)
 examples:
-  traintrace query traintrace_logs/myjob "SELECT rank, median(dur)/1e6 AS ms FROM steps GROUP BY rank ORDER BY ms DESC LIMIT 5"
+  traintrace query traintrace_logs/myjob \
+      "SELECT rank, median(dur)/1e6 AS ms FROM steps GROUP BY rank ORDER BY ms DESC LIMIT 5"
   traintrace query traintrace_logs/myjob "SELECT name, count(*) FROM spans GROUP BY name" --json
 """,
 }
@@ -137,12 +138,13 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
+            item = v
             if k == "attrs" and isinstance(v, str):
                 try:
-                    v = json.loads(v)
+                    item = json.loads(v)
                 except ValueError:
                     pass
-            out[k] = _jsonable(v)
+            out[k] = _jsonable(item)
         return out
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
@@ -164,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except BrokenPipeError:
         try:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the interpreter's own flush
+            sys.stdout = Path(os.devnull).open("w")  # noqa: SIM115 - silence the interpreter's own flush
         except OSError:
             pass
         return EXIT_OK
@@ -184,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         return _dispatch(args, job, parse_ranks)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - turned into an exit code
         duckdb = sys.modules.get("duckdb")
         if args.command == "query" and duckdb is not None and isinstance(exc, duckdb.Error):
             print(f"traintrace: query failed: {exc}", file=sys.stderr)

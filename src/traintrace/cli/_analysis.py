@@ -120,8 +120,8 @@ def summary(job: Job) -> dict[str, Any]:
     )
     # Per-rank seconds by category, then the job figure is the mean over ranks (ranks run in lockstep).
     per_rank: dict[int, dict[str, float]] = {r: dict.fromkeys(CATEGORIES, 0.0) for r in ranks}
-    for rank, lost, seconds, count in job.rows(
-        "SELECT rank, lost, sum(dur) / 1e9, count(*) FROM iteration_class GROUP BY ALL"
+    for rank, lost, seconds in job.rows(
+        "SELECT rank, lost, sum(dur) / 1e9 FROM iteration_class GROUP BY ALL"
     ):
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
@@ -172,7 +172,10 @@ def summary(job: Job) -> dict[str, Any]:
     step_stats = None
     if stats and stats[0]:
         keys = ("count", "mean_s", "median_s", "p90_s", "p99_s", "min_s", "max_s", "stddev_s")
-        step_stats = {k: (int(v) if k == "count" else (None if v is None else v / NS)) for k, v in zip(keys, stats, strict=True)}
+        step_stats = {
+            k: (int(v) if k == "count" else (None if v is None else v / NS))
+            for k, v in zip(keys, stats, strict=True)
+        }
     counts = job.one(
         """
         SELECT median(n), median(n_ok), median(n_lost), max(n_lost) FROM (
@@ -231,8 +234,7 @@ def summary(job: Job) -> dict[str, Any]:
         "samples_source": samples_source,
         "tokens": progress.get("consumed_tokens"),
         "step_time": step_stats,
-        "samples_per_second": progress.get("samples_per_second")
-        or (samples / productive_s if samples and productive_s and samples_source and "events" in samples_source else None),
+        "samples_per_second": progress.get("samples_per_second") or _rate(samples, productive_s, samples_source),
         "tokens_per_second": progress.get("tokens_per_second"),
         "mfu": progress.get("mfu"),
         "tflops": progress.get("tflops"),
@@ -241,6 +243,13 @@ def summary(job: Job) -> dict[str, Any]:
     if overlap_note:
         result["notes"].append("some phase spans overlap (nested or concurrent); 'other' is clamped at 0")
     return result
+
+
+def _rate(samples: int | None, seconds: float, source: str | None) -> float | None:
+    """Samples per productive second, when the sample count is a job total (from progress events)."""
+    if samples and seconds and source and "events" in source:
+        return samples / seconds
+    return None
 
 
 def _mean_per_rank(job: Job, sql: str, n_ranks: int) -> float:
@@ -261,7 +270,8 @@ def _progress_fields(job: Job) -> dict[str, Any]:
             # Rates are per rank or per job depending on the writer: take rank 0's (or the lowest rank's).
             row = job.one(
                 f"""SELECT avg({expr}) FROM other WHERE kind = 'event' AND name IN ({names})
-                    AND stream_rank = (SELECT min(stream_rank) FROM other WHERE kind = 'event' AND name IN ({names}))"""
+                    AND stream_rank = (SELECT min(stream_rank) FROM other
+                                       WHERE kind = 'event' AND name IN ({names}))"""
             )
             if row and row[0] is not None:
                 out[key] = float(row[0])
@@ -285,8 +295,8 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         """
     )
     if not rows:
-        return {"ranks": [], "top": [], "job_median_s": None, "windows": [], "notes": list(job.notes)
-                + ["no iteration spans: nothing to compare"]}
+        return {"ranks": [], "top": [], "stragglers": [], "job_median_s": None, "windows": [],
+                "notes": [*job.notes, "no iteration spans: nothing to compare"]}
     job_median = sorted(r["median_s"] for r in rows)[len(rows) // 2]
     for r in rows:
         r["score"] = r["median_s"] / job_median if job_median else None
@@ -340,13 +350,13 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         heat.setdefault(int(rank), {})[int(w)] = value / base if base else 1.0
     for r in rows:
         cells = heat.get(r["rank"], {})
-        slow = [w for w in sorted(cells) if cells[w] >= threshold]
-        if slow:
-            r["slow_since_window"] = slow[0]
-            r["slow_since_s"] = slow[0] * width / NS
-            r["slow_windows"] = len(slow)
+        slow_windows = [w for w in sorted(cells) if cells[w] >= threshold]
+        if slow_windows:
+            r["slow_since_window"] = slow_windows[0]
+            r["slow_since_s"] = slow_windows[0] * width / NS
+            r["slow_windows"] = len(slow_windows)
     def badness(r: dict[str, Any]) -> float:
-        return max([r["score"] or 0.0] + [r.get(f"{p}_score") or 0.0 for p in part_median])
+        return max([r["score"] or 0.0, *(r.get(f"{p}_score") or 0.0 for p in part_median)])
 
     ordered = sorted(rows, key=lambda r: -badness(r))
     stragglers = [r["rank"] for r in ordered if r["straggler"]][:top]

@@ -293,7 +293,8 @@ class Job:
     def missing_ranks(self) -> list[int]:
         row = self.con.execute("SELECT max(world_size) FROM headers WHERE NOT is_agent").fetchone()
         world = int(row[0]) if row and row[0] is not None else 0
-        seen = {int(r[0]) for r in self.con.execute("SELECT DISTINCT rank FROM headers WHERE NOT is_agent").fetchall()}
+        rows = self.con.execute("SELECT DISTINCT rank FROM headers WHERE NOT is_agent").fetchall()
+        seen = {int(r[0]) for r in rows}
         return [r for r in range(world) if r not in seen]
 
     # ------------------------------------------------------------ helpers
@@ -335,7 +336,8 @@ class Job:
             SELECT rank, restart, stream, 'iteration', NULL, NULL, tid, ts, dur, ts + dur, status, attrs, file
             FROM iterations;
             CREATE OR REPLACE VIEW steps AS
-            SELECT rank, restart, stream, try_cast(attrs->>'step' AS BIGINT) AS step, ts, dur, ts + dur AS end_ts, status,
+            SELECT rank, restart, stream, try_cast(attrs->>'step' AS BIGINT) AS step, ts, dur, ts + dur AS end_ts,
+                   status,
                    try_cast(attrs->>'loss' AS DOUBLE) AS loss, attrs, file
             FROM iterations;
             CREATE OR REPLACE VIEW events AS
@@ -411,8 +413,8 @@ def compress_ranks(ranks: Sequence[int]) -> str:
 def parse_ranks(text: str) -> list[int]:
     """``"0-2,5"`` -> ``[0, 1, 2, 5]``; raises ValueError on bad input."""
     out: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
+    for piece in text.split(","):
+        part = piece.strip()
         if not part:
             continue
         if "-" in part:

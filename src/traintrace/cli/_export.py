@@ -70,7 +70,8 @@ def export_chrome(
             FROM iterations WHERE {cond}
         """,
         "loss": f"""
-            SELECT ',' || to_json({{'name': 'loss', 'ph': 'C', 'pid': rank, 'ts': round((ts + dur - {job_start}) / 1000.0, 3),
+            SELECT ',' || to_json({{'name': 'loss', 'ph': 'C', 'pid': rank,
+                'ts': round((ts + dur - {job_start}) / 1000.0, 3),
                 'args': {{'loss': try_cast(attrs->>'loss' AS DOUBLE)}}}})
             FROM iterations WHERE {cond} AND try_cast(attrs->>'loss' AS DOUBLE) IS NOT NULL
         """,

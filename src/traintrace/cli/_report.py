@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 from importlib import resources
 from pathlib import Path
@@ -32,7 +33,7 @@ def _safe_json(data: Any) -> str:
 
 
 def _finite(value: Any) -> Any:
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
@@ -90,7 +91,7 @@ def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
                    (end_ts - {start}) / 1e9 AS t1 FROM streams ORDER BY rank, start_ts"""
     )
     slow_first = sorted(per_rank, key=lambda k: -max((v or 0) for v in per_rank[k]))[:MAX_RANK_LINES]
-    return _finite({
+    result: dict[str, Any] = _finite({
         "title": f"traintrace report: {s['job'] or '?'}",
         "summary": s,
         "ranks": {k: v for k, v in r.items() if k != "windows"},
@@ -105,6 +106,7 @@ def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
         "timeline": timeline,
         "streams": streams,
     })
+    return result
 
 
 def write_report(job: Job, out: str | os.PathLike[str], windows: int = 60) -> Path:
