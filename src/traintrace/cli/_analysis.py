@@ -67,40 +67,7 @@ def _category_case(column: str = "name") -> str:
 
 
 def prepare(job: Job) -> None:
-    """Per-stream facts the analyses share (idempotent)."""
-    con = job.con
-    if con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'stream_facts'").fetchone()[0]:
-        return
-    hang = _names(HANG_NAMES)
-    con.execute(
-        f"""
-        CREATE TABLE stream_facts AS
-        WITH ck AS (
-            SELECT stream, max(ts + dur) AS ckpt_end FROM spans_small
-            WHERE status = 'ok' AND (name IN ('checkpoint_save_sync', 'checkpoint_save_finalization')
-                  OR (name = 'checkpoint_save_async'
-                      AND NOT EXISTS (SELECT 1 FROM spans_small f WHERE f.name = 'checkpoint_save_finalization')))
-            GROUP BY stream
-        ), bad AS (
-            SELECT DISTINCT stream FROM spans_small
-            WHERE status IN ('error', 'terminated') AND name IN ('main_function', 'training_loop', 'iteration')
-        ), hang AS (
-            SELECT stream, min(ts) AS hang_ts FROM other
-            WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream
-        )
-        SELECT s.stream, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
-               (NOT s.closed OR bad.stream IS NOT NULL) AS failed, ck.ckpt_end, hang.hang_ts
-        FROM streams s LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN hang USING (stream)
-        """
-    )
-    con.execute(
-        """
-        CREATE TABLE iteration_class AS
-        SELECT i.stream, i.rank, i.ts, i.dur, i.status,
-               (i.status <> 'ok' OR (f.failed AND i.ts + i.dur > coalesce(f.ckpt_end, -1))) AS lost
-        FROM iterations i JOIN stream_facts f USING (stream)
-        """
-    )
+    """Kept for callers: the engine builds every shared table when it loads."""
 
 
 def job_bounds(job: Job) -> tuple[int, int]:
@@ -121,7 +88,7 @@ def summary(job: Job) -> dict[str, Any]:
     # Per-rank seconds by category, then the job figure is the mean over ranks (ranks run in lockstep).
     per_rank: dict[int, dict[str, float]] = {r: dict.fromkeys(CATEGORIES, 0.0) for r in ranks}
     for rank, lost, seconds in job.rows(
-        "SELECT rank, lost, sum(dur) / 1e9 FROM iteration_class GROUP BY ALL"
+        "SELECT rank, lost, sum(dur) / 1e9 FROM iterations GROUP BY ALL"
     ):
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
@@ -141,7 +108,7 @@ def summary(job: Job) -> dict[str, Any]:
     for rank, seconds in job.rows(
         """
         SELECT f.rank, sum(f.end_ts - greatest(f.hang_ts_progress, f.start_ts)) / 1e9 FROM (
-            SELECT f.*, (SELECT max(i.ts + i.dur) FROM iteration_class i
+            SELECT f.*, (SELECT max(i.ts + i.dur) FROM iterations i
                          WHERE i.stream = f.stream AND i.ts + i.dur <= f.hang_ts) AS hang_ts_progress
             FROM stream_facts f WHERE f.hang_ts IS NOT NULL AND NOT f.is_agent) f
         GROUP BY ALL
@@ -166,7 +133,7 @@ def summary(job: Job) -> dict[str, Any]:
         """
         SELECT count(*), avg(dur), quantile_cont(dur, 0.5), quantile_cont(dur, 0.9), quantile_cont(dur, 0.99),
                min(dur), max(dur), stddev_samp(dur)
-        FROM iteration_class WHERE status = 'ok'
+        FROM iterations WHERE status = 'ok'
         """
     )
     step_stats = None
@@ -180,7 +147,7 @@ def summary(job: Job) -> dict[str, Any]:
         """
         SELECT median(n), median(n_ok), median(n_lost), max(n_lost) FROM (
             SELECT rank, count(*) AS n, count(*) FILTER (NOT lost) AS n_ok, count(*) FILTER (lost) AS n_lost
-            FROM iteration_class GROUP BY rank)
+            FROM iterations GROUP BY rank)
         """
     )
     progress = _progress_fields(job)
@@ -261,7 +228,7 @@ def _progress_fields(job: Job) -> dict[str, Any]:
     out: dict[str, Any] = {}
     names = _names(PROGRESS_EVENTS)
     for key, aliases in FIELD_ALIASES.items():
-        expr = "coalesce(" + ", ".join(f"try_cast(attrs->>'{a}' AS DOUBLE)" for a in aliases) + ")"
+        expr = "coalesce(" + ", ".join(f"try_cast(a.{a} AS DOUBLE)" for a in aliases) + ")"
         if key in ("consumed_samples", "consumed_tokens", "last_step"):
             row = job.one(f"SELECT max({expr}) FROM other WHERE kind = 'event' AND name IN ({names})")
             if row and row[0] is not None:
@@ -291,7 +258,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         SELECT rank, count(*) AS steps, quantile_cont(dur, 0.5) / 1e9 AS median_s,
                quantile_cont(dur, 0.9) / 1e9 AS p90_s, quantile_cont(dur, 0.99) / 1e9 AS p99_s,
                avg(dur) / 1e9 AS mean_s, max(dur) / 1e9 AS max_s
-        FROM iteration_class WHERE status = 'ok' GROUP BY rank ORDER BY rank
+        FROM iterations WHERE status = 'ok' GROUP BY rank ORDER BY rank
         """
     )
     if not rows:
@@ -337,7 +304,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     grid = job.rows(
         f"""
         SELECT rank, least((ts - {start}) // {width}, {windows - 1}) AS w, quantile_cont(dur, 0.5) / 1e9
-        FROM iteration_class WHERE status = 'ok' GROUP BY ALL
+        FROM iterations WHERE status = 'ok' GROUP BY ALL
         """
     )
     by_window: dict[int, list[float]] = {}
@@ -383,7 +350,7 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
     all_errors = job.dicts(
         """
         SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, name, ts, error_type, message,
-               stack, attrs, stream, span
+               stack, attrs AS attrs, stream, span
         FROM other WHERE kind = 'error' ORDER BY ts, rank
         """
     )
@@ -391,7 +358,7 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
     if first is not None and first.get("span"):
         where = job.dicts(
             """
-            SELECT name, try_cast(attrs->>'step' AS BIGINT) AS step FROM spans_small WHERE stream = $s AND id = $i
+            SELECT name, try_cast(a.step AS BIGINT) AS step FROM spans_small WHERE stream = $s AND id = $i
             UNION ALL
             SELECT 'iteration', try_cast(attrs->>'step' AS BIGINT) FROM iterations WHERE stream = $s AND id = $i
             """,
@@ -472,7 +439,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         if row[0] not in hang_suspects:
             hang_suspects.append(row[0])
     lifecycle = job.dicts(
-        "SELECT stream_rank AS rank, name, ts, attrs FROM other WHERE is_agent AND kind IN ('event', 'error') "
+        "SELECT stream_rank AS rank, name, ts, attrs AS attrs FROM other "
+        "WHERE is_agent AND kind IN ('event', 'error') "
         "ORDER BY ts LIMIT 1000"
     )
     return {

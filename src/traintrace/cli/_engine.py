@@ -55,6 +55,14 @@ COLUMNS: dict[str, str] = {
     "role": "VARCHAR",
 }
 
+#: Attribute fields the analyses read from the (few) records other than iterations: column ``a``.
+ATTR_FIELDS = (
+    "step", "loss", "batch_size", "current_iteration", "unhandled",
+    "consumed_samples", "samples", "total_samples", "consumed_tokens", "tokens", "total_tokens",
+    "samples_per_second", "samples_per_sec", "throughput_samples", "tokens_per_second", "tokens_per_sec",
+    "mfu", "tflops", "tflops_per_gpu", "last_step", "last_completed_step",
+)
+
 ITERATION = "iteration"
 BIG = 9_000_000_000_000_000_000
 
@@ -145,6 +153,7 @@ class Job:
         threads: int | None = None,
         memory_limit: str | None = None,
     ) -> Job:
+        """Read the files into DuckDB; raises LoadError when nothing readable is there."""
         files = discover(paths)
         if not files:
             raise LoadError("no .jsonl files found in " + ", ".join(str(p) for p in paths))
@@ -206,48 +215,37 @@ class Job:
         )
         con.execute(
             f"""
-            CREATE TABLE iterations AS
-            SELECT h.stream, h.rank, h.restart, r.ts, r.dur, r.status, r.attrs, r.tid, r.seq, r.id, r.parent, r.file
-            FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
-            WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT h.is_agent
-            """
-        )
-        con.execute(
-            f"""
             CREATE TABLE other AS
             SELECT h.stream, h.rank AS stream_rank, h.restart AS stream_restart, h.is_agent,
-                   r.* EXCLUDE (rank, restart, world_size, job, job_name, host, pid, schema, schema_version)
+                   r.* EXCLUDE (rank, restart, world_size, job, job_name, host, pid, schema, schema_version),
+                   {{{", ".join(f"'{f}': r.attrs->>'{f}'" for f in ATTR_FIELDS)}}} AS a
             FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
             WHERE NOT (r.kind = 'span' AND r.name = '{ITERATION}') AND r.kind <> 'header'
             """
         )
-        con.execute("DROP TABLE raw")
         # Spans other than plain iteration records: complete ones, and start/end pairs merged by id.
         con.execute(
             """
             CREATE TABLE spans_small AS
             SELECT file, stream, stream_rank AS rank, stream_restart AS restart, is_agent, name, id, parent,
-                   tid, link, ts, dur, status, attrs, false AS open
+                   tid, link, ts, dur, status, attrs, a, false AS open, seq
             FROM other WHERE kind = 'span'
             UNION ALL
             SELECT s.file, s.stream, s.stream_rank, s.stream_restart, s.is_agent, s.name, s.id, s.parent, s.tid,
                    s.link, s.ts, e.dur, coalesce(e.status, 'open'),
                    CASE WHEN e.attrs IS NULL THEN s.attrs WHEN s.attrs IS NULL THEN e.attrs
                         ELSE json_merge_patch(s.attrs, e.attrs) END,
-                   e.id IS NULL
+                   CASE WHEN e.a IS NULL THEN s.a ELSE struct_pack(
+                       """ + ", ".join(f'"{f}" := coalesce(e.a."{f}", s.a."{f}")' for f in ATTR_FIELDS) + """)
+                   END,
+                   e.id IS NULL, NULL
             FROM (SELECT * FROM other WHERE kind = 'start') s
             LEFT JOIN (SELECT * FROM other WHERE kind = 'end') e ON s.stream = e.stream AND s.id = e.id
             """
         )
+        # Where each stream ends, counting its plain iteration records (aggregated, not copied).
         con.execute(
             f"""
-            INSERT INTO iterations
-            SELECT stream, rank, restart, ts, dur, status, attrs, tid, NULL, id, parent, file FROM spans_small
-            WHERE name = '{ITERATION}' AND NOT is_agent AND NOT open
-            """
-        )
-        con.execute(
-            """
             CREATE TABLE streams AS
             SELECT h.* EXCLUDE (lo, hi),
                    greatest(h.start_ts, coalesce(e.end_ts, h.start_ts), coalesce(i.end_ts, h.start_ts)) AS end_ts,
@@ -265,9 +263,56 @@ class Job:
                 FROM other GROUP BY stream
             ) e USING (stream)
             LEFT JOIN (
-                SELECT stream, max(ts + coalesce(dur, 0)) AS end_ts, count(seq) AS n, max(seq) AS max_seq
-                FROM iterations WHERE status <> 'open' GROUP BY stream
+                SELECT h.stream, max(r.ts + coalesce(r.dur, 0)) AS end_ts, count(*) AS n, max(r.seq) AS max_seq
+                FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+                WHERE r.kind = 'span' AND r.name = '{ITERATION}'
+                GROUP BY h.stream
             ) i USING (stream)
+            """
+        )
+        self._stream_facts()
+        # Iterations: plain records and start/end pairs, each marked lost or not (docs/analysis.md).
+        con.execute(
+            f"""
+            CREATE TABLE iterations AS
+            SELECT f.stream, f.rank, f.restart, r.ts, r.dur, r.status,
+                   (r.status <> 'ok' OR (f.failed AND r.ts + r.dur > coalesce(f.ckpt_end, -1))) AS lost,
+                   r.attrs, r.tid, r.seq, r.id, r.parent, r.file
+            FROM raw r JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
+            WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT f.is_agent
+            UNION ALL
+            SELECT f.stream, f.rank, f.restart, s.ts, s.dur, s.status,
+                   (s.status <> 'ok' OR (f.failed AND s.ts + s.dur > coalesce(f.ckpt_end, -1))),
+                   s.attrs, s.tid, NULL, s.id, s.parent, s.file
+            FROM spans_small s JOIN stream_facts f USING (stream)
+            WHERE s.name = '{ITERATION}' AND NOT s.is_agent AND NOT s.open
+            """
+        )
+        con.execute("DROP TABLE raw")
+
+    def _stream_facts(self) -> None:
+        """Per stream: did it fail, when did its last checkpoint complete, did a hang detector fire."""
+        hang = "'hang_suspected'"
+        self.con.execute(
+            f"""
+            CREATE TABLE stream_facts AS
+            WITH ck AS (
+                SELECT stream, max(ts + dur) AS ckpt_end FROM spans_small
+                WHERE status = 'ok' AND (name IN ('checkpoint_save_sync', 'checkpoint_save_finalization')
+                      OR (name = 'checkpoint_save_async' AND NOT EXISTS (
+                          SELECT 1 FROM spans_small f WHERE f.name = 'checkpoint_save_finalization')))
+                GROUP BY stream
+            ), bad AS (
+                SELECT DISTINCT stream FROM spans_small
+                WHERE status IN ('error', 'terminated') AND name IN ('main_function', 'training_loop', 'iteration')
+            ), hang AS (
+                SELECT stream, min(ts) AS hang_ts FROM other
+                WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream
+            )
+            SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
+                   (NOT s.closed OR bad.stream IS NOT NULL) AS failed, ck.ckpt_end, hang.hang_ts, h.lo, h.hi
+            FROM streams s JOIN headers h USING (stream)
+            LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN hang USING (stream)
             """
         )
 
@@ -323,22 +368,21 @@ class Job:
             """
             CREATE OR REPLACE VIEW records AS
             SELECT stream, stream_rank AS rank, stream_restart AS restart, is_agent AS agent,
-                   * EXCLUDE (stream, stream_rank, stream_restart, is_agent)
+                   * EXCLUDE (stream, stream_rank, stream_restart, is_agent, a)
             FROM other
             UNION ALL BY NAME
             SELECT stream, rank, restart, false AS agent, 'span' AS kind, 'iteration' AS name, ts, seq, dur,
-                   status, attrs, tid, file
+                   status, attrs, tid, id, parent, file
             FROM iterations WHERE seq IS NOT NULL;
             CREATE OR REPLACE VIEW spans AS
             SELECT rank, restart, stream, name, id, parent, tid, ts, dur, ts + dur AS end_ts, status, attrs, file
             FROM spans_small WHERE NOT is_agent
             UNION ALL
-            SELECT rank, restart, stream, 'iteration', NULL, NULL, tid, ts, dur, ts + dur, status, attrs, file
+            SELECT rank, restart, stream, 'iteration', id, parent, tid, ts, dur, ts + dur, status, attrs, file
             FROM iterations;
             CREATE OR REPLACE VIEW steps AS
             SELECT rank, restart, stream, try_cast(attrs->>'step' AS BIGINT) AS step, ts, dur, ts + dur AS end_ts,
-                   status,
-                   try_cast(attrs->>'loss' AS DOUBLE) AS loss, attrs, file
+                   status, lost, try_cast(attrs->>'loss' AS DOUBLE) AS loss, attrs, file
             FROM iterations;
             CREATE OR REPLACE VIEW events AS
             SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, stream, name, ts, span, tid,

@@ -50,7 +50,7 @@ def export_chrome(
     span_cond = f"{sp}ts + coalesce({sp}dur, 0) >= {lo} AND {sp}ts <= {hi} {rank_filter.replace('rank', sp + 'rank')}"
     rate_fields = ("samples_per_second", "tokens_per_second", "mfu", "tflops")
     counter_args = ", ".join(
-        f"'{key}', coalesce(" + ", ".join(f"try_cast(attrs->>'{a}' AS DOUBLE)" for a in FIELD_ALIASES[key]) + ")"
+        f"'{key}', coalesce(" + ", ".join(f"try_cast(a.{a} AS DOUBLE)" for a in FIELD_ALIASES[key]) + ")"
         for key in rate_fields
     )
     parts = {
@@ -73,7 +73,7 @@ def export_chrome(
             SELECT ',' || to_json({{'name': 'loss', 'ph': 'C', 'pid': rank,
                 'ts': round((ts + dur - {job_start}) / 1000.0, 3),
                 'args': {{'loss': try_cast(attrs->>'loss' AS DOUBLE)}}}})
-            FROM iterations WHERE {cond} AND try_cast(attrs->>'loss' AS DOUBLE) IS NOT NULL
+            FROM iterations WHERE {cond} AND isfinite(try_cast(attrs->>'loss' AS DOUBLE))
         """,
         "instants": f"""
             SELECT ',' || to_json({{'name': name, 'cat': kind, 'ph': 'i', 's': 't', 'pid': {pid},

@@ -51,7 +51,7 @@ def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
     width = max((end - start) // max(windows, 1), 1)
     bucket = f"least((ts + dur - {start}) // {width}, {windows - 1})"
     step_grid = job.rows(
-        f"SELECT rank, {bucket} AS w, median(dur) / 1e9 FROM iteration_class WHERE status = 'ok' GROUP BY ALL"
+        f"SELECT rank, {bucket} AS w, median(dur) / 1e9 FROM iterations WHERE status = 'ok' GROUP BY ALL"
     )
     per_rank: dict[int, list[float | None]] = {}
     for rank, w, value in step_grid:
@@ -68,9 +68,8 @@ def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
             series.append({"w": int(w), "steps_per_s": steps / (width / 1e9), "loss": loss})
     rates = job.rows(
         f"""SELECT least((ts - {start}) // {width}, {windows - 1}) AS w,
-                   avg(coalesce(try_cast(attrs->>'samples_per_second' AS DOUBLE),
-                                try_cast(attrs->>'samples_per_sec' AS DOUBLE))),
-                   avg(try_cast(attrs->>'tokens_per_second' AS DOUBLE))
+                   avg(coalesce(try_cast(a.samples_per_second AS DOUBLE), try_cast(a.samples_per_sec AS DOUBLE))),
+                   avg(coalesce(try_cast(a.tokens_per_second AS DOUBLE), try_cast(a.tokens_per_sec AS DOUBLE)))
             FROM other WHERE kind = 'event' AND name = 'training_iterations'
               AND stream_rank = (SELECT min(stream_rank) FROM other WHERE kind = 'event'
                                  AND name = 'training_iterations')
