@@ -123,3 +123,41 @@ def test_lost_progress_follows_the_last_completed_checkpoint(tmp_path: Path) -> 
     assert s_early["steps_lost"] == 1 and s_late["steps_lost"] == 10
     assert s_early["breakdown_s"]["lost_progress"] == pytest.approx(early["breakdown"]["lost_progress"])
     assert s_late["breakdown_s"]["lost_progress"] == pytest.approx(late["breakdown"]["lost_progress"])
+
+
+def _append(path: Path, *records: dict[str, object]) -> None:
+    import json
+
+    with path.open("a") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+
+
+def test_launcher_stream_and_progress_events(tmp_path: Path) -> None:
+    """agent.jsonl is the launcher, not a rank; training_iterations counters feed samples, tokens and MFU."""
+    from tests.cli_jobs import T0
+
+    script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, straggler=None))
+    agent = tmp_path / "job" / "agent.jsonl"
+    _append(
+        agent,
+        {"seq": 0, "kind": "header", "ts": T0 - 10**9, "schema": "traintrace", "schema_version": 1,
+         "job": "scripted", "source": "agent", "host": "h", "pid": 1},
+        {"seq": 1, "kind": "event", "ts": T0 - 10**8, "name": "worker_start", "span": 0, "tid": 1,
+         "attrs": {"ranks": [0, 1, 2, 3]}},
+        {"seq": 2, "kind": "event", "ts": T0 + 10**9, "name": "worker_restart", "span": 0, "tid": 1},
+    )
+    for rank, path in script.files.items():
+        _append(path, {"seq": 90, "kind": "event", "ts": T0 + 2 * 10**9, "name": "training_iterations", "span": 0,
+                       "tid": 7, "attrs": {"consumed_samples": 1280, "consumed_tokens": 655360, "mfu": 0.41,
+                                           "samples_per_second": 300.0 + rank, "tokens_per_second": 153600.0,
+                                           "last_step": 39}})
+    job = _open(tmp_path / "job")
+    s = _analysis.summary(job)
+    assert s["ranks_seen"] == 4 and s["ranks_missing"] == ""
+    assert s["samples"] == 1280 and s["tokens"] == 655360 and s["last_step"] == 39
+    assert s["mfu"] == pytest.approx(0.41) and s["samples_per_second"] == pytest.approx(300.0)
+    assert s["wall_s"] > expected(script)["wall_s"]  # the launcher started a second earlier
+    e = _analysis.errors(job)
+    assert [x["name"] for x in e["launcher_events"]] == ["worker_start", "worker_restart"]
+    assert {r["rank"] for r in e["ranks"]} == {0, 1, 2, 3}
