@@ -196,3 +196,29 @@ def test_files_given_one_by_one(tmp_path: Path) -> None:
     script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
     s = cli_json("summary", str(script.files[0]), str(script.files[2]))
     assert s["ranks_seen"] == 2 and s["ranks_missing"] == "1,3"
+
+
+def test_torchrun_job_where_one_rank_raises(tmp_path: Path) -> None:
+    """Under torchrun a raising rank makes the agent stop the others: the root cause is still that rank."""
+    pytest.importorskip("torch")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "3", "--max-restarts", "0",
+         str(ROOT / "tests" / "cli_worker.py"), str(tmp_path), "--steps", "400", "--fail", "2:15",
+         "--slow-compute", "1"],
+        check=False, capture_output=True, text=True, timeout=240, env={**ENV, "TRAINTRACE_JOB_ID": "tr"},
+    )
+    assert result.returncode != 0, result.stderr[-3000:]
+    folder = tmp_path / "tr"  # TRAINTRACE_JOB_ID overrides the worker's configure(job_id=...)
+    assert folder.exists(), result.stderr[-3000:]
+    e = cli_json("errors", str(folder))
+    assert e["first_error"]["rank"] == 2 and e["first_error"]["step"] == 15
+    assert "injected failure on rank 2" in e["first_error"]["message"]
+    by_rank = {r["rank"]: r for r in e["ranks"]}
+    assert by_rank[2]["state"] == "error"
+    assert by_rank[0]["state"] != "closed" or by_rank[0]["open_spans"] == []  # stopped by the agent
+    s = cli_json("summary", str(folder))
+    assert s["ranks_seen"] == 3 and s["failed_streams"] == 3
+    assert cli_json("ranks", str(folder))["top"][0] == 1

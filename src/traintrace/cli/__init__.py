@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="a job folder (searched recursively for *.jsonl) or files")
         p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
         p.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all cores)")
-        p.add_argument("--memory-limit", default=None, help="DuckDB memory limit, e.g. 2GB (spills beyond)")
+        p.add_argument("--memory-limit", default=None,
+                       help="DuckDB memory limit (default 1500MB, or $TRAINTRACE_MEMORY_LIMIT); "
+                       "beyond it DuckDB spills to a temporary folder")
         return p
 
     p = add("summary", "wall time, time by phase, goodput and badput, steps, throughput, step-time statistics")

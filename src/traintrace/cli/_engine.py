@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -62,6 +63,16 @@ ATTR_FIELDS = (
     "samples_per_second", "samples_per_sec", "throughput_samples", "tokens_per_second", "tokens_per_sec",
     "mfu", "tflops", "tflops_per_gpu", "last_step", "last_completed_step",
 )
+
+#: DuckDB's memory limit unless --memory-limit says otherwise.
+DEFAULT_MEMORY_LIMIT = os.environ.get("TRAINTRACE_MEMORY_LIMIT", "1500MB")
+
+#: Fields stored for every record; the rest of COLUMNS only exist in rare kinds (headers, errors, thread
+#: names, drop notes) and are packed into one JSON column for those rows only, so that millions of rows
+#: do not carry 17 empty columns (DuckDB keeps in-memory columns uncompressed).
+CORE_COLUMNS = ("kind", "ts", "seq", "name", "id", "parent", "tid", "dur", "status", "span", "link", "attrs")
+RARE_KINDS = ("header", "error", "thread", "dropped")
+RARE_FIELDS = tuple(k for k in COLUMNS if k not in CORE_COLUMNS)
 
 ITERATION = "iteration"
 BIG = 9_000_000_000_000_000_000
@@ -143,6 +154,7 @@ class Job:
     files: list[FileCheck] = field(default_factory=list)
     load_seconds: float = 0.0
     record_count: int = 0
+    _tmp: Any = None
 
     @classmethod
     def open(
@@ -165,26 +177,47 @@ class Job:
 
     def _connect(self) -> Any:
         duckdb = import_duckdb()
-        config: dict[str, Any] = {"preserve_insertion_order": False}
+        self._tmp = tempfile.TemporaryDirectory(prefix="traintrace-duckdb-")
+        config: dict[str, Any] = {
+            "preserve_insertion_order": False,
+            # Past this DuckDB spills to the temporary folder instead of growing: memory stays bounded.
+            "memory_limit": self.memory_limit or DEFAULT_MEMORY_LIMIT,
+            "temp_directory": self._tmp.name,
+        }
         if self.threads:
             config["threads"] = self.threads
-        if self.memory_limit:
-            config["memory_limit"] = self.memory_limit
-        return duckdb.connect(":memory:", config=config)
+        con = duckdb.connect(":memory:", config=config)
+        # Progress is tracked (query_progress) but never printed by DuckDB itself: ours goes to stderr.
+        con.execute("SET enable_progress_bar = true; SET enable_progress_bar_print = false")
+        return con
 
     def _load(self) -> None:
         started = time.perf_counter()
         self.files = [check_tail(p) for p in self.paths]
         self.con = con = self._connect()
         columns = "{" + ", ".join(f"'{k}': '{v}'" for k, v in COLUMNS.items()) + "}"
-        names = ", ".join(f'"{k}"' for k in COLUMNS)
+        names = ", ".join(f'"{k}"' for k in CORE_COLUMNS)
+        rare_kinds = ", ".join(f"'{k}'" for k in RARE_KINDS)
+        packed = "{" + ", ".join(f"'{k}': \"{k}\"" for k in RARE_FIELDS) + "}"
         sql = (
-            f"CREATE TABLE raw AS SELECT filename AS file, {names} FROM read_json($files, "
-            f"format='newline_delimited', columns={columns}, ignore_errors=true, filename=true, "
-            "maximum_object_size=67108864) WHERE kind IS NOT NULL"
+            f"CREATE TABLE raw AS SELECT hash(filename) AS file, {names}, "
+            f"CASE WHEN kind IN ({rare_kinds}) THEN to_json({packed}) END AS rare "
+            f"FROM read_json($files, format='newline_delimited', columns={columns}, ignore_errors=true, "
+            "filename=true, maximum_object_size=67108864) WHERE kind IS NOT NULL"
         )
+        spec = "{" + ", ".join(f'"{k}":"{COLUMNS[k]}"' for k in RARE_FIELDS) + "}"
+        rare_sql = f"""
+            CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{spec}'))
+            FROM raw WHERE rare IS NOT NULL
+        """
         with self._progress_while("reading"):
+            # A file is named by the hash of its path in the big tables (8 bytes, not the path per row).
+            con.execute(
+                "CREATE TABLE files AS SELECT DISTINCT hash(p) AS file, p AS path FROM unnest($paths) t(p)",
+                {"paths": [str(f.path) for f in self.files]},
+            )
             con.execute(sql, {"files": [str(f.path) for f in self.files]})
+            con.execute(rare_sql)
             self.record_count = int(con.execute("SELECT count(*) FROM raw").fetchone()[0])
             self._build_tables()
         if self.record_count == 0:
@@ -203,12 +236,12 @@ class Job:
                    coalesce(lead(start_ts) OVER w, {BIG}) AS hi,
                    lead(start_ts) OVER w AS next_start
             FROM (
-                SELECT file, ts AS start_ts, rank, world_size, coalesce(restart, 0) AS restart, job, job_name,
-                       host, pid,
+                SELECT file, path, ts AS start_ts, rank, world_size, coalesce(restart, 0) AS restart, job,
+                       job_name, host, pid,
                        (rank IS NULL OR coalesce(source, role, '') = 'agent'
-                        OR regexp_matches(file, '(^|/)agent[^/]*\\.jsonl$')) AS is_agent,
-                       row_number() OVER (ORDER BY file, ts) AS stream
-                FROM raw WHERE kind = 'header' AND schema = 'traintrace' AND schema_version = 1
+                        OR regexp_matches(path, '(^|/)agent[^/]*\\.jsonl$')) AS is_agent,
+                       row_number() OVER (ORDER BY path, ts) AS stream
+                FROM rare JOIN files USING (file) WHERE kind = 'header' AND schema = 'traintrace' AND schema_version = 1
             )
             WINDOW w AS (PARTITION BY file ORDER BY start_ts)
             """
@@ -217,9 +250,11 @@ class Job:
             f"""
             CREATE TABLE other AS
             SELECT h.stream, h.rank AS stream_rank, h.restart AS stream_restart, h.is_agent,
-                   r.* EXCLUDE (rank, restart, world_size, job, job_name, host, pid, schema, schema_version),
+                   r.* EXCLUDE (rare), x.error_type, x.message, x.stack, x.thread_name, x.count, x.reason, x.source,
+                   x.role,
                    {{{", ".join(f"'{f}': r.attrs->>'{f}'" for f in ATTR_FIELDS)}}} AS a
             FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+            LEFT JOIN rare x ON x.file = r.file AND x.ts = r.ts AND x.kind = r.kind AND x.seq IS NOT DISTINCT FROM r.seq
             WHERE NOT (r.kind = 'span' AND r.name = '{ITERATION}') AND r.kind <> 'header'
             """
         )
@@ -271,24 +306,31 @@ class Job:
             """
         )
         self._stream_facts()
-        # Iterations: plain records and start/end pairs, each marked lost or not (docs/analysis.md).
+        # Iterations: plain records (a view over the big table: no copy) and start/end pairs, each marked
+        # lost or not (docs/analysis.md).
         con.execute(
             f"""
-            CREATE TABLE iterations AS
+            CREATE TABLE iterations_small AS
+            SELECT f.stream, f.rank, f.restart, s.ts, s.dur, s.status,
+                   (s.status <> 'ok' OR (f.failed AND s.ts + s.dur > coalesce(f.ckpt_end, -1))) AS lost,
+                   s.attrs, s.tid, NULL::BIGINT AS seq, s.id, s.parent, s.file
+            FROM spans_small s JOIN stream_facts f USING (stream)
+            WHERE s.name = '{ITERATION}' AND NOT s.is_agent AND NOT s.open
+            """
+        )
+        con.execute(
+            f"""
+            CREATE VIEW iterations AS
             SELECT f.stream, f.rank, f.restart, r.ts, r.dur, r.status,
                    (r.status <> 'ok' OR (f.failed AND r.ts + r.dur > coalesce(f.ckpt_end, -1))) AS lost,
                    r.attrs, r.tid, r.seq, r.id, r.parent, r.file
             FROM raw r JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
             WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT f.is_agent
             UNION ALL
-            SELECT f.stream, f.rank, f.restart, s.ts, s.dur, s.status,
-                   (s.status <> 'ok' OR (f.failed AND s.ts + s.dur > coalesce(f.ckpt_end, -1))),
-                   s.attrs, s.tid, NULL, s.id, s.parent, s.file
-            FROM spans_small s JOIN stream_facts f USING (stream)
-            WHERE s.name = '{ITERATION}' AND NOT s.is_agent AND NOT s.open
+            SELECT * FROM iterations_small
             """
         )
-        con.execute("DROP TABLE raw")
+
 
     def _stream_facts(self) -> None:
         """Per stream: did it fail, when did its last checkpoint complete, did a hang detector fire."""
@@ -328,7 +370,7 @@ class Job:
                 f"{lost[1]} records missing by sequence number in {lost[0]} stream(s) "
                 f"({int(lost[2] or 0)} reported dropped by the writer; the rest unreadable lines)"
             )
-        with_header = {row[0] for row in self.con.execute("SELECT DISTINCT file FROM headers").fetchall()}
+        with_header = {row[0] for row in self.con.execute("SELECT DISTINCT path FROM headers").fetchall()}
         for path in (f.path for f in self.files if f.size and f.path not in with_header):
             self.notes.append(f"{path}: no traintrace header; its records are ignored")
         missing = self.missing_ranks()
@@ -367,32 +409,41 @@ class Job:
         self.con.execute(
             """
             CREATE OR REPLACE VIEW records AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
             SELECT stream, stream_rank AS rank, stream_restart AS restart, is_agent AS agent,
                    * EXCLUDE (stream, stream_rank, stream_restart, is_agent, a)
             FROM other
             UNION ALL BY NAME
             SELECT stream, rank, restart, false AS agent, 'span' AS kind, 'iteration' AS name, ts, seq, dur,
                    status, attrs, tid, id, parent, file
-            FROM iterations WHERE seq IS NOT NULL;
+            FROM iterations WHERE seq IS NOT NULL
+            ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW spans AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
             SELECT rank, restart, stream, name, id, parent, tid, ts, dur, ts + dur AS end_ts, status, attrs, file
             FROM spans_small WHERE NOT is_agent
             UNION ALL
             SELECT rank, restart, stream, 'iteration', id, parent, tid, ts, dur, ts + dur, status, attrs, file
-            FROM iterations;
+            FROM iterations
+            ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW steps AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
             SELECT rank, restart, stream, try_cast(attrs->>'step' AS BIGINT) AS step, ts, dur, ts + dur AS end_ts,
                    status, lost, try_cast(attrs->>'loss' AS DOUBLE) AS loss, attrs, file
-            FROM iterations;
+            FROM iterations
+            ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW events AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
             SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, stream, name, ts, span, tid,
                    attrs, file
-            FROM other WHERE kind = 'event';
+            FROM other WHERE kind = 'event'
+            ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW errors AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
             SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, stream, name, ts, span, tid,
                    error_type, message, stack, attrs, file
-            FROM other WHERE kind = 'error';
-            CREATE OR REPLACE VIEW stream_summary AS SELECT * FROM streams;
+            FROM other WHERE kind = 'error'
+            ) x LEFT JOIN files p USING (file);
             """
         )
 
