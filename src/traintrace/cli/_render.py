@@ -27,6 +27,8 @@ LABELS = {
 def seconds(value: float | None) -> str:
     if value is None:
         return "-"
+    if value == 0:
+        return "0 s"
     if value >= 3600:
         return f"{value / 3600:.2f} h"
     if value >= 60:
