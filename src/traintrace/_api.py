@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from . import _recorder
 from ._config import (
     BackendConfig,
     Config,
@@ -28,7 +29,7 @@ from ._config import (
 from ._identity import Identity, detect, safe_component
 from ._names import DEFAULT_SPAN_VERBOSITY, EventName, RecordKind, SpanName, Verbosity
 from ._pipeline import Pipeline
-from ._recorder import Recorder, Span, get_active, set_active, warn_once
+from ._recorder import InertSpan, Recorder, Span, get_active, set_active, warn_once
 from ._version import __version__
 from .backends._base import Backend
 
@@ -443,8 +444,17 @@ def span(
     level: int | Verbosity | None = None,
     link: Span | int | None = None,
 ) -> Span:
-    """A span named ``name``: ``with span("x") as s:`` or ``@span("x")``."""
-    return Span(name, metrics, _level_of(name) if level is None else int(level), link)
+    """A span named ``name``: ``with span("x") as s:`` or ``@span("x")``.
+
+    A span records when traintrace is configured at the time it is made; made
+    earlier it stays inert (decorators are the exception: they make a fresh
+    span per call).
+    """
+    chosen = _level_of(name) if level is None else int(level)
+    rec = _recorder._active
+    if rec is None or chosen > rec.max_level:
+        return InertSpan(name, metrics, chosen)
+    return Span(name, metrics, chosen, link)
 
 
 class _ApplicationSpan(Span):
@@ -483,10 +493,14 @@ def application(metrics: Mapping[str, Any] | None = None) -> Span:
 
 def _helper(name: str, doc: str) -> Callable[..., Span]:
     level = _level_of(name)
+    inert = InertSpan(name, None, level)
 
     def helper(metrics: Mapping[str, Any] | Callable[..., Any] | None = None, **attrs: Any) -> Any:
         if callable(metrics):
             return Span(name, attrs or None, level)(metrics)
+        rec = _recorder._active
+        if rec is None or level > rec.max_level:
+            return inert
         if attrs:
             metrics = {**metrics, **attrs} if metrics else attrs
         return Span(name, metrics, level)
@@ -515,12 +529,20 @@ checkpoint_load = _helper(SpanName.CHECKPOINT_LOAD, "Loading a checkpoint.")
 _ITERATION_LEVEL = _level_of(SpanName.ITERATION)
 
 
+_INERT_ITERATION = InertSpan(SpanName.ITERATION, None, _ITERATION_LEVEL)
+
+
 def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Mapping[str, Any] | None = None) -> Any:
     """One training step: ``with training_iteration(step) as it: it.add_metrics(loss=...)``."""
-    if callable(step):
-        return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
+    rec = _recorder._active
+    if rec is None or _ITERATION_LEVEL > rec.max_level:
+        if callable(step):
+            return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
+        return _INERT_ITERATION
     if step is None:
         return Span(SpanName.ITERATION, metrics, _ITERATION_LEVEL)
+    if callable(step):
+        return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
     if metrics:
         return Span(SpanName.ITERATION, {"step": step, **metrics}, _ITERATION_LEVEL)
     return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)

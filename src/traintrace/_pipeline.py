@@ -36,27 +36,27 @@ class _Route:
     warned: bool = False
 
 
-def _plain(attrs: Mapping[str, Any]) -> bool:
-    """True when ``attrs`` is already JSON-safe (the common case: str -> number)."""
-    for key, value in attrs.items():
-        if type(key) is not str or len(key) > 256:
-            return False
-        kind = type(value)
-        if kind is int or kind is bool:
-            continue
-        if kind is float:
-            if value - value != 0.0:  # NaN or infinity
-                return False
-            continue
-        if kind is str and len(value) <= 4096:
-            continue
-        return False
-    return True
+_SAFE_VALUE_TYPES = frozenset({int, bool, type(None)})
+_INFINITIES = (float("inf"), float("-inf"))
 
 
 def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    if type(attrs) is dict and len(attrs) <= 256 and _plain(attrs):
-        return attrs
+    """``attrs`` as JSON-safe data; the common case (str keys, plain numbers) passes as is."""
+    if type(attrs) is dict and len(attrs) <= 256:
+        for key, value in attrs.items():
+            kind = type(value)
+            if type(key) is not str or len(key) > 256:
+                break
+            if kind is float:
+                if value != value or value in _INFINITIES:
+                    break
+            elif kind is str:
+                if len(value) > 4096:
+                    break
+            elif kind not in _SAFE_VALUE_TYPES:
+                break
+        else:
+            return attrs
     return convert_mapping(attrs)
 
 
@@ -89,8 +89,8 @@ class Pipeline:
         self._thread.start()
 
     # -- caller side ------------------------------------------------------
-    def overflow(self, item: Any) -> None:
-        """The queue is full: wait (blocking mode) or drop and count."""
+    def overflow(self, item: Any) -> bool:
+        """The queue is full: wait (blocking mode) or drop and count. True if queued."""
         self._wake.set()
         if self.blocking and threading.current_thread() is not self._thread:
             deadline = time.monotonic() + 60.0
@@ -101,9 +101,10 @@ class Pipeline:
                 self._wake.set()
             else:
                 self.queue.append(item)
-                return
+                return True
         with self._drop_lock:
             self.dropped += 1
+        return False
 
     def wake(self) -> None:
         self._wake.set()
@@ -158,6 +159,7 @@ class Pipeline:
         waiters, self._flush_waiters = self._flush_waiters, []
         self._refresh_anchor()
         wrote = False
+        chunks = 0
         queue = self.queue
         while queue:
             batch: list[tuple[int, dict[str, Any]]] = []
@@ -165,7 +167,9 @@ class Pipeline:
             if batch:
                 self._deliver(batch)
                 wrote = True
-            time.sleep(0)  # let the training thread have the GIL between chunks
+            chunks += 1
+            if chunks % 4 == 0:
+                time.sleep(0)  # let the training thread have the GIL now and then
         if self.dropped != self._dropped_reported:
             with self._drop_lock:
                 count = self.dropped - self._dropped_reported
