@@ -535,7 +535,7 @@ _INERT_ITERATION = InertSpan(SpanName.ITERATION, None, _ITERATION_LEVEL)
 def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Mapping[str, Any] | None = None) -> Any:
     """One training step: ``with training_iteration(step) as it: it.add_metrics(loss=...)``."""
     rec = _recorder._active
-    if rec is None or _ITERATION_LEVEL > rec.max_level:
+    if rec is None or rec.max_level < _ITERATION_LEVEL:
         if callable(step):
             return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
         return _INERT_ITERATION

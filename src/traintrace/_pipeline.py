@@ -48,7 +48,7 @@ def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
             if type(key) is not str or len(key) > 256:
                 break
             if kind is float:
-                if value != value or value in _INFINITIES:
+                if value != value or value in _INFINITIES:  # noqa: PLR0124 - the NaN test
                     break
             elif kind is str:
                 if len(value) > 4096:

@@ -97,6 +97,7 @@ class Span:
     # Set when a recorder starts the span (never read on an unrecorded span).
     parent: Span | None
     t0: int
+    t1: int | None
     tid: int
     status: str
     written: int
