@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import traintrace as tt
-import traintrace.events as events
+from traintrace import events
 
 
 def main() -> None:

@@ -250,7 +250,7 @@ def _wrap_agent_methods() -> None:
             return result
 
         _monitor_workers._traintrace = True  # type: ignore[attr-defined]
-        LocalElasticAgent._monitor_workers = _monitor_workers
+        setattr(LocalElasticAgent, "_monitor_workers", _monitor_workers)  # noqa: B010
         _bridge_state["monitor_wrapped"] = True
     if restart is not None and not getattr(restart, "_traintrace", False):
 
@@ -277,7 +277,7 @@ def _wrap_agent_methods() -> None:
             return restart(self, worker_group)
 
         _restart_workers._traintrace = True  # type: ignore[attr-defined]
-        SimpleElasticAgent._restart_workers = _restart_workers
+        setattr(SimpleElasticAgent, "_restart_workers", _restart_workers)  # noqa: B010
 
 
 def _record_failures(agent: Any, worker_group: Any, result: Any) -> None:
@@ -329,8 +329,8 @@ def install_torchelastic_bridge(destination: str = DESTINATION) -> str:
     ``destination``.
     """
     from torch.distributed.elastic import events as torch_events
-    from torch.distributed.elastic import metrics as torch_metrics
     from torch.distributed.elastic.events import handlers
+    from torch.distributed.elastic.metrics import api as torch_metrics
 
     handler = _bridge_state.get("handler")
     if handler is None:
@@ -420,7 +420,7 @@ def _start_agent_stream(job_id: str, info: dict[str, Any]) -> Any:
     config.local_rank, config.local_world_size, config.restart_count = 0, 1, 0
     with _api._configure_lock:
         rec = _api._start(config, [], {"role": "agent", "launch": info})
-    identity = rec.identity
+    identity = rec.identity  # type: ignore[attr-defined]
     if workers_config.manifest and "file" in config.backends:
         try:
             # The workers' configuration, which is what the manifest describes.
@@ -435,10 +435,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     """The ``traintrace-run`` entry point: torchrun's arguments, torchrun's behaviour."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from torch.distributed import run as torchrun
+        from torch.distributed import run as torchrun_module
     except ImportError:
         sys.stderr.write("traintrace-run needs torch: pip install 'traintrace[torch]'\n")
         raise SystemExit(2) from None
+    torchrun: Any = torchrun_module
     args = torchrun.parse_args(argv)
     job_id = choose_job_id(args, os.environ)
     os.environ["TRAINTRACE_JOB_ID"] = job_id
