@@ -108,6 +108,18 @@ def test_torch_metrics_become_events(agent_memory: MemoryBackend) -> None:
     assert {"group": "torchelastic", "name": "workers.default.run_total", "value": 1} in metrics
 
 
+def test_a_user_chosen_handler_is_kept() -> None:
+    """With --event-log-handler console, torch's console handler stays and ours is added beside it."""
+    from torch.distributed.elastic.events import handlers
+
+    console = handlers.get_logging_handler("console")
+    launch.install_torchelastic_bridge("console")
+    assert handlers.get_logging_handler("console") is console
+    logger = torch_events._get_or_create_logger("console")
+    assert console in logger.handlers
+    assert any(isinstance(h, launch.TorchEventHandler) for h in logger.handlers)
+
+
 def test_choose_job_id_precedence() -> None:
     """TRAINTRACE_JOB_ID, then --rdzv-id, then the scheduler, then the rendezvous or a new id."""
     args = types.SimpleNamespace(rdzv_id="rid", standalone=False, nnodes="2", rdzv_endpoint="host:29400",

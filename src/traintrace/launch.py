@@ -37,7 +37,7 @@ from . import events
 from ._identity import safe_component, scheduler_job_id
 from .events import EventSource, EventType
 
-__all__ = ["DESTINATION", "install_torchelastic_bridge", "main"]
+__all__ = ["DESTINATION", "choose_job_id", "install_torchelastic_bridge", "main", "start_agent_stream"]
 
 log = logging.getLogger("traintrace.lib")
 
@@ -335,7 +335,8 @@ def install_torchelastic_bridge(destination: str = DESTINATION) -> str:
     handler = _bridge_state.get("handler")
     if handler is None:
         handler = _bridge_state["handler"] = TorchEventHandler()
-    handlers._log_handlers[destination] = handler
+    if destination not in handlers._log_handlers:
+        handlers._log_handlers[destination] = handler
     rdzv = handlers._log_handlers.get("dynamic_rendezvous")
     if rdzv is None or isinstance(rdzv, logging.NullHandler):
         # torch skips building rendezvous events while this is a NullHandler.
@@ -402,14 +403,22 @@ def _has_option(argv: Sequence[str], *names: str) -> bool:
     return any(arg.split("=", 1)[0] in names for arg in argv[:script_at])
 
 
-def _start_agent_stream(job_id: str, info: dict[str, Any]) -> Any:
+def start_agent_stream(job_id: str, info: dict[str, Any] | None = None) -> Any:
+    """Configure this process's recorder as a launcher agent's stream; returns the recorder.
+
+    The stream is ``<log_dir>/<job>/agent.jsonl`` (``agent-<host>.jsonl``
+    when ``info["nnodes"]`` allows several nodes), with ``role: "agent"``
+    and ``launch: info`` in its header; the job's manifest is written with
+    the workers' configuration. Configuration comes from ``TRAINTRACE_*``.
+    """
+    info = dict(info or {})
     from . import _api
     from ._config import FileBackendConfig, build_config
     from .manifest import job_dir, write_manifest
 
     workers_config = build_config(job_id=job_id)
     config = build_config(job_id=job_id, handle_sigterm=False)
-    hosts = "" if _max_nodes(info["nnodes"]) <= 1 else "-{host}"
+    hosts = "" if _max_nodes(str(info.get("nnodes", "1"))) <= 1 else "-{host}"
     file_cfg = config.backends.get("file")
     if isinstance(file_cfg, FileBackendConfig):
         config.backends["file"] = dataclasses.replace(
@@ -452,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     install_torchelastic_bridge(destination)
     rec = None
     try:
-        rec = _start_agent_stream(job_id, info)
+        rec = start_agent_stream(job_id, info)
     except Exception as exc:  # noqa: BLE001 - the job runs even if its telemetry cannot
         log.warning("traintrace: the agent stream could not start (%s); launching anyway", exc)
     started = time.monotonic()
