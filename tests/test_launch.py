@@ -6,6 +6,7 @@ on tests/_dist_worker.py, which all-reduces a tensor per step.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 import traintrace as tt
@@ -27,6 +29,8 @@ torch_events = pytest.importorskip("torch.distributed.elastic.events")
 torch_metrics = pytest.importorskip("torch.distributed.elastic.metrics")
 
 WORKER = Path(__file__).parent / "_dist_worker.py"
+SCHEMA_PATH = Path(__file__).parent.parent / "src/traintrace/schema/record-v1.schema.json"
+SCHEMA = json.loads(SCHEMA_PATH.read_text())
 
 
 # ---------------------------------------------------------------- bridge, in process
@@ -187,6 +191,10 @@ def test_clean_run(tmp_path: Path) -> None:
     assert sorted(e["attrs"]["rank"] for e in starts) == [0, 1]
     exits = _events(agent, "worker_exit")
     assert sorted((e["attrs"]["rank"], e["attrs"]["exit_code"]) for e in exits) == [(0, 0), (1, 0)]
+    for path in job.glob("*.jsonl"):
+        for record in read_file(path).streams[0].records:
+            jsonschema.validate(record, SCHEMA)
+        jsonschema.validate(read_file(path).streams[0].header, SCHEMA)
     info = read_job(job)
     assert info.manifest is not None
     assert (info.manifest["created_by"], info.manifest["world_size"]) == ("agent", 2)

@@ -140,6 +140,8 @@ def register(rec: Recorder, identity: Identity) -> None:
         header: dict[str, Any] = rec.header
         if header.get("role") == "agent":
             return  # traintrace-run writes the manifest with the workers' configuration
+        if header.get("parent_pid") is not None:
+            return  # a forked child's own stream: the rank is its parent's, registered already
         write_registration(folder, identity, _stream_path(rec))
         if identity.rank == 0:
             write_manifest(folder, rec.config, identity, created_by="rank0")
