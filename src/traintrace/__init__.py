@@ -53,6 +53,7 @@ from ._config import (
     FileBackendConfig,
     LogBackendConfig,
 )
+from ._dist import refresh_identity
 from ._metrics import (
     ApplicationMetrics,
     CheckpointMetrics,
@@ -120,6 +121,7 @@ __all__ = [
     "model_init",
     "optimizer_init",
     "optimizer_step",
+    "refresh_identity",
     "running",
     "span",
     "start",

@@ -26,6 +26,7 @@ from ._config import (
     LogBackendConfig,
     build_config,
 )
+from ._dist import DistributedInitSpan, after_start
 from ._identity import Identity, detect, safe_component
 from ._names import DEFAULT_SPAN_VERBOSITY, EventName, RecordKind, SpanName, Verbosity
 from ._pipeline import Pipeline
@@ -229,6 +230,7 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
         # multiprocessing children leave through os._exit, which skips atexit;
         # its after-fork hooks run once the child has cleared its finalizers.
         multiprocessing.util.register_after_fork(recorder, _close_at_multiprocessing_exit)
+    after_start(recorder)
     for backend, name, _ in routes:
         path = getattr(backend, "path", None)
         if path is not None:
@@ -491,26 +493,31 @@ def application(metrics: Mapping[str, Any] | None = None) -> Span:
     return _ApplicationSpan(SpanName.APPLICATION, metrics, int(Verbosity.INFO))
 
 
-def _helper(name: str, doc: str) -> Callable[..., Span]:
+def _helper(name: str, doc: str, span_class: type[Span] = Span) -> Callable[..., Span]:
     level = _level_of(name)
     inert = InertSpan(name, None, level)
 
     def helper(metrics: Mapping[str, Any] | Callable[..., Any] | None = None, **attrs: Any) -> Any:
         if callable(metrics):
-            return Span(name, attrs or None, level)(metrics)
+            return span_class(name, attrs or None, level)(metrics)
         rec = _recorder._active
         if rec is None or level > rec.max_level:
             return inert
         if attrs:
             metrics = {**metrics, **attrs} if metrics else attrs
-        return Span(name, metrics, level)
+        return span_class(name, metrics, level)
 
     helper.__name__ = helper.__qualname__ = name
     helper.__doc__ = doc + "\n\nA context manager and a decorator; ``metrics`` are written with the span."
     return helper
 
 
-distributed_init = _helper(SpanName.DISTRIBUTED_INIT, "Initialising the process group.")
+distributed_init = _helper(
+    SpanName.DISTRIBUTED_INIT,
+    "Initialising the process group. When it ends, the rank and world size are checked "
+    "against the process group (see ``refresh_identity``).",
+    DistributedInitSpan,
+)
 model_init = _helper(SpanName.MODEL_INIT, "Building the model.")
 optimizer_init = _helper(SpanName.OPTIMIZER_INIT, "Building the optimizer.")
 data_loader_init = _helper(SpanName.DATA_LOADER_INIT, "Building the data loaders.")

@@ -184,6 +184,8 @@ class Config:
     fork: str = "quiet"
     log_interval: int = 100
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Write <log_dir>/<job>/manifest.json and a registration per rank (docs/distributed.md).
+    manifest: bool = True
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
@@ -202,7 +204,7 @@ class Config:
                 raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
-        for name in ("blocking", "handle_sigterm"):
+        for name in ("blocking", "handle_sigterm", "manifest"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false")
         for name in ("job_id", "job_name", "host"):
