@@ -85,6 +85,8 @@ class Pipeline:
         self._anchor_mono = 0
         self._refresh_anchor()
         self.records_written = 0
+        #: Writer-thread hooks that see every span end (see ``_insight.IterationStats``).
+        self.observers: list[Any] = []
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
@@ -213,6 +215,8 @@ class Pipeline:
             tag = item[0]
             if tag == START:
                 span: Span = item[1]
+                if span.t1 is not None and self.observers and self._hold(span, False):
+                    continue
                 tid = threads.get(span.tid) or self._thread_id(span.tid, out)
                 t1 = span.t1
                 record = self._record(RecordKind.SPAN if t1 is not None else RecordKind.START, span.t0)
@@ -240,6 +244,11 @@ class Pipeline:
                 out.append((span.level, record))
             elif tag == STOP:
                 span = item[1]
+                if self.observers:
+                    if not span.written and self._hold(span, span.id in open_spans):
+                        self._observe(span, out)
+                        continue
+                    self._observe(span, out)
                 if span.written:
                     continue
                 self._end_record(span, span.t1 or time.perf_counter_ns(), span.status, out)
@@ -268,6 +277,72 @@ class Pipeline:
                 if attrs:
                     record["attrs"] = clean_attrs(attrs)
                 out.append((int(Verbosity.ERROR), record))
+
+    def _hold(self, span: Span, started: bool) -> bool:
+        """True when an observer keeps an ended span's record back, to release it later."""
+        held = False
+        for observer in self.observers:
+            try:
+                held = observer.hold(span, started) or held
+            except Exception:
+                log.exception("traintrace: span observer failed")
+        if held:
+            span.written = True
+            self._open.pop(span.id, None)
+        return held
+
+    def _observe(self, span: Span, out: list[tuple[int, dict[str, Any]]]) -> None:
+        """Show an ended span to the observers, in the order spans ended."""
+        for observer in self.observers:
+            try:
+                observer.span_ended(span, out)
+            except Exception:
+                log.exception("traintrace: span observer failed")
+
+    def release_span(self, span: Span, started: bool, out: list[tuple[int, dict[str, Any]]]) -> None:
+        """Write the record of a span an observer held back (writer thread only)."""
+        if started:
+            self._end_record(span, span.t1 or time.perf_counter_ns(), span.status, out)
+            return
+        tid = self._threads.get(span.tid) or self._thread_id(span.tid, out)
+        record = self._record(RecordKind.SPAN, span.t0)
+        record["name"] = span.name
+        record["id"] = span.id
+        parent = span.parent
+        record["parent"] = parent.id if parent is not None else 0
+        record["tid"] = tid
+        if span.link is not None:
+            link = span.link
+            record["link"] = link.id if isinstance(link, Span) else int(link)
+        record["dur"] = (span.t1 or span.t0) - span.t0
+        record["status"] = span.status
+        attrs = span.attrs
+        if span.metrics:
+            attrs = {**attrs, **span.metrics} if attrs else span.metrics
+        if attrs:
+            record["attrs"] = clean_attrs(attrs)
+        out.append((span.level, record))
+
+    def emit_event(
+        self,
+        name: str,
+        attrs: dict[str, Any],
+        out: list[tuple[int, dict[str, Any]]],
+        *,
+        span_id: int,
+        ident: int,
+        mono: int,
+        level: int,
+    ) -> None:
+        """Add an event made on the writer thread (writer thread only)."""
+        tid = self._threads.get(ident) or self._thread_id(ident, out)
+        record = self._record(RecordKind.EVENT, mono)
+        record["name"] = name
+        record["span"] = span_id
+        record["tid"] = tid
+        if attrs:
+            record["attrs"] = clean_attrs(attrs)
+        out.append((level, record))
 
     def _end_record(
         self, span: Span, t1: int, status: str, out: list[tuple[int, dict[str, Any]]]
@@ -324,6 +399,11 @@ class Pipeline:
     def _finish(self, open_status: str) -> None:
         now = time.perf_counter_ns()
         out: list[tuple[int, dict[str, Any]]] = []
+        for observer in self.observers:
+            try:
+                observer.finish(out, open_status)
+            except Exception:
+                log.exception("traintrace: span observer failed at close")
         for span in list(self._open.values()):
             self._end_record(span, now, open_status, out)
         record = self._record(RecordKind.CLOSE, now)
