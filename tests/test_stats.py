@@ -125,13 +125,20 @@ def test_interval_statistics_match_the_step_records(memory: tt.MemoryBackend) ->
         for q in (50, 90, 99):
             assert attrs[f"iteration_time_p{q}"] == pytest.approx(nearest_rank(durations, q / 100), rel=0.006)
         ids = {r["id"] for r in chunk}
-        for name, field in (("model_forward", "average_forward_time"), ("model_backward", "average_backward_time")):
+        for name, field in (
+            ("model_forward", "average_forward_time"),
+            ("model_backward", "average_backward_time"),
+        ):
             phase = [seconds(r) for r in memory.spans(name) if r["parent"] in ids]
             assert attrs[field] == pytest.approx(sum(phase) / len(phase), rel=1e-9)
         # Throughput over the interval's elapsed time: from the previous interval's
         # last step end (or this one's first start) to this one's last step end.
         end = chunk[-1]["ts"] + chunk[-1]["dur"]
-        start = chunk[0]["ts"] if index == 0 else iterations[index * 10 - 1]["ts"] + iterations[index * 10 - 1]["dur"]
+        start = (
+            chunk[0]["ts"]
+            if index == 0
+            else iterations[index * 10 - 1]["ts"] + iterations[index * 10 - 1]["dur"]
+        )
         elapsed = (end - start) * NS
         assert attrs["elapsed_time"] == pytest.approx(elapsed, rel=1e-3)
         assert attrs["samples_per_second"] == pytest.approx(8 * len(chunk) / elapsed, rel=1e-3)
@@ -200,7 +207,9 @@ def test_async_checkpoint_finalised_on_another_thread(memory: tt.MemoryBackend, 
                 train_step(model, optimizer, x, y)
             if step == 1:
                 with tt.checkpoint_save_async(
-                    checkpoint_path=str(folder), checkpoint_type=tt.CheckPointType.GLOBAL, current_iteration=step
+                    checkpoint_path=str(folder),
+                    checkpoint_type=tt.CheckPointType.GLOBAL,
+                    current_iteration=step,
                 ) as blocking:
                     state = {k: v.clone() for k, v in model.state_dict().items()}
                 threading.Thread(target=finalise, args=(blocking, state)).start()
@@ -342,8 +351,11 @@ def test_per_step_records_stay_out_of_the_console_log(tmp_path: Path) -> None:
     console = tt.MemoryBackend(verbosity=tt.Verbosity.INFO)
     everything = tt.MemoryBackend()
     tt.configure(
-        backends={}, extra_backends=[console, everything], log_interval=2,
-        device_sample_interval=0, hang_timeout=0,
+        backends={},
+        extra_backends=[console, everything],
+        log_interval=2,
+        device_sample_interval=0,
+        hang_timeout=0,
     )
     try:
         with tt.training_loop():

@@ -23,7 +23,6 @@ from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Final
 
 from ._names import EventName, SpanName, SpanStatus, Verbosity
-
 from ._recorder import Span
 
 if TYPE_CHECKING:
@@ -537,8 +536,15 @@ class IterationStats:
         added: dict[str, Any] = {}
         if span.name == SpanName.CHECKPOINT_SAVE_FINALIZATION and isinstance(link, Span):
             linked = {**(link.attrs or {}), **(link.metrics or {})}
-            for key in ("checkpoint_path", "path", "checkpoint_directory", "checkpoint_filename",
-                        "checkpoint_type", "current_iteration", "step"):
+            for key in (
+                "checkpoint_path",
+                "path",
+                "checkpoint_directory",
+                "checkpoint_filename",
+                "checkpoint_type",
+                "current_iteration",
+                "step",
+            ):
                 if key in linked and key not in values:
                     values[key] = linked[key]
                     added[key] = linked[key]
