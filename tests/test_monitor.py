@@ -214,3 +214,103 @@ def test_thread_stacks_show_every_thread() -> None:
     assert text.startswith('Thread "worker-7"')
     assert "stuck_in_collective" in text
     assert 'Thread "MainThread"' in text
+
+
+def test_watchdog_is_quiet_after_the_loop(memory: tt.MemoryBackend) -> None:
+    """Once the training loop has ended, work after it is not a hang."""
+    configure(memory, hang_timeout=0.3)
+    with tt.training_loop():
+        for step in range(3):
+            with tt.training_iteration(step):
+                pass
+    time.sleep(0.3 + 4 * PERIOD)
+    tt.flush()
+    assert memory.errors() == []
+
+
+class FakeNvml:
+    """The parts of pynvml the sampler calls, with fixed readings (a unit test of our parsing)."""
+
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
+    NVML_NVLINK_MAX_LINKS = 4
+    NVML_NVLINK_ERROR_DL_REPLAY = 0
+    NVML_NVLINK_ERROR_DL_RECOVERY = 1
+    NVML_NVLINK_ERROR_DL_CRC_FLIT = 2
+    NVML_NVLINK_ERROR_DL_CRC_DATA = 3
+
+    class _Util:
+        gpu = 87
+        memory = 40
+
+    class _Memory:
+        used = 60 << 30
+        total = 80 << 30
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetName(self, handle: int) -> bytes:
+        return b"NVIDIA H100 80GB HBM3"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        return self._Util()
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        return self._Memory()
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        return 650_500
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+        return 71
+
+    def nvmlDeviceGetClockInfo(self, handle: int, clock: int) -> int:
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    def nvmlDeviceGetNvLinkState(self, handle: int, link: int) -> int:
+        return 1 if link < 2 else 0
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, handle: int, link: int, counter: int) -> int:
+        return counter + 1
+
+
+def test_gpu_readings_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML readings become the documented fields; an unsupported one is skipped and not asked again."""
+    from traintrace import _monitor
+
+    fake = FakeNvml()
+    calls: list[int] = []
+    original = fake.nvmlDeviceGetClockInfo
+
+    def clock(handle: int, kind: int) -> int:
+        calls.append(kind)
+        return original(handle, kind)
+
+    monkeypatch.setattr(fake, "nvmlDeviceGetClockInfo", clock)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    gpu = _monitor._Gpu(local_rank=0)
+    assert gpu.present and gpu.index == 1
+    first = gpu.sample()
+    second = gpu.sample()
+    assert first == second
+    assert first == {
+        "gpu_index": 1,
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "gpu_utilization": 87,
+        "memory_utilization": 40,
+        "memory_usage": 60 << 30,
+        "memory_total": 80 << 30,
+        "power_draw": 650.5,
+        "temperature": 71,
+        "nvlink_errors": 2 * (1 + 2 + 3 + 4),
+    }
+    assert calls == [1]
+    assert tt.peak_tflops(gpu.name or "") == 989.0

@@ -367,8 +367,10 @@ class Watchdog(_Periodic):
                 if now - max(span.t0, ref) > limit:
                     return True, max(span.t0, ref), limit, span.name, spans
             return False, ref, self.timeout_ns, phases[0].name, spans
-        if ref == 0:
-            return False, 0, self.timeout_ns, None, spans  # not armed: no loop, no progress yet
+        looping = any(s.name == SpanName.TRAINING_LOOP for s in spans)
+        if ref == 0 or (self.stats.loop_ended and not looping):
+            # Not armed: no loop or progress yet, or the loop is over.
+            return False, ref, self.timeout_ns, None, spans
         return now - ref > self.timeout_ns, ref, self.timeout_ns, None, spans
 
     def tick(self) -> None:

@@ -242,6 +242,8 @@ class IterationStats:
         self.last_step: int | None = None
         #: perf_counter_ns of the latest progress seen (iteration or long phase ended).
         self.last_progress = 0
+        #: True after a training loop ended, until the next iteration: nothing to watch.
+        self.loop_ended = False
         self.device_name: str | None = None
         self._reset_interval()
         self._interval_start: int | None = None
@@ -331,6 +333,7 @@ class IterationStats:
             self._loop_id = span.id
             self._ident = span.tid
             self._emit(out, t1, final=True)
+            self.loop_ended = True
             self._interval_start = None
             self._windows.clear()
             self.last_progress = max(self.last_progress, t1)
@@ -382,6 +385,7 @@ class IterationStats:
         self._hist.add(duration)
         self._last_t1 = t1
         self.last_progress = max(self.last_progress, t1)
+        self.loop_ended = False
         parent = span.parent
         if parent is not None and parent.name == SpanName.TRAINING_LOOP:
             self._loop_id = parent.id
