@@ -278,6 +278,8 @@ class IterationStats:
 
     def _info_at(self, t0: int) -> Mapping[str, Any]:
         info = self.step_info
+        if info and info[-1][0] <= t0:
+            return info[-1][1]
         for index in range(len(info) - 1, -1, -1):
             if info[index][0] <= t0:
                 return info[index][1]
@@ -377,53 +379,75 @@ class IterationStats:
     def _iteration(self, span: Span, out: Out) -> None:
         t0 = span.t0
         t1 = span.t1 or t0
-        duration = t1 - t0
         if self._interval_start is None:
             self._interval_start = t0
         self._steps += 1
-        self._sum += duration
-        self._hist.add(duration)
+        self._sum += t1 - t0
+        self._hist.add(t1 - t0)
         self._last_t1 = t1
-        self.last_progress = max(self.last_progress, t1)
+        if t1 > self.last_progress:
+            self.last_progress = t1
         self.loop_ended = False
         parent = span.parent
         if parent is not None and parent.name == SpanName.TRAINING_LOOP:
             self._loop_id = parent.id
         self._ident = span.tid
+        self.completed_steps += 1
+
+        step = batch = tokens = flops = None
+        sums = self._metric_sum
+        counts = self._metric_count
         attrs = span.attrs
         metrics = span.metrics
-        values: Mapping[str, Any] = {**attrs, **metrics} if attrs and metrics else attrs or metrics or {}
-        info = self._info_at(t0)
-
-        step = None
-        for key in _STEP_KEYS:
-            step = values.get(key)
-            if step is not None:
-                break
-        self.completed_steps += 1
-        if values.get("skipped"):
-            self.skipped_steps += 1
+        shadow = metrics if attrs and metrics else None
+        for values in (attrs, metrics):
+            if not values:
+                continue
+            for key, value in values.items():
+                if key in RESERVED:
+                    if key in _STEP_KEYS:
+                        step = value
+                    elif key == "batch_size":
+                        batch = value
+                    elif key == "tokens":
+                        tokens = value
+                    elif key == "flops":
+                        flops = value
+                    elif key == "skipped" and value:
+                        self.skipped_steps += 1
+                    continue
+                if shadow is not None and values is attrs and key in shadow:
+                    continue
+                kind = type(value)
+                if kind is float:
+                    sums[key] = sums.get(key, 0.0) + value
+                    counts[key] = counts.get(key, 0) + 1
+                elif kind is int or kind is str or kind is bool:
+                    self._metric_last[key] = value
         self.last_step = step if type(step) is int else self.completed_steps
-        number = _number(values.get("batch_size", info.get("batch_size")))
-        if number is not None:
-            self._add_count("batch_size", int(number))
-        number = _number(values.get("tokens", info.get("tokens")))
-        if number is not None:
-            self._add_count("tokens", int(number))
-        number = _number(values.get("flops", info.get("flops")))
-        if number is not None:
-            self._flops += number
+        if batch is None or tokens is None or flops is None:
+            info = self._info_at(t0) if self.step_info else {}
+            if batch is None:
+                batch = info.get("batch_size")
+            if tokens is None:
+                tokens = info.get("tokens")
+            if flops is None:
+                flops = info.get("flops")
+        kind = type(batch)
+        if kind is int or kind is float:
+            self._samples += int(batch)  # type: ignore[arg-type]
+            self.consumed_samples += int(batch)  # type: ignore[arg-type]
+            self._samples_known = True
+        kind = type(tokens)
+        if kind is int or kind is float:
+            self._tokens += int(tokens)  # type: ignore[arg-type]
+            self.consumed_tokens += int(tokens)  # type: ignore[arg-type]
+            self._tokens_known = True
+        kind = type(flops)
+        if kind is int or kind is float:
+            self._flops += flops  # type: ignore[operator]
         else:
             self._flops_known = False
-        for key, value in values.items():
-            if key in RESERVED:
-                continue
-            kind = type(value)
-            if kind is float:
-                self._metric_sum[key] = self._metric_sum.get(key, 0.0) + value
-                self._metric_count[key] = self._metric_count.get(key, 0) + 1
-            elif kind is int or kind is str or kind is bool:
-                self._metric_last[key] = value
         if self._steps >= self.log_interval:
             self._emit(out, t1, final=False)
 
