@@ -385,8 +385,7 @@ class IterationStats:
         self._sum += t1 - t0
         self._hist.add(t1 - t0)
         self._last_t1 = t1
-        if t1 > self.last_progress:
-            self.last_progress = t1
+        self.last_progress = max(self.last_progress, t1)
         self.loop_ended = False
         parent = span.parent
         if parent is not None and parent.name == SpanName.TRAINING_LOOP:
