@@ -232,7 +232,7 @@ class IterationStats:
         self.log_interval = log_interval
         self.peak_tflops = peak_tflops
         #: (monotonic ns from which it applies, values): defaults for every step.
-        self.step_info: list[tuple[int, dict[str, Any]]] = []
+        self.step_info: tuple[tuple[int, dict[str, Any]], ...] = ()
         self._max_route_level = max((r.level for r in pipeline._routes), default=-1)
         # counters of the run
         self.completed_steps = 0
@@ -272,9 +272,10 @@ class IterationStats:
 
     # -- called by the user's thread (through set_step_info) ---------------
     def set_info(self, values: dict[str, Any]) -> None:
-        merged = {**self.step_info[-1][1], **values} if self.step_info else dict(values)
-        self.step_info.append((perf_counter_ns(), merged))
-        del self.step_info[:-16]
+        # Rebinding a new tuple keeps the writer's reads consistent without a lock.
+        current = self.step_info
+        merged = {**current[-1][1], **values} if current else dict(values)
+        self.step_info = (*current[-15:], (perf_counter_ns(), merged))
 
     def _info_at(self, t0: int) -> Mapping[str, Any]:
         info = self.step_info
