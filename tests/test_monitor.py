@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 import traintrace as tt
@@ -171,6 +172,10 @@ def test_hard_mode_exits_with_its_code(tmp_path: Path) -> None:
     ]
     names = [r.get("name") for r in records if r["kind"] == "error"]
     assert names == ["hang_suspected", "hang_exit"]
+    schema = json.loads((Path(tt.__file__).parent / "schema" / "record-v1.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for record in records:
+        validator.validate(record)
     suspected = next(r for r in records if r.get("name") == "hang_suspected")
     assert "wait_forever" in suspected["stack"]
     iteration = [r for r in records if r.get("name") == "iteration"]

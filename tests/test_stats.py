@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 from hypothesis import given, settings
@@ -33,6 +35,14 @@ def configure(memory: tt.MemoryBackend, **settings: Any) -> tt.Recorder:
     base: dict[str, Any] = {"device_sample_interval": 0, "hang_timeout": 0, "job_id": "test"}
     base.update(settings)
     return tt.configure(backends={}, extra_backends=[memory], **base)
+
+
+def assert_valid(records: list[dict[str, Any]]) -> None:
+    """Every record follows the v1 schema."""
+    schema = json.loads((Path(tt.__file__).parent / "schema" / "record-v1.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for record in records:
+        validator.validate(record)
 
 
 def nearest_rank(values: list[float], q: float) -> float:
@@ -184,6 +194,7 @@ def test_checkpoint_and_validation_time_are_excluded(memory: tt.MemoryBackend, t
     assert save["attrs"]["checkpoint_size"] == path.stat().st_size
     assert save["attrs"]["checkpoint_directory"] == str(tmp_path)
     assert save["attrs"]["checkpoint_filename"] == "ckpt.pt"
+    assert_valid(memory.records)
 
 
 def test_async_checkpoint_finalised_on_another_thread(memory: tt.MemoryBackend, tmp_path: Path) -> None:
@@ -268,6 +279,7 @@ def test_tensor_metrics_are_read_once_per_interval(memory: tt.MemoryBackend) -> 
     # Held records keep their sequence numbers in order.
     seqs = [r["seq"] for r in memory.records]
     assert seqs == sorted(seqs)
+    assert_valid(memory.records)
 
 
 def test_resolve_tensors_groups_by_dtype() -> None:
