@@ -426,11 +426,15 @@ class Watchdog(_Periodic):
         owners = {getattr(s, "tid", 0) for s in spans}
         stack = clip_text(thread_stacks(owners), 65536)
         self._put_error(HANG_SUSPECTED, attrs, message, stack)
-        log.error("traintrace: hang suspected: %s", message)
         self.suspected_at = now
         self._suspected_ref = ref
         self.fired += 1
-        self.recorder.flush(5.0)
+        if self.recorder.flush(5.0):
+            log.error("traintrace: hang suspected: %s", message)
+        else:
+            # The writer itself is stuck (e.g. reading a tensor from a hung device):
+            # the record may never reach a backend, so the log carries the stacks.
+            log.error("traintrace: hang suspected: %s; the writer is stuck too\n%s", message, stack)
 
     def _resolved(self, now: int) -> None:
         assert self.suspected_at is not None
