@@ -34,6 +34,8 @@ class Insight:
         if peak is None and config.accelerator:
             peak = peak_tflops(config.accelerator)
         self.stats = IterationStats(pipeline, config.log_interval, peak)
+        self.hold = self.stats.hold
+        self.span_ended = self.stats.span_ended
         self.sampler: Sampler | None = None
         self.watchdog: Watchdog | None = None
         if config.device_sample_interval:
@@ -55,11 +57,8 @@ class Insight:
                 thread.start()
 
     # -- pipeline observer (writer thread) ----------------------------------
-    def hold(self, span: Any, started: bool) -> bool:
-        return self.stats.hold(span, started)
-
-    def span_ended(self, span: Any, out: list[tuple[int, dict[str, Any]]]) -> None:
-        self.stats.span_ended(span, out)
+    # ``hold(span, started)`` and ``span_ended(span, out)`` are the statistics'
+    # own bound methods, set in __init__ to save a call per span.
 
     def finish(self, out: list[tuple[int, dict[str, Any]]], open_status: str) -> None:
         for thread in (self.sampler, self.watchdog):

@@ -55,6 +55,7 @@ RESERVED: Final = frozenset(
 )
 _CHECKPOINT_SIZE_FILES: Final = 100_000
 _COUNTED: Final = frozenset({"tokens", "batch_size"})
+_PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
 _DETAILED: Final = frozenset({SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION})
 
 
@@ -306,7 +307,18 @@ class IterationStats:
         """
         name = span.name
         if name == SpanName.ITERATION:
-            return self._hold_tensors(span, started)
+            plain = _PLAIN_TYPES
+            attrs = span.attrs
+            metrics = span.metrics
+            if attrs:
+                for value in attrs.values():
+                    if type(value) not in plain and is_tensor(value):
+                        return self._hold_tensors(span, started)
+            if metrics:
+                for value in metrics.values():
+                    if type(value) not in plain and is_tensor(value):
+                        return self._hold_tensors(span, started)
+            return False
         if name in _DETAILED:
             self._checkpoint_details(span)
         return False
@@ -351,16 +363,6 @@ class IterationStats:
     def _hold_tensors(self, span: Span, started: bool) -> bool:
         attrs = span.attrs
         metrics = span.metrics
-        has_tensor = False
-        for values in (attrs, metrics):
-            if values:
-                for value in values.values():
-                    kind = type(value)
-                    if kind is not int and kind is not float and kind is not str and is_tensor(value):
-                        has_tensor = True
-                        break
-        if not has_tensor:
-            return False
         # Held without their autograd graphs; read with the interval's others.
         shadowed = metrics.keys() if metrics else ()
         if attrs:
