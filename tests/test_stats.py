@@ -423,3 +423,53 @@ def test_phase_timeouts_from_the_environment() -> None:
 
     config = build_config(env={"TRAINTRACE_PHASE_TIMEOUTS": "validation_loop=7200, checkpoint_load=60"})
     assert config.phase_timeouts == {"validation_loop": 7200.0, "checkpoint_load": 60.0}
+
+
+def test_statistics_work_with_an_info_only_backend() -> None:
+    """With only an info-level backend, iterations and phases are still measured (not written)."""
+    console = tt.MemoryBackend(verbosity=tt.Verbosity.INFO)
+    tt.configure(
+        backends={}, extra_backends=[console], log_interval=4, device_sample_interval=0, hang_timeout=0
+    )
+    try:
+        model, optimizer, x, y = tiny_model()
+        with tt.training_loop():
+            for step in range(4):
+                with tt.training_iteration(step) as it:
+                    loss = train_step(model, optimizer, x, y)
+                    it.add_metrics(loss=loss)
+        tt.flush()
+        assert console.spans("iteration") == []
+        assert console.spans("model_forward") == []
+        (event,) = (e for e in console.events("training_iterations") if e["attrs"]["interval"])
+        assert event["attrs"]["interval"] == 4
+        assert event["attrs"]["average_forward_time"] > 0
+        assert isinstance(event["attrs"]["loss"], float)
+    finally:
+        tt.close()
+
+
+def test_calls_before_configure_do_nothing() -> None:
+    """set_step_info, heartbeat, counters and count_flops are harmless without a recorder."""
+    tt.close()
+    tt.set_step_info(batch_size=3)
+    tt.heartbeat()
+    assert tt.counters() == {}
+    with tt.count_flops():
+        torch.ones(2) @ torch.ones(2)
+
+
+def test_step_info_applies_from_the_next_iteration(memory: tt.MemoryBackend) -> None:
+    """A batch size set between steps counts for the steps that start after it."""
+    configure(memory, log_interval=4)
+    with tt.training_loop():
+        for step in range(4):
+            if step == 2:
+                tt.set_step_info(batch_size=10)
+            elif step == 0:
+                tt.set_step_info(batch_size=1)
+            with tt.training_iteration(step):
+                pass
+    tt.flush()
+    (event,) = (e for e in memory.events("training_iterations") if e["attrs"]["interval"])
+    assert event["attrs"]["consumed_samples"] == 1 + 1 + 10 + 10
