@@ -541,7 +541,7 @@ class IterationStats:
                     attrs["mfu"] = tflops / peak
             self._interval_start = end
         for key, metric_sum in self._metric_sum.items():
-            attrs[key] = metric_sum / self._metric_count[key]
+            attrs.setdefault(key, metric_sum / self._metric_count[key])  # measured fields win
         for key, value in self._metric_last.items():
             attrs.setdefault(key, value)
         attrs.update(self.snapshot())
