@@ -473,3 +473,27 @@ def test_step_info_applies_from_the_next_iteration(memory: tt.MemoryBackend) -> 
     tt.flush()
     (event,) = (e for e in memory.events("training_iterations") if e["attrs"]["interval"])
     assert event["attrs"]["consumed_samples"] == 1 + 1 + 10 + 10
+
+
+def test_flush_writes_held_records_with_one_read(memory: tt.MemoryBackend) -> None:
+    """flush() writes iterations held for their tensors, reading them once, and the interval goes on."""
+    CountingTensor.reads.clear()
+    configure(memory, log_interval=10)
+    with tt.training_loop():
+        for step in range(5):
+            with tt.training_iteration(step) as it:
+                it.add_metrics(loss=torch.tensor(float(step)).as_subclass(CountingTensor))
+        tt.flush()
+        assert len(CountingTensor.reads) == 1
+        assert [r["attrs"]["loss"] for r in memory.spans("iteration")] == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert memory.events("training_iterations") == []
+        for step in range(5, 10):
+            with tt.training_iteration(step) as it:
+                it.add_metrics(loss=torch.tensor(float(step)).as_subclass(CountingTensor))
+    tt.flush()
+    assert len(CountingTensor.reads) == 2
+    event, final = memory.events("training_iterations")
+    assert event["attrs"]["loss"] == pytest.approx(4.5)
+    assert event["attrs"]["interval"] == 10
+    assert final["attrs"]["interval"] == 0
+    assert final["attrs"]["final"] is True

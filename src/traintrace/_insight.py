@@ -36,6 +36,7 @@ class Insight:
         self.stats = IterationStats(pipeline, config.log_interval, peak)
         self.hold = self.stats.hold
         self.span_ended = self.stats.span_ended
+        self.flushing = self.stats.flushing
         self.sampler: Sampler | None = None
         self.watchdog: Watchdog | None = None
         if config.device_sample_interval:

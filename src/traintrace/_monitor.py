@@ -390,11 +390,15 @@ class Watchdog(_Periodic):
         if not suspected:
             return
         # Confirm with everything queued so far written: progress may be in the queue.
+        # Held tensors are not read meanwhile: the device may be what hangs.
+        self.stats.quiet_flush = True
         recorder.flush(min(5.0, max(self.period, 0.5)))
         now = perf_counter_ns()
         suspected, ref, limit, phase, spans = self._check(now)
         if suspected:
             self._fire(now, ref, limit, phase, spans)
+        else:
+            self.stats.quiet_flush = False
 
     def _fire(self, now: int, ref: int, limit: int, phase: str | None, spans: list[Span]) -> None:
         stats = self.stats
@@ -446,6 +450,7 @@ class Watchdog(_Periodic):
         self.recorder._event(HANG_RESOLVED, attrs, int(Verbosity.ERROR), 0)
         log.warning("traintrace: progress resumed after %.1fs", attrs["hang_seconds"])
         self.suspected_at = None
+        self.stats.quiet_flush = False
 
     def _exit(self, now: int) -> None:
         message = f"no progress for {(now - self._suspected_ref) / 1e9:.1f}s; exiting with {self.exit_code}"

@@ -168,6 +168,16 @@ class Pipeline:
                 self._deliver(batch)
                 wrote = True
             time.sleep(0)  # let the training thread have the GIL between chunks
+        if waiters and self.observers:
+            held: list[tuple[int, dict[str, Any]]] = []
+            for observer in self.observers:
+                try:
+                    observer.flushing(held)
+                except Exception:  # noqa: BLE001 - an observer's bug must not stop the writer
+                    log.exception("traintrace: span observer failed at flush")
+            if held:
+                self._deliver(held)
+                wrote = True
         if self.dropped != self._dropped_reported:
             with self._drop_lock:
                 count = self.dropped - self._dropped_reported

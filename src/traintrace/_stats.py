@@ -246,6 +246,8 @@ class IterationStats:
         #: True after a training loop ended, until the next iteration: nothing to watch.
         self.loop_ended = False
         self.device_name: str | None = None
+        #: Set by the watchdog while it suspects a hang: flushes then leave tensors unread.
+        self.quiet_flush = False
         self._reset_interval()
         self._interval_start: int | None = None
         self._windows: list[tuple[int, int, str]] = []
@@ -463,17 +465,13 @@ class IterationStats:
             self.consumed_samples += value
             self._samples_known = True
 
-    def _emit(self, out: Out, now: int, *, final: bool, cpu_only: bool = False) -> None:
-        pipeline = self.pipeline
-        steps = self._steps
-        attrs: dict[str, Any] = {"interval": steps}
-        if self.last_step is not None:
-            attrs["current_iteration"] = self.last_step
-        info = self.step_info[-1][1] if self.step_info else {}
-        if info.get("num_iterations") is not None:
-            attrs["num_iterations"] = info["num_iterations"]
+    def flushing(self, out: Out) -> None:
+        """``flush()`` was called: write the held records now (one read of their tensors)."""
+        if self._held and not self.quiet_flush:
+            self._release_held(out, cpu_only=False)
 
-        # Tensors of the interval, read together.
+    def _release_held(self, out: Out, *, cpu_only: bool) -> None:
+        """Read the held tensors together, count them, and write the held records."""
         tensors = self._tensors
         resolved: dict[int, Any] = {}
         if tensors:
@@ -497,8 +495,21 @@ class IterationStats:
                         holder,
                         {k: resolved.get(id(v), v) if is_tensor(v) else v for k, v in values.items()},
                     )
-            pipeline.release_span(span, started, out)
+            self.pipeline.release_span(span, started, out)
+        self._tensors = []
+        self._held = []
 
+    def _emit(self, out: Out, now: int, *, final: bool, cpu_only: bool = False) -> None:
+        pipeline = self.pipeline
+        steps = self._steps
+        attrs: dict[str, Any] = {"interval": steps}
+        if self.last_step is not None:
+            attrs["current_iteration"] = self.last_step
+        info = self.step_info[-1][1] if self.step_info else {}
+        if info.get("num_iterations") is not None:
+            attrs["num_iterations"] = info["num_iterations"]
+
+        self._release_held(out, cpu_only=cpu_only)
         if steps:
             seconds = 1e-9
             attrs["average_iteration_time"] = self._sum / steps * seconds
