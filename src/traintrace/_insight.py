@@ -201,8 +201,14 @@ class count_flops:
             warn_once("count_flops_torch", "count_flops() needs torch: pip install 'traintrace[torch]'")
             count_flops._done = True
             return self
-        self._mode = FlopCounterMode(display=False)
-        self._mode.__enter__()
+        try:
+            mode = FlopCounterMode(display=False)
+            mode.__enter__()
+        except Exception:  # noqa: BLE001 - never fail the training step
+            warn_once("count_flops_failed", "count_flops() could not start torch's FLOP counter")
+            count_flops._done = True
+            return self
+        self._mode = mode
         return self
 
     def __exit__(
