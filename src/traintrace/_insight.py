@@ -202,7 +202,7 @@ class count_flops:
             count_flops._done = True
             return self
         try:
-            mode = FlopCounterMode(display=False)
+            mode: Any = FlopCounterMode(display=False)
             mode.__enter__()
         except Exception:  # noqa: BLE001 - never fail the training step
             warn_once("count_flops_failed", "count_flops() could not start torch's FLOP counter")
