@@ -55,6 +55,7 @@ RESERVED: Final = frozenset(
 )
 _CHECKPOINT_SIZE_FILES: Final = 100_000
 _COUNTED: Final = frozenset({"tokens", "batch_size"})
+_BATCH: Final = 1024
 _PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
 _DETAILED: Final = frozenset({SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION})
 
@@ -80,6 +81,25 @@ class LogHistogram:
         self.count = 0
         self.min = math.inf
         self.max = -math.inf
+
+    def add_many(self, values: list[int]) -> None:
+        """Add a batch of positive values (cheaper per value than :meth:`add`)."""
+        if not values:
+            return
+        buckets = self._buckets
+        inv_log = self._inv_log
+        log = math.log
+        floor = math.floor
+        for value in values:
+            key = floor(log(value) * inv_log) if value > 0 else -(1 << 30)
+            buckets[key] = buckets.get(key, 0) + 1
+        self.count += len(values)
+        low = min(values)
+        high = max(values)
+        if low < self.min:
+            self.min = low
+        if high > self.max:
+            self.max = high
 
     def add(self, value: float) -> None:
         key = math.floor(math.log(value) * self._inv_log) if value > 0 else -(1 << 30)
@@ -258,6 +278,8 @@ class IterationStats:
         self._steps = 0
         self._sum = 0
         self._hist = LogHistogram()
+        #: durations not yet in the histogram, added in batches (at most _BATCH)
+        self._durations: list[int] = []
         self._phase_sum: dict[str, int] = {}
         self._phase_count: dict[str, int] = {}
         self._samples = 0
@@ -388,7 +410,11 @@ class IterationStats:
             self._interval_start = t0
         self._steps += 1
         self._sum += t1 - t0
-        self._hist.add(t1 - t0)
+        durations = self._durations
+        durations.append(t1 - t0)
+        if len(durations) >= _BATCH:
+            self._hist.add_many(durations)
+            durations.clear()
         self._last_t1 = t1
         self.last_progress = max(self.last_progress, t1)
         self.loop_ended = False
@@ -512,6 +538,8 @@ class IterationStats:
         self._release_held(out, cpu_only=cpu_only)
         if steps:
             seconds = 1e-9
+            self._hist.add_many(self._durations)
+            self._durations.clear()
             attrs["average_iteration_time"] = self._sum / steps * seconds
             attrs["iteration_time_min"] = self._hist.min * seconds
             attrs["iteration_time_max"] = self._hist.max * seconds
