@@ -96,10 +96,8 @@ class LogHistogram:
         self.count += len(values)
         low = min(values)
         high = max(values)
-        if low < self.min:
-            self.min = low
-        if high > self.max:
-            self.max = high
+        self.min = min(self.min, low)
+        self.max = max(self.max, high)
 
     def add(self, value: float) -> None:
         key = math.floor(math.log(value) * self._inv_log) if value > 0 else -(1 << 30)
