@@ -91,6 +91,13 @@ def test_histogram_quantiles_within_half_a_percent(values: list[float]) -> None:
         assert abs(estimate - exact) <= exact * 0.0051
     assert histogram.min == min(values)
     assert histogram.max == max(values)
+    batched = LogHistogram()
+    batched.add_many([int(v) for v in values])
+    single = LogHistogram()
+    for value in values:
+        single.add(int(value))
+    assert batched.quantiles(qs) == single.quantiles(qs)
+    assert (batched.min, batched.max, batched.count) == (single.min, single.max, single.count)
 
 
 def test_histogram_memory_is_bounded() -> None:
