@@ -15,9 +15,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import traintrace as tt
+from _insight_helpers import configure, tiny_model, train_step
 from traintrace._stats import LogHistogram, resolve_tensors
 
 NS = 1e-9
@@ -31,12 +31,6 @@ def memory() -> Iterator[tt.MemoryBackend]:
     tt.close()
 
 
-def configure(memory: tt.MemoryBackend, **settings: Any) -> tt.Recorder:
-    base: dict[str, Any] = {"device_sample_interval": 0, "hang_timeout": 0, "job_id": "test"}
-    base.update(settings)
-    return tt.configure(backends={}, extra_backends=[memory], **base)
-
-
 def assert_valid(records: list[dict[str, Any]]) -> None:
     """Every record follows the v1 schema."""
     schema = json.loads((Path(tt.__file__).parent / "schema" / "record-v1.schema.json").read_text())
@@ -48,27 +42,6 @@ def assert_valid(records: list[dict[str, Any]]) -> None:
 def nearest_rank(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[max(math.ceil(q * len(ordered)) - 1, 0)]
-
-
-def tiny_model() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(8, 16)
-    y = torch.randn(8, 1)
-    return model, optimizer, x, y
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Any:
-    with tt.zero_grad():
-        optimizer.zero_grad()
-    with tt.forward():
-        loss = nn.functional.mse_loss(model(x), y)
-    with tt.backward():
-        loss.backward()
-    with tt.optimizer_step():
-        optimizer.step()
-    return loss
 
 
 def seconds(record: dict[str, Any]) -> float:
@@ -321,26 +294,6 @@ def test_counters_continue_after_restart(memory: tt.MemoryBackend) -> None:
     assert tt.counters()["completed_steps"] == 110
 
 
-def test_flops_counted_once_give_tflops_and_mfu(memory: tt.MemoryBackend) -> None:
-    """count_flops() measures the first step; TFLOPS and MFU follow from it."""
-    configure(memory, log_interval=5, peak_tflops=0.001)
-    model, optimizer, x, y = tiny_model()
-    with tt.training_loop():
-        for step in range(5):
-            with tt.training_iteration(step), tt.count_flops():
-                train_step(model, optimizer, x, y)
-    tt.flush()
-    # Matmul FLOPs (2*m*n*k): forward of both layers, backward of the weights of
-    # both and of the input of the second (the data needs no gradient).
-    forward = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 1
-    backward = 2 * 8 * 16 * 32 + 2 * 8 * 32 * 1 + 2 * 8 * 32 * 1
-    (event,) = (e for e in memory.events("training_iterations") if e["attrs"]["interval"])
-    attrs = event["attrs"]
-    expected = (forward + backward) * 5 / attrs["elapsed_time"] / 1e12
-    assert attrs["tflops"] == pytest.approx(expected, rel=1e-6)
-    assert attrs["mfu"] == pytest.approx(expected / 0.001, rel=1e-6)
-
-
 def test_peak_table_lookup() -> None:
     """Device names as NVML and torch print them find their peak."""
     assert tt.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
@@ -389,49 +342,6 @@ def test_per_step_records_stay_out_of_the_console_log(tmp_path: Path) -> None:
         tt.close()
 
 
-def test_statistics_off(memory: tt.MemoryBackend) -> None:
-    """statistics=False leaves the stream as the core writes it."""
-    configure(memory, statistics=False, log_interval=1)
-    with tt.training_loop():
-        for step in range(3):
-            with tt.training_iteration(step):
-                pass
-    tt.flush()
-    assert memory.events("training_iterations") == []
-    assert tt.counters() == {}
-
-
-@pytest.mark.parametrize(
-    ("setting", "value"),
-    [
-        ("hang_timeout", -1),
-        ("hang_check_interval", 0),
-        ("hang_exit_code", 0),
-        ("peak_tflops", "fast"),
-        ("phase_timeouts", {"checkpoint_save_sync": -5}),
-        ("device_sample_interval", True),
-    ],
-)
-def test_bad_settings_name_the_field(setting: str, value: Any) -> None:
-    """A bad insight setting raises ConfigError naming it."""
-    with pytest.raises(tt.ConfigError, match=setting):
-        _build(**{setting: value})
-
-
-def _build(**settings: Any) -> tt.Config:
-    from traintrace._config import build_config
-
-    return build_config(env={}, **settings)
-
-
-def test_phase_timeouts_from_the_environment() -> None:
-    """TRAINTRACE_PHASE_TIMEOUTS takes name=seconds pairs."""
-    from traintrace._config import build_config
-
-    config = build_config(env={"TRAINTRACE_PHASE_TIMEOUTS": "validation_loop=7200, checkpoint_load=60"})
-    assert config.phase_timeouts == {"validation_loop": 7200.0, "checkpoint_load": 60.0}
-
-
 def test_statistics_work_with_an_info_only_backend() -> None:
     """With only an info-level backend, iterations and phases are still measured (not written)."""
     console = tt.MemoryBackend(verbosity=tt.Verbosity.INFO)
@@ -454,32 +364,6 @@ def test_statistics_work_with_an_info_only_backend() -> None:
         assert isinstance(event["attrs"]["loss"], float)
     finally:
         tt.close()
-
-
-def test_calls_before_configure_do_nothing() -> None:
-    """set_step_info, heartbeat, counters and count_flops are harmless without a recorder."""
-    tt.close()
-    tt.set_step_info(batch_size=3)
-    tt.heartbeat()
-    assert tt.counters() == {}
-    with tt.count_flops():
-        torch.ones(2) @ torch.ones(2)
-
-
-def test_step_info_applies_from_the_next_iteration(memory: tt.MemoryBackend) -> None:
-    """A batch size set between steps counts for the steps that start after it."""
-    configure(memory, log_interval=4)
-    with tt.training_loop():
-        for step in range(4):
-            if step == 2:
-                tt.set_step_info(batch_size=10)
-            elif step == 0:
-                tt.set_step_info(batch_size=1)
-            with tt.training_iteration(step):
-                pass
-    tt.flush()
-    (event,) = (e for e in memory.events("training_iterations") if e["attrs"]["interval"])
-    assert event["attrs"]["consumed_samples"] == 1 + 1 + 10 + 10
 
 
 def test_flush_writes_held_records_with_one_read(memory: tt.MemoryBackend) -> None:
