@@ -173,7 +173,7 @@ class Pipeline:
             for observer in self.observers:
                 try:
                     observer.flushing(held)
-                except Exception:  # noqa: BLE001 - an observer's bug must not stop the writer
+                except Exception:
                     log.exception("traintrace: span observer failed at flush")
             if held:
                 self._deliver(held)
