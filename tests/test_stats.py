@@ -388,3 +388,30 @@ def test_flush_writes_held_records_with_one_read(memory: tt.MemoryBackend) -> No
     assert event["attrs"]["interval"] == 10
     assert final["attrs"]["interval"] == 0
     assert final["attrs"]["final"] is True
+
+
+def test_failed_steps_and_run_totals(memory: tt.MemoryBackend) -> None:
+    """A step an exception leaves is counted as failed; checkpoint and validation time add up over the run."""
+    configure(memory, log_interval=100)
+    tt.set_step_info(batch_size=2)
+    with tt.training_loop():
+        for step in range(4):
+            try:
+                with tt.training_iteration(step):
+                    if step == 2:
+                        raise RuntimeError("bad batch")
+            except RuntimeError:
+                pass
+            with tt.checkpoint_save(current_iteration=step):
+                pass
+            with tt.validation():
+                pass
+    tt.flush()
+    (event,) = memory.events("training_iterations")
+    attrs = event["attrs"]
+    assert (attrs["completed_steps"], attrs["failed_steps"], attrs["consumed_samples"]) == (3, 1, 6)
+    assert attrs["interval"] == 4
+    saves = sum(seconds(r) for r in memory.spans("checkpoint_save_sync"))
+    validations = sum(seconds(r) for r in memory.spans("validation_loop"))
+    assert attrs["total_checkpoint_time"] == pytest.approx(saves, rel=1e-9)
+    assert attrs["total_validation_time"] == pytest.approx(validations, rel=1e-9)

@@ -56,6 +56,7 @@ RESERVED: Final = frozenset(
 _CHECKPOINT_SIZE_FILES: Final = 100_000
 _COUNTED: Final = frozenset({"tokens", "batch_size"})
 _BATCH: Final = 1024
+_FAILED: Final = frozenset({SpanStatus.ERROR, SpanStatus.TERMINATED})
 _PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
 _DETAILED: Final = frozenset({SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION})
 
@@ -256,6 +257,9 @@ class IterationStats:
         # counters of the run
         self.completed_steps = 0
         self.skipped_steps = 0
+        self.failed_steps = 0
+        self.checkpoint_ns = 0
+        self.validation_ns = 0
         self.consumed_samples = 0
         self.consumed_tokens = 0
         self.last_step: int | None = None
@@ -317,6 +321,9 @@ class IterationStats:
             "consumed_samples": self.consumed_samples,
             "consumed_tokens": self.consumed_tokens,
             "last_step": self.last_step,
+            "failed_steps": self.failed_steps,
+            "total_checkpoint_time": self.checkpoint_ns * 1e-9,
+            "total_validation_time": self.validation_ns * 1e-9,
         }
 
     # -- writer thread -----------------------------------------------------
@@ -359,6 +366,10 @@ class IterationStats:
             return
         field = EXCLUDED_FIELDS.get(name)
         if field is not None:
+            if field == "checkpoint_time":
+                self.checkpoint_ns += t1 - span.t0
+            else:
+                self.validation_ns += t1 - span.t0
             if self._interval_start is not None:
                 self._windows.append((span.t0, t1, field))
                 del self._windows[:-1024]
@@ -420,6 +431,12 @@ class IterationStats:
         if parent is not None and parent.name == SpanName.TRAINING_LOOP:
             self._loop_id = parent.id
         self._ident = span.tid
+        if span.status in _FAILED:
+            # An exception left the step: timed, but not completed and nothing consumed.
+            self.failed_steps += 1
+            if self._steps >= self.log_interval:
+                self._emit(out, t1, final=False)
+            return
         self.completed_steps += 1
 
         step = batch = tokens = flops = None
