@@ -218,9 +218,15 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
         raise
     listeners = [b for b, _, _ in routes if hasattr(b, "span_started") and hasattr(b, "span_stopped")]
     max_level = max((level for _, _, level in routes), default=-1)
+    if config.statistics and routes:
+        # Statistics need iteration and sub-phase spans even where no backend writes them.
+        max_level = max(max_level, int(Verbosity.PROFILING))
     pipeline = Pipeline(config, header, routes)
     recorder = Recorder(pipeline, max_level, listeners)
     recorder.identity = identity  # type: ignore[attr-defined]
+    from ._insight import attach
+
+    attach(recorder, pipeline, config, identity)
     _extra_backends_of_last[:] = extra_backends
     set_active(recorder)
     _install_process_hooks(config)

@@ -186,6 +186,16 @@ class Config:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: Write <log_dir>/<job>/manifest.json and a registration per rank (docs/distributed.md).
     manifest: bool = True
+    # Training-loop insight (docs/insight.md).
+    statistics: bool = True
+    peak_tflops: float | None = None
+    accelerator: str | None = None
+    device_sample_interval: float = 10.0
+    hang_timeout: float = 600.0
+    hang_check_interval: float = 5.0
+    hang_exit_after: float | None = None
+    hang_exit_code: int = 86
+    phase_timeouts: dict[str, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
@@ -217,6 +227,9 @@ class Config:
             raise ConfigError("metadata: expected a mapping")
         for key, backend in self.backends.items():
             backend.validate(f"backends.{key}")
+        from ._insight import validate_settings
+
+        validate_settings(self)
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
