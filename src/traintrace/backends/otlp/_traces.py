@@ -1,0 +1,216 @@
+"""Spans as OpenTelemetry traces over OTLP."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..._names import RecordKind, SpanStatus, Verbosity
+from .._base import Record
+from ._common import (
+    AttrValue,
+    Sender,
+    build_resource,
+    flatten_attrs,
+    make_exporter,
+    require_otel,
+    scope,
+    span_id_for,
+    span_salt,
+    trace_id_for,
+)
+
+
+class _Pending:
+    """A span seen by the backend and not yet exported."""
+
+    __slots__ = ("attrs", "end", "error", "events", "id", "link", "name", "parent", "start", "status", "tid")
+
+    def __init__(self, record: Record) -> None:
+        self.id: int = record["id"]
+        self.name: str = record["name"]
+        self.parent: int = record.get("parent") or 0
+        self.start: int = record["ts"]
+        self.tid: int = record.get("tid") or 0
+        self.link: int | None = record.get("link")
+        self.attrs: dict[str, AttrValue] = {}
+        attrs = record.get("attrs")
+        if attrs:
+            flatten_attrs(attrs, self.attrs)
+        self.events: list[Any] = []
+        self.end = 0
+        self.status = SpanStatus.OK
+        self.error: str | None = None
+
+
+class OtlpTracesBackend:
+    """Exports spans to an OpenTelemetry collector as one trace per job run.
+
+    Conversion happens on traintrace's writer thread; export on the sender's
+    own thread, from a bounded queue (see :class:`Sender`). Events become span
+    events, errors an ``exception`` event and status ERROR.
+    """
+
+    def __init__(
+        self,
+        exporter: Any = None,
+        *,
+        exporter_options: Mapping[str, Any] | None = None,
+        verbosity: int = Verbosity.TRACING,
+        service_name: str | None = None,
+        resource_attributes: Mapping[str, Any] | None = None,
+        max_queue: int = 65536,
+        batch_size: int = 2048,
+        export_interval: float = 1.0,
+        close_timeout: float = 3.0,
+    ) -> None:
+        require_otel("otlp_traces")
+        self.verbosity = int(verbosity)
+        self._exporter = exporter if exporter is not None else make_exporter(
+            exporter_options or {"signal": "traces"}
+        )
+        self._service_name = service_name
+        self._extra = dict(resource_attributes or {})
+        self._queue_options = (max_queue, batch_size, export_interval, close_timeout)
+        self.sender: Sender | None = None
+        self.trace_id = 0
+        self._salt = 0
+        self._open: dict[int, _Pending] = {}
+        self._done: dict[int, _Pending] = {}
+        self.unattached = 0
+
+    # -- backend protocol -------------------------------------------------
+    def open(self, header: Record) -> None:
+        from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.sdk.trace.export import SpanExportResult
+        from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+        self._Event, self._ReadableSpan, self._Link = Event, ReadableSpan, Link
+        self._SpanContext, self._Status, self._StatusCode = SpanContext, Status, StatusCode
+        self._kind = SpanKind.INTERNAL
+        self._flags = TraceFlags(TraceFlags.SAMPLED)
+        self._ok = Status(StatusCode.UNSET)
+        self.resource = build_resource(header, self._service_name, self._extra)
+        self._scope = scope()
+        job, restart = str(header.get("job", "")), int(header.get("restart", 0))
+        self.trace_id = trace_id_for(job, restart)
+        self._salt = span_salt(job, restart, int(header.get("rank", 0)), str(header.get("host", "")),
+                               int(header.get("pid", 0)))
+        max_queue, batch_size, interval, close_timeout = self._queue_options
+        self.sender = Sender(
+            self._exporter,
+            "otlp_traces",
+            max_queue=max_queue,
+            batch_size=batch_size,
+            export_interval=interval,
+            close_timeout=close_timeout,
+            success=SpanExportResult.SUCCESS,
+        )
+
+    def write(self, records: Sequence[Record]) -> None:
+        done, open_spans = self._done, self._open
+        for record in records:
+            kind = record["kind"]
+            if kind == RecordKind.SPAN:
+                pending = _Pending(record)
+                pending.end = record["ts"] + record.get("dur", 0)
+                pending.status = record.get("status", SpanStatus.OK)
+                done[pending.id] = pending
+            elif kind == RecordKind.START:
+                pending = _Pending(record)
+                open_spans[pending.id] = pending
+            elif kind == RecordKind.END:
+                found = open_spans.pop(record["id"], None)
+                if found is None:
+                    continue
+                found.end = record["ts"]
+                found.status = record.get("status", SpanStatus.OK)
+                attrs = record.get("attrs")
+                if attrs:
+                    flatten_attrs(attrs, found.attrs)
+                done[found.id] = found
+            elif kind == RecordKind.EVENT or kind == RecordKind.ERROR:
+                self._attach(record)
+
+    def _target(self, record: Record) -> _Pending | None:
+        span_id = record.get("span") or 0
+        if span_id:
+            found = self._done.get(span_id) or self._open.get(span_id)
+            if found is not None:
+                return found
+        # Not a span this backend sees (a finer verbosity): the innermost open span of the thread.
+        tid = record.get("tid")
+        for pending in reversed(self._open.values()):
+            if pending.tid == tid:
+                return pending
+        return None
+
+    def _attach(self, record: Record) -> None:
+        target = self._target(record)
+        if target is None:
+            self.unattached += 1
+            return
+        attrs: dict[str, AttrValue] = {}
+        if record["kind"] == RecordKind.ERROR:
+            error_type = record.get("error_type") or record.get("name", "error")
+            message = record.get("message", "")
+            attrs["exception.type"] = str(error_type)
+            attrs["exception.message"] = str(message)
+            attrs["exception.stacktrace"] = str(record.get("stack", ""))
+            raw = record.get("attrs")
+            if raw:
+                flatten_attrs(raw, attrs)
+            target.events.append(self._Event("exception", attrs, record["ts"]))
+            target.error = f"{error_type}: {message}" if message else str(error_type)
+            return
+        raw = record.get("attrs")
+        if raw:
+            flatten_attrs(raw, attrs)
+        target.events.append(self._Event(record["name"], attrs, record["ts"]))
+
+    def flush(self) -> None:
+        done = self._done
+        if not done or self.sender is None:
+            return
+        self._done = {}
+        self.sender.put([self._convert(pending) for pending in done.values()])
+
+    def _convert(self, pending: _Pending) -> Any:
+        trace_id, salt, flags, context = self.trace_id, self._salt, self._flags, self._SpanContext
+        attrs = pending.attrs
+        attrs["thread.id"] = pending.tid
+        attrs["traintrace.span.id"] = pending.id
+        status = self._ok
+        if pending.status != SpanStatus.OK:
+            attrs["traintrace.status"] = pending.status
+            if pending.status == SpanStatus.ERROR:
+                status = self._Status(self._StatusCode.ERROR, pending.error)
+        links: Sequence[Any] = ()
+        if pending.link:
+            links = (self._Link(context(trace_id, span_id_for(salt, pending.link), False, flags)),)
+        return self._ReadableSpan(
+            name=pending.name,
+            context=context(trace_id, span_id_for(salt, pending.id), False, flags),
+            parent=context(trace_id, span_id_for(salt, pending.parent), False, flags) if pending.parent else None,
+            resource=self.resource,
+            attributes=attrs,
+            events=pending.events,
+            links=links,
+            kind=self._kind,
+            status=status,
+            start_time=pending.start,
+            end_time=pending.end,
+            instrumentation_scope=self._scope,
+        )
+
+    def close(self) -> None:
+        # Spans still open here were never ended; the pipeline ends them before close.
+        self.flush()
+        if self.sender is not None:
+            self.sender.close()
+
+    def stats(self) -> dict[str, int]:
+        """Exported, dropped (queue full), failed (collector), abandoned (at close), queued."""
+        out = self.sender.stats() if self.sender is not None else {}
+        out["unattached_events"] = self.unattached
+        return out
