@@ -70,19 +70,19 @@ class GrpcReceiver(Received):
         receiver = self
 
         class Traces(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
-            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the service's name
+            def Export(self, request: Any, context: Any) -> Any:
                 with receiver.lock:
                     receiver.traces.append(request)
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         class Logs(logs_service_pb2_grpc.LogsServiceServicer):  # type: ignore[misc]
-            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
+            def Export(self, request: Any, context: Any) -> Any:
                 with receiver.lock:
                     receiver.logs.append(request)
                 return logs_service_pb2.ExportLogsServiceResponse()
 
         class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):  # type: ignore[misc]
-            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802
+            def Export(self, request: Any, context: Any) -> Any:
                 with receiver.lock:
                     receiver.metrics.append(request)
                 return metrics_service_pb2.ExportMetricsServiceResponse()
@@ -109,16 +109,25 @@ class HttpReceiver(Received):
         super().__init__()
         receiver = self
         kinds = {
-            "/v1/traces": (trace_service_pb2.ExportTraceServiceRequest, trace_service_pb2.ExportTraceServiceResponse,
-                           receiver.traces),
-            "/v1/logs": (logs_service_pb2.ExportLogsServiceRequest, logs_service_pb2.ExportLogsServiceResponse,
-                         receiver.logs),
-            "/v1/metrics": (metrics_service_pb2.ExportMetricsServiceRequest,
-                            metrics_service_pb2.ExportMetricsServiceResponse, receiver.metrics),
-        }  # fmt: skip
+            "/v1/traces": (
+                trace_service_pb2.ExportTraceServiceRequest,
+                trace_service_pb2.ExportTraceServiceResponse,
+                receiver.traces,
+            ),
+            "/v1/logs": (
+                logs_service_pb2.ExportLogsServiceRequest,
+                logs_service_pb2.ExportLogsServiceResponse,
+                receiver.logs,
+            ),
+            "/v1/metrics": (
+                metrics_service_pb2.ExportMetricsServiceRequest,
+                metrics_service_pb2.ExportMetricsServiceResponse,
+                receiver.metrics,
+            ),
+        }
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
                 body = self.rfile.read(length)
                 kind = kinds.get(self.path)

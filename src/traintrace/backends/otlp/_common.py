@@ -28,9 +28,7 @@ def require_otel(kind: str) -> None:
     try:
         importlib.import_module("opentelemetry.sdk.resources")
     except ImportError:
-        raise ConfigError(
-            f"backends.{kind}: needs OpenTelemetry: pip install 'traintrace[otel]'"
-        ) from None
+        raise ConfigError(f"backends.{kind}: needs OpenTelemetry: pip install 'traintrace[otel]'") from None
 
 
 # ---------------------------------------------------------------- identifiers
@@ -182,8 +180,7 @@ def resolve_protocol(signal: str, protocol: str | None) -> str:
         chosen = "http/protobuf"
     if chosen not in ("grpc", "http/protobuf", "console"):
         raise ConfigError(
-            f"backends.otlp_{signal}.protocol: {chosen!r} is not supported "
-            "(grpc, http/protobuf or console)"
+            f"backends.otlp_{signal}.protocol: {chosen!r} is not supported (grpc, http/protobuf or console)"
         )
     return chosen
 
@@ -208,7 +205,10 @@ _MODULES = {
     ("grpc", "traces"): ("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "OTLPSpanExporter"),
     ("grpc", "logs"): ("opentelemetry.exporter.otlp.proto.grpc._log_exporter", "OTLPLogExporter"),
     ("grpc", "metrics"): ("opentelemetry.exporter.otlp.proto.grpc.metric_exporter", "OTLPMetricExporter"),
-    ("http/protobuf", "traces"): ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "OTLPSpanExporter"),
+    ("http/protobuf", "traces"): (
+        "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+        "OTLPSpanExporter",
+    ),
     ("http/protobuf", "logs"): ("opentelemetry.exporter.otlp.proto.http._log_exporter", "OTLPLogExporter"),
     ("http/protobuf", "metrics"): (
         "opentelemetry.exporter.otlp.proto.http.metric_exporter",
@@ -253,7 +253,9 @@ def make_exporter(options: Mapping[str, Any]) -> Any:
         if compression:
             import grpc
 
-            kwargs["compression"] = grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
+            kwargs["compression"] = (
+                grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
+            )
     else:
         kwargs["endpoint"] = http_endpoint(signal, options.get("endpoint"))
         if compression:
@@ -270,7 +272,7 @@ def call_with_timeout(func: Callable[[], Any], timeout: float, name: str) -> boo
     def run() -> None:
         try:
             func()
-        except Exception:  # noqa: BLE001 - shutting down must never raise
+        except Exception:
             log.debug("traintrace: %s failed", name, exc_info=True)
         finally:
             done.set()
@@ -395,7 +397,7 @@ class Sender:
     def _export(self, batch: list[Any]) -> None:
         try:
             result = self.exporter.export(batch)
-        except Exception as exc:  # noqa: BLE001 - an exporter bug must not kill the sender
+        except Exception as exc:
             log.debug("traintrace: %s export raised %s", self.name, exc, exc_info=True)
             result = None
         if result == self._success or getattr(result, "name", None) == "SUCCESS":
@@ -415,7 +417,7 @@ class Sender:
             with self._cond:
                 self.abandoned += len(self._items)
                 self._items.clear()
-        call_with_timeout(lambda: self.exporter.shutdown(), 0.5, f"{self.name}-shutdown")
+        call_with_timeout(self.exporter.shutdown, 0.5, f"{self.name}-shutdown")
         lost = self.dropped + self.failed + self.abandoned
         if lost:
             log.warning(

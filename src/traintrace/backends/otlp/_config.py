@@ -91,7 +91,9 @@ class OtlpConfig(BackendConfig):
                 raise ConfigError(f"{where}.{name}: expected a positive integer, got {value!r}")
         if self.insecure is not None and not isinstance(self.insecure, bool):
             raise ConfigError(f"{where}.insecure: expected true or false")
-        if self.service_name is not None and (not isinstance(self.service_name, str) or not self.service_name):
+        if self.service_name is not None and (
+            not isinstance(self.service_name, str) or not self.service_name
+        ):
             raise ConfigError(f"{where}.service_name: expected a non-empty string")
         self.headers = parse_pairs(self.headers, f"{where}.headers")
         self.resource_attributes = parse_pairs_any(self.resource_attributes, f"{where}.resource_attributes")

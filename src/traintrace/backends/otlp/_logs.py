@@ -53,8 +53,8 @@ class OtlpLogsBackend:
         require_otel("otlp_logs")
         self.verbosity = int(verbosity)
         self.body = body
-        self._exporter = exporter if exporter is not None else make_exporter(
-            exporter_options or {"signal": "logs"}
+        self._exporter = (
+            exporter if exporter is not None else make_exporter(exporter_options or {"signal": "logs"})
         )
         self._service_name = service_name
         self._extra = dict(resource_attributes or {})
@@ -65,10 +65,11 @@ class OtlpLogsBackend:
 
     def open(self, header: Record) -> None:
         from opentelemetry._logs import LogRecord, SeverityNumber
+
         try:
             from opentelemetry.sdk._logs.export import LogRecordExportResult as Result
         except ImportError:  # older SDKs
-            from opentelemetry.sdk._logs.export import LogExportResult as Result  # type: ignore[attr-defined,no-redef]
+            from opentelemetry.sdk._logs.export import LogExportResult as Result  # type: ignore[attr-defined,no-redef,assignment]
         from opentelemetry.trace import TraceFlags
 
         try:
@@ -87,8 +88,9 @@ class OtlpLogsBackend:
         self._scope = scope()
         job, restart = str(header.get("job", "")), int(header.get("restart", 0))
         self.trace_id = trace_id_for(job, restart)
-        self._salt = span_salt(job, restart, int(header.get("rank", 0)), str(header.get("host", "")),
-                               int(header.get("pid", 0)))
+        self._salt = span_salt(
+            job, restart, int(header.get("rank", 0)), str(header.get("host", "")), int(header.get("pid", 0))
+        )
         self._identity = {"job": header.get("job"), "rank": header.get("rank")}
         max_queue, batch_size, interval, close_timeout = self._queue_options
         self.sender = Sender(
@@ -130,7 +132,11 @@ class OtlpLogsBackend:
             body = dumps(dict(record)).decode("utf-8", "replace")
         else:
             body = logfmt.format_line(to_line_fields(record, self._identity))
-        span = record.get("id") if kind in (RecordKind.SPAN, RecordKind.START, RecordKind.END) else record.get("span")
+        span = (
+            record.get("id")
+            if kind in (RecordKind.SPAN, RecordKind.START, RecordKind.END)
+            else record.get("span")
+        )
         log_record = self._LogRecord(
             timestamp=record.get("ts"),
             observed_timestamp=time.time_ns(),
@@ -143,7 +149,9 @@ class OtlpLogsBackend:
         log_record.trace_id = self.trace_id
         log_record.span_id = span_id_for(self._salt, span) if span else 0
         log_record.trace_flags = self._flags
-        return self._Readable(log_record=log_record, resource=self.resource, instrumentation_scope=self._scope)
+        return self._Readable(
+            log_record=log_record, resource=self.resource, instrumentation_scope=self._scope
+        )
 
     def flush(self) -> None:
         pending = self._pending

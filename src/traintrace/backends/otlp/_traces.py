@@ -66,8 +66,8 @@ class OtlpTracesBackend:
     ) -> None:
         require_otel("otlp_traces")
         self.verbosity = int(verbosity)
-        self._exporter = exporter if exporter is not None else make_exporter(
-            exporter_options or {"signal": "traces"}
+        self._exporter = (
+            exporter if exporter is not None else make_exporter(exporter_options or {"signal": "traces"})
         )
         self._service_name = service_name
         self._extra = dict(resource_attributes or {})
@@ -94,8 +94,9 @@ class OtlpTracesBackend:
         self._scope = scope()
         job, restart = str(header.get("job", "")), int(header.get("restart", 0))
         self.trace_id = trace_id_for(job, restart)
-        self._salt = span_salt(job, restart, int(header.get("rank", 0)), str(header.get("host", "")),
-                               int(header.get("pid", 0)))
+        self._salt = span_salt(
+            job, restart, int(header.get("rank", 0)), str(header.get("host", "")), int(header.get("pid", 0))
+        )
         max_queue, batch_size, interval, close_timeout = self._queue_options
         self.sender = Sender(
             self._exporter,
@@ -129,7 +130,7 @@ class OtlpTracesBackend:
                 if attrs:
                     flatten_attrs(attrs, found.attrs)
                 done[found.id] = found
-            elif kind == RecordKind.EVENT or kind == RecordKind.ERROR:
+            elif kind in (RecordKind.EVENT, RecordKind.ERROR):
                 self._attach(record)
 
     def _target(self, record: Record) -> _Pending | None:
@@ -191,7 +192,9 @@ class OtlpTracesBackend:
         return self._ReadableSpan(
             name=pending.name,
             context=context(trace_id, span_id_for(salt, pending.id), False, flags),
-            parent=context(trace_id, span_id_for(salt, pending.parent), False, flags) if pending.parent else None,
+            parent=context(trace_id, span_id_for(salt, pending.parent), False, flags)
+            if pending.parent
+            else None,
             resource=self.resource,
             attributes=attrs,
             events=pending.events,
