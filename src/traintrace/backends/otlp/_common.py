@@ -87,6 +87,8 @@ def flatten_attrs(attrs: Mapping[str, Any], out: dict[str, AttrValue], prefix: s
     """
     for key, value in attrs.items():
         name = prefix + key if prefix else key
+        if not key:
+            name += "_"  # OpenTelemetry drops empty keys
         kind = type(value)
         if kind is str or kind is bool or kind is float:
             out[name] = value
@@ -319,7 +321,9 @@ class Sender:
         self.exported = 0
         self.dropped = 0  # queue full
         self.failed = 0  # the collector refused or was unreachable
-        self.abandoned = 0  # still queued when close gave up
+        self.abandoned = 0  # still queued (or being sent) when close gave up
+        self._in_flight = 0
+        self._gave_up = False
         self._warned_at = 0.0
         self._reported = 0
         self._thread = threading.Thread(target=self._run, name=f"traintrace-{name}", daemon=True)
@@ -395,11 +399,16 @@ class Sender:
                 self._cond.wait(left)
 
     def _export(self, batch: list[Any]) -> None:
+        self._in_flight = len(batch)
         try:
             result = self.exporter.export(batch)
         except Exception as exc:
             log.debug("traintrace: %s export raised %s", self.name, exc, exc_info=True)
             result = None
+        with self._cond:
+            self._in_flight = 0
+            if self._gave_up:
+                return  # close() already counted this batch as abandoned
         if result == self._success or getattr(result, "name", None) == "SUCCESS":
             self.exported += len(batch)
             self._backoff = 0.0
@@ -415,7 +424,8 @@ class Sender:
         self._thread.join(self.close_timeout)
         if self._thread.is_alive():
             with self._cond:
-                self.abandoned += len(self._items)
+                self._gave_up = True
+                self.abandoned += len(self._items) + self._in_flight
                 self._items.clear()
         call_with_timeout(self.exporter.shutdown, 0.5, f"{self.name}-shutdown")
         lost = self.dropped + self.failed + self.abandoned
