@@ -224,6 +224,12 @@ _MODULES = {
 
 def make_exporter(options: Mapping[str, Any]) -> Any:
     """An official OpenTelemetry exporter for ``options`` (see ``OtlpConfig.exporter_options``)."""
+    cls, kwargs = exporter_class(options)
+    return cls(**kwargs)
+
+
+def exporter_class(options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The official exporter class for ``options`` and the arguments to make it with."""
     signal = options["signal"]
     protocol = resolve_protocol(signal, options.get("protocol"))
     module_name, class_name = _MODULES[(protocol, signal)]
@@ -239,7 +245,7 @@ def make_exporter(options: Mapping[str, Any]) -> Any:
         ) from None
     cls = getattr(module, class_name)
     if protocol == "console":
-        return cls()
+        return cls, {}
     kwargs: dict[str, Any] = {}
     headers = options.get("headers")
     if headers:
@@ -264,7 +270,7 @@ def make_exporter(options: Mapping[str, Any]) -> Any:
             from opentelemetry.exporter.otlp.proto.http import Compression
 
             kwargs["compression"] = Compression.Gzip if compression == "gzip" else Compression.NoCompression
-    return cls(**kwargs)
+    return cls, kwargs
 
 
 def call_with_timeout(func: Callable[[], Any], timeout: float, name: str) -> bool:
@@ -305,6 +311,7 @@ class Sender:
         export_interval: float,
         close_timeout: float,
         success: Any,
+        prepare: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.exporter = exporter
         self.name = name
@@ -313,6 +320,7 @@ class Sender:
         self.export_interval = export_interval
         self.close_timeout = close_timeout
         self._success = success
+        self._prepare = prepare
         self._items: deque[Any] = deque()
         self._cond = threading.Condition(threading.Lock())
         self._closing = False
@@ -401,7 +409,7 @@ class Sender:
     def _export(self, batch: list[Any]) -> None:
         self._in_flight = len(batch)
         try:
-            result = self.exporter.export(batch)
+            result = self.exporter.export(self._prepare(batch) if self._prepare else batch)
         except Exception as exc:
             log.debug("traintrace: %s export raised %s", self.name, exc, exc_info=True)
             result = None
