@@ -176,8 +176,12 @@ def _env(signal: str, name: str) -> str | None:
 
 
 def resolve_protocol(signal: str, protocol: str | None) -> str:
-    """Configured, else ``OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL``, else ``http/protobuf``."""
-    chosen = (protocol or _env(signal, "PROTOCOL") or "http/protobuf").strip().lower()
+    """Configured, else ``OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL``, else ``grpc``.
+
+    gRPC is the default (as in OpenTelemetry Python's own auto-configuration)
+    because traintrace encodes spans for it directly, several times faster.
+    """
+    chosen = (protocol or _env(signal, "PROTOCOL") or "grpc").strip().lower()
     if chosen == "http":
         chosen = "http/protobuf"
     if chosen not in ("grpc", "http/protobuf", "console"):
