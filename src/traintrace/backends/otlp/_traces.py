@@ -22,6 +22,9 @@ from ._common import (
 )
 from ._encode import SpanEncoder, resource_message, scope_message, trace_request
 
+#: Finished spans held for events that follow them in the queue, when the writer is backlogged.
+_WINDOW = 4096
+
 
 class _Pending:
     """A span seen by the backend and not yet exported."""
@@ -116,6 +119,7 @@ class OtlpTracesBackend:
         self._salt = 0
         self._open: dict[int, _Pending] = {}
         self._done: dict[int, _Pending] = {}
+        self._sent: set[int] = set()
         self.unattached = 0
 
     # -- backend protocol -------------------------------------------------
@@ -182,6 +186,12 @@ class OtlpTracesBackend:
                 done[found.id] = found
             elif kind in (RecordKind.EVENT, RecordKind.ERROR):
                 self._attach(record)
+        if len(done) > 2 * _WINDOW:
+            # The writer is backlogged and flush() waits for an empty queue: send all
+            # but the newest spans now (their events are at most a window behind).
+            held = list(done.items())
+            self._done = dict(held[-_WINDOW:])
+            self._send([pending for _, pending in held[:-_WINDOW]])
 
     def _target(self, record: Record) -> _Pending | None:
         span_id = record.get("span") or 0
@@ -189,6 +199,8 @@ class OtlpTracesBackend:
             found = self._done.get(span_id) or self._open.get(span_id)
             if found is not None:
                 return found
+            if span_id in self._sent:
+                return None  # its span is already on its way: too late to add to it
         # Not a span this backend sees (a finer verbosity): the innermost open span of the thread.
         tid = record.get("tid")
         for pending in reversed(self._open.values()):
@@ -224,8 +236,17 @@ class OtlpTracesBackend:
         if not done or self.sender is None:
             return
         self._done = {}
+        self._send(list(done.values()))
+
+    def _send(self, spans: list[_Pending]) -> None:
+        if self.sender is None:
+            return
+        sent = self._sent
+        if len(sent) > 4 * _WINDOW:
+            sent.clear()
+        sent.update([pending.id for pending in spans])
         convert = self._encode if self.fast else self._convert
-        self.sender.put([convert(pending) for pending in done.values()])
+        self.sender.put([convert(pending) for pending in spans])
 
     def _encode(self, pending: _Pending) -> bytes:
         attrs = pending.attrs
