@@ -296,6 +296,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of the paced run")
     parser.add_argument("--reference-python", default=str(ROOT / ".bench-venv" / "bin" / "python"))
     parser.add_argument("--json", action="store_true", help="print the results as JSON only")
+    parser.add_argument("--only", default="", help="comma-separated cases to run (default: all)")
     args = parser.parse_args()
     if args.case:
         print(json.dumps(CASES[args.case](args)))
@@ -306,7 +307,17 @@ def main() -> None:
     have_reference = Path(args.reference_python).exists()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        chosen = [c for c in args.only.split(",") if c] or [
+            "traintrace",
+            "sdk",
+            "reference",
+            "nvtx",
+            "reference_nvtx",
+        ]
         for name in ("traintrace", "sdk", "reference", "nvtx", "reference_nvtx"):
+            if name not in chosen:
+                results[name] = {"error": "not run"}
+                continue
             if name.startswith("reference") and not have_reference:
                 results[name] = {"error": f"no {args.reference_python}"}
                 continue
