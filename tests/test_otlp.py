@@ -427,3 +427,45 @@ def test_flattened_attributes_are_valid_opentelemetry_values(attrs: dict[str, An
             assert -(1 << 63) <= value < 1 << 63
     bounded = BoundedAttributes(attributes=out)
     assert len(bounded) == len(out)
+
+
+class _Recording:
+    """A span exporter that keeps what it is given (OpenTelemetry's export interface)."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.batches.append(list(spans))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def test_a_backlogged_writer_still_sends_and_counts_late_events() -> None:
+    """Without flush() (the writer never idle), spans go out past a window; late events are counted."""
+    from traintrace.backends.otlp._traces import _WINDOW, OtlpTracesBackend
+
+    exporter = _Recording()
+    backend = OtlpTracesBackend(exporter, batch_size=512, export_interval=0.05)
+    backend.open({"job": "w", "restart": 0, "rank": 0, "host": "h", "pid": 1})
+    total = 3 * _WINDOW
+    backend.write(
+        [
+            {"seq": i, "kind": "span", "ts": 1000 + i, "name": "s", "id": i, "parent": 0, "tid": 1, "dur": 1,
+             "status": "ok"}
+            for i in range(1, total + 1)
+        ]
+    )  # fmt: skip
+    backend.write([{"seq": total + 1, "kind": "event", "ts": 5, "name": "late", "span": 1, "tid": 1}])
+    backend.write([{"seq": total + 2, "kind": "event", "ts": 6, "name": "fresh", "span": total, "tid": 1}])
+    assert len(backend._done) == _WINDOW
+    backend.close()
+    spans = [span for batch in exporter.batches for span in batch]
+    assert len(spans) == total
+    assert backend.stats()["unattached_events"] == 1
+    (last,) = [s for s in spans if s.attributes["traintrace.span.id"] == total]
+    assert [e.name for e in last.events] == ["fresh"]
