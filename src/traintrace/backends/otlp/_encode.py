@@ -84,7 +84,7 @@ def key_values(tag: bytes, attrs: Mapping[str, Any]) -> bytes:
     """Repeated KeyValue fields under ``tag`` (attributes of a span, event or resource)."""
     keys = _keys
     small = _SMALL
-    parts = []
+    parts: list[bytes] = []
     append = parts.append
     for key, value in attrs.items():
         kind = type(value)
