@@ -348,10 +348,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"{row['achieved_rate']:>12,.0f}"
         )
     if "error" not in tt:
-        drops = tt["dropped_queue"] + tt["dropped_exporter"]
+        lost_spans = (
+            tt["dropped_queue"] // 2 + tt["dropped_exporter"]
+        )  # queue items: a start and a stop per span
         print(
-            f"traintrace drops in the paced run: {drops} (queue {tt['dropped_queue']}, "
-            f"exporter {tt['dropped_exporter']}); busy ns/span while paced: {tt['busy_ns_per_span']:,.0f}"
+            f"traintrace in the paced run: {tt['received'] / tt['sent']:.1%} delivered; lost {lost_spans:,} spans, "
+            f"all counted ({tt['dropped_queue']:,} queue items, {tt['dropped_exporter']:,} at the exporter); "
+            f"caller busy {tt['busy_ns_per_span']:,.0f} ns/span while paced"
         )
         for label, row in (("SDK", sdk), ("reference", ref)):
             if "error" not in row:

@@ -60,7 +60,6 @@ class OtlpLogsBackend:
         self._extra = dict(resource_attributes or {})
         self._queue_options = (max_queue, batch_size, export_interval, close_timeout)
         self.sender: Sender | None = None
-        self._pending: list[Any] = []
         self._identity: dict[str, Any] = {}
 
     def open(self, header: Record) -> None:
@@ -105,8 +104,9 @@ class OtlpLogsBackend:
         self.write([header])
 
     def write(self, records: Sequence[Record]) -> None:
-        convert = self._convert
-        self._pending.extend([convert(record) for record in records])
+        if self.sender is not None:
+            convert = self._convert
+            self.sender.put([convert(record) for record in records])
 
     def _convert(self, record: Record) -> Any:
         kind = record.get("kind", "")
@@ -154,13 +154,9 @@ class OtlpLogsBackend:
         )
 
     def flush(self) -> None:
-        pending = self._pending
-        if pending and self.sender is not None:
-            self._pending = []
-            self.sender.put(pending)
+        return None
 
     def close(self) -> None:
-        self.flush()
         if self.sender is not None:
             self.sender.close()
 
