@@ -352,7 +352,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             tt["dropped_queue"] // 2 + tt["dropped_exporter"]
         )  # queue items: a start and a stop per span
         print(
-            f"traintrace in the paced run: {tt['received'] / tt['sent']:.1%} delivered; lost {lost_spans:,} spans, "
+            f"traintrace in the paced run: {tt['received'] / tt['sent']:.1%} delivered; "
+            f"lost {lost_spans:,} spans, "
             f"all counted ({tt['dropped_queue']:,} queue items, {tt['dropped_exporter']:,} at the exporter); "
             f"caller busy {tt['busy_ns_per_span']:,.0f} ns/span while paced"
         )
