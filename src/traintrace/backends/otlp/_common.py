@@ -104,6 +104,20 @@ def flatten_attrs(attrs: Mapping[str, Any], out: dict[str, AttrValue], prefix: s
             out[name] = str(value)
 
 
+def is_flat(attrs: Mapping[str, Any]) -> bool:
+    """True when ``attrs`` are already valid OpenTelemetry attributes (the usual case)."""
+    for key, value in attrs.items():
+        kind = type(value)
+        if not key or not (
+            kind is str
+            or kind is float
+            or kind is bool
+            or (kind is int and _INT64_MIN <= value <= _INT64_MAX)
+        ):
+            return False
+    return True
+
+
 def _sequence(values: Sequence[Any]) -> AttrValue:
     if not values:
         return ()

@@ -13,6 +13,7 @@ from ._common import (
     build_resource,
     exporter_class,
     flatten_attrs,
+    is_flat,
     require_otel,
     resolve_protocol,
     scope,
@@ -31,7 +32,7 @@ class _Pending:
 
     __slots__ = ("attrs", "end", "error", "events", "id", "link", "name", "parent", "start", "status", "tid")
 
-    def __init__(self, record: Record) -> None:
+    def __init__(self, record: Record, finished: bool = False) -> None:
         self.id: int = record["id"]
         self.name: str = record["name"]
         self.parent: int = record.get("parent") or 0
@@ -44,8 +45,11 @@ class _Pending:
             flatten_attrs(attrs, self.attrs)
         self.events: list[tuple[str, int, dict[str, AttrValue]]] = []
         self.end = 0
-        self.status = SpanStatus.OK
+        self.status: str = SpanStatus.OK
         self.error: str | None = None
+        if finished:
+            self.end = self.start + record.get("dur", 0)
+            self.status = record.get("status", SpanStatus.OK)
 
 
 class Encoded:
@@ -118,7 +122,7 @@ class OtlpTracesBackend:
         self.trace_id = 0
         self._salt = 0
         self._open: dict[int, _Pending] = {}
-        self._done: dict[int, _Pending] = {}
+        self._done: dict[int, _Pending | Record] = {}
         self._sent: set[int] = set()
         self.unattached = 0
 
@@ -167,10 +171,8 @@ class OtlpTracesBackend:
         for record in records:
             kind = record["kind"]
             if kind == RecordKind.SPAN:
-                pending = _Pending(record)
-                pending.end = record["ts"] + record.get("dur", 0)
-                pending.status = record.get("status", SpanStatus.OK)
-                done[pending.id] = pending
+                # Kept as the record itself until an event or error needs a _Pending.
+                done[record["id"]] = record
             elif kind == RecordKind.START:
                 pending = _Pending(record)
                 open_spans[pending.id] = pending
@@ -198,6 +200,8 @@ class OtlpTracesBackend:
         if span_id:
             found = self._done.get(span_id) or self._open.get(span_id)
             if found is not None:
+                if not isinstance(found, _Pending):
+                    found = self._done[span_id] = _Pending(found, finished=True)
                 return found
             if span_id in self._sent:
                 return None  # its span is already on its way: too late to add to it
@@ -238,15 +242,56 @@ class OtlpTracesBackend:
         self._done = {}
         self._send(list(done.values()))
 
-    def _send(self, spans: list[_Pending]) -> None:
+    def _send(self, spans: list[_Pending | Record]) -> None:
         if self.sender is None:
             return
         sent = self._sent
         if len(sent) > 4 * _WINDOW:
             sent.clear()
-        sent.update([pending.id for pending in spans])
-        convert = self._encode if self.fast else self._convert
-        self.sender.put([convert(pending) for pending in spans])
+        out: list[Any] = []
+        append = out.append
+        if self.fast:
+            encode, encode_record = self._encode, self._encode_record
+            for span in spans:
+                if type(span) is _Pending:
+                    sent.add(span.id)
+                    append(encode(span))
+                else:
+                    sent.add(span["id"])  # type: ignore[index]
+                    append(encode_record(span))  # type: ignore[arg-type]
+        else:
+            for span in spans:
+                pending = span if type(span) is _Pending else _Pending(span, finished=True)  # type: ignore[arg-type]
+                sent.add(pending.id)  # type: ignore[union-attr]
+                append(self._convert(pending))
+        self.sender.put(out)
+
+    def _encode_record(self, record: Record) -> bytes:
+        """A ``span`` record with no events, encoded without building a _Pending."""
+        attrs = record.get("attrs") or {}
+        if attrs and not is_flat(attrs):
+            flat: dict[str, AttrValue] = {}
+            flatten_attrs(attrs, flat)
+            attrs = flat
+        status = record.get("status", SpanStatus.OK)
+        error = None
+        if status != SpanStatus.OK:
+            attrs = {**attrs, "traintrace.status": status}
+            if status == SpanStatus.ERROR:
+                error = ""
+        start = record["ts"]
+        return self._encoder.span(
+            record["id"],
+            record.get("parent") or 0,
+            record["name"],
+            start=start,
+            end=start + record.get("dur", 0),
+            attrs=attrs,
+            events=(),
+            link=record.get("link"),
+            error=error,
+            tid=record.get("tid") or 0,
+        )
 
     def _encode(self, pending: _Pending) -> bytes:
         attrs = pending.attrs
