@@ -109,17 +109,13 @@ class SpanEncoder:
         self._trace_field = _T1 + b"\x10" + trace_id.to_bytes(16, "big")
         self._trace_bytes = trace_id.to_bytes(16, "big")
         self._span_id = span_id
-        self._names: dict[str, bytes] = {}
-        self._parents: dict[int, bytes] = {}
-        self._threads: dict[int, bytes] = {}
+        self._prefixes: dict[tuple[str, int, int], bytes] = {}
 
-    def _name(self, name: str) -> bytes:
-        encoded = self._names.get(name)
-        if encoded is None:
-            encoded = field(_T5, name.encode("utf-8", "surrogatepass"))
-            if len(self._names) < 4096:
-                self._names[name] = encoded
-        return encoded
+    def _prefix(self, name: str, parent: int, tid: int) -> bytes:
+        parent_field = b"\x22\x08" + _pack_id(self._span_id(parent)) if parent else b""
+        name_field = field(_T5, name.encode("utf-8", "surrogatepass"))
+        thread = key_values(_SPAN_ATTR, {"thread.id": tid})
+        return self._trace_field + parent_field + name_field + _SPAN_KIND_INTERNAL + thread
 
     def span(
         self,
@@ -140,29 +136,23 @@ class SpanEncoder:
         Adds the attributes ``thread.id`` (``tid``) and ``traintrace.span.id`` (``span_id``).
         """
         derive = self._span_id
-        parent_field = b""
-        if parent:
-            parent_field = self._parents.get(parent, b"")
-            if not parent_field:
-                parent_field = b"\x22\x08" + _pack_id(derive(parent))
-                if len(self._parents) >= 1024:
-                    self._parents.clear()
-                self._parents[parent] = parent_field
-        parts = [
-            self._trace_field,
-            b"\x12\x08" + _pack_id(derive(span_id)),
-            parent_field,
-            self._names.get(name) or self._name(name),
-            _SPAN_KIND_INTERNAL,
-            _START + _pack_q(start),
-            _END + _pack_q(end),
-        ]
-        thread = self._threads.get(tid)
-        if thread is None:
-            thread = self._threads[tid] = key_values(_SPAN_ATTR, {"thread.id": tid})
-        parts.append(thread)
+        # Fields may come in any order: what repeats (trace, parent, name, kind,
+        # thread) is one cached prefix per (name, parent, thread).
+        key = (name, parent, tid)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            prefix = self._prefix(name, parent, tid)
+            if len(self._prefixes) >= 4096:
+                self._prefixes.clear()
+            self._prefixes[key] = prefix
+        span_field = b"\x12\x08" + _pack_id(derive(span_id))
         body = _SPAN_ID_KEY + field(_T2, b"\x18" + varint(span_id))
-        parts.append(_SPAN_ATTR + _SMALL[len(body)] + body)
+        parts = [
+            prefix,
+            span_field,
+            _START + _pack_q(start) + _END + _pack_q(end),
+            _SPAN_ATTR + _SMALL[len(body)] + body,
+        ]
         if attrs:
             parts.append(key_values(_SPAN_ATTR, attrs))
         for event_name, time, event_attrs in events:
