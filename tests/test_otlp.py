@@ -469,3 +469,36 @@ def test_a_backlogged_writer_still_sends_and_counts_late_events() -> None:
     assert backend.stats()["unattached_events"] == 1
     (last,) = [s for s in spans if s.attributes["traintrace.span.id"] == total]
     assert [e.name for e in last.events] == ["fresh"]
+
+
+def test_process_exit_is_bounded_when_the_collector_is_unreachable(tmp_path: Path) -> None:
+    """A job whose collector never answers still exits (through atexit) within its close timeouts."""
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = f"""
+import traintrace as tt
+dead = {{"endpoint": "http://127.0.0.1:{port}", "timeout": 5, "close_timeout": 1}}
+tt.configure(job_id="dead", backends={{"file": False, "log": False, "otlp_traces": dead,
+             "otlp_logs": dead, "otlp_metrics": {{**dead, "export_interval": 0.2}}}})
+with tt.training_loop():
+    for step in range(2000):
+        with tt.training_iteration(step) as it:
+            it.add_metrics(loss=1.0)
+print("trained")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRAINTRACE_"))}
+    # The timeout is the assertion: three backends at close_timeout=1 s each, plus start-up.
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=45,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "trained" in done.stdout
