@@ -65,6 +65,22 @@ class Encoded:
         return self.count
 
 
+_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+class _BytesStub:
+    """The trace service stub, sending a request that is already bytes unchanged."""
+
+    def __init__(self, stub: Any, channel: Any) -> None:
+        self._stub = stub
+        self._raw = channel.unary_unary(_EXPORT_METHOD)  # no serializer: bytes in, bytes out
+
+    def Export(self, request: Any, **kwargs: Any) -> Any:
+        if type(request) is bytes:
+            return self._raw(request, **kwargs)
+        return self._stub.Export(request, **kwargs)
+
+
 def make_trace_exporter(options: Mapping[str, Any]) -> tuple[Any, bool]:
     """The exporter for ``options``, and whether it takes batches we encoded ourselves.
 
@@ -79,8 +95,22 @@ def make_trace_exporter(options: Mapping[str, Any]) -> tuple[Any, bool]:
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     class PreEncodedExporter(base):  # type: ignore[misc,valid-type]
+        # The exporter sets ``_client`` whenever it (re)connects; wrapping it lets
+        # our bytes go out as they are instead of being parsed and serialised again.
+        @property
+        def _client(self) -> Any:
+            return self.__dict__.get("_traintrace_client")
+
+        @_client.setter
+        def _client(self, stub: Any) -> None:
+            channel = self.__dict__.get("_channel")
+            wrapped = _BytesStub(stub, channel) if stub is not None and channel is not None else stub
+            self.__dict__["_traintrace_client"] = wrapped
+
         def _translate_data(self, data: Any) -> Any:
             if isinstance(data, Encoded):
+                if isinstance(self._client, _BytesStub):
+                    return data.request
                 return ExportTraceServiceRequest.FromString(data.request)
             return super()._translate_data(data)
 
