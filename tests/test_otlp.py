@@ -503,3 +503,86 @@ print("trained")
     )
     assert done.returncode == 0, done.stderr
     assert "trained" in done.stdout
+
+
+def test_logs_body_can_be_json() -> None:
+    """body=json puts the record itself, as JSON, in the log body."""
+    import json
+
+    from opentelemetry.sdk._logs.export import LogRecordExportResult
+
+    from traintrace.backends.otlp._logs import OtlpLogsBackend
+
+    class Keep:
+        def __init__(self) -> None:
+            self.records: list[Any] = []
+
+        def export(self, batch: Any) -> Any:
+            self.records.extend(batch)
+            return LogRecordExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            return None
+
+    exporter = Keep()
+    backend = OtlpLogsBackend(exporter, body="json")
+    backend.open(
+        {"seq": 0, "kind": "header", "ts": 1, "job": "j", "rank": 0, "restart": 0, "host": "h", "pid": 1}
+    )
+    backend.write(
+        [{"seq": 1, "kind": "event", "ts": 2, "name": "hello", "span": 0, "tid": 1, "attrs": {"x": 1}}]
+    )
+    backend.close()
+    bodies = [json.loads(r.log_record.body) for r in exporter.records]
+    assert [b["kind"] for b in bodies] == ["header", "event"]
+    assert bodies[1]["attrs"] == {"x": 1}
+    assert exporter.records[1].log_record.span_id == 0
+
+
+def test_metrics_count_drops_errors_and_throughput() -> None:
+    """Dropped records, errors, iterations and throughput reach their instruments."""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    from traintrace.backends.otlp._metrics import OtlpMetricsBackend
+
+    class Keep(MetricExporter):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.points: dict[str, list[Any]] = {}
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:
+            for rm in metrics_data.resource_metrics:
+                for sm in rm.scope_metrics:
+                    for metric in sm.metrics:
+                        self.points.setdefault(metric.name, []).extend(metric.data.data_points)
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            return None
+
+    exporter = Keep()
+    backend = OtlpMetricsBackend(exporter, export_interval=60)
+    backend.open({"job": "m", "rank": 0, "restart": 0, "host": "h", "pid": 1})
+    backend.write(
+        [
+            {"seq": 1, "kind": "span", "ts": 1, "name": "iteration", "id": 1, "parent": 0, "tid": 1,
+             "dur": 250_000_000, "status": "ok", "attrs": {"step": 0, "tokens_per_second": 1234.5}},
+            {"seq": 2, "kind": "dropped", "ts": 2, "count": 7, "total": 7, "reason": "queue_full"},
+            {"seq": 3, "kind": "error", "ts": 3, "name": "exception", "span": 1, "tid": 1,
+             "error_type": "torch.OutOfMemoryError", "message": "m", "stack": "s"},
+            {"seq": 4, "kind": "event", "ts": 4, "name": "training_iterations", "span": 0, "tid": 1,
+             "attrs": {"loss": 2.5}},
+        ]
+    )  # fmt: skip
+    backend.close()
+    points = exporter.points
+    assert points["traintrace.dropped"][-1].value == 7
+    assert dict(points["traintrace.dropped"][-1].attributes) == {"reason": "queue_full"}
+    assert dict(points["traintrace.errors"][-1].attributes) == {"error.type": "torch.OutOfMemoryError"}
+    assert points["traintrace.throughput.tokens"][-1].value == 1234.5
+    assert points["traintrace.loss"][-1].value == 2.5
+    iteration = points["traintrace.iteration.duration"][-1]
+    assert iteration.count == 1 and iteration.sum == pytest.approx(0.25)
