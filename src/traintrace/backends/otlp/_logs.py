@@ -154,7 +154,8 @@ class OtlpLogsBackend:
         )
 
     def flush(self) -> None:
-        return None
+        if self.sender is not None:
+            self.sender.request_flush()
 
     def close(self) -> None:
         if self.sender is not None:

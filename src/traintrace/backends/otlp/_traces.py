@@ -271,6 +271,7 @@ class OtlpTracesBackend:
             return
         self._done = {}
         self._send(list(done.values()))
+        self.sender.request_flush()  # export now rather than at the next export_interval
 
     def _send(self, spans: list[_Pending | Record]) -> None:
         if self.sender is None:
