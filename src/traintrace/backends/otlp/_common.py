@@ -68,17 +68,6 @@ AttrValue = str | bool | int | float | tuple[Any, ...]
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-def _scalar(value: Any) -> str | bool | int | float | None:
-    kind = type(value)
-    if kind is str or kind is bool or kind is float:
-        return value  # type: ignore[no-any-return]
-    if kind is int:
-        return value if _INT64_MIN <= value <= _INT64_MAX else str(value)  # type: ignore[no-any-return]
-    if value is None:
-        return None
-    return str(value)
-
-
 def flatten_attrs(attrs: Mapping[str, Any], out: dict[str, AttrValue], prefix: str = "") -> None:
     """Record attributes as valid OpenTelemetry attribute values.
 
