@@ -147,12 +147,21 @@ class Pipeline:
 
     def _run(self) -> None:
         interval = self.config.flush_interval
+        backlog = max(self.capacity // 4, 1)
+        failures = 0
         try:
             while self._closing is None:
-                self._wake.wait(interval)
+                if len(self.queue) < backlog:
+                    self._wake.wait(interval)
                 self._wake.clear()
-                self._cycle()
-            self._cycle()
+                try:
+                    self._cycle(drain=False)
+                except Exception:
+                    # A bug here must not end telemetry for the rest of the run.
+                    failures += 1
+                    if failures == 1:
+                        log.exception("traintrace: a write cycle failed; its records may be lost")
+            self._cycle(drain=True)
             self._finish(self._closing)
         except BaseException:
             log.exception("traintrace: writer thread failed; telemetry stops here")
@@ -161,13 +170,16 @@ class Pipeline:
             for waiter in self._flush_waiters:
                 waiter.set()
 
-    def _cycle(self) -> None:
+    def _cycle(self, drain: bool) -> None:
+        """Write what was queued when the cycle began (everything, when ``drain``)."""
         waiters, self._flush_waiters = self._flush_waiters, []
         self._refresh_anchor()
         wrote = False
         chunks = 0
         queue = self.queue
-        while queue:
+        budget = len(queue)
+        while queue and (drain or budget > 0):
+            budget -= _CHUNK
             batch: list[tuple[int, dict[str, Any]]] = []
             self._convert(queue, batch)
             if batch:
