@@ -179,7 +179,7 @@ def test_forked_child_is_quiet_and_never_deadlocks(tmp_path: Path) -> None:
     records = _records(tmp_path)
     assert not any(r.get("name") == "child" for r in records)
     assert len([r for r in records if r.get("name") == "iteration"]) == 20000
-    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["rank0.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "p").glob("*.jsonl")) == ["rank0.jsonl"]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from . import _recorder
 from ._config import (
     BackendConfig,
     Config,
@@ -25,10 +26,11 @@ from ._config import (
     LogBackendConfig,
     build_config,
 )
+from ._dist import DistributedInitSpan, after_start
 from ._identity import Identity, detect, safe_component
 from ._names import DEFAULT_SPAN_VERBOSITY, EventName, RecordKind, SpanName, Verbosity
 from ._pipeline import Pipeline
-from ._recorder import Recorder, Span, get_active, set_active, warn_once
+from ._recorder import InertSpan, Recorder, Span, get_active, set_active, warn_once
 from ._version import __version__
 from .backends._base import Backend
 
@@ -216,9 +218,15 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
         raise
     listeners = [b for b, _, _ in routes if hasattr(b, "span_started") and hasattr(b, "span_stopped")]
     max_level = max((level for _, _, level in routes), default=-1)
+    if config.statistics and routes:
+        # Statistics need iteration and sub-phase spans even where no backend writes them.
+        max_level = max(max_level, int(Verbosity.PROFILING))
     pipeline = Pipeline(config, header, routes)
     recorder = Recorder(pipeline, max_level, listeners)
     recorder.identity = identity  # type: ignore[attr-defined]
+    from ._insight import attach
+
+    attach(recorder, pipeline, config, identity)
     _extra_backends_of_last[:] = extra_backends
     set_active(recorder)
     _install_process_hooks(config)
@@ -228,6 +236,7 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
         # multiprocessing children leave through os._exit, which skips atexit;
         # its after-fork hooks run once the child has cleared its finalizers.
         multiprocessing.util.register_after_fork(recorder, _close_at_multiprocessing_exit)
+    after_start(recorder)
     for backend, name, _ in routes:
         path = getattr(backend, "path", None)
         if path is not None:
@@ -443,8 +452,17 @@ def span(
     level: int | Verbosity | None = None,
     link: Span | int | None = None,
 ) -> Span:
-    """A span named ``name``: ``with span("x") as s:`` or ``@span("x")``."""
-    return Span(name, metrics, _level_of(name) if level is None else int(level), link)
+    """A span named ``name``: ``with span("x") as s:`` or ``@span("x")``.
+
+    A span records when traintrace is configured at the time it is made; made
+    earlier it stays inert (decorators are the exception: they make a fresh
+    span per call).
+    """
+    chosen = _level_of(name) if level is None else int(level)
+    rec = _recorder._active
+    if rec is None or chosen > rec.max_level:
+        return InertSpan(name, metrics, chosen)
+    return Span(name, metrics, chosen, link)
 
 
 class _ApplicationSpan(Span):
@@ -481,22 +499,31 @@ def application(metrics: Mapping[str, Any] | None = None) -> Span:
     return _ApplicationSpan(SpanName.APPLICATION, metrics, int(Verbosity.INFO))
 
 
-def _helper(name: str, doc: str) -> Callable[..., Span]:
+def _helper(name: str, doc: str, span_class: type[Span] = Span) -> Callable[..., Span]:
     level = _level_of(name)
+    inert = InertSpan(name, None, level)
 
     def helper(metrics: Mapping[str, Any] | Callable[..., Any] | None = None, **attrs: Any) -> Any:
         if callable(metrics):
-            return Span(name, attrs or None, level)(metrics)
+            return span_class(name, attrs or None, level)(metrics)
+        rec = _recorder._active
+        if rec is None or level > rec.max_level:
+            return inert
         if attrs:
             metrics = {**metrics, **attrs} if metrics else attrs
-        return Span(name, metrics, level)
+        return span_class(name, metrics, level)
 
     helper.__name__ = helper.__qualname__ = name
     helper.__doc__ = doc + "\n\nA context manager and a decorator; ``metrics`` are written with the span."
     return helper
 
 
-distributed_init = _helper(SpanName.DISTRIBUTED_INIT, "Initialising the process group.")
+distributed_init = _helper(
+    SpanName.DISTRIBUTED_INIT,
+    "Initialising the process group. When it ends, the rank and world size are checked "
+    "against the process group (see ``refresh_identity``).",
+    DistributedInitSpan,
+)
 model_init = _helper(SpanName.MODEL_INIT, "Building the model.")
 optimizer_init = _helper(SpanName.OPTIMIZER_INIT, "Building the optimizer.")
 data_loader_init = _helper(SpanName.DATA_LOADER_INIT, "Building the data loaders.")
@@ -515,12 +542,20 @@ checkpoint_load = _helper(SpanName.CHECKPOINT_LOAD, "Loading a checkpoint.")
 _ITERATION_LEVEL = _level_of(SpanName.ITERATION)
 
 
+_INERT_ITERATION = InertSpan(SpanName.ITERATION, None, _ITERATION_LEVEL)
+
+
 def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Mapping[str, Any] | None = None) -> Any:
     """One training step: ``with training_iteration(step) as it: it.add_metrics(loss=...)``."""
-    if callable(step):
-        return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
+    rec = _recorder._active
+    if rec is None or rec.max_level < _ITERATION_LEVEL:
+        if callable(step):
+            return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
+        return _INERT_ITERATION
     if step is None:
         return Span(SpanName.ITERATION, metrics, _ITERATION_LEVEL)
+    if callable(step):
+        return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
     if metrics:
         return Span(SpanName.ITERATION, {"step": step, **metrics}, _ITERATION_LEVEL)
     return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)

@@ -184,6 +184,18 @@ class Config:
     fork: str = "quiet"
     log_interval: int = 100
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Write <log_dir>/<job>/manifest.json and a registration per rank (docs/distributed.md).
+    manifest: bool = True
+    # Training-loop insight (docs/insight.md).
+    statistics: bool = True
+    peak_tflops: float | None = None
+    accelerator: str | None = None
+    device_sample_interval: float = 10.0
+    hang_timeout: float = 600.0
+    hang_check_interval: float = 5.0
+    hang_exit_after: float | None = None
+    hang_exit_code: int = 86
+    phase_timeouts: dict[str, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
@@ -202,7 +214,7 @@ class Config:
                 raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
-        for name in ("blocking", "handle_sigterm"):
+        for name in ("blocking", "handle_sigterm", "manifest"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false")
         for name in ("job_id", "job_name", "host"):
@@ -215,6 +227,9 @@ class Config:
             raise ConfigError("metadata: expected a mapping")
         for key, backend in self.backends.items():
             backend.validate(f"backends.{key}")
+        from ._insight import validate_settings
+
+        validate_settings(self)
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
