@@ -161,3 +161,32 @@ def test_launcher_stream_and_progress_events(tmp_path: Path) -> None:
     e = _analysis.errors(job)
     assert [x["name"] for x in e["launcher_events"]] == ["worker_start", "worker_restart"]
     assert {r["rank"] for r in e["ranks"]} == {0, 1, 2, 3}
+
+
+def test_manifest_world_size_reveals_ranks_that_never_wrote(tmp_path: Path) -> None:
+    """A manifest.json saying 6 ranks, with files for 4: ranks 4-5 are reported missing."""
+    import json
+
+    write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
+    (tmp_path / "job" / "manifest.json").write_text(json.dumps({"schema": "traintrace-manifest", "world_size": 6}))
+    s = _analysis.summary(_open(tmp_path / "job"))
+    assert s["ranks_missing"] == "4-5"
+
+
+def test_hang_time_from_a_hang_suspected_error(tmp_path: Path) -> None:
+    """Hang = from the last completed step before hang_suspected to the end of that stream."""
+    import json
+
+    script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, straggler=None))
+    lines = script.files[2].read_text().splitlines(keepends=True)
+    keep = next(i for i, line in enumerate(lines) if '"step":22,' in line)
+    last = json.loads(lines[keep])
+    hang_ts = last["ts"] + last["dur"] + 5 * 10**9
+    error = {"seq": 999, "kind": "error", "ts": hang_ts, "name": "hang_suspected", "span": 0, "tid": 7,
+             "message": "no progress for 5.0s", "stack": "Thread 7:\n  File x", "attrs": {"last_step": 22}}
+    script.files[2].write_text("".join(lines[: keep + 1]) + json.dumps(error) + "\n")
+    job = _open(tmp_path / "job")
+    s = _analysis.summary(job)
+    assert s["breakdown_s"]["hang"] == pytest.approx(5.0 / 4)
+    assert sum(s["breakdown_s"].values()) == pytest.approx(s["wall_s"], rel=1e-9)
+    assert 2 in _analysis.errors(job)["hang_suspects"]

@@ -155,6 +155,7 @@ class Job:
     load_seconds: float = 0.0
     record_count: int = 0
     _tmp: Any = None
+    manifest_world_size: int = 0
 
     @classmethod
     def open(
@@ -170,6 +171,7 @@ class Job:
         if not files:
             raise LoadError("no .jsonl files found in " + ", ".join(str(p) for p in paths))
         job = cls(files, progress, threads, memory_limit)
+        job.manifest_world_size = _manifest_world_size(paths)
         job._load()
         return job
 
@@ -379,7 +381,7 @@ class Job:
 
     def missing_ranks(self) -> list[int]:
         row = self.con.execute("SELECT max(world_size) FROM headers WHERE NOT is_agent").fetchone()
-        world = int(row[0]) if row and row[0] is not None else 0
+        world = max(int(row[0]) if row and row[0] is not None else 0, self.manifest_world_size)
         rows = self.con.execute("SELECT DISTINCT rank FROM headers WHERE NOT is_agent").fetchall()
         seen = {int(r[0]) for r in rows}
         return [r for r in range(world) if r not in seen]
@@ -489,6 +491,22 @@ class _Progress:
         if self.shown:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
+
+
+def _manifest_world_size(paths: Sequence[str | os.PathLike[str]]) -> int:
+    """world_size from a job folder's manifest.json (written by rank 0 or traintrace-run), 0 if none."""
+    best = 0
+    for item in paths:
+        manifest = Path(item) / "manifest.json"
+        if not manifest.is_file():
+            continue
+        try:
+            value = json.loads(manifest.read_text()).get("world_size")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            best = max(best, value)
+    return best
 
 
 def compress_ranks(ranks: Sequence[int]) -> str:
