@@ -190,3 +190,21 @@ def test_hang_time_from_a_hang_suspected_error(tmp_path: Path) -> None:
     assert s["breakdown_s"]["hang"] == pytest.approx(5.0 / 4)
     assert sum(s["breakdown_s"].values()) == pytest.approx(s["wall_s"], rel=1e-9)
     assert 2 in _analysis.errors(job)["hang_suspects"]
+
+
+def test_a_job_that_died_before_its_first_step(tmp_path: Path) -> None:
+    """No iteration at all: every analysis still answers, and the error is the root cause."""
+    import json
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    header = {"seq": 0, "kind": "header", "ts": 10**18, "schema": "traintrace", "schema_version": 1, "job": "x",
+              "rank": 0, "world_size": 2, "restart": 0, "host": "h", "pid": 1}
+    error = {"seq": 1, "kind": "error", "ts": 10**18 + 10**9, "name": "exception", "span": 0, "tid": 1,
+             "error_type": "ImportError", "message": "no module named <b>x</b>", "stack": "Traceback"}
+    (folder / "rank0.jsonl").write_text(json.dumps(header) + "\n" + json.dumps(error) + "\n")
+    job = _open(folder)
+    s = _analysis.summary(job)
+    assert s["goodput"] == 0 and s["step_time"] is None and s["ranks_missing"] == "1"
+    assert _analysis.ranks(job)["stragglers"] == []
+    assert _analysis.errors(job)["first_error"]["error_type"] == "ImportError"
