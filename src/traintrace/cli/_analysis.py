@@ -87,11 +87,13 @@ def summary(job: Job) -> dict[str, Any]:
     )
     # Per-rank seconds by category, then the job figure is the mean over ranks (ranks run in lockstep).
     per_rank: dict[int, dict[str, float]] = {r: dict.fromkeys(CATEGORIES, 0.0) for r in ranks}
-    for rank, lost, seconds in job.rows(
-        "SELECT rank, lost, sum(dur) / 1e9 FROM iterations GROUP BY ALL"
+    step_counts: dict[int, dict[bool, int]] = {}
+    for rank, lost, seconds, count in job.rows(
+        "SELECT rank, lost, sum(dur) / 1e9, count(*) FROM iterations GROUP BY ALL"
     ):
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
+        step_counts.setdefault(rank, {True: 0, False: 0})[bool(lost)] += int(count)
     case = _category_case("s.name")
     spans_sql = f"""
         SELECT s.rank, {case} AS cat,
@@ -143,13 +145,7 @@ def summary(job: Job) -> dict[str, Any]:
             k: (int(v) if k == "count" else (None if v is None else v / NS))
             for k, v in zip(keys, stats, strict=True)
         }
-    counts = job.one(
-        """
-        SELECT median(n), median(n_ok), median(n_lost), max(n_lost) FROM (
-            SELECT rank, count(*) AS n, count(*) FILTER (NOT lost) AS n_ok, count(*) FILTER (lost) AS n_lost
-            FROM iterations GROUP BY rank)
-        """
-    )
+    counts = _count_medians(step_counts)
     progress = _progress_fields(job)
     steps_completed = int(counts[1]) if counts and counts[1] is not None else 0
     samples = progress.get("consumed_samples")
@@ -210,6 +206,22 @@ def summary(job: Job) -> dict[str, Any]:
     if overlap_note:
         result["notes"].append("some phase spans overlap (nested or concurrent); 'other' is clamped at 0")
     return result
+
+
+def _count_medians(step_counts: dict[int, dict[bool, int]]) -> tuple[Any, ...]:
+    """(median iterations, median productive, median lost, max lost) over ranks, as DuckDB's median would."""
+    if not step_counts:
+        return (None, None, None, None)
+
+    def median(values: list[int]) -> float:
+        values = sorted(values)
+        mid = len(values) // 2
+        return float(values[mid]) if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    runs = [c[True] + c[False] for c in step_counts.values()]
+    ok = [c[False] for c in step_counts.values()]
+    lost = [c[True] for c in step_counts.values()]
+    return (median(runs), median(ok), median(lost), max(lost))
 
 
 def _rate(samples: int | None, seconds: float, source: str | None) -> float | None:
