@@ -64,7 +64,7 @@ EXAMPLES = {
 """,
     "query": """views: records, spans, steps, events, errors, streams (columns in docs/analysis.md)
 examples:
-  traintrace query traintrace_logs/myjob \
+  traintrace query traintrace_logs/myjob \\
       "SELECT rank, median(dur)/1e6 AS ms FROM steps GROUP BY rank ORDER BY ms DESC LIMIT 5"
   traintrace query traintrace_logs/myjob "SELECT name, count(*) FROM spans GROUP BY name" --json
 """,
@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="traintrace",
         description="Answers from a training job's traintrace files: where the time went (goodput), "
         "which rank is slow, what failed first, a timeline and an HTML report.",
-        epilog="\n".join(EXAMPLES[k].split("\n", 1)[1].rstrip() for k in ("summary", "ranks", "errors"))
+        epilog="examples:\n"
+        + "\n".join(EXAMPLES[k].split("\n", 1)[1].rstrip() for k in ("summary", "ranks", "errors", "report"))
         + "\n\n" + EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
