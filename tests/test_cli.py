@@ -41,8 +41,8 @@ def cli_json(*args: str) -> Any:
 
 @pytest.fixture(scope="module")
 def faults_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Five real processes: rank 1 slow in compute, 2 slow in data loading, 3 raises at step 25,
-    4 hangs inside its first checkpoint save (killed once the others are done), 0 is healthy."""
+    """Five real processes: rank 0 with slow checkpoints, 1 slow in compute, 2 slow in data loading,
+    3 raises at step 25, 4 hangs inside its first checkpoint save (killed once the others are done)."""
     logs = tmp_path_factory.mktemp("faults")
     worker = ROOT / "tests" / "cli_worker.py"
     procs = []
@@ -50,7 +50,7 @@ def faults_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
         env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "5", "LOCAL_RANK": str(rank), "TRAINTRACE_JOB_ID": "faults"}
         procs.append(subprocess.Popen(
             [sys.executable, str(worker), str(logs), "--slow-compute", "1", "--slow-data", "2", "--fail", "3:25",
-             "--hang", "4:10", "--steps", "60"],
+             "--hang", "4:10", "--steps", "60", "--slow-checkpoint", "0"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         ))
     for proc in procs[:4]:
@@ -112,6 +112,11 @@ def test_summary_of_the_faulty_job(faults_job: Path) -> None:
     lost = cli_json("query", str(faults_job), "SELECT rank, count(*) AS n FROM steps "
                     "WHERE status <> 'ok' OR (rank = 3 AND step >= 20) GROUP BY rank ORDER BY rank")
     assert lost == [{"rank": 3, "n": 6}]
+    # the slow checkpoints of rank 0 are its exposed checkpoint time, and nobody else's
+    saves = cli_json("query", str(faults_job), "SELECT rank, sum(dur) / 1e9 AS s FROM spans "
+                     "WHERE name = 'checkpoint_save_sync' AND status = 'ok' GROUP BY rank ORDER BY s DESC")
+    assert saves[0]["rank"] == 0 and saves[0]["s"] >= 6 * 0.3
+    assert all(x["s"] < 0.5 for x in saves[1:])
 
 
 def test_example_run_summary_matches_an_independent_reading(tmp_path: Path) -> None:
