@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -227,3 +228,26 @@ def test_torchrun_job_where_one_rank_raises(tmp_path: Path) -> None:
     s = cli_json("summary", str(folder))
     assert s["ranks_seen"] == 3 and s["failed_streams"] == 3
     assert cli_json("ranks", str(folder))["top"][0] == 1
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_then_cleared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal a slow read shows progress on stderr and erases it; --quiet keeps stderr empty."""
+    from traintrace.cli import _engine
+
+    write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, steps=400))
+    monkeypatch.setattr(_engine._Progress, "DELAY", 0.0)  # "slow" from the start
+    monkeypatch.setattr(_engine._Progress, "TICK", 0.001)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["summary", str(tmp_path / "job")]) == EXIT_OK
+    shown = terminal.getvalue()
+    assert "reading 4 files" in shown and shown.endswith("\r\x1b[K")
+    quiet = _Terminal()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    assert main(["summary", str(tmp_path / "job"), "--quiet"]) == EXIT_OK
+    assert quiet.getvalue() == ""

@@ -453,6 +453,9 @@ class Job:
 class _Progress:
     """Prints how far DuckDB has got on stderr, when a terminal is watching and it takes over a second."""
 
+    DELAY = 1.0
+    TICK = 0.25
+
     def __init__(self, job: Job, what: str) -> None:
         self.job = job
         self.what = what
@@ -468,10 +471,10 @@ class _Progress:
 
     def _run(self) -> None:
         started = time.monotonic()
-        if self.done.wait(1.0):
+        if self.done.wait(self.DELAY):
             return
         size = sum(f.size for f in self.job.files)
-        while not self.done.wait(0.25):
+        while not self.done.wait(self.TICK):
             try:
                 fraction = float(self.job.con.query_progress())
             except Exception:  # noqa: BLE001 - progress is best effort
