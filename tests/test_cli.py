@@ -19,7 +19,7 @@ from traintrace.reader import read_file
 
 pytest.importorskip("duckdb")
 
-from traintrace.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_USAGE, main
+from traintrace.cli import EXIT_BAD_INPUT, EXIT_MISSING_EXTRA, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
@@ -251,3 +251,17 @@ def test_progress_on_a_terminal_then_cleared(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(sys, "stderr", quiet)
     assert main(["summary", str(tmp_path / "job"), "--quiet"]) == EXIT_OK
     assert quiet.getvalue() == ""
+
+
+def test_missing_duckdb_names_the_extra(tmp_path: Path) -> None:
+    """Without DuckDB the command exits 4 and says which extra to install."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "duckdb.py").write_text("raise ImportError('no duckdb here')\n")
+    write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
+    result = subprocess.run(
+        [sys.executable, "-m", "traintrace.cli", "summary", str(tmp_path / "job")], check=False,
+        capture_output=True, text=True, timeout=120, env={**ENV, "PYTHONPATH": f"{shadow}:{ENV['PYTHONPATH']}"},
+    )
+    assert result.returncode == EXIT_MISSING_EXTRA
+    assert "pip install 'traintrace[analysis]'" in result.stderr
