@@ -229,6 +229,7 @@ class TraintraceCallback(Callback):
             self._flops = float(self.flops_per_step)
         if not self._info:
             return
+        stage = str(getattr(stage, "value", stage))  # Lightning passes a str enum
         attrs: dict[str, Any] = {
             "stage": stage,
             "framework": "lightning",
