@@ -79,19 +79,19 @@ class Span:
     """
 
     __slots__ = (
-        "name",
+        "_rec",
         "attrs",
+        "id",
         "level",
         "link",
         "metrics",
-        "id",
+        "name",
         "parent",
+        "status",
         "t0",
         "t1",
         "tid",
-        "status",
         "written",
-        "_rec",
     )
 
     def __init__(

@@ -23,9 +23,7 @@ def level_of(name: str) -> int:
 
 def missing_extra(extra: str, package: str, exc: ImportError) -> ImportError:
     """The error raised when an integration's framework is not installed."""
-    error = ImportError(
-        f"traintrace.integrations.{extra} needs {package}: pip install 'traintrace[{extra}]'"
-    )
+    error = ImportError(f"traintrace.integrations.{extra} needs {package}: pip install 'traintrace[{extra}]'")
     error.__cause__ = exc
     return error
 
@@ -118,6 +116,7 @@ def path_size(path: str | os.PathLike[str] | None) -> int | None:
 
 def ensure_recorder(
     config: Config | None,
+    *,
     settings: Mapping[str, Any],
     rank: int,
     world_size: int,

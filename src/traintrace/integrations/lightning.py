@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from .. import _api
@@ -205,25 +206,22 @@ class TraintraceCallback(Callback):
 
     # ------------------------------------------------------------ stage
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        try:
-            rec, here = ensure_recorder(
-                self.config,
-                self.settings,
-                int(trainer.global_rank),
-                int(trainer.world_size),
-                int(trainer.local_rank),
-                int(trainer.node_rank),
-            )
-        except Exception:
-            self._rec = None
-            raise
+        self._rec = None
+        rec, here = ensure_recorder(
+            self.config,
+            settings=self.settings,
+            rank=int(trainer.global_rank),
+            world_size=int(trainer.world_size),
+            local_rank=int(trainer.local_rank),
+            node_rank=int(trainer.node_rank),
+        )
         self._rec = rec
         self._configured_here = self._configured_here or here
         level = rec.max_level
         self._info = level >= _INFO
         self._trace = level >= _ITERATION
         self._profile = level >= _PHASE
-        self._every = max(1, int(self.metrics_every_n_steps or trainer.log_every_n_steps or 1))
+        self._every = max(1, int(self.metrics_every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1))
         self._failed = False
         if isinstance(self.flops_per_step, int | float) and not isinstance(self.flops_per_step, bool):
             self._flops = float(self.flops_per_step)
@@ -233,7 +231,7 @@ class TraintraceCallback(Callback):
         attrs: dict[str, Any] = {
             "stage": stage,
             "framework": "lightning",
-            "framework_version": pl.__version__,
+            "framework_version": str(getattr(pl, "__version__", "")),
             "rank": int(trainer.global_rank),
             "world_size": int(trainer.world_size),
             "strategy": type(trainer.strategy).__name__,
@@ -275,7 +273,9 @@ class TraintraceCallback(Callback):
                 setattr(self, attr, None)
                 self._stop(span, None, status)
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._failed = True
         rec = self._rec
         if rec is not None and not rec.closed:
@@ -310,7 +310,10 @@ class TraintraceCallback(Callback):
         self._end_wait()
         loop, self._loop = self._loop, None
         if loop is not None:
-            metrics: dict[str, Any] = {"global_step": int(trainer.global_step), "epochs": int(trainer.current_epoch)}
+            metrics: dict[str, Any] = {
+                "global_step": int(trainer.global_step),
+                "epochs": int(trainer.current_epoch),
+            }
             if self._flops is not None:
                 metrics["flops_per_step"] = self._flops
             self._stop(loop, metrics)
@@ -378,7 +381,9 @@ class TraintraceCallback(Callback):
         if self._phase is not None:
             self._next_phase(None)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         if self._phase is not None or self._profile:
             self._next_phase(SpanName.OPTIMIZER_STEP)
 
@@ -412,7 +417,7 @@ class TraintraceCallback(Callback):
             from torch.utils.flop_counter import FlopCounterMode
 
             counter = FlopCounterMode(display=False)
-            counter.__enter__()
+            counter.__enter__()  # type: ignore[no-untyped-call]
             self._flop_counter = counter
         except Exception as exc:  # noqa: BLE001 - FLOPs are optional
             warn_once("flop_counter", f"cannot count FLOPs: {type(exc).__name__}: {exc}")
@@ -456,7 +461,7 @@ class TraintraceCallback(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_start(SpanName.VALIDATION, trainer)
 
-    def on_validation_batch_end(
+    def on_validation_batch_end(  # noqa: PLR0917 - Lightning's hook signature
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
@@ -476,7 +481,7 @@ class TraintraceCallback(Callback):
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_start(SpanName.TEST, trainer)
 
-    def on_test_batch_end(
+    def on_test_batch_end(  # noqa: PLR0917 - Lightning's hook signature
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
@@ -493,7 +498,7 @@ class TraintraceCallback(Callback):
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_start("predict_loop", trainer)
 
-    def on_predict_batch_end(
+    def on_predict_batch_end(  # noqa: PLR0917 - Lightning's hook signature
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
@@ -572,10 +577,12 @@ class TraintraceCallback(Callback):
         if path is not None:
             text = os.fspath(path)
             attrs["checkpoint_path"] = text
-            attrs["checkpoint_directory"] = os.path.dirname(text)
+            attrs["checkpoint_directory"] = str(Path(text).parent)
         return attrs
 
-    def _traced_save(self, trainer: pl.Trainer, is_async: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _traced_save(
+        self, trainer: pl.Trainer, is_async: bool
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             name = SpanName.CHECKPOINT_SAVE_ASYNC if is_async else SpanName.CHECKPOINT_SAVE_SYNC
             strategy = "async" if is_async else "sync"
@@ -583,7 +590,11 @@ class TraintraceCallback(Callback):
             def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
                 self._end_wait()
                 path = _save_path(args, kwargs)
-                span = self._start(name, self._checkpoint_attrs(trainer, path, strategy), _INFO) if self._info else None
+                span = (
+                    self._start(name, self._checkpoint_attrs(trainer, path, strategy), _INFO)
+                    if self._info
+                    else None
+                )
                 if span is not None and is_async:
                     self._async_saves.append(span)
                 try:

@@ -15,9 +15,10 @@ produces.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from .. import _api
@@ -44,7 +45,7 @@ _STEP_KEYS = frozenset({"loss", "grad_norm", "learning_rate", "epoch", "num_inpu
 
 def _find_trainer(depth: int = 8) -> Any:
     """The ``Trainer`` whose callback handler is calling us, found on the stack."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None
@@ -66,7 +67,8 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
     The Trainer has no hooks around a save, an evaluation or an error; the
     callback wraps the methods of its own Trainer instance (``train``,
     ``training_step``, ``evaluate``, ``_save_checkpoint``) to time them and
-    to record an exception once, and removes the wrappers when training ends.
+    to record an exception once; the wrappers stay for the Trainer's life, so
+    a later ``trainer.evaluate()`` is recorded too.
     """
 
     def __init__(self, config: Config | None = None, *, wrap_trainer: bool = True, **settings: Any) -> None:
@@ -107,11 +109,11 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
             return
         rec, _ = ensure_recorder(
             self.config,
-            self.settings,
-            int(getattr(args, "process_index", 0)),
-            int(getattr(args, "world_size", 1)),
-            int(getattr(args, "local_process_index", 0)),
-            None,
+            settings=self.settings,
+            rank=int(getattr(args, "process_index", 0)),
+            world_size=int(getattr(args, "world_size", 1)),
+            local_rank=int(getattr(args, "local_process_index", 0)),
+            node_rank=None,
         )
         self._rec = rec
         level = rec.max_level
@@ -185,7 +187,9 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
             self._end_pending_iteration()
             state = getattr(self._trainer, "state", None)
             step = getattr(state, "global_step", None)
-            span = self._start(SpanName.VALIDATION, {"global_step": step} if step is not None else None, _INFO)
+            span = self._start(
+                SpanName.VALIDATION, {"global_step": step} if step is not None else None, _INFO
+            )
             self._eval = span
             try:
                 result = original(*args, **kwargs)
@@ -239,7 +243,9 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
             rec.flush()
 
     # ------------------------------------------------------------ hooks
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._ensure(args)
         self._attach(_find_trainer())
 
@@ -273,7 +279,9 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
         self._loop = self._start(SpanName.TRAINING_LOOP, attrs, _INFO)
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._end_pending_iteration()
         loop, self._loop = self._loop, None
         if loop is not None:
@@ -281,7 +289,6 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
         app, self._app = self._app, None
         if app is not None:
             _api.stop(app)
-        self._detach()
         rec = self._rec
         if rec is not None and not rec.closed:
             rec.flush()
@@ -295,7 +302,9 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
             return
         self._step_samples = 0
         self._step_tokens = 0
-        self._iter = self._start(SpanName.ITERATION, {"step": state.global_step, "epoch": state.epoch}, _ITERATION)
+        self._iter = self._start(
+            SpanName.ITERATION, {"step": state.global_step, "epoch": state.epoch}, _ITERATION
+        )
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -311,7 +320,9 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
             self._phase = None
             _api.stop(phase)
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         span = self._iter
         if span is None:
             return
@@ -377,7 +388,9 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
         else:
             _api.event("evaluate", {**metrics, "step": state.global_step})
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if not self._info:
             return
         try:
@@ -386,7 +399,7 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
             prefix = PREFIX_CHECKPOINT_DIR
         except ImportError:
             prefix = "checkpoint"
-        folder = os.path.join(args.output_dir, f"{prefix}-{state.global_step}")
+        folder = str(Path(args.output_dir or ".") / f"{prefix}-{state.global_step}")
         metrics: dict[str, Any] = {
             "current_iteration": int(state.global_step),
             "checkpoint_directory": folder,
