@@ -19,13 +19,22 @@ import os
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from time import perf_counter_ns
 from typing import Any
 
 from .. import _api
 from .._config import Config, build_config
 from .._names import EventName, SpanName, SpanStatus, Verbosity
 from .._recorder import Recorder, Span, current_span, warn_once
-from ._common import batch_info, ensure_recorder, level_of, missing_extra, path_size, safe_call
+from ._common import (
+    batch_info,
+    ensure_recorder,
+    level_of,
+    missing_extra,
+    path_size,
+    record_finished,
+    safe_call,
+)
 
 try:
     import lightning.pytorch as pl
@@ -42,6 +51,9 @@ _ITERATION = level_of(SpanName.ITERATION)
 _PHASE = level_of(SpanName.FORWARD)
 _WAIT = level_of(SpanName.DATA_LOADING)
 
+#: Steps between wake-ups of the writer thread (see on_train_batch_end).
+_WAKE_EVERY = 16
+
 #: Metric names the callback puts on spans itself; a logged metric never overwrites them.
 _RESERVED = frozenset({"step", "batch_size", "tokens", "epoch", "batch_idx", "flops"})
 
@@ -49,6 +61,8 @@ _RESERVED = frozenset({"step", "batch_size", "tokens", "epoch", "batch_idx", "fl
 def _loss_of(outputs: Any) -> Any:
     if outputs is None:
         return None
+    if type(outputs) is dict:
+        return outputs.get("loss")
     if isinstance(outputs, Mapping):
         return outputs.get("loss")
     if getattr(outputs, "shape", None) is not None:
@@ -131,8 +145,15 @@ class TraintraceCallback(Callback):
         self._eval: Span | None = None
         self._eval_batches = 0
         self._iter: Span | None = None
-        self._phase: Span | None = None
-        self._wait: Span | None = None
+        # Phases (forward, backward, optimizer step) and the wait for a batch are timed
+        # between hooks and recorded as finished spans; with a span listener (NVTX)
+        # present they are opened and closed as usual so that ranges appear live.
+        self._phase: str | None = None
+        self._phase_span: Span | None = None
+        self._mark = 0
+        self._wait_t0: int | None = None
+        self._wait_span: Span | None = None
+        self._live_phases = False
         self._pending_save: Span | None = None
         self._seen: dict[str, Any] = {}
         self._every = 1
@@ -141,6 +162,7 @@ class TraintraceCallback(Callback):
         self._patched: list[tuple[Any, str, Any]] = []
         self._async_saves: deque[Span] = deque()
         self._failed = False
+        self._steps = 0
 
     def __getstate__(self) -> dict[str, Any]:
         """Only the settings travel (``ddp_spawn``, checkpoints); spans and the recorder stay."""
@@ -166,22 +188,59 @@ class TraintraceCallback(Callback):
         return "TraintraceCallback"
 
     # ------------------------------------------------------------ helpers
-    def _start(self, name: str, attrs: Mapping[str, Any] | None, level: int) -> Span | None:
-        rec = self._rec
-        if rec is None or rec.closed:
-            return None
-        return rec.start(name, attrs, level=level)
+    def _start(self, name: str, attrs: dict[str, Any] | None, level: int) -> Span | None:
+        """Open a span (the context API's entry, without a ``with``): None when not recorded.
+
+        ``attrs`` must be a fresh dict: the span keeps it, uncopied.
+        """
+        span = Span(name, attrs, level)
+        span.__enter__()
+        return span if span.open else None
 
     @staticmethod
     def _stop(span: Span | None, metrics: Mapping[str, Any] | None = None, status: str | None = None) -> None:
         if span is not None:
             _api.stop(span, metrics, status=status)
 
+    def _begin_wait(self) -> None:
+        if self._live_phases:
+            self._wait_span = self._start(SpanName.DATA_LOADING, None, _WAIT)
+        else:
+            self._wait_t0 = perf_counter_ns()
+
     def _end_wait(self) -> None:
-        wait = self._wait
+        t0 = self._wait_t0
+        if t0 is not None:
+            self._wait_t0 = None
+            rec = self._rec
+            if rec is not None:
+                record_finished(rec, SpanName.DATA_LOADING, _WAIT, t0, perf_counter_ns(), self._loop)
+            return
+        wait = self._wait_span
         if wait is not None:
-            self._wait = None
-            _api.stop(wait)
+            self._wait_span = None
+            wait.__exit__(None, None, None)
+
+    def _phase_to(self, name: str | None) -> None:
+        """End the current phase (if any) and begin ``name`` (if given)."""
+        now = perf_counter_ns()
+        current = self._phase
+        if current is not None:
+            self._phase = None
+            live = self._phase_span
+            if live is not None:
+                self._phase_span = None
+                live.__exit__(None, None, None)
+            else:
+                rec = self._rec
+                if rec is not None:
+                    record_finished(rec, current, _PHASE, self._mark, now, self._iter)
+        if name is not None and self._profile and self._iter is not None:
+            self._phase = name
+            if self._live_phases:
+                self._phase_span = self._start(name, None, _PHASE)
+            else:
+                self._mark = now
 
     def _end_pending_save(self) -> None:
         pending = self._pending_save
@@ -221,6 +280,7 @@ class TraintraceCallback(Callback):
         self._info = level >= _INFO
         self._trace = level >= _ITERATION
         self._profile = level >= _PHASE
+        self._live_phases = bool(getattr(rec, "_listeners", ()))
         self._every = max(1, int(self.metrics_every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1))
         self._failed = False
         if isinstance(self.flops_per_step, int | float) and not isinstance(self.flops_per_step, bool):
@@ -267,7 +327,8 @@ class TraintraceCallback(Callback):
         self._stop_flop_counter()
         self._end_wait()
         self._end_pending_save()
-        for attr in ("_phase", "_iter", "_eval", "_loop"):
+        self._phase = None
+        for attr in ("_phase_span", "_iter", "_eval", "_loop"):
             span = getattr(self, attr)
             if span is not None:
                 setattr(self, attr, None)
@@ -321,7 +382,7 @@ class TraintraceCallback(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._profile:
             self._end_wait()
-            self._wait = self._start(SpanName.DATA_LOADING, None, _WAIT)
+            self._begin_wait()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_wait()
@@ -335,10 +396,8 @@ class TraintraceCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        wait = self._wait
-        if wait is not None:
-            self._wait = None
-            _api.stop(wait)
+        if self._wait_t0 is not None or self._wait_span is not None:
+            self._end_wait()
         if not self._trace:
             return
         step = trainer.global_step
@@ -359,41 +418,32 @@ class TraintraceCallback(Callback):
         if self.flops_per_step == "measure" and self._flops is None and self._flop_counter is None:
             self._start_flop_counter()
         if self._profile:
-            self._phase = self._start(SpanName.FORWARD, None, _PHASE)
-
-    def _next_phase(self, name: str | None) -> None:
-        phase = self._phase
-        if phase is not None:
-            self._phase = None
-            _api.stop(phase)
-        if name is not None and self._profile and self._iter is not None:
-            self._phase = self._start(name, None, _PHASE)
+            self._phase_to(SpanName.FORWARD)
 
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._phase is not None or self._profile:
-            self._next_phase(SpanName.ZERO_GRAD)
+        # Forward ends here; zeroing gradients is too short to be worth a span per step.
+        if self._phase is not None:
+            self._phase_to(None)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
-        if self._phase is not None or self._profile:
-            self._next_phase(SpanName.BACKWARD)
+        if self._profile:
+            self._phase_to(SpanName.BACKWARD)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._phase is not None:
-            self._next_phase(None)
+            self._phase_to(None)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
-        if self._phase is not None or self._profile:
-            self._next_phase(SpanName.OPTIMIZER_STEP)
+        if self._profile:
+            self._phase_to(SpanName.OPTIMIZER_STEP)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        phase = self._phase
-        if phase is not None:
-            self._phase = None
-            _api.stop(phase)
+        if self._phase is not None:
+            self._phase_to(None)
         span = self._iter
         if span is not None:
             self._iter = None
@@ -401,15 +451,24 @@ class TraintraceCallback(Callback):
                 self._stop_flop_counter()
                 if self._flops is not None:
                     span.add_metrics(flops=self._flops)
-            metrics: dict[str, Any] = {}
             loss = _loss_of(outputs)
-            if loss is not None:
-                metrics["loss"] = loss
             if self.log_metrics and trainer.global_step % self._every == 0:
-                metrics.update(self._new_logged(trainer))
-            _api.stop(span, metrics)
+                metrics = self._new_logged(trainer)
+                if loss is not None:
+                    metrics["loss"] = loss
+                span.add_metrics(metrics)
+            elif loss is not None:
+                span.add_metrics(loss=loss)
+            span.__exit__(None, None, None)
+            self._steps += 1
+            if self._steps % _WAKE_EVERY == 0:
+                # Hand the records over while they are young: objects that outlive two
+                # garbage collections make every later full collection slower.
+                rec = self._rec
+                if rec is not None:
+                    rec.flush(0)
         if self._profile:
-            self._wait = self._start(SpanName.DATA_LOADING, None, _WAIT)
+            self._begin_wait()
 
     # ------------------------------------------------------------ FLOPs
     def _start_flop_counter(self) -> None:
@@ -476,7 +535,7 @@ class TraintraceCallback(Callback):
         self._eval_end(trainer)
         if self._profile and self._loop is not None and not trainer.sanity_checking:
             # Back in the training loop: the wait for the next batch starts.
-            self._wait = self._start(SpanName.DATA_LOADING, None, _WAIT)
+            self._begin_wait()
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._eval_start(SpanName.TEST, trainer)
