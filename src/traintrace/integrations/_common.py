@@ -171,7 +171,8 @@ def record_finished(  # noqa: PLR0917 - positional on purpose: called per traini
     t1: int,
     parent: Span | None,
     attrs: dict[str, Any] | None = None,
-) -> None:
+    status: str = SpanStatus.OK,
+) -> Span | None:
     """Record a span that has already ended, from two ``perf_counter_ns`` readings.
 
     For leaf phases timed between two framework hooks (forward, backward,
@@ -181,7 +182,7 @@ def record_finished(  # noqa: PLR0917 - positional on purpose: called per traini
     under ``parent`` instead.
     """
     if level > rec.max_level or rec.closed:
-        return
+        return None
     span = Span.__new__(Span)
     span.name = name
     span.attrs = attrs
@@ -191,9 +192,10 @@ def record_finished(  # noqa: PLR0917 - positional on purpose: called per traini
     span.id = next(_recorder._ids)
     span.tid = _get_ident()
     span.metrics = None
-    span.status = SpanStatus.OK
+    span.status = status
     span.written = False
     span._rec = rec
     span.t0 = t0
     span.t1 = t1
     rec._put((_recorder.START, span))
+    return span

@@ -339,13 +339,20 @@ class TraintraceCallback(Callback):
     ) -> None:
         self._failed = True
         rec = self._rec
+        status = SpanStatus.ERROR if isinstance(exception, Exception) else SpanStatus.TERMINATED
         if rec is not None and not rec.closed:
-            # Recorded at the innermost open span; recorded once however often it is passed on.
+            # Recorded once (however often it is passed on), at the phase it broke if one
+            # was running, else at the innermost open span.
+            phase = self._phase
+            if phase is not None and self._phase_span is None:
+                self._phase = None
+                broken = record_finished(
+                    rec, phase, _PHASE, self._mark, perf_counter_ns(), self._iter, None, status
+                )
+                if broken is not None and isinstance(exception, Exception):
+                    rec._exception(exception, EventName.EXCEPTION, None, broken.id)
             if isinstance(exception, Exception):
                 rec.error(exception, name=EventName.EXCEPTION)
-            status = SpanStatus.ERROR if isinstance(exception, Exception) else SpanStatus.TERMINATED
-        else:
-            status = SpanStatus.ERROR
         self._close_open(status)
         stage_span, self._stage = self._stage, None
         self._stop(stage_span, {"global_step": int(trainer.global_step)}, status)
