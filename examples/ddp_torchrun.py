@@ -51,6 +51,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     checkpoints = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="traintrace-ddp-"))
+    checkpoints.mkdir(parents=True, exist_ok=True)
 
     with tt.application(
         tt.ApplicationMetrics.create(rank=rank, world_size=world_size, checkpoint_strategy="sync")

@@ -280,6 +280,28 @@ def test_callback_survives_pickling_after_a_run(memory: tt.MemoryBackend, tmp_pa
     assert len(flops) == 1 and flops.pop() > 0
 
 
+def test_phase_timings_as_attributes(memory: tt.MemoryBackend, tmp_path: Path) -> None:
+    """phase_spans=False: no phase or wait spans; their durations are attributes of each iteration."""
+    callback = TraintraceCallback(phase_spans=False)
+    run = trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False)
+    train, val = loaders()
+    run.fit(TinyModule(), train, val)
+    tt.flush()
+    for name in (
+        tt.SpanName.FORWARD,
+        tt.SpanName.BACKWARD,
+        tt.SpanName.OPTIMIZER_STEP,
+        tt.SpanName.DATA_LOADING,
+    ):
+        assert memory.spans(name) == []
+    iterations = memory.spans(tt.SpanName.ITERATION)
+    assert len(iterations) == 4
+    for span in iterations:
+        attrs = span["attrs"]
+        assert 0 < attrs["forward_ns"] + attrs["backward_ns"] + attrs["optimizer_ns"] <= span["dur"]
+        assert attrs["data_loading_ns"] > 0
+
+
 def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> None:
     """strategy='ddp' with 2 CPU processes: one stream per rank, identity from the trainer, steps equal."""
     env = {
