@@ -51,9 +51,6 @@ _ITERATION = level_of(SpanName.ITERATION)
 _PHASE = level_of(SpanName.FORWARD)
 _WAIT = level_of(SpanName.DATA_LOADING)
 
-#: Steps between wake-ups of the writer thread (see on_train_batch_end).
-_WAKE_EVERY = 16
-
 #: Attribute names of the phase timings when phases are not recorded as spans.
 _TIMING_KEYS = {
     SpanName.FORWARD: "forward_ns",
@@ -180,7 +177,6 @@ class TraintraceCallback(Callback):
         self._patched: list[tuple[Any, str, Any]] = []
         self._async_saves: deque[Span] = deque()
         self._failed = False
-        self._steps = 0
 
     def __getstate__(self) -> dict[str, Any]:
         """Only the settings travel (``ddp_spawn``, checkpoints); spans and the recorder stay."""
@@ -501,13 +497,6 @@ class TraintraceCallback(Callback):
             elif loss is not None:
                 span.add_metrics(loss=loss)
             span.__exit__(None, None, None)
-            self._steps += 1
-            if self._steps % _WAKE_EVERY == 0:
-                # Hand the records over while they are young: objects that outlive two
-                # garbage collections make every later full collection slower.
-                rec = self._rec
-                if rec is not None:
-                    rec.flush(0)
         if self._profile:
             self._begin_wait()
 
