@@ -15,7 +15,11 @@ callback. Both libraries write every span (iteration, forward, backward,
 optimizer step) to a JSON-lines file in a temporary folder and get the FLOPs
 per step as a number, so neither measures FLOPs. Timing covers steps after
 ``--warmup`` up to the end of the epoch, read by a clock callback present in
-every mode.
+every mode. Runs must last many writer cycles (``flush_interval``, 0.5 s by
+default) so that traintrace's writer thread, which shares the GIL with
+training, is measured in its steady state rather than deferred past the end.
+``--in-hook`` adds the CPU time spent inside each callback's per-step hooks
+(a steadier figure on a busy machine, but it leaves out the writer thread).
 """
 
 from __future__ import annotations
@@ -189,7 +193,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-reference", action="store_true", help="skip the reference library")
