@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from . import _recorder
 from ._config import (
     BackendConfig,
     Config,
@@ -237,7 +238,7 @@ def _open(backend: Backend, name: str, header: dict[str, Any]) -> None:
         backend.open(header)
     except ConfigError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - turned into a configuration error
         raise ConfigError(f"backends.{name}: cannot start: {type(exc).__name__}: {exc}") from exc
 
 
@@ -356,7 +357,7 @@ def _after_fork_in_child() -> None:
         if multiprocessing_util is not None:
             # multiprocessing children leave through os._exit, which skips atexit.
             multiprocessing_util.Finalize(None, child.close, exitpriority=100)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a child must start even if its telemetry cannot
         log.warning("traintrace: the forked child could not start its own stream", exc_info=True)
 
 

@@ -147,7 +147,7 @@ class Pipeline:
                 self._cycle()
             self._cycle()
             self._finish(self._closing)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the writer must never die silently
             log.exception("traintrace: writer thread failed; telemetry stops here")
         finally:
             self._closed.set()

@@ -79,19 +79,19 @@ class Span:
     """
 
     __slots__ = (
-        "_rec",
+        "name",
         "attrs",
-        "id",
         "level",
         "link",
         "metrics",
-        "name",
+        "id",
         "parent",
-        "status",
         "t0",
         "t1",
         "tid",
+        "status",
         "written",
+        "_rec",
     )
 
     def __init__(
