@@ -11,7 +11,10 @@ in one environment, e.g. a separate venv:
 The same tiny model is trained for ``--steps`` steps per run; runs of the
 three modes are interleaved for ``--rounds`` rounds and the median time per
 step of each mode is compared with the median of the runs without a
-callback. Both libraries write every span (iteration, forward, backward,
+callback. Modes: ``none``; ``empty`` (a callback that does nothing: Lightning's
+cost of calling one more callback); ``traintrace`` (defaults: phases as
+spans); ``tt_attrs`` (``phase_spans=False``: one record per step, phase
+durations as attributes); ``reference``. Both libraries write every span (iteration, forward, backward,
 optimizer step) to a JSON-lines file in a temporary folder and get the FLOPs
 per step as a number, so neither measures FLOPs. Timing covers steps after
 ``--warmup`` up to the end of the epoch, read by a clock callback present in
@@ -146,14 +149,15 @@ def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
     clock = StepClock(warmup)
     callbacks: list[Callback] = [clock]
     timer = None
-    if mode == "traintrace":
+    if mode in ("traintrace", "tt_attrs"):
         tt.close()
         callbacks.append(
             TraintraceCallback(
-                log_dir=str(folder / "traintrace"),
+                log_dir=str(folder / mode),
                 job_id="bench",
                 backends=[tt.FileBackendConfig()],
                 flops_per_step=FLOPS,
+                phase_spans=mode == "traintrace",
             )
         )
     elif mode == "reference":
@@ -178,7 +182,7 @@ def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
         gc.disable()
     trainer.fit(Tiny(), DataLoader(data, batch_size=8))
     gc.enable()
-    if mode == "traintrace":
+    if mode in ("traintrace", "tt_attrs"):
         tt.close()
     if mode == "reference":
         # The reference writes its file on the training thread: let it close before the next run.
@@ -207,7 +211,7 @@ def main() -> None:
     IN_HOOK = args.in_hook
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    modes = ["none", "empty", "traintrace"] + ([] if args.no_reference else ["reference"])
+    modes = ["none", "empty", "traintrace", "tt_attrs"] + ([] if args.no_reference else ["reference"])
     times: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="tt-bench-") as tmp:
         folder = Path(tmp)
@@ -237,9 +241,10 @@ def main() -> None:
             )
         if "reference" in added:
             for label, table in (("medians", added), ("minima", added_min)):
-                ours = table["traintrace"]
-                ratio = f"{table['reference'] / ours:.1f}x" if ours > 0 else "n/a (no added time measured)"
-                print(f"reference / traintrace added time ({label}): {ratio}")
+                for ours_mode in ("traintrace", "tt_attrs"):
+                    ours = table[ours_mode]
+                    ratio = f"{table['reference'] / ours:.1f}x" if ours > 0 else "n/a (none measured)"
+                    print(f"reference / {ours_mode} added time ({label}): {ratio}")
     print("files written:", ", ".join(f"{name} {size // 1024} KiB" for name, size in sorted(written.items())))
     sys.stdout.flush()
 
