@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing is downloaded
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
