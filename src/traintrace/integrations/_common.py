@@ -183,7 +183,7 @@ def record_finished(  # noqa: PLR0917 - positional on purpose: called per traini
     """
     if level > rec.max_level or rec.closed:
         return None
-    span = Span.__new__(Span)
+    span: Any = Span.__new__(Span)  # Any: Span's slots are not annotated
     span.name = name
     span.attrs = attrs
     span.level = level
@@ -198,4 +198,5 @@ def record_finished(  # noqa: PLR0917 - positional on purpose: called per traini
     span.t0 = t0
     span.t1 = t1
     rec._put((_recorder.START, span))
-    return span
+    finished: Span = span
+    return finished
