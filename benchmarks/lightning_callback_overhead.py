@@ -1,0 +1,253 @@
+"""Added time per Lightning training step: traintrace's callback vs the reference's vs none.
+
+Needs lightning, traintrace and (for the comparison) ``aidot-training-telemetry``
+in one environment, e.g. a separate venv:
+
+    python -m venv .bench-venv
+    .bench-venv/bin/pip install torch==2.13.0
+    .bench-venv/bin/pip install lightning aidot-training-telemetry torch==2.13.0 -e .
+    .bench-venv/bin/python benchmarks/lightning_callback_overhead.py
+
+The same tiny model is trained for ``--steps`` steps per run; runs of the
+three modes are interleaved for ``--rounds`` rounds and the median time per
+step of each mode is compared with the median of the runs without a
+callback. Modes: ``none``; ``empty`` (a callback that does nothing: Lightning's
+cost of calling one more callback); ``traintrace`` (defaults: phases as
+spans); ``tt_attrs`` (``phase_spans=False``: one record per step, phase
+durations as attributes); ``reference``. Both libraries write every span (iteration, forward, backward,
+optimizer step) to a JSON-lines file in a temporary folder and get the FLOPs
+per step as a number, so neither measures FLOPs. Timing covers steps after
+``--warmup`` up to the end of the epoch, read by a clock callback present in
+every mode. Runs must last many writer cycles (``flush_interval``, 0.5 s by
+default) so that traintrace's writer thread, which shares the GIL with
+training, is measured in its steady state rather than deferred past the end.
+``--in-hook`` adds the CPU time spent inside each callback's per-step hooks
+(a steadier figure on a busy machine, but it leaves out the writer thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import traintrace as tt
+from traintrace.integrations.lightning import TraintraceCallback
+
+FLOPS = 1.0e6
+NO_GC = False
+IN_HOOK = False
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(32, 32)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+CLOCKS = {
+    "wall": time.perf_counter_ns,
+    "thread_cpu": time.thread_time_ns,  # the training thread only
+    "process_cpu": time.process_time_ns,  # every thread: includes traintrace's writer
+}
+
+
+class StepClock(Callback):
+    """Reads the clocks at the warm-up step and at the end of the epoch."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.t0: dict[str, int] = {}
+        self.t1: dict[str, int] = {}
+        self.steps = 0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.warmup:
+            self.t0 = {name: clock() for name, clock in CLOCKS.items()}
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.t1 = {name: clock() for name, clock in CLOCKS.items()}
+        self.steps = trainer.global_step - self.warmup
+
+
+HOOKS = (
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
+
+
+class InHookTimer:
+    """Wraps a callback's per-step hooks and adds up the thread CPU time spent inside them."""
+
+    def __init__(self, callback: Callback, clock: StepClock) -> None:
+        self.total = 0
+        self.clock = clock
+        for name in HOOKS:
+            setattr(callback, name, self._timed(getattr(callback, name)))
+
+    def _timed(self, hook: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.clock.t0:
+                return hook(*args, **kwargs)
+            t0 = time.thread_time_ns()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.total += time.thread_time_ns() - t0
+
+        return timed
+
+
+class Empty(Callback):
+    """A callback that overrides nothing: the cost of Lightning calling one more callback."""
+
+
+def reference_callback(folder: Path) -> Callback:
+    from training_telemetry.config import ApplicationConfig, FileBackendConfig, TelemetryConfig
+    from training_telemetry.torch.lightning.callback import TelemetryCallback
+    from training_telemetry.verbosity import Verbosity
+
+    config = TelemetryConfig(
+        backends=[
+            FileBackendConfig(output_file_path=str(folder / "reference"), verbosity=Verbosity.PROFILING)
+        ],
+        application=ApplicationConfig(job_name="bench", job_id="bench", log_interval=100),
+        log_level=logging.WARNING,
+    )
+    return TelemetryCallback(config=config, batch_flops=FLOPS)
+
+
+def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
+    """Seconds per step of one fit, by clock."""
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(steps * 8, 32), torch.randn(steps * 8, 32))
+    clock = StepClock(warmup)
+    callbacks: list[Callback] = [clock]
+    timer = None
+    if mode in ("traintrace", "tt_attrs"):
+        tt.close()
+        callbacks.append(
+            TraintraceCallback(
+                log_dir=str(folder / mode),
+                job_id="bench",
+                backends=[tt.FileBackendConfig()],
+                flops_per_step=FLOPS,
+                phase_spans=mode == "traintrace",
+            )
+        )
+    elif mode == "reference":
+        callbacks.append(reference_callback(folder))
+    elif mode == "empty":
+        callbacks.append(Empty())
+    if IN_HOOK and len(callbacks) > 1:
+        timer = InHookTimer(callbacks[1], clock)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+    )
+    gc.collect()
+    if NO_GC:
+        gc.disable()
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+    gc.enable()
+    if mode in ("traintrace", "tt_attrs"):
+        tt.close()
+    if mode == "reference":
+        # The reference writes its file on the training thread: let it close before the next run.
+        logging.shutdown()
+    result = {name: (clock.t1[name] - clock.t0[name]) / 1e9 / clock.steps for name in CLOCKS}
+    if IN_HOOK:
+        result["in_hook_cpu"] = (timer.total / 1e9 / clock.steps) if timer is not None else 0.0
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-reference", action="store_true", help="skip the reference library")
+    parser.add_argument(
+        "--in-hook", action="store_true", help="also add up the CPU time spent inside each callback's hooks"
+    )
+    parser.add_argument("--no-gc", action="store_true", help="disable the garbage collector during fits")
+    args = parser.parse_args()
+    global NO_GC, IN_HOOK
+    NO_GC = args.no_gc
+    IN_HOOK = args.in_hook
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    modes = ["none", "empty", "traintrace", "tt_attrs"] + ([] if args.no_reference else ["reference"])
+    times: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory(prefix="tt-bench-") as tmp:
+        folder = Path(tmp)
+        run("none", 300, 50, folder)  # warm the imports and the allocator
+        for round_index in range(args.rounds):
+            order = modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
+            for mode in order:
+                times[mode].append(run(mode, args.steps, args.warmup, folder))
+        written = {p.name: p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+    print(f"steps per run: {args.steps} (timed after {args.warmup}), rounds: {args.rounds}")
+    for clock in [*CLOCKS, "in_hook_cpu"] if IN_HOOK else CLOCKS:
+        base = statistics.median(t[clock] for t in times["none"])
+        print(f"\n[{clock}]")
+        floor = min(t[clock] for t in times["none"])
+        print(f"{'mode':<12}{'median':>10}{'added':>10}{'min':>10}{'added':>10}   runs (us/step)")
+        added: dict[str, float] = {}
+        added_min: dict[str, float] = {}
+        for mode in modes:
+            values = [t[clock] for t in times[mode]]
+            median = statistics.median(values)
+            added[mode] = median - base
+            added_min[mode] = min(values) - floor
+            runs = " ".join(f"{v * 1e6:.0f}" for v in values)
+            print(
+                f"{mode:<12}{median * 1e6:>10.1f}{added[mode] * 1e6:>10.1f}"
+                f"{min(values) * 1e6:>10.1f}{added_min[mode] * 1e6:>10.1f}   {runs}"
+            )
+        if "reference" in added:
+            for label, table in (("medians", added), ("minima", added_min)):
+                for ours_mode in ("traintrace", "tt_attrs"):
+                    ours = table[ours_mode]
+                    ratio = f"{table['reference'] / ours:.1f}x" if ours > 0 else "n/a (none measured)"
+                    print(f"reference / {ours_mode} added time ({label}): {ratio}")
+    print("files written:", ", ".join(f"{name} {size // 1024} KiB" for name, size in sorted(written.items())))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

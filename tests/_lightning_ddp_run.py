@@ -1,0 +1,66 @@
+"""Run by test_integrations_lightning: a 2-process CPU DDP fit with the callback.
+
+Lightning starts rank 1 by running this script again; each rank's callback
+configures traintrace with the trainer's rank and world size.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import traintrace as tt
+from traintrace.integrations.lightning import TraintraceCallback
+
+
+class Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
+    callback = TraintraceCallback(
+        tt.Config(job_id="ddp-test", log_dir=str(out / "logs")), backends={"log": False}
+    )
+    trainer = L.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        callbacks=[callback],
+        default_root_dir=str(out),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=16))
+    if trainer.global_rank == 0:
+        (out / "global_step.txt").write_text(str(trainer.global_step))
+    tt.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""The Lightning callback on real Lightning runs: tiny models, CPU, a few steps."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import traintrace as tt
+from traintrace.integrations.lightning import TraintraceCallback
+from traintrace.reader import read_file
+
+HERE = Path(__file__).parent
+
+
+class TinyModule(L.LightningModule):
+    """A linear regression that logs loss and a made-up accuracy, and can fail on demand."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 1)
+        self.fail_at = fail_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fail_at is not None and self.global_step == self.fail_at:
+            raise RuntimeError("boom in training_step")
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        self.log("train_acc", (loss < 1.0).float())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class CapturingLogger(Logger):
+    """A Lightning logger that keeps what Lightning hands to loggers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((int(step or 0), dict(metrics)))
+
+
+def loaders(samples: int = 64, batch_size: int = 16) -> tuple[DataLoader[Any], DataLoader[Any]]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 8, generator=generator)
+    y = torch.randn(samples, 1, generator=generator)
+    data = TensorDataset(x, y)
+    return DataLoader(data, batch_size=batch_size), DataLoader(data, batch_size=32)
+
+
+@pytest.fixture
+def memory() -> Iterator[tt.MemoryBackend]:
+    backend = tt.MemoryBackend()
+    tt.configure(backends=[], extra_backends=[backend])
+    yield backend
+    tt.close()
+
+
+def trainer(tmp_path: Path, **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "max_epochs": 2,
+        "default_root_dir": str(tmp_path),
+        "log_every_n_steps": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "accelerator": "cpu",
+        "devices": 1,
+    }
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+def by_id(spans: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {s["id"]: s for s in spans}
+
+
+def test_fit_records_nested_spans_steps_and_logged_metrics(memory: tt.MemoryBackend, tmp_path: Path) -> None:
+    """A fit with validation and a checkpoint: spans nest, counts and metrics match Lightning's."""
+    logger = CapturingLogger()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
+    run = trainer(tmp_path, callbacks=[TraintraceCallback(), checkpoint], logger=logger)
+    train, val = loaders()
+    run.fit(TinyModule(), train, val)
+    tt.flush()
+
+    spans = memory.spans()
+    ids = by_id(spans)
+    (app,) = memory.spans(tt.SpanName.APPLICATION)
+    (loop,) = memory.spans(tt.SpanName.TRAINING_LOOP)
+    assert app["parent"] == 0 and loop["parent"] == app["id"]
+    assert app["attrs"]["stage"] == "fit" and app["attrs"]["world_size"] == 1
+
+    iterations = memory.spans(tt.SpanName.ITERATION)
+    assert len(iterations) == run.global_step == 8
+    assert [s["attrs"]["step"] for s in iterations] == list(range(8))
+    for span in iterations:
+        assert span["parent"] == loop["id"]
+        assert span["attrs"]["batch_size"] == 16
+        assert span["status"] == "ok"
+    for name in (tt.SpanName.FORWARD, tt.SpanName.BACKWARD, tt.SpanName.OPTIMIZER_STEP):
+        phases = memory.spans(name)
+        assert len(phases) == 8, name
+        for phase in phases:
+            parent = ids[phase["parent"]]
+            assert parent["name"] == tt.SpanName.ITERATION
+            assert parent["ts"] <= phase["ts"] and phase["dur"] <= parent["dur"]
+    waits = memory.spans(tt.SpanName.DATA_LOADING)
+    assert waits and all(w["parent"] == loop["id"] for w in waits)
+
+    # What Lightning gave its loggers, step by step, equals what the iteration spans carry.
+    logged_train = [m for _, m in logger.rows if "train_loss" in m]
+    assert len(logged_train) == 8
+    assert [s["attrs"]["train_loss"] for s in iterations] == pytest.approx(
+        [m["train_loss"] for m in logged_train]
+    )
+    assert [s["attrs"]["train_acc"] for s in iterations] == pytest.approx(
+        [m["train_acc"] for m in logged_train]
+    )
+    assert [s["attrs"]["loss"] for s in iterations] == pytest.approx([m["train_loss"] for m in logged_train])
+
+    validations = [s for s in memory.spans(tt.SpanName.VALIDATION) if not s["attrs"].get("sanity_check")]
+    logged_val = [m["val_loss"] for _, m in logger.rows if "val_loss" in m]
+    assert len(validations) == 2 == len(logged_val)
+    assert [v["attrs"]["val_loss"] for v in validations] == pytest.approx(logged_val)
+    assert all(v["parent"] == loop["id"] and v["attrs"]["batches"] == 2 for v in validations)
+
+    saves = memory.spans(tt.SpanName.CHECKPOINT_SAVE_SYNC)
+    files = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert len(saves) == len(files) == 2
+    for save in saves:
+        path = Path(save["attrs"]["checkpoint_path"])
+        assert path in files
+        assert save["attrs"]["checkpoint_size"] == path.stat().st_size
+        assert save["parent"] == loop["id"]
+    assert memory.errors() == []
+
+
+def test_exception_in_training_step_is_recorded_once(memory: tt.MemoryBackend, tmp_path: Path) -> None:
+    """A failing training_step: one error record at the forward span; enclosing spans end as errors."""
+    run = trainer(tmp_path, callbacks=[TraintraceCallback()], logger=False, enable_checkpointing=False)
+    train, val = loaders()
+    with pytest.raises(RuntimeError, match="boom"), tt.span("user_main"):
+        run.fit(TinyModule(fail_at=2), train, val)
+    tt.flush()
+
+    errors = memory.errors()
+    assert len(errors) == 1
+    error = errors[0]
+    assert error["error_type"] == "RuntimeError" and "boom" in error["message"]
+    ids = by_id(memory.spans())
+    failed_at = ids[error["span"]]
+    assert failed_at["name"] == tt.SpanName.FORWARD
+    iteration = ids[failed_at["parent"]]
+    assert iteration["name"] == tt.SpanName.ITERATION and iteration["attrs"]["step"] == 2
+    assert iteration["status"] == "error"
+    (stage,) = memory.spans("lightning_fit")  # a user span was open, so no second application span
+    assert stage["status"] == "error"
+    assert ids[stage["parent"]]["name"] == "user_main"
+    assert [s["status"] for s in memory.spans(tt.SpanName.TRAINING_LOOP)] == ["error"]
+    assert len([s for s in memory.spans(tt.SpanName.ITERATION) if s["status"] == "ok"]) == 2
+
+
+def test_async_checkpoint_records_blocking_and_background_parts_and_load(
+    memory: tt.MemoryBackend, tmp_path: Path
+) -> None:
+    """AsyncCheckpointIO: an async span per save, a linked finalisation span per write; resume loads."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
+    run = trainer(
+        tmp_path,
+        max_epochs=1,
+        callbacks=[TraintraceCallback(), checkpoint],
+        logger=False,
+        plugins=[AsyncCheckpointIO()],
+    )
+    train, val = loaders()
+    run.fit(TinyModule(), train, val)
+    tt.flush()
+    saves = memory.spans(tt.SpanName.CHECKPOINT_SAVE_ASYNC)
+    finals = memory.spans(tt.SpanName.CHECKPOINT_SAVE_FINALIZATION)
+    assert len(saves) == len(finals) == 1
+    assert finals[0]["link"] == saves[0]["id"]
+    assert finals[0]["tid"] != saves[0]["tid"]
+    path = Path(saves[0]["attrs"]["checkpoint_path"])
+    assert finals[0]["attrs"]["checkpoint_size"] == path.stat().st_size > 0
+    assert memory.spans(tt.SpanName.CHECKPOINT_SAVE_SYNC) == []
+
+    resumed = trainer(
+        tmp_path, max_epochs=2, callbacks=[TraintraceCallback()], logger=False, enable_checkpointing=False
+    )
+    resumed.fit(TinyModule(), train, val, ckpt_path=str(path))
+    tt.flush()
+    (load,) = memory.spans(tt.SpanName.CHECKPOINT_LOAD)
+    assert load["attrs"]["checkpoint_path"] == str(path)
+    assert load["attrs"]["checkpoint_size"] == path.stat().st_size
+    restored = memory.events("checkpoint_restored")
+    assert restored and restored[0]["attrs"]["global_step"] == 4
+    assert resumed.global_step == 8
+    assert [s["attrs"]["step"] for s in memory.spans(tt.SpanName.ITERATION)] == list(range(8))
+
+
+def test_test_loop_records_metrics_equal_to_trainer_test(memory: tt.MemoryBackend, tmp_path: Path) -> None:
+    """trainer.test(): a test_loop span with the metrics trainer.test returns."""
+    run = trainer(tmp_path, callbacks=[TraintraceCallback()], logger=False, enable_checkpointing=False)
+    _, val = loaders()
+    (result,) = run.test(TinyModule(), val)
+    tt.flush()
+    (span,) = memory.spans(tt.SpanName.TEST)
+    assert span["attrs"]["test_loss"] == pytest.approx(result["test_loss"])
+    assert span["attrs"]["batches"] == 2
+    (stage,) = memory.spans(tt.SpanName.APPLICATION)
+    assert span["parent"] == stage["id"] and stage["attrs"]["stage"] == "test"
+
+
+def test_callback_configures_and_is_quiet_on_disabled_ranks(tmp_path: Path) -> None:
+    """Configured by the callback from its settings; a rank the config disables writes nothing."""
+    tt.close()
+    callback = TraintraceCallback(
+        log_dir=str(tmp_path / "logs"), job_id="quiet", backends={"file": {"ranks": "1"}, "log": False}
+    )
+    callback = pickle.loads(pickle.dumps(callback))
+    run = trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False)
+    train, val = loaders()
+    run.fit(TinyModule(), train, val)
+    tt.close()
+    assert run.global_step == 4
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").rglob("*.jsonl"))
+
+
+def test_callback_survives_pickling_after_a_run(memory: tt.MemoryBackend, tmp_path: Path) -> None:
+    """After a fit the callback still pickles (ddp_spawn and checkpoints need that), and records again."""
+    callback = TraintraceCallback(flops_per_step="measure")
+    run = trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False)
+    train, val = loaders()
+    run.fit(TinyModule(), train, val)
+    copy = pickle.loads(pickle.dumps(callback))
+    assert isinstance(copy, TraintraceCallback) and copy.flops_per_step == "measure"
+    tt.flush()
+    iterations = memory.spans(tt.SpanName.ITERATION)
+    flops = {s["attrs"]["flops"] for s in iterations}
+    assert len(flops) == 1 and flops.pop() > 0
+
+
+def test_phase_timings_as_attributes(memory: tt.MemoryBackend, tmp_path: Path) -> None:
+    """phase_spans=False: no phase or wait spans; their durations are attributes of each iteration."""
+    callback = TraintraceCallback(phase_spans=False)
+    run = trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False)
+    train, val = loaders()
+    run.fit(TinyModule(), train, val)
+    tt.flush()
+    for name in (
+        tt.SpanName.FORWARD,
+        tt.SpanName.BACKWARD,
+        tt.SpanName.OPTIMIZER_STEP,
+        tt.SpanName.DATA_LOADING,
+    ):
+        assert memory.spans(name) == []
+    iterations = memory.spans(tt.SpanName.ITERATION)
+    assert len(iterations) == 4
+    for span in iterations:
+        attrs = span["attrs"]
+        assert 0 < attrs["forward_ns"] + attrs["backward_ns"] + attrs["optimizer_ns"] <= span["dur"]
+        assert attrs["data_loading_ns"] > 0
+
+
+def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> None:
+    """strategy='ddp' with 2 CPU processes: one stream per rank, identity from the trainer, steps equal."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+    script = HERE / "_lightning_ddp_run.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = int((tmp_path / "global_step.txt").read_text())
+    files = sorted((tmp_path / "logs" / "ddp-test").glob("rank*.jsonl"))
+    assert [f.name for f in files] == ["rank0.jsonl", "rank1.jsonl"]
+    for rank, file in enumerate(files):
+        (stream,) = read_file(file).streams
+        assert stream.header["rank"] == rank and stream.header["world_size"] == 2
+        assert stream.closed_cleanly
+        spans = stream.spans()
+        names = [s["name"] for s in spans]
+        assert names.count(tt.SpanName.ITERATION) == steps
+        assert names.count(tt.SpanName.TRAINING_LOOP) == 1
+        assert all(s["status"] == "ok" for s in spans)
+        app = next(s for s in spans if s["name"] == tt.SpanName.APPLICATION)
+        assert app["attrs"]["rank"] == rank and app["attrs"]["strategy"] == "DDPStrategy"
+        saves = names.count(tt.SpanName.CHECKPOINT_SAVE_SYNC)
+        assert saves == (1 if rank == 0 else 0)  # only global rank 0 writes

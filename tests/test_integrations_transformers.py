@@ -1,0 +1,172 @@
+"""The Hugging Face Trainer callback on a real Trainer: a tiny random GPT-2, CPU, a few steps."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: nothing is downloaded
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+import traintrace as tt
+from traintrace.integrations.transformers import TraintraceTrainerCallback
+
+SEQ = 8
+VOCAB = 50
+
+
+def tiny_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(config)
+
+
+def dataset(rows: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        {"input_ids": ids, "labels": ids.clone()}
+        for ids in (torch.randint(0, VOCAB, (SEQ,), generator=generator) for _ in range(rows))
+    ]
+
+
+def arguments(tmp_path: Path, **kwargs: Any) -> TrainingArguments:
+    options: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 8,
+        "logging_steps": 2,
+        "save_steps": 3,
+        "eval_strategy": "steps",
+        "eval_steps": 3,
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+    options.update(kwargs)
+    return TrainingArguments(**options)
+
+
+@pytest.fixture
+def memory() -> Iterator[tt.MemoryBackend]:
+    backend = tt.MemoryBackend()
+    tt.configure(backends=[], extra_backends=[backend])
+    yield backend
+    tt.close()
+
+
+def test_trainer_run_records_steps_logs_evaluation_and_saves(
+    memory: tt.MemoryBackend, tmp_path: Path
+) -> None:
+    """Steps, logged loss/lr/grad norm, eval metrics and saves equal what the Trainer did and logged."""
+    trainer = Trainer(
+        model=tiny_model(),
+        args=arguments(tmp_path),
+        train_dataset=dataset(24),
+        eval_dataset=dataset(8),
+        callbacks=[TraintraceTrainerCallback()],
+    )
+    trainer.train()
+    tt.flush()
+
+    spans = memory.spans()
+    ids = {s["id"]: s for s in spans}
+    (app,) = memory.spans(tt.SpanName.APPLICATION)
+    (loop,) = memory.spans(tt.SpanName.TRAINING_LOOP)
+    assert loop["parent"] == app["id"] and app["attrs"]["framework"] == "transformers"
+    assert loop["attrs"]["global_step"] == trainer.state.global_step == 6
+    history = trainer.state.log_history
+    assert loop["attrs"]["train_loss"] == pytest.approx(history[-1]["train_loss"])
+
+    iterations = memory.spans(tt.SpanName.ITERATION)
+    assert [s["attrs"]["step"] for s in iterations] == list(range(6))
+    for span in iterations:
+        assert span["parent"] == loop["id"] and span["status"] == "ok"
+        assert span["attrs"]["batch_size"] == 4 and span["attrs"]["tokens"] == 4 * SEQ
+    by_step = {s["attrs"]["step"]: s["attrs"] for s in iterations}
+    step_logs = [h for h in history if "loss" in h]
+    assert len(step_logs) == 3
+    for logged in step_logs:
+        attrs = by_step[logged["step"] - 1]  # the Trainer logs after the step, counting from 1
+        for key in ("loss", "learning_rate", "grad_norm"):
+            assert attrs[key] == pytest.approx(logged[key]), key
+    optimizer_steps = memory.spans(tt.SpanName.OPTIMIZER_STEP)
+    assert len(optimizer_steps) == 6
+    assert all(ids[s["parent"]]["name"] == tt.SpanName.ITERATION for s in optimizer_steps)
+
+    evaluations = memory.spans(tt.SpanName.VALIDATION)
+    eval_logs = [h for h in history if "eval_loss" in h]
+    assert len(evaluations) == len(eval_logs) == 2
+    for span, logged in zip(evaluations, eval_logs, strict=True):
+        assert span["parent"] == loop["id"]
+        assert span["attrs"]["eval_loss"] == pytest.approx(logged["eval_loss"])
+        assert span["attrs"]["global_step"] == logged["step"]
+
+    saves = memory.spans(tt.SpanName.CHECKPOINT_SAVE_SYNC)
+    assert [s["attrs"]["current_iteration"] for s in saves] == [3, 6]
+    for save in saves:
+        folder = Path(save["attrs"]["checkpoint_directory"])
+        assert folder.is_dir() and folder.name == f"checkpoint-{save['attrs']['current_iteration']}"
+        on_disk = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        assert save["attrs"]["checkpoint_size"] == on_disk > 0
+        assert save["parent"] == loop["id"] and save["dur"] > 0
+    assert memory.errors() == []
+
+    after = trainer.evaluate()
+    tt.flush()
+    last = memory.spans(tt.SpanName.VALIDATION)[-1]
+    assert last["parent"] == 0 and last["attrs"]["eval_loss"] == pytest.approx(after["eval_loss"])
+
+
+class Exploding(torch.nn.Module):
+    """Wraps a model and raises in forward at a given call."""
+
+    def __init__(self, inner: torch.nn.Module, fail_at: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def forward(self, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError("bad batch")
+        return self.inner(**kwargs)
+
+
+def test_error_in_a_step_is_recorded_once_and_spans_end_as_errors(
+    memory: tt.MemoryBackend, tmp_path: Path
+) -> None:
+    """An exception in forward: one error record at the iteration; enclosing spans end with error."""
+    callback = TraintraceTrainerCallback()
+    trainer = Trainer(
+        model=Exploding(tiny_model(), fail_at=3),
+        args=arguments(tmp_path, eval_strategy="no", save_strategy="no", remove_unused_columns=False),
+        train_dataset=dataset(24),
+        callbacks=[callback],
+    )
+    with pytest.raises(ValueError, match="bad batch"), tt.span("user_main"):
+        trainer.train()
+    tt.flush()
+    errors = memory.errors()
+    assert len(errors) == 1 and errors[0]["error_type"] == "ValueError"
+    ids = {s["id"]: s for s in memory.spans()}
+    failed = ids[errors[0]["span"]]
+    assert failed["name"] == tt.SpanName.ITERATION and failed["attrs"]["step"] == 2
+    assert failed["status"] == "error"
+    (loop,) = memory.spans(tt.SpanName.TRAINING_LOOP)
+    assert loop["status"] == "error" and ids[loop["parent"]]["name"] == "user_main"
+    assert memory.spans(tt.SpanName.APPLICATION) == []  # a user span was open
+    assert pickle.loads(pickle.dumps(callback)).wrap_trainer is True
