@@ -301,7 +301,8 @@ def test_receiver_killed_mid_run_neither_blocks_nor_raises(grpc_receiver: GrpcRe
     closing = time.monotonic() - started
     stats = backend.stats()
     assert received >= 150
-    assert stats["exported"] >= received
+    # A batch in flight when the receiver stops can arrive and still count as failed on our side.
+    assert stats["exported"] + stats["failed"] >= received
     assert stats["exported"] + stats["failed"] + stats["dropped"] + stats["abandoned"] == 401
     assert stats["failed"] + stats["abandoned"] > 0
     # close_timeout (1 s) bounds the wait for the dead collector; the margin is for a loaded machine.
