@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from . import _recorder
+from . import _faults, _recorder
 from ._config import (
     BackendConfig,
     Config,
@@ -29,7 +29,7 @@ from ._config import (
 from ._identity import Identity, detect, safe_component
 from ._names import DEFAULT_SPAN_VERBOSITY, EventName, RecordKind, SpanName, Verbosity
 from ._pipeline import Pipeline
-from ._recorder import Recorder, Span, get_active, set_active, warn_once
+from ._recorder import Recorder, Span, as_attrs, as_level, get_active, set_active, warn_once
 from ._version import __version__
 from .backends._base import Backend
 
@@ -99,9 +99,10 @@ def _header(identity: Identity, config: Config, extra: Mapping[str, Any]) -> dic
     if identity.launcher:
         header["launcher"] = identity.launcher
     if config.metadata:
+        from ._redact import Redactor
         from ._sanitize import convert_mapping
 
-        header["metadata"] = convert_mapping(config.metadata)
+        header["metadata"] = Redactor(config.redact_keys).apply(convert_mapping(config.metadata))
     header.update(extra)
     return header
 
@@ -226,6 +227,13 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
     _extra_backends_of_last[:] = extra_backends
     set_active(recorder)
     _install_process_hooks(config)
+    if config.fault_handler:
+        from .backends._file import FileBackend
+
+        for backend, _, _ in routes:
+            if isinstance(backend, FileBackend):
+                _faults.enable(backend.path, backend.file_mode)
+                break
     for backend, name, _ in routes:
         path = getattr(backend, "path", None)
         if path is not None:
@@ -330,9 +338,11 @@ def _at_exit() -> None:
     rec = get_active()
     if rec is not None and rec.header.get("pid") == os.getpid():
         rec.close()
+    _faults.release()
 
 
 def _after_fork_in_child() -> None:
+    _faults.after_fork_in_child()
     rec = get_active()
     if rec is None:
         return
@@ -378,7 +388,7 @@ def start(
     """Open a span (low-level API); close it with :func:`stop`. No-op before configure."""
     rec = get_active()
     if rec is None:
-        return Span(name, None, int(level))
+        return Span(name, None, as_level(level))
     return rec.start(name, metrics, level=level, link=link)
 
 
@@ -422,9 +432,15 @@ def close(timeout: float | None = None) -> None:
     rec = get_active()
     if rec is not None:
         rec.close(timeout)
+    _faults.release()
 
 
 # ---------------------------------------------------------------- context helpers
+
+
+def _attrs_arg(metrics: Any) -> Any:
+    """A dict as is (written as given); anything else made a dict, or None if it cannot be."""
+    return metrics if metrics is None or type(metrics) is dict else as_attrs(metrics)
 
 
 def _level_of(name: str) -> int:
@@ -439,7 +455,7 @@ def span(
     link: Span | int | None = None,
 ) -> Span:
     """A span named ``name``: ``with span("x") as s:`` or ``@span("x")``."""
-    return Span(name, metrics, _level_of(name) if level is None else int(level), link)
+    return Span(name, _attrs_arg(metrics), _level_of(name) if level is None else as_level(level), link)
 
 
 class _ApplicationSpan(Span):
@@ -482,9 +498,10 @@ def _helper(name: str, doc: str) -> Callable[..., Span]:
     def helper(metrics: Mapping[str, Any] | Callable[..., Any] | None = None, **attrs: Any) -> Any:
         if callable(metrics):
             return Span(name, attrs or None, level)(metrics)
+        given: dict[str, Any] | None = _attrs_arg(metrics)
         if attrs:
-            metrics = {**metrics, **attrs} if metrics else attrs
-        return Span(name, metrics, level)
+            given = {**given, **attrs} if given else attrs
+        return Span(name, given, level)
 
     helper.__name__ = helper.__qualname__ = name
     helper.__doc__ = doc + "\n\nA context manager and a decorator; ``metrics`` are written with the span."
@@ -520,6 +537,7 @@ def training_iteration(
         return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
     if step is None:
         return Span(SpanName.ITERATION, metrics, _ITERATION_LEVEL)
+    metrics = _attrs_arg(metrics)
     if metrics:
         return Span(SpanName.ITERATION, {"step": step, **metrics}, _ITERATION_LEVEL)
     return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)

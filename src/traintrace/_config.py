@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ._names import Verbosity
+from ._redact import DEFAULT_REDACT_KEYS
 
 ENV_PREFIX = "TRAINTRACE_"
 
@@ -185,6 +186,10 @@ class Config:
     fork: str = "quiet"
     log_interval: int = 100
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Metric/attribute keys whose values are written as "<redacted>" (docs/reliability.md).
+    redact_keys: list[str] = field(default_factory=lambda: list(DEFAULT_REDACT_KEYS))
+    #: On a fatal signal (segfault, abort), Python stacks go to ``<stream>.faults.txt``.
+    fault_handler: bool = True
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
@@ -203,7 +208,11 @@ class Config:
                 raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
-        for name in ("blocking", "handle_sigterm"):
+        if isinstance(self.redact_keys, str) or not all(
+            isinstance(k, str) for k in getattr(self, "redact_keys", None) or ()
+        ) or not isinstance(self.redact_keys, list | tuple):
+            raise ConfigError(f"redact_keys: expected a list of key names, got {self.redact_keys!r}")
+        for name in ("blocking", "handle_sigterm", "fault_handler"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false")
         for name in ("job_id", "job_name", "host"):
@@ -238,6 +247,8 @@ def _coerce(annotation: Any, raw: Any, where: str) -> Any:
     kinds = _annotation_kinds(annotation)
     if "NoneType" in kinds and text.lower() in ("", "none", "null"):
         return None
+    if "list" in kinds:
+        return [part.strip() for part in text.split(",") if part.strip()]
     if "bool" in kinds:
         lowered = text.lower()
         if lowered in ("1", "true", "yes", "on"):

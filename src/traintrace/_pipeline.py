@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._names import RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, START, STOP, Span
-from ._sanitize import convert_mapping
+from ._redact import Redactor
+from ._sanitize import clean_key, convert_mapping
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -52,6 +53,13 @@ def _plain(attrs: Mapping[str, Any]) -> bool:
     return True
 
 
+def _name(name: object) -> str:
+    """A span/event name as a bounded string (any object a caller passed)."""
+    if type(name) is str and len(name) <= 256:
+        return name
+    return clean_key(name)
+
+
 def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     if type(attrs) is dict and len(attrs) <= 256 and _plain(attrs):
         return attrs
@@ -85,6 +93,8 @@ class Pipeline:
         self._anchor_mono = 0
         self._refresh_anchor()
         self.records_written = 0
+        self._redactor = Redactor(getattr(config, "redact_keys", ()))
+        self._warned_drops = False
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
@@ -174,12 +184,23 @@ class Pipeline:
             record["count"] = count
             record["total"] = self._dropped_reported
             record["reason"] = "queue_full"
+            if not self._warned_drops:
+                self._warned_drops = True
+                log.warning(
+                    "traintrace: the record queue was full; %d records dropped (counted in "
+                    "'dropped' records). Set blocking=True or a larger queue_size to keep all.",
+                    count,
+                )
             self._deliver([(int(Verbosity.ERROR), record)])
             wrote = True
         if wrote or waiters:
             self._flush_backends()
         for waiter in waiters:
             waiter.set()
+
+    def _clean(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        cleaned = clean_attrs(attrs)
+        return self._redactor.apply(cleaned) if self._redactor else cleaned
 
     def _record(self, kind: str, mono: int) -> dict[str, Any]:
         seq = self._seq
@@ -216,7 +237,7 @@ class Pipeline:
                 tid = threads.get(span.tid) or self._thread_id(span.tid, out)
                 t1 = span.t1
                 record = self._record(RecordKind.SPAN if t1 is not None else RecordKind.START, span.t0)
-                record["name"] = span.name
+                record["name"] = _name(span.name)
                 record["id"] = span.id
                 parent = span.parent
                 record["parent"] = parent.id if parent is not None else 0
@@ -236,7 +257,7 @@ class Pipeline:
                     open_spans[span.id] = span
                     attrs = span.attrs
                 if attrs:
-                    record["attrs"] = clean_attrs(attrs)
+                    record["attrs"] = self._clean(attrs)
                 out.append((span.level, record))
             elif tag == STOP:
                 span = item[1]
@@ -247,17 +268,17 @@ class Pipeline:
                 _, name, attrs, span_id, ident, mono, level = item
                 tid = threads.get(ident) or self._thread_id(ident, out)
                 record = self._record(RecordKind.EVENT, mono)
-                record["name"] = name
+                record["name"] = _name(name)
                 record["span"] = span_id
                 record["tid"] = tid
                 if attrs:
-                    record["attrs"] = clean_attrs(attrs)
+                    record["attrs"] = self._clean(attrs)
                 out.append((level, record))
             elif tag == ERROR:
                 _, name, attrs, span_id, ident, mono, info = item
                 tid = threads.get(ident) or self._thread_id(ident, out)
                 record = self._record(RecordKind.ERROR, mono)
-                record["name"] = name
+                record["name"] = _name(name)
                 record["span"] = span_id
                 record["tid"] = tid
                 error_type, message, stack = info
@@ -266,7 +287,7 @@ class Pipeline:
                 record["message"] = message
                 record["stack"] = stack
                 if attrs:
-                    record["attrs"] = clean_attrs(attrs)
+                    record["attrs"] = self._clean(attrs)
                 out.append((int(Verbosity.ERROR), record))
 
     def _end_record(
@@ -275,12 +296,12 @@ class Pipeline:
         self._open.pop(span.id, None)
         span.written = True
         record = self._record(RecordKind.END, t1)
-        record["name"] = span.name
+        record["name"] = _name(span.name)
         record["id"] = span.id
         record["dur"] = t1 - span.t0
         record["status"] = status
         if span.metrics:
-            record["attrs"] = clean_attrs(span.metrics)
+            record["attrs"] = self._clean(span.metrics)
         out.append((span.level, record))
 
     def _deliver(self, batch: list[tuple[int, dict[str, Any]]]) -> None:

@@ -63,6 +63,29 @@ def warn_once(kind: str, message: str) -> None:
         pass
 
 
+def as_level(level: object) -> int:
+    """A verbosity level from what a caller passed; INFO (and a warning) if unusable."""
+    if type(level) is int:
+        return level
+    try:
+        value: int = int(level)  # type: ignore[call-overload]
+        return value
+    except Exception:  # noqa: BLE001 - misuse warns, never raises
+        warn_once("bad_level", f"level {level!r} is not a verbosity; using info")
+        return _INFO
+
+
+def as_attrs(metrics: object) -> dict[str, Any] | None:
+    """A caller's metrics as a fresh dict (None if empty or not a mapping, with a warning)."""
+    if metrics is None:
+        return None
+    try:
+        return dict(metrics) if metrics else None  # type: ignore[call-overload]
+    except Exception:  # noqa: BLE001 - misuse warns, never raises
+        warn_once("bad_metrics", f"metrics of type {type(metrics).__name__} are not a mapping; ignored")
+        return None
+
+
 def current_span() -> Span | None:
     """The innermost open span of this thread or asyncio task, or None."""
     span = _current.get()
@@ -265,7 +288,7 @@ class Recorder:
     def _event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
         if level > self.max_level or self.closed:
             return
-        attrs = dict(metrics) if metrics else None
+        attrs = as_attrs(metrics)
         self._put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
 
     def _span_failed(self, span: Span, exc: BaseException) -> None:
@@ -285,7 +308,7 @@ class Recorder:
         if self.closed:
             return False
         info = describe_exception(exc)
-        attrs = dict(metrics) if metrics else None
+        attrs = as_attrs(metrics)
         self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
         self._pipeline.wake()
         return True
@@ -300,7 +323,7 @@ class Recorder:
         link: Span | int | None = None,
     ) -> Span:
         """Open a span and return its handle; stop it later with :meth:`stop`."""
-        span = Span(name, dict(metrics) if metrics else None, int(level), link)
+        span = Span(name, as_attrs(metrics), as_level(level), link)
         if not self.closed and span.level <= self.max_level:
             self._start(span)
         return span
@@ -338,8 +361,8 @@ class Recorder:
         """Record a point event, inside the current span if one is open."""
         span = current_span()
         try:
-            self._event(str(name), metrics, int(level), span.id if span is not None else 0)
-        except (TypeError, ValueError):
+            self._event(name, metrics, as_level(level), span.id if span is not None else 0)
+        except Exception:  # noqa: BLE001 - event() must never fail the caller
             warn_once("bad_event", f"event {name!r} has metrics that are not a mapping; ignored")
 
     def error(
