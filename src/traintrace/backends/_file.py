@@ -156,7 +156,8 @@ class FileBackend:
                 written += os.write(self._fd, view[written:])
         except OSError as exc:
             # Whatever part of the line went out is cut; the next write starts a new line.
-            self._need_newline = written > 0 and not data[:written].endswith(b"\n")
+            if written > 0:
+                self._need_newline = not data[:written].endswith(b"\n")
             self._note_failure(exc)
             if exc.errno in (errno.EBADF, errno.ESTALE):
                 self._fd = -1
