@@ -12,7 +12,7 @@ whether the sequence numbers have gaps, and how RSS moved after warm-up.
 
 Exit status 0 when every check passes, 1 otherwise. Kept out of the default
 test run: ``pytest -m soak tests/test_reliability_soak.py`` runs it (set
-``TRAINTRACE_SOAK_MINUTES`` for a shorter run).
+``SOAK_MINUTES`` for a shorter run).
 """
 
 from __future__ import annotations

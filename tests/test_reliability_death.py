@@ -21,7 +21,7 @@ from _reliability import child_env, run_script, schema_errors, write_script
 from traintrace.reader import read_file
 
 #: How many SIGKILL points the kill test tries (raise it for a longer hunt).
-KILL_POINTS = int(os.environ.get("TRAINTRACE_KILL_POINTS", "12"))
+KILL_POINTS = int(os.environ.get("RELIAB_KILL_POINTS", "12"))
 
 BUSY = """
 import sys, traintrace as tt
@@ -67,7 +67,7 @@ def test_sigkill_at_random_points_keeps_everything_flushed(tmp_path: Path) -> No
     """SIGKILL at many random points: every record up to the last flush reads back, no gaps,
     at most the final line cut (and reported); a restart appends to the same file and starts
     on a fresh line (five kills per file)."""
-    rng = random.Random(int(os.environ.get("TRAINTRACE_KILL_SEED", "8")))
+    rng = random.Random(int(os.environ.get("RELIAB_KILL_SEED", "8")))
     bad_before: dict[Path, int] = {}
     kept_after_flush = 0
     cut = 0

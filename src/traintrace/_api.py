@@ -347,6 +347,8 @@ def _after_fork_in_child() -> None:
     if rec is None:
         return
     set_active(None)
+    # Spans open in the parent are not the child's: its spans start at the top level.
+    _recorder._current.set(None)
     # The parent's queue and writer are not ours: never drain or close them here.
     rec.closed = True
     rec._pipeline.queue.clear()
@@ -365,8 +367,14 @@ def _after_fork_in_child() -> None:
         child = _start(config, [], {"parent_pid": rec.header.get("pid")})
         multiprocessing_util = sys.modules.get("multiprocessing.util")
         if multiprocessing_util is not None:
-            # multiprocessing children leave through os._exit, which skips atexit.
-            multiprocessing_util.Finalize(None, child.close, exitpriority=100)
+            # multiprocessing children leave through os._exit, which skips atexit. A
+            # multiprocessing.Process clears the finalizers right after the fork, then runs
+            # its after-fork callbacks: register there too, so the close survives the clear.
+            mp_util: Any = multiprocessing_util
+            mp_util.Finalize(None, child.close, exitpriority=100)
+            mp_util.register_after_fork(
+                child, lambda rec: mp_util.Finalize(None, rec.close, exitpriority=100)
+            )
     except Exception:  # noqa: BLE001 - a child must start even if its telemetry cannot
         log.warning("traintrace: the forked child could not start its own stream", exc_info=True)
 
@@ -536,7 +544,7 @@ def training_iteration(
     if callable(step):
         return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
     if step is None:
-        return Span(SpanName.ITERATION, metrics, _ITERATION_LEVEL)
+        return Span(SpanName.ITERATION, _attrs_arg(metrics), _ITERATION_LEVEL)
     metrics = _attrs_arg(metrics)
     if metrics:
         return Span(SpanName.ITERATION, {"step": step, **metrics}, _ITERATION_LEVEL)

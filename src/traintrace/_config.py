@@ -204,8 +204,10 @@ class Config:
         _check_int("log_interval", self.log_interval, minimum=1)
         for name in ("flush_interval", "close_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86400:
+                raise ConfigError(
+                    f"{name}: expected a positive number of seconds (at most a day), got {value!r}"
+                )
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
         if isinstance(self.redact_keys, str) or not all(

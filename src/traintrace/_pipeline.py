@@ -60,6 +60,21 @@ def _name(name: object) -> str:
     return clean_key(name)
 
 
+def _merge(attrs: Any, metrics: dict[str, Any]) -> Any:
+    """Attributes given at start with metrics added while open (either may be a user's oddity)."""
+    try:
+        return {**attrs, **metrics} if attrs else metrics
+    except Exception:  # noqa: BLE001 - attrs that are not a mapping: keep the metrics
+        return metrics
+
+
+def _link_id(link: object) -> int:
+    try:
+        return max(0, int(link))  # type: ignore[call-overload]
+    except Exception:  # noqa: BLE001 - a link that is not an id is dropped
+        return 0
+
+
 def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
     if type(attrs) is dict and len(attrs) <= 256 and _plain(attrs):
         return attrs
@@ -95,6 +110,7 @@ class Pipeline:
         self.records_written = 0
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
         self._warned_drops = False
+        self.unconvertible = 0
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
@@ -226,6 +242,16 @@ class Pipeline:
         return native
 
     def _convert(self, queue: deque[tuple[Any, ...]], out: list[tuple[int, dict[str, Any]]]) -> None:
+        try:
+            self._convert_items(queue, out)
+        except Exception:  # noqa: BLE001 - one unconvertible item must not stop the writer
+            self.unconvertible += 1
+            if self.unconvertible == 1:
+                log.warning("traintrace: a record could not be built; skipped", exc_info=True)
+
+    def _convert_items(
+        self, queue: deque[tuple[Any, ...]], out: list[tuple[int, dict[str, Any]]]
+    ) -> None:
         popleft = queue.popleft
         threads = self._threads
         open_spans = self._open
@@ -244,7 +270,7 @@ class Pipeline:
                 record["tid"] = tid
                 if span.link is not None:
                     link = span.link
-                    record["link"] = link.id if isinstance(link, Span) else int(link)
+                    record["link"] = link.id if isinstance(link, Span) else _link_id(link)
                 if t1 is not None:
                     span.written = True
                     record["dur"] = t1 - span.t0
@@ -252,11 +278,11 @@ class Pipeline:
                     attrs = span.attrs
                     metrics = span.metrics
                     if metrics:
-                        attrs = {**attrs, **metrics} if attrs else metrics
+                        attrs = _merge(attrs, metrics)
                 else:
                     open_spans[span.id] = span
                     attrs = span.attrs
-                if attrs:
+                if attrs is not None and (type(attrs) is not dict or attrs):
                     record["attrs"] = self._clean(attrs)
                 out.append((span.level, record))
             elif tag == STOP:

@@ -63,6 +63,14 @@ def warn_once(kind: str, message: str) -> None:
         pass
 
 
+def _label(name: object) -> str:
+    """``repr(name)`` for a warning, even when the name's repr raises."""
+    try:
+        return repr(name)[:200]
+    except Exception:  # noqa: BLE001
+        return f"<{type(name).__name__}>"
+
+
 def as_level(level: object) -> int:
     """A verbosity level from what a caller passed; INFO (and a warning) if unusable."""
     if type(level) is int:
@@ -71,7 +79,7 @@ def as_level(level: object) -> int:
         value: int = int(level)  # type: ignore[call-overload]
         return value
     except Exception:  # noqa: BLE001 - misuse warns, never raises
-        warn_once("bad_level", f"level {level!r} is not a verbosity; using info")
+        warn_once("bad_level", f"level {_label(level)} is not a verbosity; using info")
         return _INFO
 
 
@@ -178,7 +186,7 @@ class Span:
         if self._rec is None:
             return self
         if self.t1 is not None:
-            warn_once("metrics_after_stop", f"metrics added to span {self.name!r} after it stopped")
+            warn_once("metrics_after_stop", f"metrics added to span {_label(self.name)} after it stopped")
             return self
         current = self.metrics
         if current is None:
@@ -188,8 +196,8 @@ class Span:
                 current.update(metrics)
             if more:
                 current.update(more)
-        except (TypeError, ValueError):
-            warn_once("bad_metrics", f"metrics for span {self.name!r} are not a mapping; ignored")
+        except Exception:  # noqa: BLE001 - misuse warns, never raises
+            warn_once("bad_metrics", f"metrics for span {_label(self.name)} are not a mapping; ignored")
         return self
 
     def event(self, name: str, metrics: Mapping[str, Any] | None = None) -> None:
@@ -212,7 +220,7 @@ class Span:
 
     def __repr__(self) -> str:
         state = "open" if self.open else "closed" if self._rec else "unrecorded"
-        return f"<Span {self.name!r} id={self.id} {state}>"
+        return f"<Span {_label(self.name)} id={self.id} {state}>"
 
 
 class Recorder:
@@ -265,10 +273,10 @@ class Recorder:
     def _stop(self, span: Span) -> None:
         t1 = perf_counter_ns()
         if span.t1 is not None:
-            warn_once("stop_twice", f"span {span.name!r} stopped twice; the second stop is ignored")
+            warn_once("stop_twice", f"span {_label(span.name)} stopped twice; the second stop is ignored")
             return
         if self.closed:
-            warn_once("stop_after_close", f"span {span.name!r} stopped after close(); not recorded")
+            warn_once("stop_after_close", f"span {_label(span.name)} stopped after close(); not recorded")
             span.t1 = t1
             return
         span.t1 = t1
@@ -342,13 +350,16 @@ class Recorder:
         if span._rec is None:
             return
         if span._rec is not self:
-            warn_once("stop_foreign", f"span {span.name!r} belongs to another recorder")
+            warn_once("stop_foreign", f"span {_label(span.name)} belongs to another recorder")
             span._rec._stop(span)
             return
-        if metrics:
+        if metrics is not None:
             span.add_metrics(metrics)
         if status is not None and span.t1 is None:
-            span.status = str(status)
+            try:
+                span.status = str(status)
+            except Exception:  # noqa: BLE001 - misuse warns, never raises
+                warn_once("bad_status", f"status for span {_label(span.name)} is not a string; ignored")
         self._stop(span)
 
     def event(
@@ -363,7 +374,7 @@ class Recorder:
         try:
             self._event(name, metrics, as_level(level), span.id if span is not None else 0)
         except Exception:  # noqa: BLE001 - event() must never fail the caller
-            warn_once("bad_event", f"event {name!r} has metrics that are not a mapping; ignored")
+            warn_once("bad_event", f"event {_label(name)} has metrics that are not a mapping; ignored")
 
     def error(
         self,

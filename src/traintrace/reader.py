@@ -116,8 +116,10 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes | None
                 return
             number += 1
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):
-                    raw = handle.readline(MAX_LINE_BYTES)
+                del raw
+                skipped = b"-"
+                while skipped and not skipped.endswith(b"\n"):
+                    skipped = handle.readline(1 << 20)  # skip the rest in small pieces
                 yield number, None, f"line longer than {MAX_LINE_BYTES} bytes"
                 continue
             yield number, raw, ""
