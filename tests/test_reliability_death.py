@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _reliability import child_env, run_script, schema_errors, write_script
 
+from _reliability import child_env, run_script, schema_errors, write_script
 from traintrace.reader import read_file
 
 #: How many SIGKILL points the kill test tries (raise it for a longer hunt).
@@ -100,8 +100,10 @@ def test_sigkill_at_random_points_keeps_everything_flushed(tmp_path: Path) -> No
         bad_before[path] = len(result.bad_lines)
         sample = stream.records if point == 0 else rng.sample(stream.records, min(200, len(stream.records)))
         assert not schema_errors([stream.header, *sample])
-    print(f"kill points: {KILL_POINTS}, cut final lines: {cut}, "
-          f"records written after the last acknowledged flush and kept: {kept_after_flush}")
+    print(
+        f"kill points: {KILL_POINTS}, cut final lines: {cut}, "
+        f"records written after the last acknowledged flush and kept: {kept_after_flush}"
+    )
 
 
 def test_cut_final_line_is_reported_and_a_restart_starts_a_fresh_line(tmp_path: Path) -> None:
@@ -212,7 +214,7 @@ def test_sigterm_with_user_handler_that_continues(tmp_path: Path) -> None:
 def test_sigterm_ignored_stays_ignored(tmp_path: Path) -> None:
     """SIG_IGN before configure(): the signal is recorded and otherwise ignored."""
     body = TERM.replace("HANDLER", "signal.signal(signal.SIGTERM, signal.SIG_IGN)").replace(
-        "while not globals().get(\"stop_now\"):", "while step < 400:"
+        'while not globals().get("stop_now"):', "while step < 400:"
     )
     code, path, err = _terminated_run(tmp_path, body)
     assert code == 0, err

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _reliability import schema_errors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import traintrace as tt
+from _reliability import schema_errors
 from traintrace._api import resolve_path
 from traintrace._identity import Identity
 from traintrace.backends import MemoryBackend
@@ -35,7 +35,11 @@ EXAMPLES = int(os.environ.get("RELIAB_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+    ],
 )
 _files = itertools.count()
 
@@ -105,10 +109,12 @@ leaves = st.one_of(
 )
 values = st.recursive(
     leaves,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(keys, inner, max_size=4)
-    | st.tuples(inner, inner)
-    | st.frozensets(st.integers(), max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(keys, inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.frozensets(st.integers(), max_size=4)
+    ),
     max_leaves=12,
 )
 metrics = st.one_of(
@@ -122,7 +128,15 @@ metrics = st.one_of(
 )
 names = st.one_of(st.text(max_size=80), st.integers(), st.none(), st.just(Nasty()), st.just("n" * 1000))
 levels = st.one_of(st.sampled_from([0, 1, 3, 4]), st.integers(-3, 9), st.text(max_size=3), st.just(Nasty()))
-HELPERS = ["training_iteration", "forward", "backward", "checkpoint_save", "validation", "application", "timed_span"]
+HELPERS = [
+    "training_iteration",
+    "forward",
+    "backward",
+    "checkpoint_save",
+    "validation",
+    "application",
+    "timed_span",
+]
 
 ops = st.one_of(
     st.tuples(st.just("span"), names, metrics, levels, metrics),
@@ -138,7 +152,9 @@ ops = st.one_of(
         metrics,
     ),
     st.tuples(st.just("raise"), names),
-    st.tuples(st.just("metric_sets"), st.dictionaries(st.sampled_from(["loss", "step", "x", "rank"]), values)),
+    st.tuples(
+        st.just("metric_sets"), st.dictionaries(st.sampled_from(["loss", "step", "x", "rank"]), values)
+    ),
     st.tuples(st.just("flush")),
     st.tuples(st.just("current")),
     st.tuples(st.just("close")),
@@ -160,8 +176,10 @@ def _run_op_hostile(op: tuple[Any, ...], handles: list[tt.Span]) -> None:
             s.add_metrics(op[4] if isinstance(op[4], dict) else None)
             s.event("inner", op[4])
     elif kind == "helper":
-        with getattr(tt, HELPERS[HELPERS.index(op[1])])(op[2]) if op[1] != "timed_span" else tt.timed_span(
-            "t", op[2]
+        with (
+            getattr(tt, HELPERS[HELPERS.index(op[1])])(op[2])
+            if op[1] != "timed_span"
+            else tt.timed_span("t", op[2])
         ):
             pass
     elif kind == "iteration":
@@ -293,7 +311,9 @@ any_value = st.one_of(
 @given(
     chosen=st.dictionaries(st.sampled_from(config_fields) | st.text(max_size=8), any_value, max_size=5),
     file_settings=st.dictionaries(
-        st.sampled_from(["verbosity", "ranks", "file_mode", "enabled", "verbosity_elsewhere", "fsync_on_close"]),
+        st.sampled_from(
+            ["verbosity", "ranks", "file_mode", "enabled", "verbosity_elsewhere", "fsync_on_close"]
+        ),
         any_value,
         max_size=3,
     ),
@@ -330,7 +350,20 @@ def test_out_of_range_intervals_are_config_errors(tmp_path: Path, name: str, val
 
 # ---------------------------------------------------------------- reader
 
-RECORD_FIELDS = ["seq", "kind", "ts", "name", "id", "parent", "span", "tid", "dur", "status", "attrs", "count"]
+RECORD_FIELDS = [
+    "seq",
+    "kind",
+    "ts",
+    "name",
+    "id",
+    "parent",
+    "span",
+    "tid",
+    "dur",
+    "status",
+    "attrs",
+    "count",
+]
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
@@ -398,13 +431,17 @@ def test_reader_on_corrupt_truncated_binary_and_wrong_version_files(tmp_path: Pa
     reasons = {}
     for name, text in cases.items():
         path = tmp_path / f"{name}.jsonl"
-        path.write_bytes(text.encode("utf-8", "surrogateescape") if name != "binary" else text.encode("latin-1"))
+        path.write_bytes(
+            text.encode("utf-8", "surrogateescape") if name != "binary" else text.encode("latin-1")
+        )
         result = read_file(path)
         reasons[name] = [b.reason for b in result.bad_lines]
         _exercise(path)
         if name != "v2":
             assert [r["name"] for r in result.records()] == ["e"], name
-    assert reasons["truncated"][0].startswith("not JSON") and read_file(tmp_path / "truncated.jsonl").truncated
+    assert (
+        reasons["truncated"][0].startswith("not JSON") and read_file(tmp_path / "truncated.jsonl").truncated
+    )
     assert reasons["binary"][0].startswith("not JSON")
     assert reasons["deep"] == ["not JSON: nested too deeply"]
     assert reasons["v2"] == ["unsupported schema 'traintrace' v2"]
@@ -468,4 +505,10 @@ def test_values_round_trip_through_the_file(tmp_path: Path, when: dt.datetime) -
     tt.event("v", {"nan": float("nan"), "when": when, "big": 2**80, "surrogate": "\ud800", 5: "int key"})
     tt.close()
     attrs = read_file(tmp_path / "v.jsonl").records()[-2]["attrs"]
-    assert attrs == {"nan": "NaN", "when": "2026-01-01T00:00:00", "big": 2**80, "surrogate": "\ud800", "5": "int key"}
+    assert attrs == {
+        "nan": "NaN",
+        "when": "2026-01-01T00:00:00",
+        "big": 2**80,
+        "surrogate": "\ud800",
+        "5": "int key",
+    }

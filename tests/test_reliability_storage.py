@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _reliability import child_env, schema_errors, write_script
 
 import traintrace as tt
+from _reliability import child_env, schema_errors, write_script
 from traintrace.backends import BaseBackend, FileBackend, MemoryBackend
 from traintrace.reader import read_file
 

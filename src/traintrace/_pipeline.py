@@ -70,7 +70,8 @@ def _merge(attrs: Any, metrics: dict[str, Any]) -> Any:
 
 def _link_id(link: object) -> int:
     try:
-        return max(0, int(link))  # type: ignore[call-overload]
+        value: int = int(link)  # type: ignore[call-overload]
+        return max(0, value)
     except Exception:  # noqa: BLE001 - a link that is not an id is dropped
         return 0
 
@@ -244,7 +245,7 @@ class Pipeline:
     def _convert(self, queue: deque[tuple[Any, ...]], out: list[tuple[int, dict[str, Any]]]) -> None:
         try:
             self._convert_items(queue, out)
-        except Exception:  # noqa: BLE001 - one unconvertible item must not stop the writer
+        except Exception:  # one unconvertible item must not stop the writer
             self.unconvertible += 1
             if self.unconvertible == 1:
                 log.warning("traintrace: a record could not be built; skipped", exc_info=True)
