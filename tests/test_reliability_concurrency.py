@@ -239,6 +239,7 @@ def test_forked_dataloader_workers_never_deadlock(tmp_path: Path, fork_mode: str
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["seen"] == epochs * 64
     logs = tmp_path / "logs"
+    assert not list(logs.glob("*.faults.txt"))  # clean exits leave no fault files behind
     main = read_file(logs / "rank0.jsonl")
     assert len(main.streams) == 1 and main.streams[0].closed_cleanly and not main.bad_lines
     workers = sorted(p for p in logs.iterdir() if ".pid" in p.name and p.suffix == ".jsonl")

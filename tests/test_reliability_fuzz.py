@@ -512,3 +512,20 @@ def test_values_round_trip_through_the_file(tmp_path: Path, when: dt.datetime) -
         "surrogate": "\ud800",
         "5": "int key",
     }
+
+
+@FUZZ
+@given(
+    line=st.text(max_size=300),
+    pairs=st.dictionaries(st.text(max_size=10), json_values | st.floats() | st.text(), max_size=5),
+)
+def test_logfmt_never_raises(line: str, pairs: dict[str, Any]) -> None:
+    """logfmt parses any text, and formats any JSON-safe record (what the log backend gets,
+    after the writer's conversion) into one line, without raising."""
+    from traintrace import logfmt
+
+    parsed = logfmt.parse_line(line)
+    for value in parsed.values():
+        logfmt.typed_value(value)
+    formatted = logfmt.format_line(pairs)
+    assert "\n" not in formatted

@@ -341,6 +341,12 @@ def _at_exit() -> None:
     _faults.release()
 
 
+def _close_forked(rec: Recorder) -> None:
+    rec.close()
+    if get_active() is None:
+        _faults.release()
+
+
 def _after_fork_in_child() -> None:
     _faults.after_fork_in_child()
     rec = get_active()
@@ -371,9 +377,9 @@ def _after_fork_in_child() -> None:
             # multiprocessing.Process clears the finalizers right after the fork, then runs
             # its after-fork callbacks: register there too, so the close survives the clear.
             mp_util: Any = multiprocessing_util
-            mp_util.Finalize(None, child.close, exitpriority=100)
+            mp_util.Finalize(None, _close_forked, args=(child,), exitpriority=100)
             mp_util.register_after_fork(
-                child, lambda rec: mp_util.Finalize(None, rec.close, exitpriority=100)
+                child, lambda rec: mp_util.Finalize(None, _close_forked, args=(rec,), exitpriority=100)
             )
     except Exception:  # noqa: BLE001 - a child must start even if its telemetry cannot
         log.warning("traintrace: the forked child could not start its own stream", exc_info=True)

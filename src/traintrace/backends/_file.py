@@ -34,7 +34,9 @@ class FileBackend:
     so it survives the process being killed, and a forked child has nothing
     buffered to write twice. A failed write (disk full, file gone) drops that
     batch, warns once, and once writing works again a ``dropped`` record says
-    how many records were lost and their sequence numbers.
+    how many records were lost and their sequence numbers. A file deleted or
+    renamed (log rotation) while open is noticed at the next write: the path is
+    reopened and the header written again.
     """
 
     def __init__(
