@@ -210,9 +210,9 @@ class Config:
                 )
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
-        if isinstance(self.redact_keys, str) or not all(
-            isinstance(k, str) for k in getattr(self, "redact_keys", None) or ()
-        ) or not isinstance(self.redact_keys, list | tuple):
+        if not isinstance(self.redact_keys, list | tuple) or not all(
+            isinstance(k, str) for k in self.redact_keys
+        ):
             raise ConfigError(f"redact_keys: expected a list of key names, got {self.redact_keys!r}")
         for name in ("blocking", "handle_sigterm", "fault_handler"):
             if not isinstance(getattr(self, name), bool):
