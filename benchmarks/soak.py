@@ -4,7 +4,8 @@
 
 A step every 10 ms (data loading, forward, backward and optimizer spans
 inside an ``iteration`` span, an event every 10 steps, a checkpoint span every
-1000 steps), with the file backend and the log backend (to a log file) on.
+1000 steps), with the file backend and the log backend (to a log file), the
+step statistics, the device sampler and the hang watchdog on.
 RSS is sampled every 5 s. At the end the stream is read back and the summary
 (one JSON object on stdout, also written to ``<out>/summary.json``) says
 whether every step is in the file exactly once, how many records were dropped,
@@ -55,6 +56,10 @@ def run(minutes: float, out: Path, period: float) -> dict[str, object]:
             "file": {"path": "{job}/rank{rank}.jsonl"},
             "log": {"logger": "traintrace.soak.records", "ranks": "all", "verbosity": "info"},
         },
+        # The step-time statistics, the device sampler and the hang watchdog, all on.
+        statistics=True,
+        device_sample_interval=5.0,
+        hang_timeout=60.0,
     )
     rec = tt.get_recorder()
     assert rec is not None
@@ -111,6 +116,9 @@ def run(minutes: float, out: Path, period: float) -> dict[str, object]:
     missing = [s for s in range(step) if s not in steps_seen]
     duplicated = [s for s, n in steps_seen.items() if n != 1]
     drop_records = stream.of_kind("dropped")
+    event_names: dict[str, int] = {}
+    for record in stream.of_kind("event"):
+        event_names[record["name"]] = event_names.get(record["name"], 0) + 1
     warm = [rss for t, rss in samples if t >= warmup_until - started]
     rss_first = warm[0] if warm else 0
     rss_last = warm[-1] if warm else 0
@@ -131,6 +139,7 @@ def run(minutes: float, out: Path, period: float) -> dict[str, object]:
         "dropped_records": len(drop_records),
         "file_bytes": stream_path.stat().st_size,
         "log_lines": log_lines,
+        "events": event_names,
         "rss_after_warmup_mb": round(rss_first / 2**20, 1),
         "rss_end_mb": round(rss_last / 2**20, 1),
         "rss_max_mb": round(max(r for _, r in samples) / 2**20, 1),

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import traintrace as tt
-from _reliability import run_script, schema_errors, write_script
+from tests._reliability import run_script, schema_errors, write_script
 from traintrace.backends import BaseBackend, MemoryBackend
 from traintrace.reader import read_file
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import traintrace as tt
-from _reliability import schema_errors
+from tests._reliability import schema_errors
 from traintrace._api import resolve_path
 from traintrace._identity import Identity
 from traintrace.backends import MemoryBackend

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _reliability import ROOT, child_env
+from tests._reliability import ROOT, child_env
 
 
 @pytest.mark.soak

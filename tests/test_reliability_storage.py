@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import traintrace as tt
-from _reliability import child_env, schema_errors, write_script
+from tests._reliability import child_env, schema_errors, write_script
 from traintrace.backends import BaseBackend, FileBackend, MemoryBackend
 from traintrace.reader import read_file
 

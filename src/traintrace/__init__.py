@@ -53,6 +53,8 @@ from ._config import (
     FileBackendConfig,
     LogBackendConfig,
 )
+from ._dist import refresh_identity
+from ._insight import count_flops, counters, heartbeat, set_step_info
 from ._metrics import (
     ApplicationMetrics,
     CheckpointMetrics,
@@ -64,12 +66,16 @@ from ._metrics import (
     TestMetrics,
     ValidationMetrics,
 )
+from ._monitor import DEFAULT_PHASE_TIMEOUTS
 from ._names import EventName, RecordKind, SpanName, SpanStatus, Verbosity
 from ._recorder import Recorder, Span, TraintraceWarning, current_span
+from ._stats import PEAK_BF16_TFLOPS, peak_tflops
 from ._version import __version__
 from .backends import Backend, BaseBackend, FileBackend, LogBackend, MemoryBackend
 
 __all__ = [
+    "DEFAULT_PHASE_TIMEOUTS",
+    "PEAK_BF16_TFLOPS",
     "ApplicationMetrics",
     "Backend",
     "BackendConfig",
@@ -107,6 +113,8 @@ __all__ = [
     "checkpoint_save_finalization",
     "close",
     "configure",
+    "count_flops",
+    "counters",
     "current_span",
     "data_loader_init",
     "data_loading",
@@ -116,11 +124,15 @@ __all__ = [
     "flush",
     "forward",
     "get_recorder",
+    "heartbeat",
     "is_configured",
     "model_init",
     "optimizer_init",
     "optimizer_step",
+    "peak_tflops",
+    "refresh_identity",
     "running",
+    "set_step_info",
     "span",
     "start",
     "stop",

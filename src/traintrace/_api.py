@@ -26,10 +26,11 @@ from ._config import (
     LogBackendConfig,
     build_config,
 )
+from ._dist import DistributedInitSpan, after_start
 from ._identity import Identity, detect, safe_component
 from ._names import DEFAULT_SPAN_VERBOSITY, EventName, RecordKind, SpanName, Verbosity
 from ._pipeline import Pipeline
-from ._recorder import Recorder, Span, as_attrs, as_level, get_active, set_active, warn_once
+from ._recorder import InertSpan, Recorder, Span, as_attrs, as_level, get_active, set_active, warn_once
 from ._version import __version__
 from .backends._base import Backend
 
@@ -57,13 +58,10 @@ def _identity(config: Config) -> Identity:
         "restart_count": config.restart_count,
         "host": config.host,
     }
-    chosen = {k: v for k, v in overrides.items() if v is not None}
+    chosen: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     identity = dataclasses.replace(found, **chosen)
     if identity.rank >= identity.world_size:
-        raise ConfigError(
-            f"rank: {identity.rank} is not below world_size {identity.world_size} "
-            "(set both, or neither)"
-        )
+        raise ConfigError(f"rank: {identity.rank} is not below world_size {identity.world_size} (set both, or neither)")
     return identity
 
 
@@ -221,9 +219,15 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
         raise
     listeners = [b for b, _, _ in routes if hasattr(b, "span_started") and hasattr(b, "span_stopped")]
     max_level = max((level for _, _, level in routes), default=-1)
+    if config.statistics and routes:
+        # Statistics need iteration and sub-phase spans even where no backend writes them.
+        max_level = max(max_level, int(Verbosity.PROFILING))
     pipeline = Pipeline(config, header, routes)
     recorder = Recorder(pipeline, max_level, listeners)
     recorder.identity = identity  # type: ignore[attr-defined]
+    from ._insight import attach
+
+    attach(recorder, pipeline, config, identity)
     _extra_backends_of_last[:] = extra_backends
     set_active(recorder)
     _install_process_hooks(config)
@@ -234,6 +238,13 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
             if isinstance(backend, FileBackend):
                 _faults.enable(backend.path, backend.file_mode)
                 break
+    if config.fork == "own_stream":
+        import multiprocessing.util
+
+        # multiprocessing children leave through os._exit, which skips atexit;
+        # its after-fork hooks run once the child has cleared its finalizers.
+        multiprocessing.util.register_after_fork(recorder, _close_at_multiprocessing_exit)
+    after_start(recorder)
     for backend, name, _ in routes:
         path = getattr(backend, "path", None)
         if path is not None:
@@ -246,7 +257,7 @@ def _open(backend: Backend, name: str, header: dict[str, Any]) -> None:
         backend.open(header)
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - turned into a configuration error
+    except Exception as exc:
         raise ConfigError(f"backends.{name}: cannot start: {type(exc).__name__}: {exc}") from exc
 
 
@@ -341,12 +352,6 @@ def _at_exit() -> None:
     _faults.release()
 
 
-def _close_forked(rec: Recorder) -> None:
-    rec.close()
-    if get_active() is None:
-        _faults.release()
-
-
 def _after_fork_in_child() -> None:
     _faults.after_fork_in_child()
     rec = get_active()
@@ -370,19 +375,22 @@ def _after_fork_in_child() -> None:
                 stem = template.name[: -len(suffix)] if template.suffixes else template.name
                 forked = template.with_name(f"{stem}.pid{{pid}}{suffix}")
                 config.backends[name] = dataclasses.replace(cfg, path=str(forked))
-        child = _start(config, [], {"parent_pid": rec.header.get("pid")})
-        multiprocessing_util = sys.modules.get("multiprocessing.util")
-        if multiprocessing_util is not None:
-            # multiprocessing children leave through os._exit, which skips atexit. A
-            # multiprocessing.Process clears the finalizers right after the fork, then runs
-            # its after-fork callbacks: register there too, so the close survives the clear.
-            mp_util: Any = multiprocessing_util
-            mp_util.Finalize(None, _close_forked, args=(child,), exitpriority=100)
-            mp_util.register_after_fork(
-                child, lambda rec: mp_util.Finalize(None, _close_forked, args=(rec,), exitpriority=100)
-            )
-    except Exception:  # noqa: BLE001 - a child must start even if its telemetry cannot
+        _start(config, [], {"parent_pid": rec.header.get("pid")})
+    except Exception:
         log.warning("traintrace: the forked child could not start its own stream", exc_info=True)
+
+
+def _close_at_multiprocessing_exit(_: object) -> None:
+    util = sys.modules.get("multiprocessing.util")
+    child = get_active()
+    if util is not None and child is not None:
+        util.Finalize(None, _close_forked, args=(child,), exitpriority=100)
+
+
+def _close_forked(rec: Recorder) -> None:
+    rec.close()
+    if get_active() is None:
+        _faults.release()
 
 
 if hasattr(os, "register_at_fork"):
@@ -457,6 +465,7 @@ def _attrs_arg(metrics: Any) -> Any:
     return metrics if metrics is None or type(metrics) is dict else as_attrs(metrics)
 
 
+
 def _level_of(name: str) -> int:
     return int(DEFAULT_SPAN_VERBOSITY.get(name, Verbosity.INFO))
 
@@ -468,8 +477,17 @@ def span(
     level: int | Verbosity | None = None,
     link: Span | int | None = None,
 ) -> Span:
-    """A span named ``name``: ``with span("x") as s:`` or ``@span("x")``."""
-    return Span(name, _attrs_arg(metrics), _level_of(name) if level is None else as_level(level), link)
+    """A span named ``name``: ``with span("x") as s:`` or ``@span("x")``.
+
+    A span records when traintrace is configured at the time it is made; made
+    earlier it stays inert (decorators are the exception: they make a fresh
+    span per call).
+    """
+    chosen = _level_of(name) if level is None else as_level(level)
+    rec = _recorder._active
+    if rec is None or chosen > rec.max_level:
+        return InertSpan(name, metrics, chosen)
+    return Span(name, _attrs_arg(metrics), chosen, link)
 
 
 class _ApplicationSpan(Span):
@@ -506,23 +524,32 @@ def application(metrics: Mapping[str, Any] | None = None) -> Span:
     return _ApplicationSpan(SpanName.APPLICATION, metrics, int(Verbosity.INFO))
 
 
-def _helper(name: str, doc: str) -> Callable[..., Span]:
+def _helper(name: str, doc: str, span_class: type[Span] = Span) -> Callable[..., Span]:
     level = _level_of(name)
+    inert = InertSpan(name, None, level)
 
     def helper(metrics: Mapping[str, Any] | Callable[..., Any] | None = None, **attrs: Any) -> Any:
         if callable(metrics):
-            return Span(name, attrs or None, level)(metrics)
+            return span_class(name, attrs or None, level)(metrics)
+        rec = _recorder._active
+        if rec is None or level > rec.max_level:
+            return inert
         given: dict[str, Any] | None = _attrs_arg(metrics)
         if attrs:
             given = {**given, **attrs} if given else attrs
-        return Span(name, given, level)
+        return span_class(name, given, level)
 
     helper.__name__ = helper.__qualname__ = name
     helper.__doc__ = doc + "\n\nA context manager and a decorator; ``metrics`` are written with the span."
     return helper
 
 
-distributed_init = _helper(SpanName.DISTRIBUTED_INIT, "Initialising the process group.")
+distributed_init = _helper(
+    SpanName.DISTRIBUTED_INIT,
+    "Initialising the process group. When it ends, the rank and world size are checked "
+    "against the process group (see ``refresh_identity``).",
+    DistributedInitSpan,
+)
 model_init = _helper(SpanName.MODEL_INIT, "Building the model.")
 optimizer_init = _helper(SpanName.OPTIMIZER_INIT, "Building the optimizer.")
 data_loader_init = _helper(SpanName.DATA_LOADER_INIT, "Building the data loaders.")
@@ -535,31 +562,33 @@ optimizer_step = _helper(SpanName.OPTIMIZER_STEP, "The optimizer step.")
 validation = _helper(SpanName.VALIDATION, "A validation pass.")
 test = _helper(SpanName.TEST, "A test pass.")
 checkpoint_save = _helper(SpanName.CHECKPOINT_SAVE_SYNC, "A checkpoint save that blocks training.")
-checkpoint_save_async = _helper(
-    SpanName.CHECKPOINT_SAVE_ASYNC, "The blocking part of an asynchronous checkpoint save."
-)
+checkpoint_save_async = _helper(SpanName.CHECKPOINT_SAVE_ASYNC, "The blocking part of an asynchronous checkpoint save.")
 checkpoint_load = _helper(SpanName.CHECKPOINT_LOAD, "Loading a checkpoint.")
 
 _ITERATION_LEVEL = _level_of(SpanName.ITERATION)
 
 
-def training_iteration(
-    step: int | Callable[..., Any] | None = None, metrics: Mapping[str, Any] | None = None
-) -> Any:
+_INERT_ITERATION = InertSpan(SpanName.ITERATION, None, _ITERATION_LEVEL)
+
+
+def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Mapping[str, Any] | None = None) -> Any:
     """One training step: ``with training_iteration(step) as it: it.add_metrics(loss=...)``."""
-    if callable(step):
-        return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
+    rec = _recorder._active
+    if rec is None or rec.max_level < _ITERATION_LEVEL:
+        if callable(step):
+            return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
+        return _INERT_ITERATION
     if step is None:
         return Span(SpanName.ITERATION, _attrs_arg(metrics), _ITERATION_LEVEL)
+    if callable(step):
+        return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
     metrics = _attrs_arg(metrics)
     if metrics:
         return Span(SpanName.ITERATION, {"step": step, **metrics}, _ITERATION_LEVEL)
     return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)
 
 
-def checkpoint_save_finalization(
-    async_save: Span | None = None, metrics: Mapping[str, Any] | None = None
-) -> Span:
+def checkpoint_save_finalization(async_save: Span | None = None, metrics: Mapping[str, Any] | None = None) -> Span:
     """The background part of an asynchronous save, linked to its blocking part."""
     return Span(SpanName.CHECKPOINT_SAVE_FINALIZATION, metrics, int(Verbosity.INFO), async_save)
 

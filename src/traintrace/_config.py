@@ -7,6 +7,7 @@ wins so that an operator can change a job's telemetry without editing code.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import os
 import types
@@ -70,7 +71,7 @@ class BackendConfig:
     """
 
     type: ClassVar[str] = ""
-    registry: ClassVar[dict[str, type[BackendConfig]]] = {}
+    registry: ClassVar[dict[str, builtins.type[BackendConfig]]] = {}
 
     enabled: bool = True
     verbosity: Verbosity | str | int = Verbosity.INFO
@@ -104,11 +105,9 @@ class BackendConfig:
             except ValueError as exc:
                 raise ConfigError(f"{where}.verbosity_elsewhere: {exc}") from None
         try:
-            parse_ranks(self.ranks, 1 << 20)
+            parse_ranks(self.ranks, 1)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(
-                f"{where}.ranks: {exc} (use 'all', 'none', 'last', 3, -1, '0,2', '0-3')"
-            ) from None
+            raise ConfigError(f"{where}.ranks: {exc} (use 'all', 'none', 'last', 3, -1, '0,2', '0-3')") from None
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"{where}.enabled: expected true or false, got {self.enabled!r}")
 
@@ -186,6 +185,18 @@ class Config:
     fork: str = "quiet"
     log_interval: int = 100
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Write <log_dir>/<job>/manifest.json and a registration per rank (docs/distributed.md).
+    manifest: bool = True
+    # Training-loop insight (docs/insight.md).
+    statistics: bool = True
+    peak_tflops: float | None = None
+    accelerator: str | None = None
+    device_sample_interval: float = 10.0
+    hang_timeout: float = 600.0
+    hang_check_interval: float = 5.0
+    hang_exit_after: float | None = None
+    hang_exit_code: int = 86
+    phase_timeouts: dict[str, float] = field(default_factory=dict)
     #: Metric/attribute keys whose values are written as "<redacted>" (docs/reliability.md).
     redact_keys: list[str] = field(default_factory=lambda: list(DEFAULT_REDACT_KEYS))
     #: On a fatal signal (segfault, abort), Python stacks go to ``<stream>.faults.txt``.
@@ -214,7 +225,7 @@ class Config:
             isinstance(k, str) for k in self.redact_keys
         ):
             raise ConfigError(f"redact_keys: expected a list of key names, got {self.redact_keys!r}")
-        for name in ("blocking", "handle_sigterm", "fault_handler"):
+        for name in ("blocking", "handle_sigterm", "manifest", "fault_handler"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false")
         for name in ("job_id", "job_name", "host"):
@@ -227,6 +238,9 @@ class Config:
             raise ConfigError("metadata: expected a mapping")
         for key, backend in self.backends.items():
             backend.validate(f"backends.{key}")
+        from ._insight import validate_settings
+
+        validate_settings(self)
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
@@ -346,8 +360,7 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             import yaml  # type: ignore[import-untyped]
         except ImportError:
             raise ConfigError(
-                f"config file {file}: YAML needs PyYAML (pip install 'traintrace[yaml]'), "
-                "or use TOML"
+                f"config file {file}: YAML needs PyYAML (pip install 'traintrace[yaml]'), or use TOML"
             ) from None
         try:
             loaded = yaml.safe_load(data) or {}

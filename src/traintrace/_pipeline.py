@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._names import RecordKind, SpanStatus, Verbosity
-from ._recorder import ERROR, EVENT, START, STOP, Span
+from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
 from ._sanitize import clean_key, convert_mapping
 
@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from .backends._base import Backend
 
 log = logging.getLogger("traintrace.lib")
+
+_ERROR_LEVEL = int(Verbosity.ERROR)
+
+# Span.written as the writer sees it: 0 not seen yet; _OPEN its start record is
+# written; _DONE its whole record is written; _HELD an observer keeps it back.
+_OPEN, _DONE, _HELD = 1, 2, 4
 
 # How many queued items the writer converts before letting other threads run.
 _CHUNK = 512
@@ -35,22 +41,8 @@ class _Route:
     warned: bool = False
 
 
-def _plain(attrs: Mapping[str, Any]) -> bool:
-    """True when ``attrs`` is already JSON-safe (the common case: str -> number)."""
-    for key, value in attrs.items():
-        if type(key) is not str or len(key) > 256:
-            return False
-        kind = type(value)
-        if kind is int or kind is bool:
-            continue
-        if kind is float:
-            if value - value != 0.0:  # NaN or infinity
-                return False
-            continue
-        if kind is str and len(value) <= 4096:
-            continue
-        return False
-    return True
+_SAFE_VALUE_TYPES = frozenset({int, bool, type(None)})
+_INFINITIES = (float("inf"), float("-inf"))
 
 
 def _name(name: object) -> str:
@@ -77,20 +69,32 @@ def _link_id(link: object) -> int:
 
 
 def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    if type(attrs) is dict and len(attrs) <= 256 and _plain(attrs):
-        return attrs
+    """``attrs`` as JSON-safe data; the common case (str keys, plain numbers) passes as is."""
+    if type(attrs) is dict and len(attrs) <= 256:
+        for key, value in attrs.items():
+            kind = type(value)
+            if type(key) is not str or len(key) > 256:
+                break
+            if kind is float:
+                if value != value or value in _INFINITIES:  # noqa: PLR0124 - the NaN test
+                    break
+            elif kind is str:
+                if len(value) > 4096:
+                    break
+            elif kind not in _SAFE_VALUE_TYPES:
+                break
+        else:
+            return attrs
     return convert_mapping(attrs)
 
 
 class Pipeline:
     """A bounded queue, drained in batches by one daemon thread."""
 
-    def __init__(
-        self, config: Config, header: dict[str, Any], routes: list[tuple[Backend, str, int]]
-    ) -> None:
+    def __init__(self, config: Config, header: dict[str, Any], routes: list[tuple[Backend, str, int]]) -> None:
         self.config = config
         self.header = header
-        self.queue: deque[tuple[Any, ...]] = deque()
+        self.queue: deque[Any] = deque()
         self.capacity = config.queue_size
         self.blocking = config.blocking
         self.dropped = 0
@@ -109,15 +113,16 @@ class Pipeline:
         self._anchor_mono = 0
         self._refresh_anchor()
         self.records_written = 0
+        #: Writer-thread hooks that see every span end (see ``_insight.IterationStats``).
+        self.observers: list[Any] = []
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
         self._warned_drops = False
-        self.unconvertible = 0
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
     # -- caller side ------------------------------------------------------
-    def overflow(self, item: tuple[Any, ...]) -> None:
-        """The queue is full: wait (blocking mode) or drop and count."""
+    def overflow(self, item: Any) -> bool:
+        """The queue is full: wait (blocking mode) or drop and count. True if queued."""
         self._wake.set()
         if self.blocking and threading.current_thread() is not self._thread:
             deadline = time.monotonic() + 60.0
@@ -128,9 +133,10 @@ class Pipeline:
                 self._wake.set()
             else:
                 self.queue.append(item)
-                return
+                return True
         with self._drop_lock:
             self.dropped += 1
+        return False
 
     def wake(self) -> None:
         self._wake.set()
@@ -167,32 +173,57 @@ class Pipeline:
 
     def _run(self) -> None:
         interval = self.config.flush_interval
+        backlog = max(self.capacity // 4, 1)
+        failures = 0
         try:
             while self._closing is None:
-                self._wake.wait(interval)
+                if len(self.queue) < backlog:
+                    self._wake.wait(interval)
                 self._wake.clear()
-                self._cycle()
-            self._cycle()
+                try:
+                    self._cycle(drain=False)
+                except Exception:
+                    # A bug here must not end telemetry for the rest of the run.
+                    failures += 1
+                    if failures == 1:
+                        log.exception("traintrace: a write cycle failed; its records may be lost")
+            self._cycle(drain=True)
             self._finish(self._closing)
-        except BaseException:  # noqa: BLE001 - the writer must never die silently
+        except BaseException:
             log.exception("traintrace: writer thread failed; telemetry stops here")
         finally:
             self._closed.set()
             for waiter in self._flush_waiters:
                 waiter.set()
 
-    def _cycle(self) -> None:
+    def _cycle(self, drain: bool) -> None:
+        """Write what was queued when the cycle began (everything, when ``drain``)."""
         waiters, self._flush_waiters = self._flush_waiters, []
         self._refresh_anchor()
         wrote = False
+        chunks = 0
         queue = self.queue
-        while queue:
+        budget = len(queue)
+        while queue and (drain or budget > 0):
+            budget -= _CHUNK
             batch: list[tuple[int, dict[str, Any]]] = []
             self._convert(queue, batch)
             if batch:
                 self._deliver(batch)
                 wrote = True
-            time.sleep(0)  # let the training thread have the GIL between chunks
+            chunks += 1
+            if chunks % 4 == 0:
+                time.sleep(0)  # let the training thread have the GIL now and then
+        if waiters and self.observers:
+            held: list[tuple[int, dict[str, Any]]] = []
+            for observer in self.observers:
+                try:
+                    observer.flushing(held)
+                except Exception:
+                    log.exception("traintrace: span observer failed at flush")
+            if held:
+                self._deliver(held)
+                wrote = True
         if self.dropped != self._dropped_reported:
             with self._drop_lock:
                 count = self.dropped - self._dropped_reported
@@ -242,86 +273,199 @@ class Pipeline:
         out.append((int(Verbosity.INFO), record))
         return native
 
-    def _convert(self, queue: deque[tuple[Any, ...]], out: list[tuple[int, dict[str, Any]]]) -> None:
-        try:
-            self._convert_items(queue, out)
-        except Exception:  # one unconvertible item must not stop the writer
-            self.unconvertible += 1
-            if self.unconvertible == 1:
-                log.warning("traintrace: a record could not be built; skipped", exc_info=True)
-
-    def _convert_items(
-        self, queue: deque[tuple[Any, ...]], out: list[tuple[int, dict[str, Any]]]
-    ) -> None:
+    def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]]) -> None:
         popleft = queue.popleft
+        append = out.append
         threads = self._threads
         open_spans = self._open
-        for _ in range(min(len(queue), _CHUNK)):
-            item = popleft()
-            tag = item[0]
-            if tag == START:
-                span: Span = item[1]
-                tid = threads.get(span.tid) or self._thread_id(span.tid, out)
-                t1 = span.t1
-                record = self._record(RecordKind.SPAN if t1 is not None else RecordKind.START, span.t0)
-                record["name"] = _name(span.name)
-                record["id"] = span.id
-                parent = span.parent
-                record["parent"] = parent.id if parent is not None else 0
-                record["tid"] = tid
-                if span.link is not None:
-                    link = span.link
-                    record["link"] = link.id if isinstance(link, Span) else _link_id(link)
-                if t1 is not None:
-                    span.written = True
-                    record["dur"] = t1 - span.t0
-                    record["status"] = span.status
-                    attrs = span.attrs
-                    metrics = span.metrics
-                    if metrics:
-                        attrs = _merge(attrs, metrics)
-                else:
-                    open_spans[span.id] = span
-                    attrs = span.attrs
-                if attrs is not None and (type(attrs) is not dict or attrs):
-                    record["attrs"] = self._clean(attrs)
-                out.append((span.level, record))
-            elif tag == STOP:
-                span = item[1]
-                if span.written:
+        observers = self.observers
+        wall0 = self._anchor_wall - self._anchor_mono
+        seq = self._seq
+        try:
+            for _ in range(min(len(queue), _CHUNK)):
+                item = popleft()
+                if item.__class__ is not tuple:
+                    span: Span = item
+                    state = span.written
+                    if state:
+                        # Second sighting: the span's stop.
+                        if state == _OPEN or observers:
+                            self._seq = seq
+                            self._stopped(span, state, out)
+                            seq = self._seq
+                        continue
+                    if observers and span.t1 is not None:
+                        self._seq = seq
+                        held = self._hold(span, False)
+                        seq = self._seq
+                        if held:
+                            continue
+                    tid = threads.get(span.tid)
+                    if tid is None:
+                        self._seq = seq
+                        tid = self._thread_id(span.tid, out)
+                        seq = self._seq
+                    parent = span.parent
+                    t1 = span.t1
+                    if t1 is not None:
+                        span.written = _DONE
+                        record = {
+                            "seq": seq,
+                            "kind": "span",
+                            "ts": wall0 + span.t0,
+                            "name": _name(span.name),
+                            "id": span.id,
+                            "parent": parent.id if parent is not None else 0,
+                            "tid": tid,
+                            "dur": t1 - span.t0,
+                            "status": span.status,
+                        }
+                        attrs = span.attrs
+                        metrics = span.metrics
+                        if metrics:
+                            attrs = _merge(attrs, metrics)
+                    else:
+                        record = {
+                            "seq": seq,
+                            "kind": "start",
+                            "ts": wall0 + span.t0,
+                            "name": _name(span.name),
+                            "id": span.id,
+                            "parent": parent.id if parent is not None else 0,
+                            "tid": tid,
+                        }
+                        open_spans[span.id] = span
+                        span.written = _OPEN
+                        attrs = span.attrs
+                    seq += 1
+                    if span.link is not None:
+                        link = span.link
+                        record["link"] = link.id if isinstance(link, Span) else _link_id(link)
+                    if attrs is not None and (attrs.__class__ is not dict or attrs):
+                        record["attrs"] = self._clean(attrs)
+                    append((span.level, record))
                     continue
-                self._end_record(span, span.t1 or time.perf_counter_ns(), span.status, out)
-            elif tag == EVENT:
-                _, name, attrs, span_id, ident, mono, level = item
-                tid = threads.get(ident) or self._thread_id(ident, out)
-                record = self._record(RecordKind.EVENT, mono)
-                record["name"] = _name(name)
-                record["span"] = span_id
-                record["tid"] = tid
-                if attrs:
-                    record["attrs"] = self._clean(attrs)
-                out.append((level, record))
-            elif tag == ERROR:
-                _, name, attrs, span_id, ident, mono, info = item
-                tid = threads.get(ident) or self._thread_id(ident, out)
-                record = self._record(RecordKind.ERROR, mono)
-                record["name"] = _name(name)
-                record["span"] = span_id
-                record["tid"] = tid
-                error_type, message, stack = info
-                if error_type is not None:
-                    record["error_type"] = error_type
-                record["message"] = message
-                record["stack"] = stack
-                if attrs:
-                    record["attrs"] = self._clean(attrs)
-                out.append((int(Verbosity.ERROR), record))
+                tag = item[0]
+                if tag == EVENT:
+                    _, name, attrs, span_id, ident, mono, level = item
+                    tid = threads.get(ident)
+                    if tid is None:
+                        self._seq = seq
+                        tid = self._thread_id(ident, out)
+                        seq = self._seq
+                    record = {
+                        "seq": seq,
+                        "kind": "event",
+                        "ts": wall0 + mono,
+                        "name": _name(name),
+                        "span": span_id,
+                        "tid": tid,
+                    }
+                    seq += 1
+                    if attrs:
+                        record["attrs"] = self._clean(attrs)
+                    append((level, record))
+                elif tag == ERROR:
+                    _, name, attrs, span_id, ident, mono, info = item
+                    tid = threads.get(ident)
+                    if tid is None:
+                        self._seq = seq
+                        tid = self._thread_id(ident, out)
+                        seq = self._seq
+                    error_type, message, stack = info
+                    record = {"seq": seq, "kind": "error", "ts": wall0 + mono, "name": _name(name)}
+                    record["span"] = span_id
+                    record["tid"] = tid
+                    if error_type is not None:
+                        record["error_type"] = error_type
+                    record["message"] = message
+                    record["stack"] = stack
+                    seq += 1
+                    if attrs:
+                        record["attrs"] = self._clean(attrs)
+                    append((_ERROR_LEVEL, record))
+        finally:
+            self._seq = seq
 
-    def _end_record(
-        self, span: Span, t1: int, status: str, out: list[tuple[int, dict[str, Any]]]
+    def _hold(self, span: Span, started: bool) -> bool:
+        """True when an observer keeps an ended span's record back, to release it later."""
+        held = False
+        for observer in self.observers:
+            try:
+                held = observer.hold(span, started) or held
+            except Exception:
+                log.exception("traintrace: span observer failed")
+        if held:
+            span.written = _HELD
+            self._open.pop(span.id, None)
+        return held
+
+    def _stopped(self, span: Span, state: int, out: list[tuple[int, dict[str, Any]]]) -> None:
+        """The writer sees a span's stop; ``state`` is what it wrote at its start."""
+        if self.observers:
+            if state == _OPEN and self._hold(span, True):
+                self._observe(span, out)
+                return
+            self._observe(span, out)
+        if state == _OPEN:
+            self._end_record(span, span.t1 or time.perf_counter_ns(), span.status, out)
+
+    def _observe(self, span: Span, out: list[tuple[int, dict[str, Any]]]) -> None:
+        """Show an ended span to the observers, in the order spans ended."""
+        for observer in self.observers:
+            try:
+                observer.span_ended(span, out)
+            except Exception:
+                log.exception("traintrace: span observer failed")
+
+    def release_span(self, span: Span, started: bool, out: list[tuple[int, dict[str, Any]]]) -> None:
+        """Write the record of a span an observer held back (writer thread only)."""
+        if started:
+            self._end_record(span, span.t1 or time.perf_counter_ns(), span.status, out)
+            return
+        tid = self._threads.get(span.tid) or self._thread_id(span.tid, out)
+        record = self._record(RecordKind.SPAN, span.t0)
+        record["name"] = _name(span.name)
+        record["id"] = span.id
+        parent = span.parent
+        record["parent"] = parent.id if parent is not None else 0
+        record["tid"] = tid
+        if span.link is not None:
+            link = span.link
+            record["link"] = link.id if isinstance(link, Span) else _link_id(link)
+        record["dur"] = (span.t1 or span.t0) - span.t0
+        record["status"] = span.status
+        attrs = span.attrs
+        if span.metrics:
+            attrs = _merge(attrs, span.metrics)
+        if attrs:
+            record["attrs"] = self._clean(attrs)
+        out.append((span.level, record))
+
+    def emit_event(
+        self,
+        name: str,
+        attrs: dict[str, Any],
+        out: list[tuple[int, dict[str, Any]]],
+        *,
+        span_id: int,
+        ident: int,
+        mono: int,
+        level: int,
     ) -> None:
+        """Add an event made on the writer thread (writer thread only)."""
+        tid = self._threads.get(ident) or self._thread_id(ident, out)
+        record = self._record(RecordKind.EVENT, mono)
+        record["name"] = _name(name)
+        record["span"] = span_id
+        record["tid"] = tid
+        if attrs:
+            record["attrs"] = self._clean(attrs)
+        out.append((level, record))
+
+    def _end_record(self, span: Span, t1: int, status: str, out: list[tuple[int, dict[str, Any]]]) -> None:
         self._open.pop(span.id, None)
-        span.written = True
+        span.written = _DONE
         record = self._record(RecordKind.END, t1)
         record["name"] = _name(span.name)
         record["id"] = span.id
@@ -355,8 +499,7 @@ class Pipeline:
         if not route.warned:
             route.warned = True
             log.warning(
-                "traintrace: backend %s failed (%s: %s); its records are dropped and counted "
-                "until it recovers",
+                "traintrace: backend %s failed (%s: %s); its records are dropped and counted until it recovers",
                 route.name,
                 type(exc).__name__,
                 exc,
@@ -372,7 +515,14 @@ class Pipeline:
     def _finish(self, open_status: str) -> None:
         now = time.perf_counter_ns()
         out: list[tuple[int, dict[str, Any]]] = []
+        for observer in self.observers:
+            try:
+                observer.finish(out, open_status)
+            except Exception:
+                log.exception("traintrace: span observer failed at close")
         for span in list(self._open.values()):
+            if span.t1 is None:
+                span.t1 = now  # no longer anyone's parent
             self._end_record(span, now, open_status, out)
         record = self._record(RecordKind.CLOSE, now)
         record["records"] = self._seq

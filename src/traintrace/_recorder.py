@@ -29,16 +29,17 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Item tags in the queue (small ints compare fastest).
-START, STOP, EVENT, ERROR = 0, 1, 2, 3
+# Queue items: a Span object (its start the first time the writer sees it,
+# its stop the second), or a tuple tagged EVENT or ERROR.
+EVENT, ERROR = 2, 3
+# Span.written when its start did not fit in the queue.
+_START_DROPPED = 3
 
 _INFO = int(Verbosity.INFO)
 _ERROR = int(Verbosity.ERROR)
 
 _ids = itertools.count(1)
-_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar(
-    "traintrace_current_span", default=None
-)
+_current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("traintrace_current_span", default=None)
 _get_ident = threading.get_ident
 
 #: The recorder that module-level calls use; None when not configured.
@@ -61,6 +62,14 @@ def warn_once(kind: str, message: str) -> None:
         warnings.warn(f"traintrace: {message}", TraintraceWarning, stacklevel=4)
     except Exception:  # noqa: BLE001 - with -W error a warning raises; training must not
         pass
+
+
+def current_span() -> Span | None:
+    """The innermost open span of this thread or asyncio task, or None."""
+    span = _current.get()
+    while span is not None and span.t1 is not None:
+        span = span.parent
+    return span
 
 
 def _label(name: object) -> str:
@@ -94,14 +103,6 @@ def as_attrs(metrics: object) -> dict[str, Any] | None:
         return None
 
 
-def current_span() -> Span | None:
-    """The innermost open span of this thread or asyncio task, or None."""
-    span = _current.get()
-    while span is not None and span.t1 is not None:
-        span = span.parent
-    return span
-
-
 class Span:
     """A timed phase. A context manager, a decorator, and a handle for ``stop``.
 
@@ -110,20 +111,28 @@ class Span:
     """
 
     __slots__ = (
-        "name",
+        "_rec",
         "attrs",
+        "id",
         "level",
         "link",
         "metrics",
-        "id",
+        "name",
         "parent",
+        "status",
         "t0",
         "t1",
         "tid",
-        "status",
         "written",
-        "_rec",
     )
+    # Set when a recorder starts the span (never read on an unrecorded span).
+    parent: Span | None
+    t0: int
+    t1: int | None
+    tid: int
+    status: str
+    written: int
+    metrics: dict[str, Any] | None
 
     def __init__(
         self,
@@ -137,14 +146,38 @@ class Span:
         self.level = level
         self.link = link
         self._rec: Recorder | None = None
-        self.t1: int | None = None
-        self.id = 0
 
     # -- context manager -------------------------------------------------
+    # The start and stop logic is written out here, not delegated, because a
+    # Python call costs about as much as everything else a span does.
     def __enter__(self) -> Span:
         rec = _active
-        if rec is not None and self.level <= rec.max_level:
-            rec._start(self)
+        if rec is None or self.level > rec.max_level:
+            return self
+        if self._rec is not None:
+            warn_once("span_reused", f"span {_label(self.name)} entered twice; make a new span for each use")
+            return self
+        parent = _current.get()
+        while parent is not None and parent.t1 is not None:
+            parent = parent.parent
+        self.parent = parent
+        self.id = next(_ids)
+        self.tid = _get_ident()
+        self.metrics = None
+        self.status = "ok"
+        self.written = 0
+        self.t1 = None
+        self._rec = rec
+        _current.set(self)
+        if rec._listeners:
+            for listener in rec._listeners:
+                listener.span_started(self)
+        self.t0 = perf_counter_ns()
+        queue = rec._queue
+        if len(queue) < rec._cap:
+            queue.append(self)
+        elif not rec._pipeline.overflow(self):
+            self.written = _START_DROPPED
         return self
 
     def __exit__(
@@ -153,12 +186,32 @@ class Span:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        t1 = perf_counter_ns()
         rec = self._rec
         if rec is None:
             return
+        if self.t1 is not None or rec.closed:
+            rec._late_stop(self, t1)
+            return
         if exc is not None:
             rec._span_failed(self, exc)
-        rec._stop(self)
+        self.t1 = t1
+        if _current.get() is self:
+            parent = self.parent
+            while parent is not None and parent.t1 is not None:
+                parent = parent.parent
+            _current.set(parent)
+        if rec._listeners:
+            for listener in rec._listeners:
+                listener.span_stopped(self)
+        if self.written != _START_DROPPED:
+            # No room check: the queue exceeds its bound by at most the open spans.
+            rec._queue.append(self)
+        elif len(rec._queue) < rec._cap:
+            self.written = 0  # the writer sees it once, ended: one complete record
+            rec._queue.append(self)
+        else:
+            rec._pipeline.overflow(self)
 
     # -- decorator -------------------------------------------------------
     def __call__(self, func: F) -> F:
@@ -212,15 +265,40 @@ class Span:
         return self._rec is not None and self.t1 is None
 
     @property
+    def span_id(self) -> int:
+        """The span's id in the stream, 0 when it was not recorded."""
+        return self.id if self._rec is not None else 0
+
+    @property
     def duration_ns(self) -> int | None:
         """Monotonic duration, once stopped."""
-        if self.t1 is None or self._rec is None:
+        if self._rec is None or self.t1 is None:
             return None
-        return self.t1 - self.t0
+        return int(self.t1 - self.t0)
 
     def __repr__(self) -> str:
-        state = "open" if self.open else "closed" if self._rec else "unrecorded"
-        return f"<Span {_label(self.name)} id={self.id} {state}>"
+        if self._rec is None:
+            return f"<Span {_label(self.name)} unrecorded>"
+        return f"<Span {_label(self.name)} id={self.id} {'open' if self.t1 is None else 'closed'}>"
+
+
+class InertSpan(Span):
+    """What the helpers hand out when nothing would be recorded: shared and stateless.
+
+    Entering it does nothing; as a decorator it still makes a real span per call,
+    so functions decorated before ``configure()`` record once it is called.
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> Span:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __call__(self, func: F) -> F:
+        return Span(self.name, self.attrs, self.level)(func)
 
 
 class Recorder:
@@ -232,7 +310,7 @@ class Recorder:
 
     def __init__(self, pipeline: Pipeline, max_level: int, listeners: list[Any]) -> None:
         self._pipeline = pipeline
-        self._queue: deque[tuple[Any, ...]] = pipeline.queue
+        self._queue: deque[Any] = pipeline.queue
         self._cap = pipeline.capacity
         self.max_level = max_level
         self._listeners = tuple(listeners)
@@ -242,56 +320,20 @@ class Recorder:
         self.header = pipeline.header
 
     # -- hot path --------------------------------------------------------
-    def _put(self, item: tuple[Any, ...]) -> None:
+    def _put(self, item: Any) -> None:
         queue = self._queue
         if len(queue) < self._cap:
             queue.append(item)
         else:
             self._pipeline.overflow(item)
 
-    def _start(self, span: Span) -> None:
-        parent = _current.get()
-        while parent is not None and parent.t1 is not None:
-            parent = parent.parent
-        span.parent = parent
-        span.id = next(_ids)
-        span.tid = _get_ident()
-        span.metrics = None
-        span.status = SpanStatus.OK
-        span.written = False
-        span._rec = self
-        _current.set(span)
-        for listener in self._listeners:
-            listener.span_started(span)
-        span.t0 = perf_counter_ns()
-        queue = self._queue
-        if len(queue) < self._cap:
-            queue.append((START, span))
-        else:
-            self._pipeline.overflow((START, span))
-
-    def _stop(self, span: Span) -> None:
-        t1 = perf_counter_ns()
-        if span.t1 is not None:
-            warn_once("stop_twice", f"span {_label(span.name)} stopped twice; the second stop is ignored")
-            return
+    def _late_stop(self, span: Span, t1: int) -> None:
         if self.closed:
             warn_once("stop_after_close", f"span {_label(span.name)} stopped after close(); not recorded")
-            span.t1 = t1
+            if span.t1 is None:
+                span.t1 = t1
             return
-        span.t1 = t1
-        if _current.get() is span:
-            parent = span.parent
-            while parent is not None and parent.t1 is not None:
-                parent = parent.parent
-            _current.set(parent)
-        for listener in self._listeners:
-            listener.span_stopped(span)
-        queue = self._queue
-        if len(queue) < self._cap:
-            queue.append((STOP, span))
-        else:
-            self._pipeline.overflow((STOP, span))
+        warn_once("stop_twice", f"span {_label(span.name)} stopped twice; the second stop is ignored")
 
     def _event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
         if level > self.max_level or self.closed:
@@ -307,9 +349,7 @@ class Recorder:
             # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
             span.status = SpanStatus.TERMINATED
 
-    def _exception(
-        self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int
-    ) -> bool:
+    def _exception(self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int) -> bool:
         """Record ``exc`` unless it already was; True if it was recorded now."""
         if _already_recorded(exc, self._recorded_exceptions):
             return False
@@ -332,8 +372,8 @@ class Recorder:
     ) -> Span:
         """Open a span and return its handle; stop it later with :meth:`stop`."""
         span = Span(name, as_attrs(metrics), as_level(level), link)
-        if not self.closed and span.level <= self.max_level:
-            self._start(span)
+        if self is _active:
+            span.__enter__()
         return span
 
     def stop(
@@ -349,10 +389,6 @@ class Recorder:
             return
         if span._rec is None:
             return
-        if span._rec is not self:
-            warn_once("stop_foreign", f"span {_label(span.name)} belongs to another recorder")
-            span._rec._stop(span)
-            return
         if metrics is not None:
             span.add_metrics(metrics)
         if status is not None and span.t1 is None:
@@ -360,7 +396,7 @@ class Recorder:
                 span.status = str(status)
             except Exception:  # noqa: BLE001 - misuse warns, never raises
                 warn_once("bad_status", f"status for span {_label(span.name)} is not a string; ignored")
-        self._stop(span)
+        span.__exit__(None, None, None)
 
     def event(
         self,

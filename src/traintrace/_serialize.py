@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["ENCODER", "dumps"]
+__all__ = ["ENCODER", "dumps", "dumps_lines"]
 
 
 def _std_dumps(record: Any) -> bytes:
@@ -35,3 +35,28 @@ def _pick() -> tuple[str, Callable[[Any], bytes]]:
 
 
 ENCODER, dumps = _pick()
+
+
+def _make_dumps_lines() -> Callable[[Sequence[Any]], bytes]:
+    try:
+        import orjson
+    except ImportError:
+
+        def _std_lines(records: Sequence[Any]) -> bytes:
+            return b"".join([_std_dumps(record) + b"\n" for record in records])
+
+        return _std_lines
+    option = orjson.OPT_APPEND_NEWLINE
+    fast = orjson.dumps
+
+    def _orjson_lines(records: Sequence[Any]) -> bytes:
+        try:
+            return b"".join([fast(record, option=option) for record in records])
+        except TypeError:
+            return b"".join([dumps(record) + b"\n" for record in records])
+
+    return _orjson_lines
+
+
+#: All records of a batch as JSON lines, each ending with a newline.
+dumps_lines = _make_dumps_lines()

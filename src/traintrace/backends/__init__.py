@@ -4,6 +4,8 @@ from ._base import Backend, BaseBackend, Record, SpanListener
 from ._file import FileBackend
 from ._log import LogBackend
 from ._memory import MemoryBackend
+from ._nvtx import NvtxBackend, NvtxBackendConfig
+from .otlp import OtlpLogsConfig, OtlpMetricsConfig, OtlpTracesConfig
 
 __all__ = [
     "Backend",
@@ -11,6 +13,11 @@ __all__ = [
     "FileBackend",
     "LogBackend",
     "MemoryBackend",
+    "NvtxBackend",
+    "NvtxBackendConfig",
+    "OtlpLogsConfig",
+    "OtlpMetricsConfig",
+    "OtlpTracesConfig",
     "Record",
     "SpanListener",
 ]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .._names import RecordKind, Verbosity
-from .._serialize import dumps
+from .._serialize import dumps, dumps_lines
 from ._base import Record
 
 log = logging.getLogger("traintrace.lib")
@@ -77,7 +77,7 @@ class FileBackend:
         size = info.st_size
         if size > 0:
             # A process killed mid-line left no newline; start ours on a fresh line.
-            with open(self.path, "rb") as reader:
+            with self.path.open("rb") as reader:
                 reader.seek(size - 1)
                 self._need_newline = reader.read(1) != b"\n"
 
@@ -108,7 +108,7 @@ class FileBackend:
         if not records:
             return
         self._check_replaced()
-        payload = b"\n".join([dumps(record) for record in records]) + b"\n"
+        payload = dumps_lines(records)
         if self._lost and not self._failing:
             payload = self._lost_note() + payload
         if self._write_bytes(payload):

@@ -1,0 +1,280 @@
+"""Core benchmark: traintrace vs the reference library vs the floor, in one process.
+
+Run it with ``bash benchmarks/run.sh`` (creates ``.bench-venv`` with
+``aidot-training-telemetry`` from PyPI, orjson and this checkout), or directly
+with a Python that has both installed::
+
+    python benchmarks/bench_core.py [--quick] [--json out.json]
+
+Machines here are shared and noisy: read the ratios, not the nanoseconds.
+Each figure is the best of several repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import traintrace as tt
+
+Row = dict[str, Any]
+
+
+class _Empty:
+    __slots__ = ()
+
+    def __enter__(self) -> _Empty:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def best_ns_per_op(loop: Callable[[int], None], n: int, repeats: int) -> float:
+    """Best-of-``repeats`` nanoseconds per operation of ``loop(n)``."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter_ns()
+        loop(n)
+        best = min(best, (time.perf_counter_ns() - started) / n)
+    return best
+
+
+def floor_loop(n: int) -> None:
+    empty = _Empty()
+    for _ in range(n):
+        with empty:
+            pass
+
+
+def traintrace_loop(n: int) -> None:
+    iteration = tt.training_iteration
+    for step in range(n):
+        with iteration(step):
+            pass
+
+
+def caller_only(n: int, repeats: int) -> float:
+    """The caller's own cost: the writer is idle during the timed loop, then drains."""
+    best = float("inf")
+    for _ in range(repeats):
+        tt.flush(60)
+        gc.collect()
+        started = time.perf_counter_ns()
+        traintrace_loop(n)
+        best = min(best, (time.perf_counter_ns() - started) / n)
+        tt.flush(60)
+    return best
+
+
+def rss_kb() -> int:
+    with Path("/proc/self/status").open() as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+class SlowSink(tt.BaseBackend):
+    """A backend whose every write takes 50 ms."""
+
+    def write(self, records: Sequence[Any]) -> None:
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- reference library
+
+
+def reference_setup(kind: str, folder: Path) -> Callable[[int], None] | None:
+    """A loop of reference iteration spans inside its training span, or None if not installed."""
+    try:
+        from training_telemetry import FileBackendConfig, Provider, TelemetryConfig
+        from training_telemetry.context import timed_span, training
+        from training_telemetry.spans import SpanName
+        from training_telemetry.verbosity import Verbosity
+    except ImportError:
+        return None
+    import logging
+
+    backends: list[Any] = []
+    if kind == "file":
+        backends = [FileBackendConfig(output_file_path=str(folder / "reference"), verbosity=Verbosity.PROFILING)]
+    config = TelemetryConfig(backends=backends, log_level=logging.ERROR)
+    # The reference is a process-wide singleton that refuses a second config;
+    # the benchmark swaps its instance to measure two configurations in one run.
+    Provider._instance = Provider(config)
+    Provider._config = config
+
+    def loop(n: int) -> None:
+        with training():
+            for _ in range(n):
+                with timed_span(SpanName.ITERATION):
+                    pass
+
+    return loop
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(quick: bool) -> list[Row]:
+    n = 20_000 if quick else 100_000
+    repeats = 3 if quick else 5
+    rows: list[Row] = []
+    folder = Path(tempfile.mkdtemp(prefix="traintrace-bench-"))
+
+    floor = best_ns_per_op(floor_loop, n, repeats)
+    rows.append({"case": "floor: empty class-based with", "ns": floor})
+
+    rows.append({"case": "traintrace, not configured", "ns": best_ns_per_op(traintrace_loop, n, repeats)})
+
+    tt.configure(
+        job_id="bench",
+        rank=1,
+        world_size=2,
+        log_dir=str(folder),
+        backends={"file": {"ranks": 0}, "log": False},
+    )
+    rows.append(
+        {"case": "traintrace, backend disabled on this rank", "ns": best_ns_per_op(traintrace_loop, n, repeats)}
+    )
+    tt.close()
+
+    # The caller's own cost: a queue big enough for one timed loop, writer idle meanwhile.
+    tt.configure(
+        job_id="bench",
+        log_dir=str(folder),
+        backends={"log": False},
+        queue_size=4 * n,
+        flush_interval=3600,
+    )
+    with tt.training_loop():
+        ours = caller_only(n, repeats)
+    tt.close()
+    rows.append({"case": "traintrace iteration span, file backend (caller's thread)", "ns": ours})
+
+    # The same with the writer running concurrently in the same process (GIL shared).
+    tt.configure(job_id="bench", log_dir=str(folder), backends={"log": False}, queue_size=4 * n)
+    with tt.training_loop():
+        concurrent = best_ns_per_op(traintrace_loop, n, repeats)
+    recorder = tt.get_recorder()
+    dropped = recorder.dropped if recorder else 0
+    tt.close()
+    rows.append(
+        {
+            "case": "traintrace iteration span, file backend, writer running in a tight loop",
+            "ns": concurrent,
+            "dropped": dropped,
+        }
+    )
+
+    ref_file = reference_setup("file", folder)
+    if ref_file is not None:
+        ref_n = max(n // 10, 2000)
+        rows.append({"case": "reference iteration span, file backend", "ns": best_ns_per_op(ref_file, ref_n, repeats)})
+        ref_none = reference_setup("none", folder)
+        assert ref_none is not None
+        rows.append({"case": "reference iteration span, no backend", "ns": best_ns_per_op(ref_none, ref_n, repeats)})
+    else:
+        rows.append({"case": "reference library not installed (pip install aidot-training-telemetry)", "ns": None})
+
+    # Sustained throughput: spans written to disk, the writer's work and the final close included.
+    total = 300_000 if quick else 1_000_000
+    tt.configure(job_id="throughput", log_dir=str(folder), backends={"log": False}, blocking=True)
+    started = time.perf_counter_ns()
+    with tt.training_loop():
+        traintrace_loop(total)
+    recorder = tt.get_recorder()
+    tt.close()
+    elapsed = (time.perf_counter_ns() - started) / 1e9
+    size = (folder / "throughput" / "rank0.jsonl").stat().st_size
+    rows.append(
+        {
+            "case": "sustained: iteration spans to disk, blocking mode, incl. writer and close",
+            "spans_per_s": total / elapsed,
+            "dropped": recorder.dropped if recorder else None,
+            "bytes": size,
+        }
+    )
+
+    # A slow sink: the caller's cost must not follow the sink's latency.
+    fast = tt.MemoryBackend()
+    tt.configure(job_id="fast", log_dir=str(folder), backends=[], extra_backends=[fast], queue_size=4 * n)
+    with tt.training_loop():
+        fast_ns = best_ns_per_op(traintrace_loop, n, repeats)
+    tt.close()
+    tt.configure(job_id="slow", log_dir=str(folder), backends=[], extra_backends=[SlowSink()], queue_size=4 * n)
+    with tt.training_loop():
+        slow_ns = best_ns_per_op(traintrace_loop, n, repeats)
+    slow_rec = tt.get_recorder()
+    slow_dropped = slow_rec.dropped if slow_rec else 0
+    tt.close(timeout=2)
+    rows.append({"case": "fast in-memory sink, caller", "ns": fast_ns})
+    rows.append({"case": "sink taking 50 ms per write, caller", "ns": slow_ns, "dropped": slow_dropped})
+
+    # Memory over one million iteration spans.
+    spans = 200_000 if quick else 1_000_000
+    tt.configure(job_id="memory", log_dir=str(folder), backends={"log": False}, blocking=True)
+    with tt.training_loop():
+        traintrace_loop(20_000)
+        tt.flush(60)
+        gc.collect()
+        before = rss_kb()
+        traintrace_loop(spans)
+        tt.flush(60)
+        gc.collect()
+        after = rss_kb()
+    tt.close()
+    rows.append({"case": f"RSS growth over {spans:,} iteration spans", "kb": after - before})
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    by_case = {row["case"]: row for row in rows}
+    floor = by_case["floor: empty class-based with"]["ns"]
+    ours = by_case["traintrace iteration span, file backend (caller's thread)"]["ns"]
+    ref = by_case.get("reference iteration span, file backend", {}).get("ns")
+    print(f"{'case':78} {'ns/op':>9} {'x floor':>8}  notes")
+    for row in rows:
+        ns = row.get("ns")
+        notes = []
+        if "dropped" in row:
+            notes.append(f"dropped={row['dropped']}")
+        if "spans_per_s" in row:
+            notes.append(f"{row['spans_per_s']:,.0f} spans/s, {row['bytes'] / 1e6:.0f} MB")
+        if "kb" in row:
+            notes.append(f"{row['kb'] / 1024:.1f} MB")
+        if ns is None:
+            print(f"{row['case']:78} {'':>9} {'':>8}  {' '.join(notes)}")
+        else:
+            print(f"{row['case']:78} {ns:9.0f} {ns / floor:8.1f}  {' '.join(notes)}")
+    if ref:
+        print(f"\nreference / traintrace, iteration span with file backend: {ref / ours:.0f}x")
+    fast = by_case["fast in-memory sink, caller"]["ns"]
+    slow = by_case["sink taking 50 ms per write, caller"]["ns"]
+    print(f"slow sink / fast sink, caller's cost: {slow / fast:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    print(f"python {sys.version.split()[0]}, traintrace {tt.__version__}, pid {os.getpid()}, cpus {os.cpu_count()}")
+    rows = run(args.quick)
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Makes .bench-venv (the reference library from PyPI, orjson, this checkout) and runs a benchmark.
+#   bash benchmarks/run.sh                 # bench_core.py
+#   bash benchmarks/run.sh bench_core.py --quick
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV=$ROOT/.bench-venv
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q aidot-training-telemetry==1.1.2 orjson -e "$ROOT" >&2
+script=${1:-bench_core.py}
+shift || true
+exec "$VENV/bin/python" "$ROOT/benchmarks/$script" "$@"

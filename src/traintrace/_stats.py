@@ -1,0 +1,719 @@
+"""Iteration statistics, computed on the writer thread from the spans it already sees.
+
+Nothing here runs on the training thread: the iteration span costs the same
+with statistics on or off. :class:`IterationStats` is a pipeline observer; it
+is shown every span as it ends, keeps per-interval sums, a bounded histogram
+for quantiles and the run's counters, and every ``log_interval`` steps (and at
+the end of the training loop) adds a ``training_iterations`` event.
+
+Tensors given as metrics (a loss on the GPU) are never converted per step: the
+iteration records that hold them are kept back, and all the tensors of an
+interval are resolved together, with one stacked copy per device and dtype,
+when the interval's event is built.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from time import perf_counter_ns
+from typing import TYPE_CHECKING, Any, Final
+
+from ._names import EventName, SpanName, SpanStatus, Verbosity
+from ._recorder import Span
+
+if TYPE_CHECKING:
+    from ._pipeline import Pipeline
+
+Out = list[tuple[int, dict[str, Any]]]
+
+#: Sub-phase spans and the field of their mean duration (reference names).
+PHASE_FIELDS: Final[dict[str, str]] = {
+    SpanName.DATA_LOADING: "average_dataloader_time",
+    SpanName.FORWARD: "average_forward_time",
+    SpanName.BACKWARD: "average_backward_time",
+    SpanName.OPTIMIZER_STEP: "average_optimizer_update_time",
+    SpanName.ZERO_GRAD: "average_zero_grad_time",
+}
+
+#: Spans whose time is taken out of throughput, and where it is reported.
+EXCLUDED_FIELDS: Final[dict[str, str]] = {
+    SpanName.CHECKPOINT_SAVE_SYNC: "checkpoint_time",
+    SpanName.CHECKPOINT_SAVE_ASYNC: "checkpoint_time",
+    SpanName.CHECKPOINT_LOAD: "checkpoint_time",
+    SpanName.VALIDATION: "validation_time",
+    SpanName.TEST: "validation_time",
+}
+
+_STEP_KEYS: Final = ("step", "current_iteration", "iteration")
+#: Iteration attributes that are read, not averaged.
+RESERVED: Final = frozenset(
+    {"step", "current_iteration", "iteration", "num_iterations", "batch_size", "tokens", "flops", "skipped"}
+)
+_CHECKPOINT_SIZE_FILES: Final = 100_000
+_COUNTED: Final = frozenset({"tokens", "batch_size"})
+_BATCH: Final = 1024
+_FAILED: Final = frozenset({SpanStatus.ERROR, SpanStatus.TERMINATED})
+_PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
+_DETAILED: Final = frozenset({SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION})
+
+
+# ---------------------------------------------------------------- quantiles
+
+
+class LogHistogram:
+    """Streaming quantiles with bounded memory and bounded relative error.
+
+    Values fall in buckets whose bounds grow by ``gamma``; a quantile is the
+    geometric middle of its bucket, so its relative error is below
+    ``(gamma - 1) / 2`` (0.5% by default). Memory is one counter per occupied
+    bucket: at most ~2,600 between 1 ns and 10^11 ns, whatever the count.
+    """
+
+    __slots__ = ("_buckets", "_inv_log", "count", "gamma", "max", "min")
+
+    def __init__(self, gamma: float = 1.01) -> None:
+        self.gamma = gamma
+        self._inv_log = 1.0 / math.log(gamma)
+        self._buckets: dict[int, int] = {}
+        self.count = 0
+        self.min = math.inf
+        self.max = -math.inf
+
+    def add_many(self, values: list[int]) -> None:
+        """Add a batch of positive values (cheaper per value than :meth:`add`)."""
+        if not values:
+            return
+        buckets = self._buckets
+        inv_log = self._inv_log
+        log = math.log
+        floor = math.floor
+        for value in values:
+            key = floor(log(value) * inv_log) if value > 0 else -(1 << 30)
+            buckets[key] = buckets.get(key, 0) + 1
+        self.count += len(values)
+        low = min(values)
+        high = max(values)
+        self.min = min(self.min, low)
+        self.max = max(self.max, high)
+
+    def add(self, value: float) -> None:
+        key = math.floor(math.log(value) * self._inv_log) if value > 0 else -(1 << 30)
+        buckets = self._buckets
+        buckets[key] = buckets.get(key, 0) + 1
+        self.count += 1
+        self.min = min(self.min, value)
+        self.max = max(self.max, value)
+
+    def quantiles(self, qs: tuple[float, ...]) -> list[float]:
+        """Nearest-rank quantiles (0 < q <= 1) in ``qs`` order: the value ranked ``ceil(q * count)``."""
+        if not self.count:
+            return [math.nan for _ in qs]
+        order = sorted(range(len(qs)), key=lambda i: qs[i])
+        out = [0.0] * len(qs)
+        keys = sorted(self._buckets)
+        seen = 0
+        index = 0
+        for position in order:
+            rank = max(math.ceil(qs[position] * self.count) - 1, 0)
+            while index < len(keys) and seen + self._buckets[keys[index]] <= rank:
+                seen += self._buckets[keys[index]]
+                index += 1
+            key = keys[min(index, len(keys) - 1)]
+            value = 0.0 if key == -(1 << 30) else self.gamma ** (key + 0.5)
+            out[position] = min(max(value, self.min), self.max)
+        return out
+
+    def clear(self) -> None:
+        self._buckets.clear()
+        self.count = 0
+        self.min = math.inf
+        self.max = -math.inf
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def is_tensor(value: object) -> bool:
+    """True for a torch tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def detach(value: Any) -> Any:
+    """The tensor without its autograd graph, so that holding it keeps no activations."""
+    try:
+        return value.detach()
+    except Exception:  # noqa: BLE001
+        return value
+
+
+def resolve_tensors(values: list[Any], *, cpu_only: bool = False) -> list[Any]:
+    """Python numbers for one-element tensors: one stacked copy per device and dtype.
+
+    Tensors of other shapes become nested lists. With ``cpu_only``, tensors on
+    an accelerator are not read (a hung device would hang the reader) and
+    become ``"<unresolved tensor>"``.
+    """
+    out: list[Any] = [None] * len(values)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for index, value in enumerate(values):
+        try:
+            device = str(value.device)
+            if cpu_only and not device.startswith("cpu"):
+                out[index] = "<unresolved tensor>"
+            elif value.numel() == 1:
+                groups.setdefault((device, str(value.dtype)), []).append(index)
+            else:
+                out[index] = value.detach().cpu().tolist()
+        except Exception:  # noqa: BLE001
+            out[index] = f"<unconvertible {type(value).__name__}>"
+    torch = sys.modules.get("torch")
+    for indices in groups.values():
+        try:
+            assert torch is not None
+            stacked = torch.stack([values[i].detach().reshape(()) for i in indices])
+            numbers = stacked.tolist()
+        except Exception:  # noqa: BLE001 - fall back to one read per tensor
+            numbers = []
+            for i in indices:
+                try:
+                    numbers.append(values[i].item())
+                except Exception:  # noqa: BLE001
+                    numbers.append(f"<unconvertible {type(values[i]).__name__}>")
+        for i, number in zip(indices, numbers, strict=False):
+            out[i] = number
+    return out
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def measure_size(path: str | os.PathLike[str]) -> int | None:
+    """Bytes in a file, or in all files under a folder (None when it does not exist)."""
+    try:
+        root = Path(path)
+        if root.is_file():
+            return root.stat().st_size
+        if not root.is_dir():
+            return None
+        total = 0
+        for count, (folder, _, files) in enumerate(os.walk(root)):
+            if count > _CHECKPOINT_SIZE_FILES:
+                break
+            for name in files:
+                try:
+                    total += (Path(folder) / name).stat().st_size
+                except OSError:
+                    continue
+        return total
+    except OSError:
+        return None
+
+
+def _checkpoint_path(values: Mapping[str, Any]) -> str | None:
+    path = values.get("checkpoint_path") or values.get("path")
+    if path:
+        return str(os.fspath(path))
+    directory = values.get("checkpoint_directory")
+    filename = values.get("checkpoint_filename")
+    if directory and filename:
+        return str(Path(os.fspath(directory)) / os.fspath(filename))
+    if directory:
+        return str(os.fspath(directory))
+    return None
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def _tensor_field(key: str) -> str | None:
+    """Where a tensor's value goes once read: a metric mean, a count, or nowhere."""
+    if key in _COUNTED or key not in RESERVED:
+        return key
+    return None
+
+
+def _number(value: Any) -> float | None:
+    kind = type(value)
+    if kind is int or kind is float:
+        return float(value)
+    return None
+
+
+class IterationStats:
+    """The pipeline observer that turns iteration spans into interval events."""
+
+    def __init__(self, pipeline: Pipeline, log_interval: int, peak_tflops: float | None) -> None:
+        self.pipeline = pipeline
+        self.log_interval = log_interval
+        self.peak_tflops = peak_tflops
+        #: (monotonic ns from which it applies, values): defaults for every step.
+        self.step_info: tuple[tuple[int, dict[str, Any]], ...] = ()
+        self._max_route_level = max((r.level for r in pipeline._routes), default=-1)
+        # counters of the run
+        self.completed_steps = 0
+        self.skipped_steps = 0
+        self.failed_steps = 0
+        self.checkpoint_ns = 0
+        self.validation_ns = 0
+        self.consumed_samples = 0
+        self.consumed_tokens = 0
+        self.last_step: int | None = None
+        #: perf_counter_ns of the latest progress seen (iteration or long phase ended).
+        self.last_progress = 0
+        #: True after a training loop ended, until the next iteration: nothing to watch.
+        self.loop_ended = False
+        self.device_name: str | None = None
+        #: Set by the watchdog while it suspects a hang: flushes then leave tensors unread.
+        self.quiet_flush = False
+        self._reset_interval()
+        self._interval_start: int | None = None
+        self._windows: list[tuple[int, int, str]] = []
+        self._loop_id = 0
+        self._ident = 0
+
+    def _reset_interval(self) -> None:
+        self._steps = 0
+        self._sum = 0
+        self._hist = LogHistogram()
+        #: durations not yet in the histogram, added in batches (at most _BATCH)
+        self._durations: list[int] = []
+        self._phase_sum: dict[str, int] = {}
+        self._phase_count: dict[str, int] = {}
+        self._samples = 0
+        self._tokens = 0
+        self._flops = 0.0
+        self._flops_known = True
+        self._samples_known = False
+        self._tokens_known = False
+        self._metric_sum: dict[str, float] = {}
+        self._metric_count: dict[str, int] = {}
+        self._metric_last: dict[str, Any] = {}
+        self._tensors: list[tuple[str | None, Any]] = []
+        self._held: list[tuple[Span, bool]] = []
+        self._last_t1 = 0
+
+    # -- called by the user's thread (through set_step_info) ---------------
+    def set_info(self, values: dict[str, Any]) -> None:
+        # Rebinding a new tuple keeps the writer's reads consistent without a lock.
+        current = self.step_info
+        merged = {**current[-1][1], **values} if current else dict(values)
+        self.step_info = (*current[-15:], (perf_counter_ns(), merged))
+
+    def _info_at(self, t0: int) -> Mapping[str, Any]:
+        info = self.step_info
+        if info and info[-1][0] <= t0:
+            return info[-1][1]
+        for index in range(len(info) - 1, -1, -1):
+            if info[index][0] <= t0:
+                return info[index][1]
+        return info[0][1] if info else {}
+
+    def snapshot(self) -> dict[str, Any]:
+        """The run's counters now."""
+        return {
+            "completed_steps": self.completed_steps,
+            "skipped_steps": self.skipped_steps,
+            "consumed_samples": self.consumed_samples,
+            "consumed_tokens": self.consumed_tokens,
+            "last_step": self.last_step,
+            "failed_steps": self.failed_steps,
+            "total_checkpoint_time": self.checkpoint_ns * 1e-9,
+            "total_validation_time": self.validation_ns * 1e-9,
+        }
+
+    # -- writer thread -----------------------------------------------------
+    def hold(self, span: Span, started: bool) -> bool:
+        """Called before an ended span's record is built; True keeps the record back.
+
+        An iteration holding tensors is kept back until its interval's event,
+        so its tensors are read together with the others. Checkpoint spans get
+        their measured size here, so that it is in their record.
+        """
+        name = span.name
+        if name == SpanName.ITERATION:
+            plain = _PLAIN_TYPES
+            attrs = span.attrs
+            metrics = span.metrics
+            if attrs:
+                for value in attrs.values():
+                    if type(value) not in plain and is_tensor(value):
+                        return self._hold_tensors(span, started)
+            if metrics:
+                for value in metrics.values():
+                    if type(value) not in plain and is_tensor(value):
+                        return self._hold_tensors(span, started)
+            return False
+        if name in _DETAILED:
+            self._checkpoint_details(span)
+        return False
+
+    def span_ended(self, span: Span, out: Out) -> None:
+        """Called for every span in the order the spans ended."""
+        name = span.name
+        if name == SpanName.ITERATION:
+            self._iteration(span, out)
+            return
+        t1 = span.t1 or span.t0
+        field = PHASE_FIELDS.get(name)
+        if field is not None:
+            self._phase_sum[field] = self._phase_sum.get(field, 0) + (t1 - span.t0)
+            self._phase_count[field] = self._phase_count.get(field, 0) + 1
+            return
+        field = EXCLUDED_FIELDS.get(name)
+        if field is not None:
+            if field == "checkpoint_time":
+                self.checkpoint_ns += t1 - span.t0
+            else:
+                self.validation_ns += t1 - span.t0
+            if self._interval_start is not None:
+                self._windows.append((span.t0, t1, field))
+                del self._windows[:-1024]
+            self.last_progress = max(self.last_progress, t1)
+            if name == SpanName.CHECKPOINT_LOAD:
+                self._resumed(span)
+            return
+        if name == SpanName.TRAINING_LOOP:
+            self._loop_id = span.id
+            self._ident = span.tid
+            self._emit(out, t1, final=True)
+            self.loop_ended = True
+            self._interval_start = None
+            self._windows.clear()
+            self.last_progress = max(self.last_progress, t1)
+            return
+        if name.endswith("_initialization"):
+            self.last_progress = max(self.last_progress, t1)
+
+    def finish(self, out: Out, open_status: str) -> None:
+        if self._steps or self._held:
+            self._emit(out, perf_counter_ns(), final=True, cpu_only=open_status == SpanStatus.TERMINATED)
+
+    def _hold_tensors(self, span: Span, started: bool) -> bool:
+        attrs = span.attrs
+        metrics = span.metrics
+        # Held without their autograd graphs; read with the interval's others.
+        shadowed = metrics.keys() if metrics else ()
+        if attrs:
+            span.attrs = attrs = {k: detach(v) if is_tensor(v) else v for k, v in attrs.items()}
+            for key, value in attrs.items():
+                if is_tensor(value):
+                    self._tensors.append((None if key in shadowed else _tensor_field(key), value))
+        if metrics:
+            span.metrics = metrics = {k: detach(v) if is_tensor(v) else v for k, v in metrics.items()}
+            for key, value in metrics.items():
+                if is_tensor(value):
+                    self._tensors.append((_tensor_field(key), value))
+        if span.level <= self._max_route_level:
+            self._held.append((span, started))
+        return True
+
+    def _iteration(self, span: Span, out: Out) -> None:
+        t0 = span.t0
+        t1 = span.t1 or t0
+        if self._interval_start is None:
+            self._interval_start = t0
+        self._steps += 1
+        self._sum += t1 - t0
+        durations = self._durations
+        durations.append(t1 - t0)
+        if len(durations) >= _BATCH:
+            self._hist.add_many(durations)
+            durations.clear()
+        self._last_t1 = t1
+        self.last_progress = max(self.last_progress, t1)
+        self.loop_ended = False
+        parent = span.parent
+        if parent is not None and parent.name == SpanName.TRAINING_LOOP:
+            self._loop_id = parent.id
+        self._ident = span.tid
+        if span.status in _FAILED:
+            # An exception left the step: timed, but not completed and nothing consumed.
+            self.failed_steps += 1
+            if self._steps >= self.log_interval:
+                self._emit(out, t1, final=False)
+            return
+        self.completed_steps += 1
+
+        step = batch = tokens = flops = None
+        sums = self._metric_sum
+        counts = self._metric_count
+        attrs = span.attrs
+        metrics = span.metrics
+        shadow = metrics if attrs and metrics else None
+        for values in (attrs, metrics):
+            if not values:
+                continue
+            for key, value in values.items():
+                if key in RESERVED:
+                    if key in _STEP_KEYS:
+                        step = value
+                    elif key == "batch_size":
+                        batch = value
+                    elif key == "tokens":
+                        tokens = value
+                    elif key == "flops":
+                        flops = value
+                    elif key == "skipped" and value:
+                        self.skipped_steps += 1
+                    continue
+                if shadow is not None and values is attrs and key in shadow:
+                    continue
+                kind = type(value)
+                if kind is float:
+                    sums[key] = sums.get(key, 0.0) + value
+                    counts[key] = counts.get(key, 0) + 1
+                elif kind is int or kind is str or kind is bool:
+                    self._metric_last[key] = value
+        self.last_step = step if type(step) is int else self.completed_steps
+        if batch is None or tokens is None or flops is None:
+            info = self._info_at(t0) if self.step_info else {}
+            if batch is None:
+                batch = info.get("batch_size")
+            if tokens is None:
+                tokens = info.get("tokens")
+            if flops is None:
+                flops = info.get("flops")
+        kind = type(batch)
+        if kind is int or kind is float:
+            self._samples += int(batch)  # type: ignore[arg-type]
+            self.consumed_samples += int(batch)  # type: ignore[arg-type]
+            self._samples_known = True
+        kind = type(tokens)
+        if kind is int or kind is float:
+            self._tokens += int(tokens)  # type: ignore[arg-type]
+            self.consumed_tokens += int(tokens)  # type: ignore[arg-type]
+            self._tokens_known = True
+        kind = type(flops)
+        if kind is int or kind is float:
+            self._flops += flops  # type: ignore[operator]
+        else:
+            self._flops_known = False
+        if self._steps >= self.log_interval:
+            self._emit(out, t1, final=False)
+
+    def _add_count(self, key: str, value: int) -> None:
+        if key == "tokens":
+            self._tokens += value
+            self.consumed_tokens += value
+            self._tokens_known = True
+        else:
+            self._samples += value
+            self.consumed_samples += value
+            self._samples_known = True
+
+    def flushing(self, out: Out) -> None:
+        """``flush()`` was called: write the held records now (one read of their tensors)."""
+        if self._held and not self.quiet_flush:
+            self._release_held(out, cpu_only=False)
+
+    def _release_held(self, out: Out, *, cpu_only: bool) -> None:
+        """Read the held tensors together, count them, and write the held records."""
+        tensors = self._tensors
+        resolved: dict[int, Any] = {}
+        if tensors:
+            numbers = resolve_tensors([t for _, t in tensors], cpu_only=cpu_only)
+            for (key, tensor), number in zip(tensors, numbers, strict=False):
+                resolved[id(tensor)] = number
+                value = _number(number)
+                if key is None or value is None:
+                    continue
+                if key in _COUNTED:
+                    self._add_count(key, int(value))
+                elif key not in RESERVED:
+                    self._metric_sum[key] = self._metric_sum.get(key, 0.0) + value
+                    self._metric_count[key] = self._metric_count.get(key, 0) + 1
+        for span, started in self._held:
+            for holder in ("attrs", "metrics"):
+                values = getattr(span, holder)
+                if values:
+                    setattr(
+                        span,
+                        holder,
+                        {k: resolved.get(id(v), v) if is_tensor(v) else v for k, v in values.items()},
+                    )
+            self.pipeline.release_span(span, started, out)
+        self._tensors = []
+        self._held = []
+
+    def _emit(self, out: Out, now: int, *, final: bool, cpu_only: bool = False) -> None:
+        pipeline = self.pipeline
+        steps = self._steps
+        attrs: dict[str, Any] = {"interval": steps}
+        if self.last_step is not None:
+            attrs["current_iteration"] = self.last_step
+        info = self.step_info[-1][1] if self.step_info else {}
+        if info.get("num_iterations") is not None:
+            attrs["num_iterations"] = info["num_iterations"]
+
+        self._release_held(out, cpu_only=cpu_only)
+        if steps:
+            seconds = 1e-9
+            self._hist.add_many(self._durations)
+            self._durations.clear()
+            attrs["average_iteration_time"] = self._sum / steps * seconds
+            attrs["iteration_time_min"] = self._hist.min * seconds
+            attrs["iteration_time_max"] = self._hist.max * seconds
+            p50, p90, p99 = self._hist.quantiles((0.5, 0.9, 0.99))
+            attrs["iteration_time_p50"] = p50 * seconds
+            attrs["iteration_time_p90"] = p90 * seconds
+            attrs["iteration_time_p99"] = p99 * seconds
+            for field, total in self._phase_sum.items():
+                attrs[field] = total / self._phase_count[field] * seconds
+            start = self._interval_start if self._interval_start is not None else now
+            end = self._last_t1 or now
+            elapsed = max(end - start, 1)
+            excluded: dict[str, int] = {}
+            keep: list[tuple[int, int, str]] = []
+            for t0, t1, field in self._windows:
+                inside = min(t1, end) - max(t0, start)
+                if inside > 0:
+                    excluded[field] = excluded.get(field, 0) + inside
+                if t1 > end:
+                    keep.append((max(t0, end), t1, field))
+            self._windows = keep
+            productive = max(elapsed - sum(excluded.values()), 1)
+            attrs["elapsed_time"] = elapsed * seconds
+            attrs["checkpoint_time"] = excluded.get("checkpoint_time", 0) * seconds
+            attrs["validation_time"] = excluded.get("validation_time", 0) * seconds
+            per_second = 1e9 / productive
+            attrs["iterations_per_second"] = steps * per_second
+            if self._samples_known:
+                attrs["batch_size"] = self._samples / steps
+                attrs["samples_per_second"] = self._samples * per_second
+            if self._tokens_known:
+                attrs["tokens_per_second"] = self._tokens * per_second
+            if self._flops_known and self._flops > 0:
+                tflops = self._flops * per_second / 1e12
+                attrs["tflops"] = tflops
+                peak = info.get("peak_tflops") or self.peak_tflops or _peak_for(self.device_name)
+                if peak:
+                    attrs["mfu"] = tflops / peak
+            self._interval_start = end
+        for key, metric_sum in self._metric_sum.items():
+            attrs.setdefault(key, metric_sum / self._metric_count[key])  # measured fields win
+        for key, value in self._metric_last.items():
+            attrs.setdefault(key, value)
+        attrs.update(self.snapshot())
+        if final:
+            attrs["final"] = True
+        self._reset_interval()
+        pipeline.emit_event(
+            EventName.TRAINING_ITERATIONS,
+            attrs,
+            out,
+            span_id=self._loop_id,
+            ident=self._ident,
+            mono=now,
+            level=int(Verbosity.INFO),
+        )
+
+    def _checkpoint_details(self, span: Span) -> None:
+        attrs = span.attrs or {}
+        metrics = span.metrics or {}
+        values: dict[str, Any] = {**attrs, **metrics}
+        link = span.link
+        added: dict[str, Any] = {}
+        if span.name == SpanName.CHECKPOINT_SAVE_FINALIZATION and isinstance(link, Span):
+            linked = {**(link.attrs or {}), **(link.metrics or {})}
+            for key in (
+                "checkpoint_path",
+                "path",
+                "checkpoint_directory",
+                "checkpoint_filename",
+                "checkpoint_type",
+                "current_iteration",
+                "step",
+            ):
+                if key in linked and key not in values:
+                    values[key] = linked[key]
+                    added[key] = linked[key]
+            if link.t1 is not None:
+                added["blocking_time"] = (link.t1 - link.t0) * 1e-9
+            if span.t1 is not None:
+                added["total_time"] = (span.t1 - link.t0) * 1e-9
+        if span.status == SpanStatus.OK and values.get("checkpoint_size") is None:
+            path = _checkpoint_path(values)
+            if path is not None:
+                size = measure_size(path)
+                if size is not None:
+                    added["checkpoint_size"] = size
+                    if values.get("checkpoint_directory") is None:
+                        added["checkpoint_directory"] = str(Path(path).parent)
+                    if values.get("checkpoint_filename") is None:
+                        added["checkpoint_filename"] = Path(path).name
+        if added:
+            span.metrics = {**metrics, **added}
+
+    def _resumed(self, span: Span) -> None:
+        values = {**(span.attrs or {}), **(span.metrics or {})}
+        if span.status != SpanStatus.OK:
+            return
+        step = None
+        for key in _STEP_KEYS:
+            step = values.get(key)
+            if step is not None:
+                break
+        if type(step) is not int:
+            return
+        self.last_step = step
+        completed = values.get("completed_steps", step)
+        self.completed_steps = int(completed) if type(completed) is int else step
+        for key in ("consumed_samples", "consumed_tokens", "skipped_steps"):
+            value = values.get(key)
+            if type(value) is int:
+                setattr(self, key, value)
+            elif key == "consumed_samples":
+                batch = self._info_at(span.t0).get("batch_size")
+                if type(batch) is int:
+                    self.consumed_samples = self.completed_steps * batch
+
+
+# ---------------------------------------------------------------- peak FLOPS
+
+#: Dense (no sparsity) BF16 tensor-core peak per device, in TFLOPS, from each
+#: vendor's published datasheet. Matched against the device name, longest key
+#: first, case-insensitively. See docs/insight.md for the sources.
+PEAK_BF16_TFLOPS: Final[dict[str, float]] = {
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "L4": 121.0,
+    "L40S": 362.0,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "H200 NVL": 835.0,
+    "H200": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "GB200": 2500.0,
+    "MI250X": 383.0,
+    "MI300X": 1307.0,
+    "MI325X": 1307.0,
+    "TPU v4": 275.0,
+    "TPU v5e": 197.0,
+    "TPU v5p": 459.0,
+    "TPU v6e": 918.0,
+}
+
+
+def _peak_for(name: str | None) -> float | None:
+    if not name:
+        return None
+    text = name.lower()
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key.lower() in text:
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def peak_tflops(accelerator: str) -> float | None:
+    """The dense BF16 peak of a device named like ``"NVIDIA H100 80GB HBM3"``, or None."""
+    return _peak_for(accelerator)

@@ -1,0 +1,85 @@
+"""The key=value log backend."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+import traintrace as tt
+from traintrace.logfmt import parse_line
+
+
+@pytest.fixture
+def captured() -> list[logging.LogRecord]:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("traintrace.records")
+    handler = Keep()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+
+
+def test_lines_parse_back_with_identity(tmp_path: Path, captured: list[logging.LogRecord]) -> None:
+    """Each record is one parseable line with job, rank, kind and name."""
+    tt.configure(job_id="kv-job", log_dir=str(tmp_path), backends={"file": False})
+    with tt.checkpoint_save(tt.CheckpointSaveMetrics.create(checkpoint_type=tt.CheckPointType.GLOBAL)) as save:
+        save.add_metrics({"note": 'has "quotes" and = signs\nand a newline'})
+    tt.close()
+    lines = [parse_line(r.getMessage()) for r in captured]
+    save_line = next(line for line in lines if line.get("name") == "checkpoint_save_sync")
+    assert save_line["job"] == "kv-job" and save_line["rank"] == "0"
+    assert save_line["checkpoint_type"] == "global"
+    assert save_line["note"] == 'has "quotes" and = signs\nand a newline'
+    assert float(save_line["dur_ms"]) >= 0
+    assert lines[0]["kind"] == "header"
+
+
+def test_iterations_are_not_logged_at_info(tmp_path: Path, captured: list[logging.LogRecord]) -> None:
+    """Per-iteration spans (tracing) stay out of the info-level log."""
+    tt.configure(job_id="j", log_dir=str(tmp_path), backends={"file": False})
+    with tt.training_loop():
+        for step in range(3):
+            with tt.training_iteration(step):
+                pass
+    tt.close()
+    names = [parse_line(r.getMessage()).get("name") for r in captured]
+    assert "training_loop" in names
+    assert "iteration" not in names
+
+
+def test_errors_log_at_error_level(tmp_path: Path, captured: list[logging.LogRecord]) -> None:
+    """Error records use logging.ERROR."""
+    tt.configure(job_id="j", log_dir=str(tmp_path), backends={"file": False})
+    tt.error(RuntimeError("bad"))
+    tt.close()
+    errors = [r for r in captured if r.levelno == logging.ERROR]
+    assert parse_line(errors[0].getMessage())["message"] == "bad"
+
+
+def test_json_format(tmp_path: Path, captured: list[logging.LogRecord]) -> None:
+    """format=json logs each record as a JSON object."""
+    tt.configure(job_id="j", log_dir=str(tmp_path), backends={"file": False, "log": {"format": "json"}})
+    tt.event("e", {"a": 1})
+    tt.close()
+    parsed = [json.loads(r.getMessage()) for r in captured]
+    assert any(p.get("name") == "e" and p["attrs"] == {"a": 1} for p in parsed)
+
+
+def test_only_errors_on_other_ranks(tmp_path: Path, captured: list[logging.LogRecord]) -> None:
+    """On rank 1, the default log backend writes errors but not spans."""
+    tt.configure(job_id="j", rank=1, world_size=2, log_dir=str(tmp_path), backends={"file": False})
+    with tt.training_loop():
+        tt.error("only this")
+    tt.close()
+    kinds = [parse_line(r.getMessage())["kind"] for r in captured]
+    assert "error" in kinds and "span" not in kinds
