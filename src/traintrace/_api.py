@@ -578,6 +578,8 @@ def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Ma
         if callable(step):
             return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
         return _INERT_ITERATION
+    if metrics is None and step.__class__ is int:
+        return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)
     if step is None:
         return Span(SpanName.ITERATION, _attrs_arg(metrics), _ITERATION_LEVEL)
     if callable(step):

@@ -112,6 +112,7 @@ class Span:
 
     __slots__ = (
         "_rec",
+        "_token",
         "attrs",
         "id",
         "level",
@@ -168,7 +169,7 @@ class Span:
         self.written = 0
         self.t1 = None
         self._rec = rec
-        _current.set(self)
+        self._token = _current.set(self)
         if rec._listeners:
             for listener in rec._listeners:
                 listener.span_started(self)
@@ -196,11 +197,12 @@ class Span:
         if exc is not None:
             rec._span_failed(self, exc)
         self.t1 = t1
-        if _current.get() is self:
-            parent = self.parent
-            while parent is not None and parent.t1 is not None:
-                parent = parent.parent
-            _current.set(parent)
+        try:
+            # Back to what was current at the start; closed spans there are skipped later.
+            _current.reset(self._token)
+        except (ValueError, RuntimeError):
+            # Stopped from another thread, task or callback context: nothing to restore here.
+            pass
         if rec._listeners:
             for listener in rec._listeners:
                 listener.span_stopped(self)

@@ -1,0 +1,260 @@
+"""The ``traintrace`` command: answers from a job's telemetry files.
+
+    traintrace summary traintrace_logs/myjob        # wall time, goodput, badput, step times
+    traintrace ranks traintrace_logs/myjob          # stragglers
+    traintrace errors traintrace_logs/myjob         # root cause, last moments of every rank
+    traintrace export traintrace_logs/myjob -o trace.json   # Perfetto / chrome://tracing
+    traintrace report traintrace_logs/myjob -o report.html  # one offline HTML file
+    traintrace query traintrace_logs/myjob "SELECT rank, count(*) FROM steps GROUP BY rank"
+
+Needs the analysis extra: ``pip install 'traintrace[analysis]'``. Definitions
+of every figure: docs/analysis.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_MISSING_EXTRA", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+EXIT_MISSING_EXTRA = 4
+
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}  success (also when the job itself failed: that is an answer, not an error)
+  {EXIT_INTERNAL}  unexpected internal error (a bug: please report it with the traceback)
+  {EXIT_USAGE}  bad command line, or a query that DuckDB rejects
+  {EXIT_BAD_INPUT}  no traintrace records found (no .jsonl files, or none with a traintrace header)
+  {EXIT_MISSING_EXTRA}  DuckDB is missing: pip install 'traintrace[analysis]'
+"""
+
+EXAMPLES = {
+    "summary": """examples:
+  traintrace summary traintrace_logs/myjob
+  traintrace summary traintrace_logs/myjob/rank0.jsonl traintrace_logs/myjob/rank1.jsonl
+  traintrace summary traintrace_logs/myjob --json | jq .goodput
+""",
+    "ranks": """examples:
+  traintrace ranks traintrace_logs/myjob              # the 5 slowest ranks
+  traintrace ranks traintrace_logs/myjob --top 20 --windows 20
+  traintrace ranks traintrace_logs/myjob --all --json
+""",
+    "errors": """examples:
+  traintrace errors traintrace_logs/myjob
+  traintrace errors traintrace_logs/myjob --hang-after 300 --json
+""",
+    "export": """examples:
+  traintrace export traintrace_logs/myjob -o trace.json          # open in ui.perfetto.dev
+  traintrace export traintrace_logs/myjob --ranks 0-3,17 --start 600 --end 660 -o window.json
+""",
+    "report": """examples:
+  traintrace report traintrace_logs/myjob                        # writes traintrace_logs/myjob/report.html
+  traintrace report traintrace_logs/myjob -o /tmp/report.html
+""",
+    "query": """views: records, spans, steps, events, errors, streams (columns in docs/analysis.md)
+examples:
+  traintrace query traintrace_logs/myjob \\
+      "SELECT rank, median(dur)/1e6 AS ms FROM steps GROUP BY rank ORDER BY ms DESC LIMIT 5"
+  traintrace query traintrace_logs/myjob "SELECT name, count(*) FROM spans GROUP BY name" --json
+""",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="traintrace",
+        description="Answers from a training job's traintrace files: where the time went (goodput), "
+        "which rank is slow, what failed first, a timeline and an HTML report.",
+        epilog="examples:\n"
+        + "\n".join(EXAMPLES[k].split("\n", 1)[1].rstrip() for k in ("summary", "ranks", "errors", "report"))
+        + "\n\n" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from traintrace import __version__
+
+    parser.add_argument("--version", action="version", version=f"traintrace {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, epilog=EXAMPLES[name] + "\n" + EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.add_argument("paths", nargs="+" if name != "query" else 1, metavar="PATH",
+                       help="a job folder (searched recursively for *.jsonl) or files")
+        p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+        p.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all cores)")
+        p.add_argument("--memory-limit", default=None,
+                       help="DuckDB memory limit (default 1500MB, or $TRAINTRACE_MEMORY_LIMIT); "
+                       "beyond it DuckDB spills to a temporary folder")
+        return p
+
+    p = add("summary", "wall time, time by phase, goodput and badput, steps, throughput, step-time statistics")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    p = add("ranks", "stragglers: per-rank step-time median/p90/p99, score against the job median, over time")
+    p.add_argument("--top", type=int, default=5, help="how many of the slowest ranks to show (default 5)")
+    p.add_argument("--windows", type=int, default=10, help="time windows for 'slow since' (default 10)")
+    p.add_argument("--threshold", type=float, default=1.1,
+                   help="score (rank median / job median) from which a rank is a straggler (default 1.1)")
+    p.add_argument("--all", action="store_true", help="show every rank")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    p = add("errors", "failures: first error (root cause), grouped errors, each rank's last record and open spans")
+    p.add_argument("--hang-after", type=float, default=60.0,
+                   help="a rank that stopped writing this many seconds before the others is a hang suspect")
+    p.add_argument("--no-stack", action="store_true", help="do not print the first error's stack")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    p = add("export", "a timeline in Trace Event Format (Perfetto, chrome://tracing)")
+    p.add_argument("--format", choices=["chrome"], default="chrome", help="output format (chrome)")
+    p.add_argument("-o", "--output", default="trace.json", help="file to write (default trace.json)")
+    p.add_argument("--ranks", default=None, help="ranks to keep, e.g. 0-3,17")
+    p.add_argument("--start", type=float, default=None, help="seconds after the job start to begin at")
+    p.add_argument("--end", type=float, default=None, help="seconds after the job start to end at")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+
+    p = add("report", "one self-contained HTML file with charts (works offline)")
+    p.add_argument("-o", "--output", default=None, help="file to write (default: <first folder>/report.html)")
+    p.add_argument("--windows", type=int, default=60, help="time buckets in the charts (default 60)")
+    p.add_argument("--json", action="store_true", help="print where it was written as JSON")
+
+    p = add("query", "SQL (DuckDB dialect) over the job's records")
+    p.add_argument("sql", help="the query; views: records, spans, steps, events, errors, streams")
+    p.add_argument("--json", action="store_true", help="print rows as a JSON list of objects")
+    p.add_argument("--limit", type=int, default=1000, help="most rows to print in a table (default 1000)")
+    return parser
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            item = v
+            if k == "attrs" and isinstance(v, str):
+                try:
+                    item = json.loads(v)
+                except ValueError:
+                    pass
+            out[k] = _jsonable(item)
+        return out
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(_jsonable(data), indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit code (see ``EXIT_CODES``)."""
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        try:
+            sys.stdout = Path(os.devnull).open("w")  # noqa: SIM115 - silence the interpreter's own flush
+        except OSError:
+            pass
+        return EXIT_OK
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ._engine import Job, LoadError, MissingExtra, parse_ranks
+
+    progress = not args.quiet and sys.stderr.isatty()
+    try:
+        job = Job.open(args.paths, progress=progress, threads=args.threads, memory_limit=args.memory_limit)
+    except MissingExtra as exc:
+        print(f"traintrace: {exc}", file=sys.stderr)
+        return EXIT_MISSING_EXTRA
+    except LoadError as exc:
+        print(f"traintrace: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return _dispatch(args, job, parse_ranks)
+    except Exception as exc:  # noqa: BLE001 - turned into an exit code
+        duckdb = sys.modules.get("duckdb")
+        if args.command == "query" and duckdb is not None and isinstance(exc, duckdb.Error):
+            print(f"traintrace: query failed: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        traceback.print_exc()
+        print("traintrace: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
+    from . import _analysis, _render
+
+    command = args.command
+    if command == "summary":
+        data = _analysis.summary(job)
+        _print_json(data) if args.json else sys.stdout.write(_render.render_summary(data))
+    elif command == "ranks":
+        data = _analysis.ranks(job, top=args.top, windows=args.windows, threshold=args.threshold)
+        _print_json(data) if args.json else sys.stdout.write(_render.render_ranks(data, args.all))
+    elif command == "errors":
+        data = _analysis.errors(job, hang_after_s=args.hang_after)
+        _print_json(data) if args.json else sys.stdout.write(_render.render_errors(data, not args.no_stack))
+    elif command == "export":
+        from ._export import export_chrome
+
+        try:
+            ranks = parse_ranks(args.ranks) if args.ranks else None
+        except ValueError:
+            print(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)", file=sys.stderr)
+            return EXIT_USAGE
+        data = export_chrome(job, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
+        if args.json:
+            _print_json(data)
+        else:
+            print(f"wrote {data['events']['total']:,} trace events to {data['path']} "
+                  "(open it in https://ui.perfetto.dev or chrome://tracing)")
+    elif command == "report":
+        from ._report import write_report
+
+        output = args.output or str(_default_report_path(args.paths))
+        path = write_report(job, output, windows=args.windows)
+        if args.json:
+            _print_json({"path": str(path)})
+        else:
+            print(f"report written to {path}")
+    elif command == "query":
+        job.create_query_views()
+        cursor = job.con.execute(args.sql)
+        names = [d[0] for d in cursor.description] if cursor.description else []
+        if args.json:
+            _print_json([dict(zip(names, row, strict=True)) for row in cursor.fetchall()])
+        else:
+            from ._render import table
+
+            rows = cursor.fetchmany(args.limit)
+            sys.stdout.write(table(names, rows, "l" * len(names)) + "\n")
+            more = cursor.fetchone()
+            if more is not None:
+                print(f"(first {args.limit} rows shown; --limit N for more)", file=sys.stderr)
+        for note in job.notes:
+            print(f"note: {note}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _default_report_path(paths: Sequence[str]) -> Path:
+    first = Path(paths[0])
+    folder = first if first.is_dir() else first.parent
+    return folder / "report.html"

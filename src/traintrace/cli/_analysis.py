@@ -1,0 +1,468 @@
+"""The analyses behind the subcommands; each returns plain, JSON-able data.
+
+Definitions are in docs/analysis.md; keep the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._engine import Job, compress_ranks
+
+NS = 1e9
+
+INIT_SPANS = (
+    "distributed_code_initialization",
+    "data_loader_initialization",
+    "model_initialization",
+    "optimizer_initialization",
+)
+#: Span name -> time category. Iterations, hangs and idle time are derived separately.
+CATEGORY_OF: dict[str, str] = {
+    **dict.fromkeys(INIT_SPANS, "initialization"),
+    "checkpoint_load": "checkpoint_load",
+    "checkpoint_save_sync": "checkpoint_save",
+    "checkpoint_save_async": "checkpoint_save",
+    "validation_loop": "validation",
+    "test_loop": "test",
+    "data_loading": "data_loading",
+}
+#: Order of categories in tables; ``productive`` first, then badput.
+CATEGORIES = (
+    "productive",
+    "lost_progress",
+    "initialization",
+    "checkpoint_load",
+    "checkpoint_save",
+    "validation",
+    "test",
+    "data_loading",
+    "hang",
+    "restart_idle",
+    "other",
+)
+HANG_NAMES = ("hang_suspected",)
+PROGRESS_EVENTS = ("training_iterations",)
+#: Aliases accepted for progress fields in ``training_iterations`` events.
+FIELD_ALIASES: dict[str, tuple[str, ...]] = {
+    "consumed_samples": ("consumed_samples", "samples", "total_samples"),
+    "consumed_tokens": ("consumed_tokens", "tokens", "total_tokens"),
+    "samples_per_second": ("samples_per_second", "samples_per_sec", "throughput_samples"),
+    "tokens_per_second": ("tokens_per_second", "tokens_per_sec"),
+    "mfu": ("mfu",),
+    "tflops": ("tflops", "tflops_per_gpu"),
+    "last_step": ("last_step", "last_completed_step", "current_iteration", "step"),
+}
+
+
+def _names(values: tuple[str, ...]) -> str:
+    return ", ".join("'" + v.replace("'", "''") + "'" for v in values)
+
+
+def _category_case(column: str = "name") -> str:
+    whens = " ".join(
+        f"WHEN {column} = '{name}' THEN '{cat}'" for name, cat in CATEGORY_OF.items()
+    )
+    return f"CASE {whens} END"
+
+
+def prepare(job: Job) -> None:
+    """Kept for callers: the engine builds every shared table when it loads."""
+
+
+def job_bounds(job: Job) -> tuple[int, int]:
+    row = job.one("SELECT min(start_ts), max(end_ts) FROM streams")
+    return int(row[0]), int(row[1])
+
+
+def summary(job: Job) -> dict[str, Any]:
+    prepare(job)
+    start, end = job_bounds(job)
+    wall = max(end - start, 1)
+    ranks = [int(r[0]) for r in job.rows("SELECT DISTINCT rank FROM streams WHERE NOT is_agent ORDER BY 1")]
+    n_ranks = max(len(ranks), 1)
+    meta = job.one(
+        "SELECT any_value(job), any_value(job_name), max(world_size), count(*), max(restart), "
+        "count(DISTINCT host) FROM streams WHERE NOT is_agent"
+    )
+    # Per-rank seconds by category, then the job figure is the mean over ranks (ranks run in lockstep).
+    per_rank: dict[int, dict[str, float]] = {r: dict.fromkeys(CATEGORIES, 0.0) for r in ranks}
+    step_counts: dict[int, dict[bool, int]] = {}
+    for rank, lost, seconds, count in job.rows(
+        "SELECT rank, lost, sum(dur) / 1e9, count(*) FROM iterations GROUP BY ALL"
+    ):
+        per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
+        per_rank[rank]["lost_progress" if lost else "productive"] += seconds
+        step_counts.setdefault(rank, {True: 0, False: 0})[bool(lost)] += int(count)
+    case = _category_case("s.name")
+    spans_sql = f"""
+        SELECT s.rank, {case} AS cat,
+               sum(coalesce(s.dur, greatest(f.end_ts - s.ts, 0))) / 1e9
+        FROM spans_small s JOIN stream_facts f USING (stream)
+        WHERE NOT s.is_agent AND {case} IS NOT NULL
+          AND NOT (s.name = 'data_loading' AND EXISTS (
+              SELECT 1 FROM iterations i WHERE i.stream = s.stream AND i.id = s.parent))
+        GROUP BY ALL
+    """
+    for rank, cat, seconds in job.rows(spans_sql):
+        per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
+        per_rank[rank][cat] += seconds
+    for rank, seconds in job.rows(
+        """
+        SELECT f.rank, sum(f.end_ts - greatest(f.hang_ts_progress, f.start_ts)) / 1e9 FROM (
+            SELECT f.*, (SELECT max(i.ts + i.dur) FROM iterations i
+                         WHERE i.stream = f.stream AND i.ts + i.dur <= f.hang_ts) AS hang_ts_progress
+            FROM stream_facts f WHERE f.hang_ts IS NOT NULL AND NOT f.is_agent) f
+        GROUP BY ALL
+        """
+    ):
+        per_rank[rank]["hang"] += seconds
+    covered = dict(
+        job.rows("SELECT rank, sum(end_ts - start_ts) / 1e9 FROM stream_facts WHERE NOT is_agent GROUP BY ALL")
+    )
+    overlap_note = False
+    for rank, cats in per_rank.items():
+        inside = covered.get(rank, 0.0)
+        cats["restart_idle"] = max(wall / NS - inside, 0.0)
+        used = sum(v for k, v in cats.items() if k not in ("restart_idle", "other"))
+        if used > inside * 1.001 + 1e-3:
+            overlap_note = True
+        cats["other"] = max(inside - used, 0.0)
+    breakdown = {cat: sum(c[cat] for c in per_rank.values()) / n_ranks for cat in CATEGORIES}
+    goodput = breakdown["productive"] / (wall / NS)
+
+    stats = job.one(
+        """
+        SELECT count(*), avg(dur), quantile_cont(dur, 0.5), quantile_cont(dur, 0.9), quantile_cont(dur, 0.99),
+               min(dur), max(dur), stddev_samp(dur)
+        FROM iterations WHERE status = 'ok'
+        """
+    )
+    step_stats = None
+    if stats and stats[0]:
+        keys = ("count", "mean_s", "median_s", "p90_s", "p99_s", "min_s", "max_s", "stddev_s")
+        step_stats = {
+            k: (int(v) if k == "count" else (None if v is None else v / NS))
+            for k, v in zip(keys, stats, strict=True)
+        }
+    counts = _count_medians(step_counts)
+    progress = _progress_fields(job)
+    steps_completed = int(counts[1]) if counts and counts[1] is not None else 0
+    samples = progress.get("consumed_samples")
+    samples_source = "training_iterations events" if samples is not None else None
+    if samples is None:
+        row = job.one("SELECT sum(try_cast(attrs->>'batch_size' AS BIGINT)) FROM iterations WHERE status = 'ok'")
+        if row and row[0] is not None:
+            samples = int(row[0])
+            samples_source = "sum of iteration batch_size over all ranks (includes redone steps)"
+    productive_s = breakdown["productive"]
+    failures = job.one(
+        "SELECT count(*) FILTER (failed AND NOT is_agent), count(DISTINCT restart) FROM stream_facts"
+    )
+    phases = {
+        "initialization_s": breakdown["initialization"],
+        "training_s": breakdown["productive"] + breakdown["lost_progress"] + breakdown["data_loading"],
+        "checkpoint_save_exposed_s": breakdown["checkpoint_save"],
+        "checkpoint_save_background_s": _mean_per_rank(
+            job, "SELECT rank, sum(dur) / 1e9 FROM spans_small WHERE name = 'checkpoint_save_finalization' "
+            "AND NOT is_agent GROUP BY ALL", n_ranks),
+        "checkpoint_load_s": breakdown["checkpoint_load"],
+        "validation_s": breakdown["validation"],
+        "test_s": breakdown["test"],
+        "idle_between_restarts_s": breakdown["restart_idle"],
+    }
+    result: dict[str, Any] = {
+        "job": meta[0] if meta else None,
+        "job_name": meta[1] if meta else None,
+        "files": len(job.files),
+        "records": job.record_count,
+        "ranks_seen": len(ranks),
+        "world_size": int(meta[2]) if meta and meta[2] is not None else None,
+        "ranks_missing": compress_ranks(job.missing_ranks()),
+        "hosts": int(meta[5]) if meta and meta[5] is not None else 0,
+        "streams": int(meta[3]) if meta and meta[3] is not None else 0,
+        "restarts": int(meta[4]) if meta and meta[4] is not None else 0,
+        "failed_streams": int(failures[0]) if failures else 0,
+        "start_ns": start,
+        "end_ns": end,
+        "wall_s": wall / NS,
+        "goodput": goodput,
+        "breakdown_s": breakdown,
+        "phases_s": phases,
+        "iterations_run": int(counts[0]) if counts and counts[0] is not None else 0,
+        "steps_completed": steps_completed,
+        "steps_lost": int(counts[3]) if counts and counts[3] is not None else 0,
+        "last_step": progress.get("last_step"),
+        "samples": samples,
+        "samples_source": samples_source,
+        "tokens": progress.get("consumed_tokens"),
+        "step_time": step_stats,
+        "samples_per_second": progress.get("samples_per_second") or _rate(samples, productive_s, samples_source),
+        "tokens_per_second": progress.get("tokens_per_second"),
+        "mfu": progress.get("mfu"),
+        "tflops": progress.get("tflops"),
+        "notes": list(job.notes),
+    }
+    if overlap_note:
+        result["notes"].append("some phase spans overlap (nested or concurrent); 'other' is clamped at 0")
+    return result
+
+
+def _count_medians(step_counts: dict[int, dict[bool, int]]) -> tuple[Any, ...]:
+    """(median iterations, median productive, median lost, max lost) over ranks, as DuckDB's median would."""
+    if not step_counts:
+        return (None, None, None, None)
+
+    def median(values: list[int]) -> float:
+        values = sorted(values)
+        mid = len(values) // 2
+        return float(values[mid]) if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    runs = [c[True] + c[False] for c in step_counts.values()]
+    ok = [c[False] for c in step_counts.values()]
+    lost = [c[True] for c in step_counts.values()]
+    return (median(runs), median(ok), median(lost), max(lost))
+
+
+def _rate(samples: int | None, seconds: float, source: str | None) -> float | None:
+    """Samples per productive second, when the sample count is a job total (from progress events)."""
+    if samples and seconds and source and "events" in source:
+        return samples / seconds
+    return None
+
+
+def _mean_per_rank(job: Job, sql: str, n_ranks: int) -> float:
+    return sum(float(v) for _, v in job.rows(sql)) / n_ranks
+
+
+def _progress_fields(job: Job) -> dict[str, Any]:
+    """Last counters and mean rates from ``training_iterations`` events, whatever helper wrote them."""
+    out: dict[str, Any] = {}
+    names = _names(PROGRESS_EVENTS)
+    for key, aliases in FIELD_ALIASES.items():
+        expr = "coalesce(" + ", ".join(f"try_cast(a.{a} AS DOUBLE)" for a in aliases) + ")"
+        if key in ("consumed_samples", "consumed_tokens", "last_step"):
+            row = job.one(f"SELECT max({expr}) FROM other WHERE kind = 'event' AND name IN ({names})")
+            if row and row[0] is not None:
+                out[key] = int(row[0])
+        else:
+            # Rates are per rank or per job depending on the writer: take rank 0's (or the lowest rank's).
+            row = job.one(
+                f"""SELECT avg({expr}) FROM other WHERE kind = 'event' AND name IN ({names})
+                    AND stream_rank = (SELECT min(stream_rank) FROM other
+                                       WHERE kind = 'event' AND name IN ({names}))"""
+            )
+            if row and row[0] is not None:
+                out[key] = float(row[0])
+    return out
+
+
+# ---------------------------------------------------------------- ranks
+
+
+def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> dict[str, Any]:
+    """Per-rank step-time statistics, stragglers, and when each became slow."""
+    prepare(job)
+    start, end = job_bounds(job)
+    width = max((end - start) // max(windows, 1), 1)
+    rows = job.dicts(
+        """
+        SELECT rank, count(*) AS steps, quantile_cont(dur, 0.5) / 1e9 AS median_s,
+               quantile_cont(dur, 0.9) / 1e9 AS p90_s, quantile_cont(dur, 0.99) / 1e9 AS p99_s,
+               avg(dur) / 1e9 AS mean_s, max(dur) / 1e9 AS max_s
+        FROM iterations WHERE status = 'ok' GROUP BY rank ORDER BY rank
+        """
+    )
+    if not rows:
+        return {"ranks": [], "top": [], "stragglers": [], "job_median_s": None, "windows": [],
+                "notes": [*job.notes, "no iteration spans: nothing to compare"]}
+    job_median = sorted(r["median_s"] for r in rows)[len(rows) // 2]
+    for r in rows:
+        r["score"] = r["median_s"] / job_median if job_median else None
+    # Components inside (or beside) the step, when recorded: data loading versus compute.
+    components = job.rows(
+        """
+        SELECT rank, 'data_loading', median(dur) / 1e9 FROM spans_small
+        WHERE name = 'data_loading' AND dur IS NOT NULL AND NOT is_agent GROUP BY rank
+        UNION ALL
+        SELECT rank, 'compute', median(d) / 1e9 FROM (
+            SELECT rank, stream, parent, sum(dur) AS d FROM spans_small
+            WHERE name IN ('model_forward', 'model_backward', 'optimizer_update', 'zero_grad')
+              AND dur IS NOT NULL AND NOT is_agent
+            GROUP BY ALL)
+        GROUP BY rank
+        """
+    )
+    parts: dict[int, dict[str, float]] = {}
+    for rank, part, value in components:
+        parts.setdefault(rank, {})[part] = value
+    part_median: dict[str, float] = {}
+    for part in ("data_loading", "compute"):
+        values = sorted(p[part] for p in parts.values() if part in p)
+        if values:
+            part_median[part] = values[len(values) // 2]
+    for r in rows:
+        mine = parts.get(r["rank"], {})
+        for part, med in part_median.items():
+            r[f"{part}_median_s"] = mine.get(part)
+            r[f"{part}_score"] = mine[part] / med if part in mine and med else None
+        scores = {part: r.get(f"{part}_score") or 0.0 for part in part_median}
+        worst = max([r["score"] or 0.0, *scores.values()])
+        r["straggler"] = worst >= threshold
+        if r["straggler"]:
+            slow = {k: v for k, v in scores.items() if v >= threshold}
+            r["slow_in"] = max(slow, key=lambda k: slow[k]) if slow else "step"
+    # Windows: median step time per rank per time window, relative to the job median of that window.
+    grid = job.rows(
+        f"""
+        SELECT rank, least((ts - {start}) // {width}, {windows - 1}) AS w, quantile_cont(dur, 0.5) / 1e9
+        FROM iterations WHERE status = 'ok' GROUP BY ALL
+        """
+    )
+    by_window: dict[int, list[float]] = {}
+    for _, w, value in grid:
+        by_window.setdefault(int(w), []).append(value)
+    window_median = {w: sorted(v)[len(v) // 2] for w, v in by_window.items()}
+    heat: dict[int, dict[int, float]] = {}
+    for rank, w, value in grid:
+        base = window_median[int(w)]
+        heat.setdefault(int(rank), {})[int(w)] = value / base if base else 1.0
+    for r in rows:
+        cells = heat.get(r["rank"], {})
+        slow_windows = [w for w in sorted(cells) if cells[w] >= threshold]
+        if slow_windows:
+            r["slow_since_window"] = slow_windows[0]
+            r["slow_since_s"] = slow_windows[0] * width / NS
+            r["slow_windows"] = len(slow_windows)
+    def badness(r: dict[str, Any]) -> float:
+        return max([r["score"] or 0.0, *(r.get(f"{p}_score") or 0.0 for p in part_median)])
+
+    ordered = sorted(rows, key=lambda r: -badness(r))
+    stragglers = [r["rank"] for r in ordered if r["straggler"]][:top]
+    return {
+        "job_median_s": job_median,
+        "threshold": threshold,
+        "ranks": rows,
+        "top": [r["rank"] for r in ordered[:top]],
+        "stragglers": stragglers,
+        "window_s": width / NS,
+        "windows": [
+            {"rank": rank, "scores": [cells.get(w) for w in range(windows)]} for rank, cells in sorted(heat.items())
+        ],
+        "notes": list(job.notes),
+    }
+
+
+# ---------------------------------------------------------------- errors
+
+
+def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
+    """Root cause first: the first error in time, identical errors grouped, each rank's last moments."""
+    prepare(job)
+    all_errors = job.dicts(
+        """
+        SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, name, ts, error_type, message,
+               stack, attrs AS attrs, stream, span
+        FROM other WHERE kind = 'error' ORDER BY ts, rank
+        """
+    )
+    first = all_errors[0] if all_errors else None
+    if first is not None and first.get("span"):
+        where = job.dicts(
+            """
+            SELECT name, try_cast(a.step AS BIGINT) AS step FROM spans_small WHERE stream = $s AND id = $i
+            UNION ALL
+            SELECT 'iteration', try_cast(attrs->>'step' AS BIGINT) FROM iterations WHERE stream = $s AND id = $i
+            """,
+            {"s": first["stream"], "i": first["span"]},
+        )
+        if where:
+            first["in_span"] = where[0]["name"]
+            first["step"] = where[0]["step"]
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for e in all_errors:
+        key = (e["name"] or "", e["error_type"] or "", e["message"] or "")
+        g = groups.setdefault(
+            key,
+            {"name": e["name"], "error_type": e["error_type"], "message": e["message"], "count": 0,
+             "ranks": [], "first_ts": e["ts"], "stack": e["stack"]},
+        )
+        g["count"] += 1
+        if e["rank"] is not None and e["rank"] not in g["ranks"]:
+            g["ranks"].append(e["rank"])
+    grouped = sorted(groups.values(), key=lambda g: g["first_ts"])
+    for g in grouped:
+        g["ranks"] = compress_ranks(g["ranks"]) if g["ranks"] else "agent"
+    # Each rank's last stream: how it ended, its last record, the spans it still had open.
+    last_streams = job.dicts(
+        """
+        SELECT s.stream, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.errors, s.last_ts, f.failed
+        FROM streams s JOIN stream_facts f USING (stream)
+        WHERE NOT s.is_agent AND s.start_ts = (SELECT max(start_ts) FROM streams t WHERE t.rank = s.rank
+                                                AND NOT t.is_agent)
+        ORDER BY s.rank
+        """
+    )
+    last_records = {
+        row[0]: {"kind": row[1]["kind"], "name": row[1]["name"], "ts": row[2]}
+        for row in job.rows(
+            """
+            SELECT stream, arg_max({'kind': kind, 'name': name}, (ts, seq)), max(ts) FROM (
+                SELECT stream, kind, name, ts, coalesce(seq, 0) AS seq FROM other
+                UNION ALL
+                SELECT stream, 'span', 'iteration', ts, seq FROM (
+                    SELECT stream, max(ts) AS ts, max(seq) AS seq FROM iterations GROUP BY stream)
+            ) GROUP BY stream
+            """
+        )
+    }
+    open_spans: dict[int, list[dict[str, Any]]] = {}
+    for stream, name, ts, attrs in job.rows(
+        "SELECT stream, name, ts, attrs FROM spans_small WHERE open ORDER BY stream, ts"
+    ):
+        open_spans.setdefault(stream, []).append({"name": name, "ts": ts, "attrs": attrs})
+    job_end = max((s["end_ts"] for s in last_streams), default=0)
+    per_rank = []
+    hang_suspects = []
+    for s in last_streams:
+        rec = last_records.get(s["stream"])
+        silent_s = (job_end - s["end_ts"]) / NS
+        if s["failed"] and s["errors"]:
+            state = "error"
+        elif not s["closed"]:
+            state = "ended abruptly"
+        else:
+            state = "closed" if not s["errors"] else "closed, with errors"
+        entry = {
+            "rank": s["rank"],
+            "restart": s["restart"],
+            "state": state,
+            "last_record": rec,
+            "open_spans": open_spans.get(s["stream"], []),
+            "silent_before_end_s": silent_s,
+        }
+        per_rank.append(entry)
+        if not s["closed"] and silent_s >= hang_after_s:
+            hang_suspects.append(s["rank"])
+    for row in job.rows(
+        "SELECT DISTINCT stream_rank FROM other WHERE kind = 'error' AND (name IN ('hang_suspected') "
+        "OR error_type IN ('hang_suspected')) AND stream_rank IS NOT NULL"
+    ):
+        if row[0] not in hang_suspects:
+            hang_suspects.append(row[0])
+    lifecycle = job.dicts(
+        "SELECT stream_rank AS rank, name, ts, attrs AS attrs FROM other "
+        "WHERE is_agent AND kind IN ('event', 'error') "
+        "ORDER BY ts LIMIT 1000"
+    )
+    return {
+        "first_error": first,
+        "error_count": len(all_errors),
+        "groups": grouped,
+        "ranks": per_rank,
+        "hang_suspects": sorted(hang_suspects),
+        "hang_after_s": hang_after_s,
+        "ranks_missing": compress_ranks(job.missing_ranks()),
+        "launcher_events": lifecycle,
+        "notes": list(job.notes),
+    }

@@ -1,0 +1,549 @@
+"""Loading a job's JSON-lines files into DuckDB, once, and the views the commands share.
+
+One pass of DuckDB's parallel JSON reader materialises the records in a
+columnar table (``raw``); every analysis is a query over it. Only the fields
+the analyses use are parsed into columns (``attrs`` stays JSON text, parsed
+on demand), which keeps a multi-million-record job in a few hundred MB; with
+``memory_limit`` set DuckDB spills to its temporary folder beyond that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["Job", "LoadError", "MissingExtra", "discover", "import_duckdb"]
+
+#: Record fields read into columns; everything else a record holds is ignored.
+COLUMNS: dict[str, str] = {
+    "kind": "VARCHAR",
+    "ts": "BIGINT",
+    "seq": "BIGINT",
+    "name": "VARCHAR",
+    "id": "BIGINT",
+    "parent": "BIGINT",
+    "tid": "BIGINT",
+    "dur": "BIGINT",
+    "status": "VARCHAR",
+    "span": "BIGINT",
+    "link": "BIGINT",
+    "attrs": "JSON",
+    "error_type": "VARCHAR",
+    "message": "VARCHAR",
+    "stack": "VARCHAR",
+    "thread_name": "VARCHAR",
+    "count": "BIGINT",
+    "reason": "VARCHAR",
+    "schema": "VARCHAR",
+    "schema_version": "BIGINT",
+    "job": "VARCHAR",
+    "job_name": "VARCHAR",
+    "rank": "BIGINT",
+    "world_size": "BIGINT",
+    "restart": "BIGINT",
+    "host": "VARCHAR",
+    "pid": "BIGINT",
+    "source": "VARCHAR",
+    "role": "VARCHAR",
+}
+
+#: Attribute fields the analyses read from the (few) records other than iterations: column ``a``.
+ATTR_FIELDS = (
+    "step", "loss", "batch_size", "current_iteration", "unhandled",
+    "consumed_samples", "samples", "total_samples", "consumed_tokens", "tokens", "total_tokens",
+    "samples_per_second", "samples_per_sec", "throughput_samples", "tokens_per_second", "tokens_per_sec",
+    "mfu", "tflops", "tflops_per_gpu", "last_step", "last_completed_step",
+)
+
+#: DuckDB's memory limit unless --memory-limit says otherwise.
+DEFAULT_MEMORY_LIMIT = os.environ.get("TRAINTRACE_MEMORY_LIMIT", "1500MB")
+
+#: Fields stored for every record; the rest of COLUMNS only exist in rare kinds (headers, errors, thread
+#: names, drop notes) and are packed into one JSON column for those rows only, so that millions of rows
+#: do not carry 17 empty columns (DuckDB keeps in-memory columns uncompressed).
+CORE_COLUMNS = ("kind", "ts", "seq", "name", "id", "parent", "tid", "dur", "status", "span", "link", "attrs")
+RARE_KINDS = ("header", "error", "thread", "dropped")
+RARE_FIELDS = tuple(k for k in COLUMNS if k not in CORE_COLUMNS)
+
+ITERATION = "iteration"
+BIG = 9_000_000_000_000_000_000
+
+
+class MissingExtra(RuntimeError):
+    """The analysis extra (DuckDB) is not installed."""
+
+
+class LoadError(RuntimeError):
+    """No traintrace records could be read from the given paths."""
+
+
+def import_duckdb() -> ModuleType:
+    try:
+        import duckdb
+    except ImportError:
+        raise MissingExtra(
+            "the traintrace command needs DuckDB: pip install 'traintrace[analysis]'"
+        ) from None
+    return duckdb
+
+
+def discover(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The .jsonl files named by ``paths``: files as given, folders searched recursively."""
+    found: list[Path] = []
+    for item in paths:
+        path = Path(item)
+        if path.is_dir():
+            found.extend(sorted(p for p in path.rglob("*.jsonl") if p.is_file()))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise LoadError(f"{path}: no such file or folder")
+    unique: dict[str, Path] = {}
+    for path in found:
+        unique.setdefault(str(path.resolve()), path)
+    return [Path(p) for p in unique]
+
+
+@dataclass
+class FileCheck:
+    path: str
+    size: int
+    truncated_last_line: bool
+
+
+def check_tail(path: Path) -> FileCheck:
+    """Whether the file's last line is cut short (a killed writer); reads only the last 64 KiB."""
+    size = path.stat().st_size
+    truncated = False
+    if size:
+        with path.open("rb") as handle:
+            handle.seek(max(0, size - 65536))
+            tail = handle.read()
+        if not tail.endswith(b"\n"):
+            last = tail.rsplit(b"\n", 1)[-1]
+            try:
+                json.loads(last)
+            except ValueError:
+                truncated = True
+    return FileCheck(str(path), size, truncated)
+
+
+@dataclass
+class Job:
+    """A job's records, loaded into an in-process DuckDB database.
+
+    ``notes`` collects what the reader had to tolerate (cut lines, lost
+    records, missing ranks), for the commands to print.
+    """
+
+    paths: list[Path]
+    progress: bool = False
+    threads: int | None = None
+    memory_limit: str | None = None
+    con: Any = None
+    notes: list[str] = field(default_factory=list)
+    files: list[FileCheck] = field(default_factory=list)
+    load_seconds: float = 0.0
+    record_count: int = 0
+    _tmp: Any = None
+    manifest_world_size: int = 0
+
+    @classmethod
+    def open(
+        cls,
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        progress: bool = False,
+        threads: int | None = None,
+        memory_limit: str | None = None,
+    ) -> Job:
+        """Read the files into DuckDB; raises LoadError when nothing readable is there."""
+        files = discover(paths)
+        if not files:
+            raise LoadError("no .jsonl files found in " + ", ".join(str(p) for p in paths))
+        job = cls(files, progress, threads, memory_limit)
+        job.manifest_world_size = _manifest_world_size(paths)
+        job._load()
+        return job
+
+    # ------------------------------------------------------------ loading
+
+    def _connect(self) -> Any:
+        duckdb = import_duckdb()
+        self._tmp = tempfile.TemporaryDirectory(prefix="traintrace-duckdb-")
+        config: dict[str, Any] = {
+            "preserve_insertion_order": False,
+            # Past this DuckDB spills to the temporary folder instead of growing: memory stays bounded.
+            "memory_limit": self.memory_limit or DEFAULT_MEMORY_LIMIT,
+            "temp_directory": self._tmp.name,
+        }
+        if self.threads:
+            config["threads"] = self.threads
+        con = duckdb.connect(":memory:", config=config)
+        # Progress is tracked (query_progress) but never printed by DuckDB itself: ours goes to stderr.
+        con.execute("SET enable_progress_bar = true; SET enable_progress_bar_print = false")
+        return con
+
+    def _load(self) -> None:
+        started = time.perf_counter()
+        self.files = [check_tail(p) for p in self.paths]
+        self.con = con = self._connect()
+        columns = "{" + ", ".join(f"'{k}': '{v}'" for k, v in COLUMNS.items()) + "}"
+        names = ", ".join(f'"{k}"' for k in CORE_COLUMNS)
+        rare_kinds = ", ".join(f"'{k}'" for k in RARE_KINDS)
+        packed = "{" + ", ".join(f"'{k}': \"{k}\"" for k in RARE_FIELDS) + "}"
+        sql = (
+            f"CREATE TABLE raw AS SELECT hash(filename) AS file, {names}, "
+            f"CASE WHEN kind IN ({rare_kinds}) THEN to_json({packed}) END AS rare "
+            f"FROM read_json($files, format='newline_delimited', columns={columns}, ignore_errors=true, "
+            "filename=true, maximum_object_size=67108864) WHERE kind IS NOT NULL"
+        )
+        spec = "{" + ", ".join(f'"{k}":"{COLUMNS[k]}"' for k in RARE_FIELDS) + "}"
+        rare_sql = f"""
+            CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{spec}'))
+            FROM raw WHERE rare IS NOT NULL
+        """
+        with self._progress_while("reading"):
+            # A file is named by the hash of its path in the big tables (8 bytes, not the path per row).
+            con.execute(
+                "CREATE TABLE files AS SELECT DISTINCT hash(p) AS file, p AS path FROM unnest($paths) t(p)",
+                {"paths": [str(f.path) for f in self.files]},
+            )
+            con.execute(sql, {"files": [str(f.path) for f in self.files]})
+            con.execute(rare_sql)
+            self.record_count = int(con.execute("SELECT count(*) FROM raw").fetchone()[0])
+            self._build_tables()
+        if self.record_count == 0:
+            raise LoadError("no traintrace records in " + ", ".join(f.path for f in self.files))
+        self.load_seconds = time.perf_counter() - started
+        self._collect_notes()
+
+    def _build_tables(self) -> None:
+        con = self.con
+        # One row per stream (process start). A record belongs to the stream whose header precedes it in
+        # time in the same file (restarts append); records before a file's first header go to that header.
+        con.execute(
+            f"""
+            CREATE TABLE headers AS
+            SELECT *, CASE WHEN row_number() OVER w = 1 THEN {-BIG} ELSE start_ts END AS lo,
+                   coalesce(lead(start_ts) OVER w, {BIG}) AS hi,
+                   lead(start_ts) OVER w AS next_start
+            FROM (
+                SELECT file, path, ts AS start_ts, rank, world_size, coalesce(restart, 0) AS restart, job,
+                       job_name, host, pid,
+                       (rank IS NULL OR coalesce(source, role, '') = 'agent'
+                        OR regexp_matches(path, '(^|/)agent[^/]*\\.jsonl$')) AS is_agent,
+                       row_number() OVER (ORDER BY path, ts) AS stream
+                FROM rare JOIN files USING (file) WHERE kind = 'header' AND schema = 'traintrace' AND schema_version = 1
+            )
+            WINDOW w AS (PARTITION BY file ORDER BY start_ts)
+            """
+        )
+        con.execute(
+            f"""
+            CREATE TABLE other AS
+            SELECT h.stream, h.rank AS stream_rank, h.restart AS stream_restart, h.is_agent,
+                   r.* EXCLUDE (rare), x.error_type, x.message, x.stack, x.thread_name, x.count, x.reason, x.source,
+                   x.role,
+                   {{{", ".join(f"'{f}': r.attrs->>'{f}'" for f in ATTR_FIELDS)}}} AS a
+            FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+            LEFT JOIN rare x ON x.file = r.file AND x.ts = r.ts AND x.kind = r.kind AND x.seq IS NOT DISTINCT FROM r.seq
+            WHERE NOT (r.kind = 'span' AND r.name = '{ITERATION}') AND r.kind <> 'header'
+            """
+        )
+        # Spans other than plain iteration records: complete ones, and start/end pairs merged by id.
+        con.execute(
+            """
+            CREATE TABLE spans_small AS
+            SELECT file, stream, stream_rank AS rank, stream_restart AS restart, is_agent, name, id, parent,
+                   tid, link, ts, dur, status, attrs, a, false AS open, seq
+            FROM other WHERE kind = 'span'
+            UNION ALL
+            SELECT s.file, s.stream, s.stream_rank, s.stream_restart, s.is_agent, s.name, s.id, s.parent, s.tid,
+                   s.link, s.ts, e.dur, coalesce(e.status, 'open'),
+                   CASE WHEN e.attrs IS NULL THEN s.attrs WHEN s.attrs IS NULL THEN e.attrs
+                        ELSE json_merge_patch(s.attrs, e.attrs) END,
+                   CASE WHEN e.a IS NULL THEN s.a ELSE struct_pack(
+                       """ + ", ".join(f'"{f}" := coalesce(e.a."{f}", s.a."{f}")' for f in ATTR_FIELDS) + """)
+                   END,
+                   e.id IS NULL, NULL
+            FROM (SELECT * FROM other WHERE kind = 'start') s
+            LEFT JOIN (SELECT * FROM other WHERE kind = 'end') e ON s.stream = e.stream AND s.id = e.id
+            """
+        )
+        # Where each stream ends, counting its plain iteration records (aggregated, not copied).
+        con.execute(
+            f"""
+            CREATE TABLE streams AS
+            SELECT h.* EXCLUDE (lo, hi),
+                   greatest(h.start_ts, coalesce(e.end_ts, h.start_ts), coalesce(i.end_ts, h.start_ts)) AS end_ts,
+                   coalesce(e.n, 0) + coalesce(i.n, 0) + 1 AS records,
+                   greatest(coalesce(e.max_seq, 0), coalesce(i.max_seq, 0)) + 1 AS seq_span,
+                   coalesce(e.closed, false) AS closed, coalesce(e.errors, 0) AS errors,
+                   coalesce(e.dropped, 0) AS dropped, e.last_ts
+            FROM headers h
+            LEFT JOIN (
+                SELECT stream, max(ts + CASE WHEN kind = 'span' THEN coalesce(dur, 0) ELSE 0 END) AS end_ts,
+                       count(*) AS n, max(seq) AS max_seq,
+                       bool_or(kind = 'close') AS closed, count(*) FILTER (kind = 'error') AS errors,
+                       sum(count) FILTER (kind = 'dropped' AND reason = 'queue_full') AS dropped,
+                       max(ts) AS last_ts
+                FROM other GROUP BY stream
+            ) e USING (stream)
+            LEFT JOIN (
+                SELECT h.stream, max(r.ts + coalesce(r.dur, 0)) AS end_ts, count(*) AS n, max(r.seq) AS max_seq
+                FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+                WHERE r.kind = 'span' AND r.name = '{ITERATION}'
+                GROUP BY h.stream
+            ) i USING (stream)
+            """
+        )
+        self._stream_facts()
+        # Iterations: plain records (a view over the big table: no copy) and start/end pairs, each marked
+        # lost or not (docs/analysis.md).
+        con.execute(
+            f"""
+            CREATE TABLE iterations_small AS
+            SELECT f.stream, f.rank, f.restart, s.ts, s.dur, s.status,
+                   (s.status <> 'ok' OR (f.failed AND s.ts + s.dur > coalesce(f.ckpt_end, -1))) AS lost,
+                   s.attrs, s.tid, NULL::BIGINT AS seq, s.id, s.parent, s.file
+            FROM spans_small s JOIN stream_facts f USING (stream)
+            WHERE s.name = '{ITERATION}' AND NOT s.is_agent AND NOT s.open
+            """
+        )
+        con.execute(
+            f"""
+            CREATE VIEW iterations AS
+            SELECT f.stream, f.rank, f.restart, r.ts, r.dur, r.status,
+                   (r.status <> 'ok' OR (f.failed AND r.ts + r.dur > coalesce(f.ckpt_end, -1))) AS lost,
+                   r.attrs, r.tid, r.seq, r.id, r.parent, r.file
+            FROM raw r JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
+            WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT f.is_agent
+            UNION ALL
+            SELECT * FROM iterations_small
+            """
+        )
+
+
+    def _stream_facts(self) -> None:
+        """Per stream: did it fail, when did its last checkpoint complete, did a hang detector fire."""
+        hang = "'hang_suspected'"
+        self.con.execute(
+            f"""
+            CREATE TABLE stream_facts AS
+            WITH ck AS (
+                SELECT stream, max(ts + dur) AS ckpt_end FROM spans_small
+                WHERE status = 'ok' AND (name IN ('checkpoint_save_sync', 'checkpoint_save_finalization')
+                      OR (name = 'checkpoint_save_async' AND NOT EXISTS (
+                          SELECT 1 FROM spans_small f WHERE f.name = 'checkpoint_save_finalization')))
+                GROUP BY stream
+            ), bad AS (
+                SELECT DISTINCT stream FROM spans_small
+                WHERE status IN ('error', 'terminated') AND name IN ('main_function', 'training_loop', 'iteration')
+            ), hang AS (
+                SELECT stream, min(ts) AS hang_ts FROM other
+                WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream
+            )
+            SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
+                   (NOT s.closed OR bad.stream IS NOT NULL) AS failed, ck.ckpt_end, hang.hang_ts, h.lo, h.hi
+            FROM streams s JOIN headers h USING (stream)
+            LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN hang USING (stream)
+            """
+        )
+
+    def _collect_notes(self) -> None:
+        for check in self.files:
+            if check.truncated_last_line:
+                self.notes.append(f"{check.path}: last line cut short (writer killed?); skipped")
+        lost = self.con.execute(
+            "SELECT count(*), sum(seq_span - records), sum(dropped) FROM streams WHERE seq_span > records"
+        ).fetchone()
+        if lost and lost[0]:
+            self.notes.append(
+                f"{lost[1]} records missing by sequence number in {lost[0]} stream(s) "
+                f"({int(lost[2] or 0)} reported dropped by the writer; the rest unreadable lines)"
+            )
+        with_header = {row[0] for row in self.con.execute("SELECT DISTINCT path FROM headers").fetchall()}
+        for path in (f.path for f in self.files if f.size and f.path not in with_header):
+            self.notes.append(f"{path}: no traintrace header; its records are ignored")
+        missing = self.missing_ranks()
+        if missing:
+            self.notes.append(f"ranks missing entirely (no file): {compress_ranks(missing)}")
+
+    def missing_ranks(self) -> list[int]:
+        row = self.con.execute("SELECT max(world_size) FROM headers WHERE NOT is_agent").fetchone()
+        world = max(int(row[0]) if row and row[0] is not None else 0, self.manifest_world_size)
+        rows = self.con.execute("SELECT DISTINCT rank FROM headers WHERE NOT is_agent").fetchall()
+        seen = {int(r[0]) for r in rows}
+        return [r for r in range(world) if r not in seen]
+
+    # ------------------------------------------------------------ helpers
+
+    def rows(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        with self._progress_while("analysing"):
+            result: list[tuple[Any, ...]] = self.con.execute(sql, params or []).fetchall()
+        return result
+
+    def one(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> tuple[Any, ...]:
+        rows = self.rows(sql, params)
+        return rows[0] if rows else ()
+
+    def dicts(self, sql: str, params: Sequence[Any] | dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        with self._progress_while("analysing"):
+            cursor = self.con.execute(sql, params or [])
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+
+    def _progress_while(self, what: str) -> _Progress:
+        return _Progress(self, what)
+
+    def create_query_views(self) -> None:
+        """The documented views for ``traintrace query`` (docs/analysis.md)."""
+        self.con.execute(
+            """
+            CREATE OR REPLACE VIEW records AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
+            SELECT stream, stream_rank AS rank, stream_restart AS restart, is_agent AS agent,
+                   * EXCLUDE (stream, stream_rank, stream_restart, is_agent, a)
+            FROM other
+            UNION ALL BY NAME
+            SELECT stream, rank, restart, false AS agent, 'span' AS kind, 'iteration' AS name, ts, seq, dur,
+                   status, attrs, tid, id, parent, file
+            FROM iterations WHERE seq IS NOT NULL
+            ) x LEFT JOIN files p USING (file);
+            CREATE OR REPLACE VIEW spans AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
+            SELECT rank, restart, stream, name, id, parent, tid, ts, dur, ts + dur AS end_ts, status, attrs, file
+            FROM spans_small WHERE NOT is_agent
+            UNION ALL
+            SELECT rank, restart, stream, 'iteration', id, parent, tid, ts, dur, ts + dur, status, attrs, file
+            FROM iterations
+            ) x LEFT JOIN files p USING (file);
+            CREATE OR REPLACE VIEW steps AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
+            SELECT rank, restart, stream, try_cast(attrs->>'step' AS BIGINT) AS step, ts, dur, ts + dur AS end_ts,
+                   status, lost, try_cast(attrs->>'loss' AS DOUBLE) AS loss, attrs, file
+            FROM iterations
+            ) x LEFT JOIN files p USING (file);
+            CREATE OR REPLACE VIEW events AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
+            SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, stream, name, ts, span, tid,
+                   attrs, file
+            FROM other WHERE kind = 'event'
+            ) x LEFT JOIN files p USING (file);
+            CREATE OR REPLACE VIEW errors AS
+            SELECT x.* EXCLUDE (file), p.path AS file FROM (
+            SELECT stream_rank AS rank, stream_restart AS restart, is_agent AS agent, stream, name, ts, span, tid,
+                   error_type, message, stack, attrs, file
+            FROM other WHERE kind = 'error'
+            ) x LEFT JOIN files p USING (file);
+            """
+        )
+
+
+class _Progress:
+    """Prints how far DuckDB has got on stderr, when a terminal is watching and it takes over a second."""
+
+    DELAY = 1.0
+    TICK = 0.25
+
+    def __init__(self, job: Job, what: str) -> None:
+        self.job = job
+        self.what = what
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.shown = False
+
+    def __enter__(self) -> _Progress:
+        if self.job.progress:
+            self.thread = threading.Thread(target=self._run, name="traintrace-progress", daemon=True)
+            self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        if self.done.wait(self.DELAY):
+            return
+        size = sum(f.size for f in self.job.files)
+        while not self.done.wait(self.TICK):
+            try:
+                fraction = float(self.job.con.query_progress())
+            except Exception:  # noqa: BLE001 - progress is best effort
+                fraction = -1.0
+            shown = f" {fraction:5.1f}%" if fraction >= 0 else ""
+            sys.stderr.write(
+                f"\r{self.what} {len(self.job.files)} files ({size / 1e6:,.0f} MB){shown} "
+                f"{time.monotonic() - started:5.1f} s"
+            )
+            sys.stderr.flush()
+            self.shown = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _manifest_world_size(paths: Sequence[str | os.PathLike[str]]) -> int:
+    """world_size from a job folder's manifest.json (written by rank 0 or traintrace-run), 0 if none."""
+    best = 0
+    for item in paths:
+        manifest = Path(item) / "manifest.json"
+        if not manifest.is_file():
+            continue
+        try:
+            value = json.loads(manifest.read_text()).get("world_size")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            best = max(best, value)
+    return best
+
+
+def compress_ranks(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    parts: list[str] = []
+    values = sorted(set(ranks))
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``; raises ValueError on bad input."""
+    out: list[int] = []
+    for piece in text.split(","):
+        part = piece.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def iter_chunks(cursor: Any, size: int = 65536) -> Iterator[list[tuple[Any, ...]]]:
+    while True:
+        rows = cursor.fetchmany(size)
+        if not rows:
+            return
+        yield rows

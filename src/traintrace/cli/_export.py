@@ -1,0 +1,142 @@
+"""Chrome / Perfetto Trace Event Format export.
+
+The events are serialised by DuckDB (``to_json``) and written by its COPY,
+so a multi-million-span job exports at the speed of the engine, not of a
+Python loop. One process track per rank (``pid`` = rank), one thread track
+per OS thread, spans as complete (``X``) events, events and errors as
+instant (``i``) events, loss and progress rates as counter (``C``) tracks.
+Times are microseconds from the job's first record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ._analysis import FIELD_ALIASES, job_bounds, prepare
+from ._engine import Job
+
+#: pid of the launcher (agent) track: after every rank.
+AGENT_PID = 1_000_000
+
+# DuckDB's CSV writer with delimiter and quote set to control characters that JSON text never holds
+# writes each JSON line verbatim.
+_RAW_LINES = "FORMAT csv, HEADER false, DELIMITER '\x02', QUOTE '\x01', ESCAPE '\x01'"
+
+
+def export_chrome(
+    job: Job,
+    out: str | os.PathLike[str],
+    ranks: list[int] | None = None,
+    start_s: float | None = None,
+    end_s: float | None = None,
+) -> dict[str, Any]:
+    """Write the trace to ``out``; returns counts of what was written."""
+    prepare(job)
+    job_start, job_end = job_bounds(job)
+    lo = job_start + int((start_s or 0) * 1e9)
+    hi = job_end + 1 if end_s is None else job_start + int(end_s * 1e9)
+    rank_filter = ""
+    if ranks is not None:
+        rank_filter = "AND rank IN (" + ",".join(str(int(r)) for r in ranks) + ")" if ranks else "AND false"
+    pid = f"coalesce(rank, {AGENT_PID})"
+    us = f"round((ts - {job_start}) / 1000.0, 3)"
+    cond = f"ts + coalesce(dur, 0) >= {lo} AND ts <= {hi} {rank_filter}"
+    sp = "s."
+    span_cond = f"{sp}ts + coalesce({sp}dur, 0) >= {lo} AND {sp}ts <= {hi} {rank_filter.replace('rank', sp + 'rank')}"
+    rate_fields = ("samples_per_second", "tokens_per_second", "mfu", "tflops")
+    counter_args = ", ".join(
+        f"'{key}', coalesce(" + ", ".join(f"try_cast(a.{a} AS DOUBLE)" for a in FIELD_ALIASES[key]) + ")"
+        for key in rate_fields
+    )
+    parts = {
+        "spans": f"""
+            SELECT ',' || to_json({{'name': s.name, 'cat': 'span', 'ph': 'X', 'pid': coalesce(s.rank, {AGENT_PID}),
+                'tid': coalesce(s.tid, 0), 'ts': round((s.ts - {job_start}) / 1000.0, 3),
+                'dur': round(coalesce(s.dur, greatest(f.end_ts - s.ts, 0)) / 1000.0, 3),
+                'args': json_merge_patch(coalesce(s.attrs, '{{}}'::JSON),
+                                         json_object('status', s.status, 'id', s.id))}})
+            FROM spans_small s JOIN stream_facts f USING (stream)
+            WHERE s.name <> 'iteration' AND {span_cond}
+        """,
+        "iterations": f"""
+            SELECT ',' || to_json({{'name': 'iteration', 'cat': 'step', 'ph': 'X', 'pid': rank,
+                'tid': coalesce(tid, 0), 'ts': {us}, 'dur': round(dur / 1000.0, 3),
+                'args': coalesce(attrs, '{{}}'::JSON)}})
+            FROM iterations WHERE {cond}
+        """,
+        "loss": f"""
+            SELECT ',' || to_json({{'name': 'loss', 'ph': 'C', 'pid': rank,
+                'ts': round((ts + dur - {job_start}) / 1000.0, 3),
+                'args': {{'loss': try_cast(attrs->>'loss' AS DOUBLE)}}}})
+            FROM iterations WHERE {cond} AND isfinite(try_cast(attrs->>'loss' AS DOUBLE))
+        """,
+        "instants": f"""
+            SELECT ',' || to_json({{'name': name, 'cat': kind, 'ph': 'i', 's': 't', 'pid': {pid},
+                'tid': coalesce(tid, 0), 'ts': {us},
+                'args': CASE WHEN kind = 'error' THEN json_merge_patch(coalesce(attrs, '{{}}'::JSON),
+                    json_object('error_type', error_type, 'message', message, 'stack', stack))
+                    ELSE coalesce(attrs, '{{}}'::JSON) END}})
+            FROM (SELECT *, stream_rank AS rank FROM other) WHERE kind IN ('event', 'error') AND {cond}
+        """,
+        "rates": f"""
+            SELECT ',' || to_json({{'name': 'progress', 'ph': 'C', 'pid': rank, 'ts': {us},
+                'args': json_merge_patch('{{}}'::JSON, json_object({counter_args}))}})
+            FROM (SELECT *, stream_rank AS rank FROM other)
+            WHERE kind = 'event' AND name = 'training_iterations' AND {cond}
+        """,
+    }
+    counts: dict[str, int] = {}
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="traintrace-export-") as tmp:
+        pieces = []
+        for key, sql in parts.items():
+            piece = Path(tmp) / f"{key}.txt"
+            row = job.con.execute(f"COPY ({sql}) TO '{piece}' ({_RAW_LINES})").fetchone()
+            counts[key] = int(row[0]) if row else 0
+            pieces.append(piece)
+        meta = _metadata(job, ranks)
+        with out_path.open("wb") as handle:
+            head = {"displayTimeUnit": "ms", "otherData": {"job": _job_name(job), "start_ns": job_start,
+                                                            "source": "traintrace export --format chrome"}}
+            handle.write(json.dumps(head)[:-1].encode() + b', "traceEvents": [\n')
+            handle.write(",\n".join(json.dumps(m) for m in meta).encode())
+            handle.write(b"\n")
+            for piece in pieces:
+                if piece.exists():
+                    with piece.open("rb") as src:
+                        shutil.copyfileobj(src, handle, 1 << 20)
+            handle.write(b"]}\n")
+    counts["metadata"] = len(meta)
+    counts["total"] = sum(counts.values())
+    return {"path": str(out_path), "events": counts, "start_ns": job_start}
+
+
+def _job_name(job: Job) -> str | None:
+    row = job.one("SELECT any_value(job) FROM streams")
+    return row[0] if row else None
+
+
+def _metadata(job: Job, ranks: list[int] | None) -> list[dict[str, Any]]:
+    meta: list[dict[str, Any]] = []
+    seen = job.rows("SELECT DISTINCT rank, any_value(host) FROM streams WHERE NOT is_agent GROUP BY rank ORDER BY 1")
+    for rank, host in seen:
+        if ranks is not None and rank not in ranks:
+            continue
+        meta.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} ({host})"}})
+        meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+    if ranks is None and job.one("SELECT count(*) FROM streams WHERE is_agent")[0]:
+        meta.append({"name": "process_name", "ph": "M", "pid": AGENT_PID, "args": {"name": "launcher"}})
+    for rank, tid, name in job.rows(
+        "SELECT DISTINCT stream_rank, tid, thread_name FROM other WHERE kind = 'thread' AND thread_name IS NOT NULL"
+    ):
+        if ranks is not None and rank not in ranks:
+            continue
+        pid = AGENT_PID if rank is None else rank
+        meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid or 0, "args": {"name": name}})
+    return meta

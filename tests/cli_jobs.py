@@ -1,0 +1,187 @@
+"""Made-up jobs with known truths, for the traintrace command's tests.
+
+``write_job`` writes record-format-v1 files from a scripted timeline (no
+library involved); ``expected`` computes, by plain arithmetic on the same
+parameters, what the analysis must report. The two share only the
+parameters, so an error in the engine cannot hide in both.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+S = 1_000_000_000
+T0 = 1_800_000_000 * S
+
+
+@dataclass
+class Script:
+    ranks: int = 4
+    world_size: int | None = None  # > ranks: the extra ranks are missing
+    steps: int = 40
+    step_s: float = 0.1
+    straggler: int | None = 2
+    straggler_factor: float = 1.5
+    init_s: float = 1.0
+    checkpoint_every: int = 10
+    save_s: float = 0.5
+    load_s: float = 0.5
+    fail_rank: int | None = 3
+    fail_step: int | None = 25  # the failing rank raises in this step; the others are killed in it
+    restart_gap_s: float = 60.0
+    name_prefix: str = ""
+    message: str = "CUDA error: an illegal memory access"
+    files: dict[int, Path] = field(default_factory=dict)
+
+    def step_dur(self, rank: int) -> int:
+        factor = self.straggler_factor if rank == self.straggler else 1.0
+        return round(self.step_s * factor * S)
+
+
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(record, separators=(",", ":")) + "\n"
+
+
+def write_job(folder: Path, script: Script) -> Script:
+    folder.mkdir(parents=True, exist_ok=True)
+    world = script.world_size or script.ranks
+    for rank in range(script.ranks):
+        path = folder / f"rank{rank}.jsonl"
+        script.files[rank] = path
+        with path.open("w") as out:
+            attempts = [(0, 0, script.steps if script.fail_step is None else script.fail_step + 1)]
+            if script.fail_step is not None:
+                resume = (script.fail_step // script.checkpoint_every) * script.checkpoint_every
+                attempts.append((1, resume, script.steps))
+            for restart, first, last in attempts:
+                out.write("".join(_attempt(script, rank, world, restart, first, last)))
+    return script
+
+
+def _attempt(  # noqa: PLR0917
+    script: Script, rank: int, world: int, restart: int, first: int, last: int) -> list[str]:
+    start = T0 if restart == 0 else attempt1_start(script)
+    d = script.step_dur(rank)
+    lines = []
+    seq = 0
+
+    def rec(kind: str, ts: int, **fields: Any) -> None:
+        nonlocal seq
+        lines.append(_line({"seq": seq, "kind": kind, "ts": ts, **fields}))
+        seq += 1
+
+    rec("header", start, schema="traintrace", schema_version=1, time="", mono=0, job="scripted", rank=rank,
+        world_size=world, local_rank=rank, local_world_size=world, node_rank=0, restart=restart, host="h",
+        pid=100 + rank + 10 * restart, library_version="0", python="3")
+    tid = 7
+    rec("thread", start, tid=tid, thread_name="MainThread")
+    rec("start", start, name="main_function", id=1, parent=0, tid=tid)
+    now = start
+    rec("span", now, name="model_initialization", id=2, parent=1, tid=tid, dur=round(script.init_s * S), status="ok")
+    now += round(script.init_s * S)
+    ids = 3
+    if restart:
+        rec("span", now, name="checkpoint_load", id=ids, parent=1, tid=tid, dur=round(script.load_s * S), status="ok")
+        ids += 1
+        now += round(script.load_s * S)
+    loop = ids
+    ids += 1
+    rec("start", now, name="training_loop", id=loop, parent=1, tid=tid)
+    failed = False
+    for step in range(first, last):
+        name = script.name_prefix + "iteration" if script.name_prefix else "iteration"
+        if restart == 0 and step == script.fail_step:
+            if rank == script.fail_rank:
+                rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
+                rec("error", now + d // 2, name="exception", span=ids, tid=tid, error_type="RuntimeError",
+                    message=script.message, stack=f'Traceback (most recent call last):\n  File "train.py", line 9\n'
+                    f"RuntimeError: {script.message}")
+                rec("end", now + d // 2, name=name, id=ids, dur=d // 2, status="error")
+            else:
+                rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
+            failed = True
+            break
+        rec("span", now, name=name, id=ids, parent=loop, tid=tid, dur=d, status="ok",
+            attrs={"step": step, "loss": 1.0 / (1 + step), "batch_size": 8})
+        ids += 1
+        now += d
+        if (step + 1) % script.checkpoint_every == 0:
+            rec("span", now, name="checkpoint_save_sync", id=ids, parent=loop, tid=tid,
+                dur=round(script.save_s * S), status="ok", attrs={"current_iteration": step + 1})
+            ids += 1
+            now += round(script.save_s * S)
+    if not failed:
+        rec("end", now, name="training_loop", id=loop, dur=now - start, status="ok")
+        rec("end", now, name="main_function", id=1, dur=now - start, status="ok")
+        rec("close", now, records=seq + 1, dropped=0)
+    return lines
+
+
+def attempt1_start(script: Script) -> int:
+    worst = max(script.step_dur(r) for r in range(script.ranks))
+    assert script.fail_step is not None
+    saves = script.fail_step // script.checkpoint_every
+    return T0 + round(script.init_s * S) + script.fail_step * worst + saves * round(script.save_s * S) + round(
+        script.restart_gap_s * S
+    )
+
+
+def expected(script: Script) -> dict[str, Any]:
+    """What ``traintrace summary`` must say, from the script alone."""
+    per_rank = {}
+    ends = []
+    durations: list[float] = []
+    for rank in range(script.ranks):
+        d = script.step_dur(rank) / S
+        init, save, load = script.init_s, script.save_s, script.load_s
+        if script.fail_step is None:
+            productive = script.steps * d
+            lost = 0.0
+            saves = script.steps // script.checkpoint_every
+            end0 = T0 / S + init + productive + saves * save
+            covered = end0 - T0 / S
+            ends.append(end0)
+            loads = 0
+            durations += [d] * script.steps
+        else:
+            f = script.fail_step
+            resume = (f // script.checkpoint_every) * script.checkpoint_every
+            saves0 = f // script.checkpoint_every
+            partial = d / 2 if rank == script.fail_rank else 0.0
+            end0 = T0 / S + init + f * d + saves0 * save + partial
+            t1 = attempt1_start(script) / S
+            steps1 = script.steps - resume
+            saves1 = script.steps // script.checkpoint_every - resume // script.checkpoint_every
+            end1 = t1 + init + load + steps1 * d + saves1 * save
+            ends.append(end1)
+            covered = (end0 - T0 / S) + (end1 - t1)
+            productive = (resume + steps1) * d
+            lost = (f - resume) * d + partial
+            saves = saves0 + saves1
+            loads = 1
+            durations += [d] * (f + steps1)
+        per_rank[rank] = {
+            "productive": productive,
+            "lost_progress": lost,
+            "initialization": init * (2 if script.fail_step is not None else 1),
+            "checkpoint_save": saves * save,
+            "checkpoint_load": loads * load,
+            "covered": covered,
+        }
+    wall = max(ends) - T0 / S
+    n = script.ranks
+    mean = {k: sum(v[k] for v in per_rank.values()) / n for k in next(iter(per_rank.values()))}
+    restart_idle = sum(wall - v["covered"] for v in per_rank.values()) / n
+    return {
+        "wall_s": wall,
+        "goodput": mean["productive"] / wall,
+        "breakdown": {**{k: v for k, v in mean.items() if k != "covered"}, "restart_idle": restart_idle},
+        "step_median_s": statistics.median(durations),
+        "step_max_s": max(durations),
+        "steps_completed": script.steps,
+        "steps_lost": 0 if script.fail_step is None else script.fail_step % script.checkpoint_every + 1,
+    }

@@ -1,0 +1,210 @@
+"""traintrace.cli._analysis: goodput, badput, stragglers and failures against independently computed truths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.cli_jobs import Script, expected, write_job
+
+pytest.importorskip("duckdb")
+
+from traintrace.cli import _analysis
+from traintrace.cli._engine import Job
+
+
+def _open(folder: Path) -> Job:
+    return Job.open([folder])
+
+
+def test_summary_matches_the_script_with_a_failure_and_a_straggler(tmp_path: Path) -> None:
+    """Wall time, goodput, every badput category and step statistics equal the script's arithmetic."""
+    script = write_job(tmp_path / "job", Script())
+    truth = expected(script)
+    s = _analysis.summary(_open(tmp_path / "job"))
+    assert s["wall_s"] == pytest.approx(truth["wall_s"], rel=1e-9)
+    assert s["goodput"] == pytest.approx(truth["goodput"], rel=1e-9)
+    for key, value in truth["breakdown"].items():
+        assert s["breakdown_s"][key] == pytest.approx(value, abs=1e-6), key
+    assert s["breakdown_s"]["other"] == pytest.approx(0.0, abs=1e-6)
+    assert sum(s["breakdown_s"].values()) == pytest.approx(s["wall_s"], rel=1e-9)
+    assert s["step_time"]["median_s"] == pytest.approx(truth["step_median_s"])
+    assert s["step_time"]["max_s"] == pytest.approx(truth["step_max_s"])
+    assert s["steps_completed"] == truth["steps_completed"]
+    assert s["steps_lost"] == truth["steps_lost"] == 6
+    assert s["restarts"] == 1 and s["streams"] == 8 and s["failed_streams"] == 4
+    assert s["notes"] == []
+
+
+def test_summary_of_a_clean_job(tmp_path: Path) -> None:
+    """Without a failure nothing is lost and there is no restart time."""
+    script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, straggler=None))
+    truth = expected(script)
+    s = _analysis.summary(_open(tmp_path / "job"))
+    assert s["goodput"] == pytest.approx(truth["goodput"], rel=1e-9)
+    assert s["breakdown_s"]["lost_progress"] == 0
+    assert s["breakdown_s"]["restart_idle"] == pytest.approx(0.0, abs=1e-9)
+    assert s["steps_lost"] == 0 and s["failed_streams"] == 0
+    assert s["samples"] == 4 * 40 * 8  # batch_size summed over ranks when no progress events exist
+
+
+def test_ranks_finds_the_straggler_and_its_score(tmp_path: Path) -> None:
+    """The slowed rank is the only straggler, with score = its slow-down factor."""
+    write_job(tmp_path / "job", Script(straggler=1, straggler_factor=1.5))
+    r = _analysis.ranks(_open(tmp_path / "job"), top=2)
+    assert r["stragglers"] == [1]
+    assert r["top"][0] == 1
+    by_rank = {x["rank"]: x for x in r["ranks"]}
+    assert by_rank[1]["score"] == pytest.approx(1.5)
+    assert by_rank[0]["score"] == pytest.approx(1.0)
+    assert by_rank[1]["slow_since_window"] == 0
+
+
+def test_errors_names_the_first_error_and_what_each_rank_was_doing(tmp_path: Path) -> None:
+    """Root cause: the failing rank's exception; the killed ranks show their open iteration span."""
+    write_job(tmp_path / "job", Script(fail_rank=3, fail_step=25))
+    e = _analysis.errors(_open(tmp_path / "job"))
+    assert e["first_error"]["rank"] == 3
+    assert e["first_error"]["error_type"] == "RuntimeError"
+    assert "illegal memory access" in e["first_error"]["message"]
+    assert "Traceback" in e["first_error"]["stack"]
+    assert e["error_count"] == 1 and e["groups"][0]["ranks"] == "3"
+    # the last streams are the restarted, cleanly closed ones
+    assert {r["state"] for r in e["ranks"]} == {"closed"}
+
+
+def test_errors_of_a_job_that_died(tmp_path: Path) -> None:
+    """Without a restart, the killed ranks' open spans (the step they were in) are listed."""
+    script = Script(fail_rank=0, fail_step=12)
+    write_job(tmp_path / "job", script)
+    for path in script.files.values():  # cut each file after its first stream
+        text = path.read_text()
+        second = text.find('"kind":"header"', 10)
+        path.write_text(text[: text.rfind("\n", 0, second) + 1])
+    e = _analysis.errors(_open(tmp_path / "job"), hang_after_s=3600)
+    by_rank = {r["rank"]: r for r in e["ranks"]}
+    assert by_rank[0]["state"] == "error"
+    assert by_rank[1]["state"] == "ended abruptly"
+    open_names = [s["name"] for s in by_rank[1]["open_spans"]]
+    assert open_names == ["main_function", "training_loop", "iteration"]
+    assert by_rank[1]["last_record"]["kind"] == "start"
+    assert e["hang_suspects"] == []
+
+
+def test_missing_ranks_and_a_cut_last_line_are_reported(tmp_path: Path) -> None:
+    """A rank without a file and a truncated last line become notes; the rest is still analysed."""
+    script = write_job(tmp_path / "job", Script(world_size=6, fail_step=None, fail_rank=None))
+    with script.files[1].open("a") as handle:
+        handle.write('{"seq":999,"kind":"span","ts":1,"na')
+    job = _open(tmp_path / "job")
+    s = _analysis.summary(job)
+    assert s["ranks_missing"] == "4-5"
+    assert any("cut short" in n and "rank1.jsonl" in n for n in s["notes"])
+    assert any("missing entirely" in n for n in s["notes"])
+    assert s["steps_completed"] == 40
+
+
+def test_hang_suspect_from_a_rank_that_stopped_early(tmp_path: Path) -> None:
+    """A rank whose stream stops long before the others' ends is a hang suspect."""
+    script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, straggler=None, steps=200))
+    lines = script.files[2].read_text().splitlines(keepends=True)
+    script.files[2].write_text("".join(lines[:60]))  # rank 2 wrote nothing after its ~55th step
+    e = _analysis.errors(_open(tmp_path / "job"), hang_after_s=5)
+    assert e["hang_suspects"] == [2]
+
+
+def test_lost_progress_follows_the_last_completed_checkpoint(tmp_path: Path) -> None:
+    """Failing right after a checkpoint loses one step; failing right before the next loses a whole interval."""
+    early = expected(write_job(tmp_path / "a", Script(fail_step=20, checkpoint_every=10)))
+    late = expected(write_job(tmp_path / "b", Script(fail_step=29, checkpoint_every=10)))
+    s_early = _analysis.summary(_open(tmp_path / "a"))
+    s_late = _analysis.summary(_open(tmp_path / "b"))
+    assert s_early["steps_lost"] == 1 and s_late["steps_lost"] == 10
+    assert s_early["breakdown_s"]["lost_progress"] == pytest.approx(early["breakdown"]["lost_progress"])
+    assert s_late["breakdown_s"]["lost_progress"] == pytest.approx(late["breakdown"]["lost_progress"])
+
+
+def _append(path: Path, *records: dict[str, object]) -> None:
+    import json
+
+    with path.open("a") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+
+
+def test_launcher_stream_and_progress_events(tmp_path: Path) -> None:
+    """agent.jsonl is the launcher, not a rank; training_iterations counters feed samples, tokens and MFU."""
+    from tests.cli_jobs import T0
+
+    script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, straggler=None))
+    agent = tmp_path / "job" / "agent.jsonl"
+    _append(
+        agent,
+        {"seq": 0, "kind": "header", "ts": T0 - 10**9, "schema": "traintrace", "schema_version": 1,
+         "job": "scripted", "source": "agent", "host": "h", "pid": 1},
+        {"seq": 1, "kind": "event", "ts": T0 - 10**8, "name": "worker_start", "span": 0, "tid": 1,
+         "attrs": {"ranks": [0, 1, 2, 3]}},
+        {"seq": 2, "kind": "event", "ts": T0 + 10**9, "name": "worker_restart", "span": 0, "tid": 1},
+    )
+    for rank, path in script.files.items():
+        _append(path, {"seq": 90, "kind": "event", "ts": T0 + 2 * 10**9, "name": "training_iterations", "span": 0,
+                       "tid": 7, "attrs": {"consumed_samples": 1280, "consumed_tokens": 655360, "mfu": 0.41,
+                                           "samples_per_second": 300.0 + rank, "tokens_per_second": 153600.0,
+                                           "last_step": 39}})
+    job = _open(tmp_path / "job")
+    s = _analysis.summary(job)
+    assert s["ranks_seen"] == 4 and s["ranks_missing"] == ""
+    assert s["samples"] == 1280 and s["tokens"] == 655360 and s["last_step"] == 39
+    assert s["mfu"] == pytest.approx(0.41) and s["samples_per_second"] == pytest.approx(300.0)
+    assert s["wall_s"] > expected(script)["wall_s"]  # the launcher started a second earlier
+    e = _analysis.errors(job)
+    assert [x["name"] for x in e["launcher_events"]] == ["worker_start", "worker_restart"]
+    assert {r["rank"] for r in e["ranks"]} == {0, 1, 2, 3}
+
+
+def test_manifest_world_size_reveals_ranks_that_never_wrote(tmp_path: Path) -> None:
+    """A manifest.json saying 6 ranks, with files for 4: ranks 4-5 are reported missing."""
+    import json
+
+    write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
+    (tmp_path / "job" / "manifest.json").write_text(json.dumps({"schema": "traintrace-manifest", "world_size": 6}))
+    s = _analysis.summary(_open(tmp_path / "job"))
+    assert s["ranks_missing"] == "4-5"
+
+
+def test_hang_time_from_a_hang_suspected_error(tmp_path: Path) -> None:
+    """Hang = from the last completed step before hang_suspected to the end of that stream."""
+    import json
+
+    script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, straggler=None))
+    lines = script.files[2].read_text().splitlines(keepends=True)
+    keep = next(i for i, line in enumerate(lines) if '"step":22,' in line)
+    last = json.loads(lines[keep])
+    hang_ts = last["ts"] + last["dur"] + 5 * 10**9
+    error = {"seq": 999, "kind": "error", "ts": hang_ts, "name": "hang_suspected", "span": 0, "tid": 7,
+             "message": "no progress for 5.0s", "stack": "Thread 7:\n  File x", "attrs": {"last_step": 22}}
+    script.files[2].write_text("".join(lines[: keep + 1]) + json.dumps(error) + "\n")
+    job = _open(tmp_path / "job")
+    s = _analysis.summary(job)
+    assert s["breakdown_s"]["hang"] == pytest.approx(5.0 / 4)
+    assert sum(s["breakdown_s"].values()) == pytest.approx(s["wall_s"], rel=1e-9)
+    assert 2 in _analysis.errors(job)["hang_suspects"]
+
+
+def test_a_job_that_died_before_its_first_step(tmp_path: Path) -> None:
+    """No iteration at all: every analysis still answers, and the error is the root cause."""
+    import json
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    header = {"seq": 0, "kind": "header", "ts": 10**18, "schema": "traintrace", "schema_version": 1, "job": "x",
+              "rank": 0, "world_size": 2, "restart": 0, "host": "h", "pid": 1}
+    error = {"seq": 1, "kind": "error", "ts": 10**18 + 10**9, "name": "exception", "span": 0, "tid": 1,
+             "error_type": "ImportError", "message": "no module named <b>x</b>", "stack": "Traceback"}
+    (folder / "rank0.jsonl").write_text(json.dumps(header) + "\n" + json.dumps(error) + "\n")
+    job = _open(folder)
+    s = _analysis.summary(job)
+    assert s["goodput"] == 0 and s["step_time"] is None and s["ranks_missing"] == "1"
+    assert _analysis.ranks(job)["stragglers"] == []
+    assert _analysis.errors(job)["first_error"]["error_type"] == "ImportError"
