@@ -80,9 +80,7 @@ def test_eight_threads_for_ten_seconds_lose_and_duplicate_nothing() -> None:
     queue): sequence numbers run on without gaps, every span and event arrives once, and
     every record's parent is in its own thread."""
     checker = CheckingBackend()
-    rec = tt.configure(
-        job_id="threads", backends={}, extra_backends=[checker], blocking=True, queue_size=8192
-    )
+    rec = tt.configure(job_id="threads", backends={}, extra_backends=[checker], blocking=True, queue_size=8192)
     made = [0] * THREADS
     stop = threading.Event()
 

@@ -152,9 +152,7 @@ ops = st.one_of(
         metrics,
     ),
     st.tuples(st.just("raise"), names),
-    st.tuples(
-        st.just("metric_sets"), st.dictionaries(st.sampled_from(["loss", "step", "x", "rank"]), values)
-    ),
+    st.tuples(st.just("metric_sets"), st.dictionaries(st.sampled_from(["loss", "step", "x", "rank"]), values)),
     st.tuples(st.just("flush")),
     st.tuples(st.just("current")),
     st.tuples(st.just("close")),
@@ -176,11 +174,7 @@ def _run_op_hostile(op: tuple[Any, ...], handles: list[tt.Span]) -> None:
             s.add_metrics(op[4] if isinstance(op[4], dict) else None)
             s.event("inner", op[4])
     elif kind == "helper":
-        with (
-            getattr(tt, HELPERS[HELPERS.index(op[1])])(op[2])
-            if op[1] != "timed_span"
-            else tt.timed_span("t", op[2])
-        ):
+        with getattr(tt, HELPERS[HELPERS.index(op[1])])(op[2]) if op[1] != "timed_span" else tt.timed_span("t", op[2]):
             pass
     elif kind == "iteration":
         with tt.training_iteration(op[1], op[2]) as it:
@@ -311,9 +305,7 @@ any_value = st.one_of(
 @given(
     chosen=st.dictionaries(st.sampled_from(config_fields) | st.text(max_size=8), any_value, max_size=5),
     file_settings=st.dictionaries(
-        st.sampled_from(
-            ["verbosity", "ranks", "file_mode", "enabled", "verbosity_elsewhere", "fsync_on_close"]
-        ),
+        st.sampled_from(["verbosity", "ranks", "file_mode", "enabled", "verbosity_elsewhere", "fsync_on_close"]),
         any_value,
         max_size=3,
     ),
@@ -431,17 +423,13 @@ def test_reader_on_corrupt_truncated_binary_and_wrong_version_files(tmp_path: Pa
     reasons = {}
     for name, text in cases.items():
         path = tmp_path / f"{name}.jsonl"
-        path.write_bytes(
-            text.encode("utf-8", "surrogateescape") if name != "binary" else text.encode("latin-1")
-        )
+        path.write_bytes(text.encode("utf-8", "surrogateescape") if name != "binary" else text.encode("latin-1"))
         result = read_file(path)
         reasons[name] = [b.reason for b in result.bad_lines]
         _exercise(path)
         if name != "v2":
             assert [r["name"] for r in result.records()] == ["e"], name
-    assert (
-        reasons["truncated"][0].startswith("not JSON") and read_file(tmp_path / "truncated.jsonl").truncated
-    )
+    assert reasons["truncated"][0].startswith("not JSON") and read_file(tmp_path / "truncated.jsonl").truncated
     assert reasons["binary"][0].startswith("not JSON")
     assert reasons["deep"] == ["not JSON: nested too deeply"]
     assert reasons["v2"] == ["unsupported schema 'traintrace' v2"]

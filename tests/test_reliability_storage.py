@@ -31,9 +31,7 @@ def _can_unshare() -> str:
         return "needs root to mount a tmpfs in a private mount namespace"
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         return "needs unshare(1) and mount(8)"
-    probe = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False
-    )
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False)
     if probe.returncode != 0:
         return f"unshare -m is not allowed here: {probe.stderr.decode(errors='replace').strip()}"
     return ""
