@@ -68,10 +68,13 @@ class CheckingBackend(BaseBackend):
                 else:
                     continue
                 self.counts[(t, r["name"])] = self.counts.get((t, r["name"]), 0) + 1
-            elif kind == "event":
+            elif kind == "event" and r["name"] == "tick":  # not the sampler's device_properties
                 t = self.tid_of.get(r["tid"])
                 if t is None or r["span"] != self.inner.get(t) or r["attrs"]["i"] != self.outer[t][1]:
-                    self._problem(f"event {r['seq']} is not in its thread's inner span")
+                    self._problem(
+                        f"event {r['seq']} (span {r['span']}, i {r['attrs']['i']}, thread {t}) is not in its "
+                        f"thread's inner span {self.inner.get(t)} (outer {self.outer.get(t)})"
+                    )
                 self.counts[(t, "event")] = self.counts.get((t, "event"), 0) + 1  # type: ignore[index]
 
 
