@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from . import _recorder
+from . import _faults, _recorder
 from ._config import (
     BackendConfig,
     Config,
@@ -30,7 +30,7 @@ from ._dist import DistributedInitSpan, after_start
 from ._identity import Identity, detect, safe_component
 from ._names import DEFAULT_SPAN_VERBOSITY, EventName, RecordKind, SpanName, Verbosity
 from ._pipeline import Pipeline
-from ._recorder import InertSpan, Recorder, Span, get_active, set_active, warn_once
+from ._recorder import InertSpan, Recorder, Span, as_attrs, as_level, get_active, set_active, warn_once
 from ._version import __version__
 from .backends._base import Backend
 
@@ -97,9 +97,10 @@ def _header(identity: Identity, config: Config, extra: Mapping[str, Any]) -> dic
     if identity.launcher:
         header["launcher"] = identity.launcher
     if config.metadata:
+        from ._redact import Redactor
         from ._sanitize import convert_mapping
 
-        header["metadata"] = convert_mapping(config.metadata)
+        header["metadata"] = Redactor(config.redact_keys).apply(convert_mapping(config.metadata))
     header.update(extra)
     return header
 
@@ -230,6 +231,13 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
     _extra_backends_of_last[:] = extra_backends
     set_active(recorder)
     _install_process_hooks(config)
+    if config.fault_handler:
+        from .backends._file import FileBackend
+
+        for backend, _, _ in routes:
+            if isinstance(backend, FileBackend):
+                _faults.enable(backend.path, backend.file_mode)
+                break
     if config.fork == "own_stream":
         import multiprocessing.util
 
@@ -341,13 +349,17 @@ def _at_exit() -> None:
     rec = get_active()
     if rec is not None and rec.header.get("pid") == os.getpid():
         rec.close()
+    _faults.release()
 
 
 def _after_fork_in_child() -> None:
+    _faults.after_fork_in_child()
     rec = get_active()
     if rec is None:
         return
     set_active(None)
+    # Spans open in the parent are not the child's: its spans start at the top level.
+    _recorder._current.set(None)
     # The parent's queue and writer are not ours: never drain or close them here.
     rec.closed = True
     rec._pipeline.queue.clear()
@@ -372,7 +384,13 @@ def _close_at_multiprocessing_exit(_: object) -> None:
     util = sys.modules.get("multiprocessing.util")
     child = get_active()
     if util is not None and child is not None:
-        util.Finalize(None, child.close, exitpriority=100)
+        util.Finalize(None, _close_forked, args=(child,), exitpriority=100)
+
+
+def _close_forked(rec: Recorder) -> None:
+    rec.close()
+    if get_active() is None:
+        _faults.release()
 
 
 if hasattr(os, "register_at_fork"):
@@ -392,7 +410,7 @@ def start(
     """Open a span (low-level API); close it with :func:`stop`. No-op before configure."""
     rec = get_active()
     if rec is None:
-        return Span(name, None, int(level))
+        return Span(name, None, as_level(level))
     return rec.start(name, metrics, level=level, link=link)
 
 
@@ -436,9 +454,16 @@ def close(timeout: float | None = None) -> None:
     rec = get_active()
     if rec is not None:
         rec.close(timeout)
+    _faults.release()
 
 
 # ---------------------------------------------------------------- context helpers
+
+
+def _attrs_arg(metrics: Any) -> Any:
+    """A dict as is (written as given); anything else made a dict, or None if it cannot be."""
+    return metrics if metrics is None or type(metrics) is dict else as_attrs(metrics)
+
 
 
 def _level_of(name: str) -> int:
@@ -458,11 +483,11 @@ def span(
     earlier it stays inert (decorators are the exception: they make a fresh
     span per call).
     """
-    chosen = _level_of(name) if level is None else int(level)
+    chosen = _level_of(name) if level is None else as_level(level)
     rec = _recorder._active
     if rec is None or chosen > rec.max_level:
         return InertSpan(name, metrics, chosen)
-    return Span(name, metrics, chosen, link)
+    return Span(name, _attrs_arg(metrics), chosen, link)
 
 
 class _ApplicationSpan(Span):
@@ -509,9 +534,10 @@ def _helper(name: str, doc: str, span_class: type[Span] = Span) -> Callable[...,
         rec = _recorder._active
         if rec is None or level > rec.max_level:
             return inert
+        given: dict[str, Any] | None = _attrs_arg(metrics)
         if attrs:
-            metrics = {**metrics, **attrs} if metrics else attrs
-        return span_class(name, metrics, level)
+            given = {**given, **attrs} if given else attrs
+        return span_class(name, given, level)
 
     helper.__name__ = helper.__qualname__ = name
     helper.__doc__ = doc + "\n\nA context manager and a decorator; ``metrics`` are written with the span."
@@ -555,9 +581,10 @@ def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Ma
     if metrics is None and step.__class__ is int:
         return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)
     if step is None:
-        return Span(SpanName.ITERATION, metrics, _ITERATION_LEVEL)
+        return Span(SpanName.ITERATION, _attrs_arg(metrics), _ITERATION_LEVEL)
     if callable(step):
         return Span(SpanName.ITERATION, None, _ITERATION_LEVEL)(step)
+    metrics = _attrs_arg(metrics)
     if metrics:
         return Span(SpanName.ITERATION, {"step": step, **metrics}, _ITERATION_LEVEL)
     return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)

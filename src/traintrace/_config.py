@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ._names import Verbosity
+from ._redact import DEFAULT_REDACT_KEYS
 
 ENV_PREFIX = "TRAINTRACE_"
 
@@ -196,6 +197,10 @@ class Config:
     hang_exit_after: float | None = None
     hang_exit_code: int = 86
     phase_timeouts: dict[str, float] = field(default_factory=dict)
+    #: Metric/attribute keys whose values are written as "<redacted>" (docs/reliability.md).
+    redact_keys: list[str] = field(default_factory=lambda: list(DEFAULT_REDACT_KEYS))
+    #: On a fatal signal (segfault, abort), Python stacks go to ``<stream>.faults.txt``.
+    fault_handler: bool = True
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
@@ -210,11 +215,17 @@ class Config:
         _check_int("log_interval", self.log_interval, minimum=1)
         for name in ("flush_interval", "close_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86400:
+                raise ConfigError(
+                    f"{name}: expected a positive number of seconds (at most a day), got {value!r}"
+                )
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
-        for name in ("blocking", "handle_sigterm", "manifest"):
+        if not isinstance(self.redact_keys, list | tuple) or not all(
+            isinstance(k, str) for k in self.redact_keys
+        ):
+            raise ConfigError(f"redact_keys: expected a list of key names, got {self.redact_keys!r}")
+        for name in ("blocking", "handle_sigterm", "manifest", "fault_handler"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false")
         for name in ("job_id", "job_name", "host"):
@@ -252,6 +263,8 @@ def _coerce(annotation: Any, raw: Any, where: str) -> Any:
     kinds = _annotation_kinds(annotation)
     if "NoneType" in kinds and text.lower() in ("", "none", "null"):
         return None
+    if "list" in kinds:
+        return [part.strip() for part in text.split(",") if part.strip()]
     if "bool" in kinds:
         lowered = text.lower()
         if lowered in ("1", "true", "yes", "on"):

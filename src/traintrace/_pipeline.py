@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._names import RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
-from ._sanitize import convert_mapping
+from ._redact import Redactor
+from ._sanitize import clean_key, convert_mapping
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -42,6 +43,29 @@ class _Route:
 
 _SAFE_VALUE_TYPES = frozenset({int, bool, type(None)})
 _INFINITIES = (float("inf"), float("-inf"))
+
+
+def _name(name: object) -> str:
+    """A span/event name as a bounded string (any object a caller passed)."""
+    if type(name) is str and len(name) <= 256:
+        return name
+    return clean_key(name)
+
+
+def _merge(attrs: Any, metrics: dict[str, Any]) -> Any:
+    """Attributes given at start with metrics added while open (either may be a user's oddity)."""
+    try:
+        return {**attrs, **metrics} if attrs else metrics
+    except Exception:  # noqa: BLE001 - attrs that are not a mapping: keep the metrics
+        return metrics
+
+
+def _link_id(link: object) -> int:
+    try:
+        value: int = int(link)  # type: ignore[call-overload]
+        return max(0, value)
+    except Exception:  # noqa: BLE001 - a link that is not an id is dropped
+        return 0
 
 
 def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
@@ -91,6 +115,8 @@ class Pipeline:
         self.records_written = 0
         #: Writer-thread hooks that see every span end (see ``_insight.IterationStats``).
         self.observers: list[Any] = []
+        self._redactor = Redactor(getattr(config, "redact_keys", ()))
+        self._warned_drops = False
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
@@ -206,12 +232,23 @@ class Pipeline:
             record["count"] = count
             record["total"] = self._dropped_reported
             record["reason"] = "queue_full"
+            if not self._warned_drops:
+                self._warned_drops = True
+                log.warning(
+                    "traintrace: the record queue was full; %d records dropped (counted in "
+                    "'dropped' records). Set blocking=True or a larger queue_size to keep all.",
+                    count,
+                )
             self._deliver([(int(Verbosity.ERROR), record)])
             wrote = True
         if wrote or waiters:
             self._flush_backends()
         for waiter in waiters:
             waiter.set()
+
+    def _clean(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
+        cleaned = clean_attrs(attrs)
+        return self._redactor.apply(cleaned) if self._redactor else cleaned
 
     def _record(self, kind: str, mono: int) -> dict[str, Any]:
         seq = self._seq
@@ -276,7 +313,7 @@ class Pipeline:
                             "seq": seq,
                             "kind": "span",
                             "ts": wall0 + span.t0,
-                            "name": span.name,
+                            "name": _name(span.name),
                             "id": span.id,
                             "parent": parent.id if parent is not None else 0,
                             "tid": tid,
@@ -286,13 +323,13 @@ class Pipeline:
                         attrs = span.attrs
                         metrics = span.metrics
                         if metrics:
-                            attrs = {**attrs, **metrics} if attrs else metrics
+                            attrs = _merge(attrs, metrics)
                     else:
                         record = {
                             "seq": seq,
                             "kind": "start",
                             "ts": wall0 + span.t0,
-                            "name": span.name,
+                            "name": _name(span.name),
                             "id": span.id,
                             "parent": parent.id if parent is not None else 0,
                             "tid": tid,
@@ -303,9 +340,9 @@ class Pipeline:
                     seq += 1
                     if span.link is not None:
                         link = span.link
-                        record["link"] = link.id if isinstance(link, Span) else int(link)
-                    if attrs:
-                        record["attrs"] = clean_attrs(attrs)
+                        record["link"] = link.id if isinstance(link, Span) else _link_id(link)
+                    if attrs is not None and (attrs.__class__ is not dict or attrs):
+                        record["attrs"] = self._clean(attrs)
                     append((span.level, record))
                     continue
                 tag = item[0]
@@ -320,13 +357,13 @@ class Pipeline:
                         "seq": seq,
                         "kind": "event",
                         "ts": wall0 + mono,
-                        "name": name,
+                        "name": _name(name),
                         "span": span_id,
                         "tid": tid,
                     }
                     seq += 1
                     if attrs:
-                        record["attrs"] = clean_attrs(attrs)
+                        record["attrs"] = self._clean(attrs)
                     append((level, record))
                 elif tag == ERROR:
                     _, name, attrs, span_id, ident, mono, info = item
@@ -336,7 +373,7 @@ class Pipeline:
                         tid = self._thread_id(ident, out)
                         seq = self._seq
                     error_type, message, stack = info
-                    record = {"seq": seq, "kind": "error", "ts": wall0 + mono, "name": name}
+                    record = {"seq": seq, "kind": "error", "ts": wall0 + mono, "name": _name(name)}
                     record["span"] = span_id
                     record["tid"] = tid
                     if error_type is not None:
@@ -345,7 +382,7 @@ class Pipeline:
                     record["stack"] = stack
                     seq += 1
                     if attrs:
-                        record["attrs"] = clean_attrs(attrs)
+                        record["attrs"] = self._clean(attrs)
                     append((_ERROR_LEVEL, record))
         finally:
             self._seq = seq
@@ -388,21 +425,21 @@ class Pipeline:
             return
         tid = self._threads.get(span.tid) or self._thread_id(span.tid, out)
         record = self._record(RecordKind.SPAN, span.t0)
-        record["name"] = span.name
+        record["name"] = _name(span.name)
         record["id"] = span.id
         parent = span.parent
         record["parent"] = parent.id if parent is not None else 0
         record["tid"] = tid
         if span.link is not None:
             link = span.link
-            record["link"] = link.id if isinstance(link, Span) else int(link)
+            record["link"] = link.id if isinstance(link, Span) else _link_id(link)
         record["dur"] = (span.t1 or span.t0) - span.t0
         record["status"] = span.status
         attrs = span.attrs
         if span.metrics:
-            attrs = {**attrs, **span.metrics} if attrs else span.metrics
+            attrs = _merge(attrs, span.metrics)
         if attrs:
-            record["attrs"] = clean_attrs(attrs)
+            record["attrs"] = self._clean(attrs)
         out.append((span.level, record))
 
     def emit_event(
@@ -419,23 +456,23 @@ class Pipeline:
         """Add an event made on the writer thread (writer thread only)."""
         tid = self._threads.get(ident) or self._thread_id(ident, out)
         record = self._record(RecordKind.EVENT, mono)
-        record["name"] = name
+        record["name"] = _name(name)
         record["span"] = span_id
         record["tid"] = tid
         if attrs:
-            record["attrs"] = clean_attrs(attrs)
+            record["attrs"] = self._clean(attrs)
         out.append((level, record))
 
     def _end_record(self, span: Span, t1: int, status: str, out: list[tuple[int, dict[str, Any]]]) -> None:
         self._open.pop(span.id, None)
         span.written = _DONE
         record = self._record(RecordKind.END, t1)
-        record["name"] = span.name
+        record["name"] = _name(span.name)
         record["id"] = span.id
         record["dur"] = t1 - span.t0
         record["status"] = status
         if span.metrics:
-            record["attrs"] = clean_attrs(span.metrics)
+            record["attrs"] = self._clean(span.metrics)
         out.append((span.level, record))
 
     def _deliver(self, batch: list[tuple[int, dict[str, Any]]]) -> None:

@@ -72,6 +72,37 @@ def current_span() -> Span | None:
     return span
 
 
+def _label(name: object) -> str:
+    """``repr(name)`` for a warning, even when the name's repr raises."""
+    try:
+        return repr(name)[:200]
+    except Exception:  # noqa: BLE001
+        return f"<{type(name).__name__}>"
+
+
+def as_level(level: object) -> int:
+    """A verbosity level from what a caller passed; INFO (and a warning) if unusable."""
+    if type(level) is int:
+        return level
+    try:
+        value: int = int(level)  # type: ignore[call-overload]
+        return value
+    except Exception:  # noqa: BLE001 - misuse warns, never raises
+        warn_once("bad_level", f"level {_label(level)} is not a verbosity; using info")
+        return _INFO
+
+
+def as_attrs(metrics: object) -> dict[str, Any] | None:
+    """A caller's metrics as a fresh dict (None if empty or not a mapping, with a warning)."""
+    if metrics is None:
+        return None
+    try:
+        return dict(metrics) if metrics else None  # type: ignore[call-overload]
+    except Exception:  # noqa: BLE001 - misuse warns, never raises
+        warn_once("bad_metrics", f"metrics of type {type(metrics).__name__} are not a mapping; ignored")
+        return None
+
+
 class Span:
     """A timed phase. A context manager, a decorator, and a handle for ``stop``.
 
@@ -125,7 +156,7 @@ class Span:
         if rec is None or self.level > rec.max_level:
             return self
         if self._rec is not None:
-            warn_once("span_reused", f"span {self.name!r} entered twice; make a new span for each use")
+            warn_once("span_reused", f"span {_label(self.name)} entered twice; make a new span for each use")
             return self
         parent = _current.get()
         while parent is not None and parent.t1 is not None:
@@ -210,7 +241,7 @@ class Span:
         if self._rec is None:
             return self
         if self.t1 is not None:
-            warn_once("metrics_after_stop", f"metrics added to span {self.name!r} after it stopped")
+            warn_once("metrics_after_stop", f"metrics added to span {_label(self.name)} after it stopped")
             return self
         current = self.metrics
         if current is None:
@@ -220,8 +251,8 @@ class Span:
                 current.update(metrics)
             if more:
                 current.update(more)
-        except (TypeError, ValueError):
-            warn_once("bad_metrics", f"metrics for span {self.name!r} are not a mapping; ignored")
+        except Exception:  # noqa: BLE001 - misuse warns, never raises
+            warn_once("bad_metrics", f"metrics for span {_label(self.name)} are not a mapping; ignored")
         return self
 
     def event(self, name: str, metrics: Mapping[str, Any] | None = None) -> None:
@@ -249,8 +280,8 @@ class Span:
 
     def __repr__(self) -> str:
         if self._rec is None:
-            return f"<Span {self.name!r} unrecorded>"
-        return f"<Span {self.name!r} id={self.id} {'open' if self.t1 is None else 'closed'}>"
+            return f"<Span {_label(self.name)} unrecorded>"
+        return f"<Span {_label(self.name)} id={self.id} {'open' if self.t1 is None else 'closed'}>"
 
 
 class InertSpan(Span):
@@ -300,16 +331,16 @@ class Recorder:
 
     def _late_stop(self, span: Span, t1: int) -> None:
         if self.closed:
-            warn_once("stop_after_close", f"span {span.name!r} stopped after close(); not recorded")
+            warn_once("stop_after_close", f"span {_label(span.name)} stopped after close(); not recorded")
             if span.t1 is None:
                 span.t1 = t1
             return
-        warn_once("stop_twice", f"span {span.name!r} stopped twice; the second stop is ignored")
+        warn_once("stop_twice", f"span {_label(span.name)} stopped twice; the second stop is ignored")
 
     def _event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
         if level > self.max_level or self.closed:
             return
-        attrs = dict(metrics) if metrics else None
+        attrs = as_attrs(metrics)
         self._put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
 
     def _span_failed(self, span: Span, exc: BaseException) -> None:
@@ -327,7 +358,7 @@ class Recorder:
         if self.closed:
             return False
         info = describe_exception(exc)
-        attrs = dict(metrics) if metrics else None
+        attrs = as_attrs(metrics)
         self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
         self._pipeline.wake()
         return True
@@ -342,7 +373,7 @@ class Recorder:
         link: Span | int | None = None,
     ) -> Span:
         """Open a span and return its handle; stop it later with :meth:`stop`."""
-        span = Span(name, dict(metrics) if metrics else None, int(level), link)
+        span = Span(name, as_attrs(metrics), as_level(level), link)
         if self is _active:
             span.__enter__()
         return span
@@ -398,10 +429,13 @@ class Recorder:
             return
         if span._rec is None:
             return
-        if metrics:
+        if metrics is not None:
             span.add_metrics(metrics)
         if status is not None and span.t1 is None:
-            span.status = str(status)
+            try:
+                span.status = str(status)
+            except Exception:  # noqa: BLE001 - misuse warns, never raises
+                warn_once("bad_status", f"status for span {_label(span.name)} is not a string; ignored")
         span.__exit__(None, None, None)
 
     def event(
@@ -414,9 +448,9 @@ class Recorder:
         """Record a point event, inside the current span if one is open."""
         span = current_span()
         try:
-            self._event(str(name), metrics, int(level), span.id if span is not None else 0)
-        except (TypeError, ValueError):
-            warn_once("bad_event", f"event {name!r} has metrics that are not a mapping; ignored")
+            self._event(name, metrics, as_level(level), span.id if span is not None else 0)
+        except Exception:  # noqa: BLE001 - event() must never fail the caller
+            warn_once("bad_event", f"event {_label(name)} has metrics that are not a mapping; ignored")
 
     def error(
         self,

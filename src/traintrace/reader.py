@@ -91,6 +91,13 @@ class StreamFile:
     streams: list[Stream] = field(default_factory=list)
     bad_lines: list[BadLine] = field(default_factory=list)
     orphans: int = 0
+    #: Python stacks written on a fatal signal (segfault, abort), from ``<path>.faults.txt``.
+    faults: str = ""
+
+    @property
+    def truncated(self) -> bool:
+        """True when the file's last line is cut (the process died while writing it)."""
+        return bool(self.bad_lines) and self.bad_lines[-1].last
 
     def spans(self, name: str | None = None) -> list[dict[str, Any]]:
         return [s for stream in self.streams for s in stream.spans(name)]
@@ -109,8 +116,10 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes | None
                 return
             number += 1
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):
-                    raw = handle.readline(MAX_LINE_BYTES)
+                del raw
+                skipped = b"-"
+                while skipped and not skipped.endswith(b"\n"):
+                    skipped = handle.readline(1 << 20)  # skip the rest in small pieces
                 yield number, None, f"line longer than {MAX_LINE_BYTES} bytes"
                 continue
             yield number, raw, ""
@@ -134,8 +143,12 @@ def read_file(path: str | os.PathLike[str]) -> StreamFile:
         except (ValueError, UnicodeDecodeError) as exc:
             result.bad_lines.append(BadLine(str(path), number, f"not JSON: {exc}"[:200]))
             continue
-        if not isinstance(record, dict) or "kind" not in record:
-            result.bad_lines.append(BadLine(str(path), number, "not a traintrace record"))
+        except RecursionError:
+            result.bad_lines.append(BadLine(str(path), number, "not JSON: nested too deeply"))
+            continue
+        shape = _shape_problem(record)
+        if shape:
+            result.bad_lines.append(BadLine(str(path), number, shape))
             continue
         if record["kind"] == "header":
             version = record.get("schema_version")
@@ -154,4 +167,46 @@ def read_file(path: str | os.PathLike[str]) -> StreamFile:
         current.records.append(record)
     for bad in result.bad_lines:
         bad.last = bad.line_number == last_number
+    result.faults = _read_faults(path)
     return result
+
+
+#: Fields whose type the reader relies on, and the types they must have.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "id": (int,),
+    "parent": (int,),
+    "span": (int,),
+    "dur": (int, float),
+    "attrs": (dict,),
+    "name": (str,),
+    "status": (str,),
+}
+
+
+def _shape_problem(record: object) -> str:
+    """Why ``record`` is not a usable record, or "" when it is."""
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        return "not a traintrace record (no 'kind')"
+    seq = record.get("seq")
+    if seq is not None and (type(seq) is not int or seq < 0):
+        return f"bad 'seq': {str(seq)[:40]!r}"
+    for key, kinds in _FIELD_TYPES.items():
+        value = record.get(key)
+        if value is not None and (type(value) is bool or not isinstance(value, kinds)):
+            return f"bad {key!r}: expected {kinds[0].__name__}, got {type(value).__name__}"
+    return ""
+
+
+#: At most this much of a fault file is read.
+MAX_FAULTS_BYTES = 1024 * 1024
+
+
+def _read_faults(path: str | os.PathLike[str]) -> str:
+    from ._faults import faults_path
+
+    try:
+        with faults_path(path).open("rb") as handle:
+            data = handle.read(MAX_FAULTS_BYTES)
+    except OSError:
+        return ""
+    return data.decode("utf-8", "replace")

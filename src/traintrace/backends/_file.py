@@ -17,6 +17,16 @@ from ._base import Record
 log = logging.getLogger("traintrace.lib")
 
 
+def dir_mode(file_mode: int) -> int:
+    """Permissions for folders the backend creates: who may read a file may list its folder."""
+    mode = 0o700
+    if file_mode & 0o040:
+        mode |= 0o050
+    if file_mode & 0o004:
+        mode |= 0o005
+    return mode
+
+
 class FileBackend:
     """Appends each batch of records to ``path`` with one ``write`` call.
 
@@ -24,7 +34,9 @@ class FileBackend:
     so it survives the process being killed, and a forked child has nothing
     buffered to write twice. A failed write (disk full, file gone) drops that
     batch, warns once, and once writing works again a ``dropped`` record says
-    how many records were lost and their sequence numbers.
+    how many records were lost and their sequence numbers. A file deleted or
+    renamed (log rotation) while open is noticed at the next write: the path is
+    reopened and the header written again.
     """
 
     def __init__(
@@ -47,6 +59,8 @@ class FileBackend:
         self._lost_last: int | None = None
         self._lost_error = ""
         self._failing = False
+        self._reopened = False
+        self._identity: tuple[int, int] = (-1, -1)
         self.bytes_written = 0
 
     def open(self, header: Record) -> None:
@@ -55,19 +69,45 @@ class FileBackend:
         self._write_bytes(dumps(dict(header)) + b"\n")
 
     def _open_file(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750 | (self.file_mode & 0o007))
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=dir_mode(self.file_mode))
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
         self._fd = os.open(self.path, flags, self.file_mode)
-        size = os.fstat(self._fd).st_size
+        info = os.fstat(self._fd)
+        self._identity = (info.st_dev, info.st_ino)
+        size = info.st_size
         if size > 0:
             # A process killed mid-line left no newline; start ours on a fresh line.
             with self.path.open("rb") as reader:
                 reader.seek(size - 1)
                 self._need_newline = reader.read(1) != b"\n"
 
+    def _check_replaced(self) -> None:
+        """Reopen when the file was deleted, renamed (log rotation) or replaced.
+
+        A new file starts with the stream's header again, so it reads on its own.
+        """
+        if self._fd < 0:
+            return
+        try:
+            info = self.path.stat()
+            same = (info.st_dev, info.st_ino) == self._identity
+        except OSError:
+            same = False
+        if same:
+            return
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+        self._fd = -1
+        self._need_newline = False
+        self._reopened = True
+        log.info("traintrace: %s was moved or deleted; writing a new file there", self.path)
+
     def write(self, records: Sequence[Record]) -> None:
         if not records:
             return
+        self._check_replaced()
         payload = dumps_lines(records)
         if self._lost and not self._failing:
             payload = self._lost_note() + payload
@@ -105,6 +145,10 @@ class FileBackend:
             except OSError as exc:
                 self._note_failure(exc)
                 return False
+        with_header = self._reopened and self._header is not None
+        if with_header:
+            # A new file (after rotation or deletion) starts with the header again.
+            data = dumps(dict(self._header or {})) + b"\n" + data
         if self._need_newline:
             data = b"\n" + data
         view = memoryview(data)
@@ -114,11 +158,13 @@ class FileBackend:
                 written += os.write(self._fd, view[written:])
         except OSError as exc:
             # Whatever part of the line went out is cut; the next write starts a new line.
-            self._need_newline = written > 0 and not data[:written].endswith(b"\n")
+            if written > 0:
+                self._need_newline = not data[:written].endswith(b"\n")
             self._note_failure(exc)
             if exc.errno in (errno.EBADF, errno.ESTALE):
                 self._fd = -1
             return False
+        self._reopened = False
         self._need_newline = False
         self.bytes_written += written
         return True

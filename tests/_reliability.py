@@ -1,0 +1,60 @@
+"""Helpers shared by the reliability tests: child processes and record checks."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA_PATH = ROOT / "src" / "traintrace" / "schema" / "record-v1.schema.json"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python: this checkout's sources, no TRAINTRACE_* leaking in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINTRACE_")}
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("PYTHONFAULTHANDLER", None)
+    env.update(extra)
+    return env
+
+
+def write_script(tmp: Path, name: str, code: str) -> Path:
+    script = tmp / name
+    script.write_text(textwrap.dedent(code))
+    return script
+
+
+def run_script(script: Path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(**env),
+        check=False,
+    )
+
+
+@functools.cache
+def validator() -> Any:
+    import jsonschema
+
+    schema = json.loads(SCHEMA_PATH.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    return cls(schema)
+
+
+def schema_errors(records: list[dict[str, Any]]) -> list[str]:
+    """Messages for every record that does not validate against record-v1.schema.json."""
+    check = validator()
+    out = []
+    for record in records:
+        for error in check.iter_errors(record):
+            out.append(f"{record.get('kind')} seq={record.get('seq')}: {error.message[:200]}")
+    return out

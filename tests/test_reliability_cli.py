@@ -1,0 +1,82 @@
+"""The traintrace command given corrupt, truncated, binary, huge-line, wrong-version and
+adversarial files next to a real stream: a clear message, never a traceback, bounded memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import traintrace as tt
+
+pytest.importorskip("duckdb")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HEADER = {
+    "seq": 0, "kind": "header", "ts": 1_795_000_000_000_000_000, "schema": "traintrace", "schema_version": 1,
+    "time": "2026-11-29T20:00:00+00:00", "mono": 1, "job": "hostile", "rank": 1, "world_size": 2,
+    "local_rank": 1, "local_world_size": 2, "node_rank": 0, "restart": 0, "host": "h", "pid": 1,
+    "library_version": "0",
+}  # fmt: skip
+
+
+def _hostile_job(root: Path) -> Path:
+    job = root / "hostile"
+    job.mkdir(parents=True)
+    # A real rank 0 that ran a few steps.
+    tt.configure(job_id="hostile", log_dir=str(root), rank=0, world_size=2, backends={"log": False})
+    with tt.application(), tt.training_loop():
+        for step in range(5):
+            with tt.training_iteration(step):
+                tt.event("progress", {"step": step, "<b>": "<script>alert(1)</script>"})
+    tt.close()
+    head = json.dumps(HEADER)
+    good = json.dumps({"seq": 1, "kind": "event", "ts": HEADER["ts"] + 1, "name": "e", "span": 0, "tid": 1})
+    (job / "truncated.jsonl").write_text(head + "\n" + good + "\n" + good[:25])
+    (job / "binary.jsonl").write_bytes(os.urandom(4096))
+    (job / "v2.jsonl").write_text(json.dumps({**HEADER, "schema_version": 2, "rank": 1}) + "\n" + good + "\n")
+    (job / "types.jsonl").write_text(
+        head + '\n{"seq":"x","kind":"span","id":[1],"dur":"long","ts":"now","name":{"a":1}}\n'
+        '{"kind":null}\n[1,2,3]\n' + "[" * 50000 + "\n" + good + "\n"
+    )
+    with (job / "huge.jsonl").open("wb") as handle:
+        handle.write(head.encode() + b"\n")
+        handle.write(b'{"seq":2,"kind":"event","name":"' + b"x" * (24 << 20) + b'"}\n')
+        handle.write(good.encode() + b"\n")
+    (job / "empty.jsonl").write_text("")
+    return job
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["summary"], ["ranks"], ["errors"], ["export", "-o", "{tmp}/trace.json"], ["report", "-o", "{tmp}/r.html"]],
+)
+def test_cli_on_hostile_files(tmp_path: Path, command: list[str]) -> None:
+    """Each subcommand reads what it can and says what it skipped: exit 0 (or 3 for nothing
+    readable), never a traceback (exit 1), and the process stays well under 2 GiB."""
+    job = _hostile_job(tmp_path / "logs")
+    args = [part.replace("{tmp}", str(tmp_path)) for part in command]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    done = subprocess.run(
+        [sys.executable, "-m", "traintrace.cli", args[0], str(job), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        check=False,
+    )
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert done.returncode in (0, 3), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Traceback" not in done.stdout
+    assert max(peak_kib, before) < 2 * 1024 * 1024
+    if args[0] == "summary":
+        assert "truncated.jsonl: last line cut short" in done.stdout + done.stderr
+    if args[0] == "report":
+        page = (tmp_path / "r.html").read_text()
+        assert "<script>alert(1)</script>" not in page

@@ -1,0 +1,302 @@
+"""Process death: SIGKILL at random points, SIGTERM, exceptions, exits and segfaults.
+
+Each case runs a real child Python that records at full speed and dies the way
+a training job dies; the test then reads the stream back with
+``traintrace.reader`` and checks what survived.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._reliability import child_env, run_script, schema_errors, write_script
+from traintrace.reader import read_file
+
+#: How many SIGKILL points the kill test tries (raise it for a longer hunt).
+KILL_POINTS = int(os.environ.get("RELIAB_KILL_POINTS", "12"))
+
+BUSY = """
+import sys, traintrace as tt
+log_dir, file_name = sys.argv[1], sys.argv[2]
+tt.configure(job_id="death", log_dir=log_dir, backends={"file": {"path": file_name}, "log": False},
+             flush_interval=0.02)
+big = "x" * 30000
+step = 0
+with tt.application(), tt.training_loop():
+    while True:
+        with tt.training_iteration(step) as it:
+            with tt.forward():
+                pass
+            tt.event("progress", {"step": step, "blob": big if step % 97 == 0 else ""})
+            it.add_metrics(loss=1.0 / (step + 1))
+        if step % 50 == 49:
+            tt.flush()
+            print(step, flush=True)
+        step += 1
+"""
+
+
+def _busy_child(tmp_path: Path, file_name: str) -> subprocess.Popen[str]:
+    script = write_script(tmp_path, "busy.py", BUSY)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "logs"), file_name],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+
+
+def _steps(stream_records: list[dict[str, object]]) -> list[int]:
+    return [
+        r["attrs"]["step"]  # type: ignore[index]
+        for r in stream_records
+        if r.get("kind") == "event" and r.get("name") == "progress"
+    ]
+
+
+def test_sigkill_at_random_points_keeps_everything_flushed(tmp_path: Path) -> None:
+    """SIGKILL at many random points: every record up to the last flush reads back, no gaps,
+    at most the final line cut (and reported); a restart appends to the same file and starts
+    on a fresh line (five kills per file)."""
+    rng = random.Random(int(os.environ.get("RELIAB_KILL_SEED", "8")))
+    bad_before: dict[Path, int] = {}
+    kept_after_flush = 0
+    cut = 0
+    for point in range(KILL_POINTS):
+        path = tmp_path / "logs" / f"death{point // 5}.jsonl"
+        child = _busy_child(tmp_path, path.name)
+        assert child.stdout is not None
+        first = child.stdout.readline()
+        assert first.strip().isdigit(), child.stderr.read() if child.stderr else first
+        time.sleep(rng.uniform(0.0, 0.25))
+        child.send_signal(signal.SIGKILL)
+        out, _ = child.communicate(timeout=30)
+        assert child.returncode == -signal.SIGKILL
+        last_flushed = [int(line) for line in (first + out).split()][-1]
+
+        result = read_file(path)
+        assert len(result.streams) == point % 5 + 1
+        stream = result.streams[-1]
+        steps = _steps(stream.records)
+        # Everything up to the last completed flush, once each, in order; nothing in between missing.
+        assert steps[: last_flushed + 1] == list(range(last_flushed + 1))
+        assert steps == list(range(len(steps)))
+        assert stream.gaps() == []
+        kept_after_flush += len(steps) - (last_flushed + 1)
+        new_bad = result.bad_lines[bad_before.get(path, 0) :]
+        assert len(new_bad) <= 1
+        if new_bad:
+            cut += 1
+            assert new_bad[0].last and result.truncated
+        bad_before[path] = len(result.bad_lines)
+        sample = stream.records if point == 0 else rng.sample(stream.records, min(200, len(stream.records)))
+        assert not schema_errors([stream.header, *sample])
+    print(
+        f"kill points: {KILL_POINTS}, cut final lines: {cut}, "
+        f"records written after the last acknowledged flush and kept: {kept_after_flush}"
+    )
+
+
+def test_cut_final_line_is_reported_and_a_restart_starts_a_fresh_line(tmp_path: Path) -> None:
+    """A line cut by death mid-write (as on a full disk or a network file system) is the one
+    bad line, reported as the last; the next process appends after it on a new line."""
+    import traintrace as tt
+
+    path = tmp_path / "cut.jsonl"
+    settings = {"log_dir": str(tmp_path), "backends": {"file": {"path": "cut.jsonl"}, "log": False}}
+    tt.configure(job_id="cut", **settings)
+    for step in range(10):
+        tt.event("progress", {"step": step})
+    tt.close()
+    with path.open("ab") as handle:
+        handle.write(b'{"seq":12,"kind":"event","ts":1,"name":"prog')
+    result = read_file(path)
+    assert result.truncated and len(result.bad_lines) == 1
+    assert "not JSON" in result.bad_lines[0].reason
+    assert _steps(result.streams[0].records) == list(range(10))
+
+    tt.configure(job_id="cut", **settings)
+    tt.event("progress", {"step": 0})
+    tt.close()
+    again = read_file(path)
+    assert len(again.streams) == 2 and not again.truncated
+    assert len(again.bad_lines) == 1 and not again.bad_lines[0].last
+    assert _steps(again.streams[1].records) == [0] and again.streams[1].closed_cleanly
+
+
+def _terminated_run(tmp_path: Path, script_body: str, *, wait_line: bool = True) -> tuple[int, Path, str]:
+    script = write_script(tmp_path, "term.py", script_body)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
+    assert child.stdout is not None
+    if wait_line:
+        line = child.stdout.readline()
+        assert line.strip() == "ready", child.stderr.read() if child.stderr else line
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=30)
+    return child.returncode, tmp_path / "logs" / "term.jsonl", err
+
+
+TERM = """
+import signal, sys, time, traintrace as tt
+HANDLER
+tt.configure(job_id="term", log_dir=sys.argv[1], backends={"file": {"path": "term.jsonl"}, "log": False})
+with tt.application(), tt.training_loop():
+    step = 0
+    while not globals().get("stop_now"):
+        with tt.training_iteration(step):
+            with tt.span("checkpoint_save_sync"):
+                time.sleep(0.001)
+        if step == 20:
+            tt.flush()
+            print("ready", flush=True)
+        step += 1
+print("left the loop", flush=True)
+"""
+
+
+def _statuses(path: Path) -> dict[str, str]:
+    stream = read_file(path).streams[0]
+    return {s["name"]: s["status"] for s in stream.spans() if s["name"] in ("main_function", "training_loop")}
+
+
+def test_sigterm_default_flushes_ends_spans_terminated_and_dies_by_the_signal(tmp_path: Path) -> None:
+    """No handler of the user's: open spans end 'terminated', the stream closes, and the exit
+    status is death by SIGTERM, as without traintrace."""
+    code, path, err = _terminated_run(tmp_path, TERM.replace("HANDLER", ""))
+    assert code == -signal.SIGTERM, err
+    result = read_file(path)
+    stream = result.streams[0]
+    assert stream.closed_cleanly and not result.bad_lines
+    assert _statuses(path) == {"main_function": "terminated", "training_loop": "terminated"}
+    signals = [r for r in stream.of_kind("event") if r["name"] == "signal"]
+    assert signals and signals[0]["attrs"]["reason"] == "SIGTERM"
+    assert not schema_errors(stream.records)
+
+
+def test_sigterm_with_user_handler_that_exits_keeps_its_exit_status(tmp_path: Path) -> None:
+    """A handler installed before configure() that calls sys.exit(143): it still runs, the
+    status is 143, and the spans it unwinds end 'terminated'."""
+    handler = "signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))"
+    code, path, err = _terminated_run(tmp_path, TERM.replace("HANDLER", handler))
+    assert code == 143, err
+    stream = read_file(path).streams[0]
+    assert stream.closed_cleanly
+    assert _statuses(path) == {"main_function": "terminated", "training_loop": "terminated"}
+    assert any(r["name"] == "signal" for r in stream.of_kind("event"))
+
+
+def test_sigterm_with_user_handler_that_continues(tmp_path: Path) -> None:
+    """A handler that asks the loop to stop: the program finishes its own way (status 0)."""
+    handler = "signal.signal(signal.SIGTERM, lambda s, f: globals().update(stop_now=True))"
+    script = TERM.replace("HANDLER", handler)
+    code, path, err = _terminated_run(tmp_path, script)
+    assert code == 0, err
+    stream = read_file(path).streams[0]
+    assert _statuses(path) == {"main_function": "ok", "training_loop": "ok"}
+    assert any(r["name"] == "signal" for r in stream.of_kind("event"))
+
+
+def test_sigterm_ignored_stays_ignored(tmp_path: Path) -> None:
+    """SIG_IGN before configure(): the signal is recorded and otherwise ignored."""
+    body = TERM.replace("HANDLER", "signal.signal(signal.SIGTERM, signal.SIG_IGN)").replace(
+        'while not globals().get("stop_now"):', "while step < 400:"
+    )
+    code, path, err = _terminated_run(tmp_path, body)
+    assert code == 0, err
+    stream = read_file(path).streams[0]
+    ignored = [r for r in stream.of_kind("event") if r["name"] == "signal"]
+    assert ignored and ignored[0]["attrs"].get("ignored") is True
+    assert _statuses(path) == {"main_function": "ok", "training_loop": "ok"}
+
+
+ENDINGS = """
+import os, sys, traintrace as tt
+tt.configure(job_id="end", log_dir=sys.argv[1], backends={"file": {"path": "end.jsonl"}, "log": False})
+how = sys.argv[2]
+if how == "os_exit_after_close":
+    with tt.application():
+        with tt.training_iteration(0):
+            pass
+    tt.close()
+    os._exit(7)
+with tt.application(), tt.training_loop():
+    for step in range(5):
+        with tt.training_iteration(step):
+            pass
+    with tt.training_iteration(5):
+        if how == "exception":
+            raise ValueError("loss is NaN")
+        if how == "exit":
+            sys.exit(3)
+        if how == "segfault":
+            tt.flush()
+            import faulthandler
+            faulthandler._sigsegv()
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "code", "status"),
+    [("exception", 1, "error"), ("exit", 3, "terminated"), ("os_exit_after_close", 7, None)],
+)
+def test_exception_exit_and_os_exit(tmp_path: Path, how: str, code: int, status: str | None) -> None:
+    """Unhandled exception, sys.exit and os._exit after close(): the user's exit status, a
+    cleanly closed stream, the exception recorded once, the spans' status right."""
+    script = write_script(tmp_path, "end.py", ENDINGS)
+    done = run_script(script, str(tmp_path / "logs"), how)
+    assert done.returncode == code, done.stderr
+    result = read_file(tmp_path / "logs" / "end.jsonl")
+    stream = result.streams[0]
+    assert stream.closed_cleanly and not result.bad_lines and stream.gaps() == []
+    assert not schema_errors(stream.records)
+    if how == "exception":
+        assert "ValueError: loss is NaN" in done.stderr  # Python's own report still happens
+        errors = stream.of_kind("error")
+        assert len(errors) == 1 and errors[0]["error_type"] == "ValueError"
+    if status is not None:
+        assert {s["name"]: s["status"] for s in stream.spans() if s["name"] != "iteration"} == {
+            "main_function": status,
+            "training_loop": status,
+        }
+        assert stream.spans("iteration")[-1]["status"] == status
+    else:
+        assert [s["status"] for s in stream.spans()] == ["ok", "ok"]
+
+
+def test_segfault_stacks_go_to_the_fault_file(tmp_path: Path) -> None:
+    """A segmentation fault: records up to the last flush are there, the open spans show as
+    open, and the Python stacks are in ``<stream>.faults.txt``, which the reader picks up."""
+    script = write_script(tmp_path, "end.py", ENDINGS)
+    done = run_script(script, str(tmp_path / "logs"), "segfault")
+    assert done.returncode == -signal.SIGSEGV
+    path = tmp_path / "logs" / "end.jsonl"
+    result = read_file(path)
+    stream = result.streams[0]
+    assert not stream.closed_cleanly
+    open_spans = {s["name"] for s in stream.spans() if s["status"] == "open"}
+    assert open_spans == {"main_function", "training_loop", "iteration"}
+    assert "Segmentation fault" in result.faults
+    assert 'File "' in result.faults and "end.py" in result.faults
+
+
+def test_fault_file_is_removed_after_a_clean_run(tmp_path: Path) -> None:
+    """A run that ends normally leaves no fault file behind."""
+    script = write_script(tmp_path, "end.py", ENDINGS)
+    assert run_script(script, str(tmp_path / "logs"), "exit").returncode == 3
+    assert not list((tmp_path / "logs").rglob("*.faults.txt"))
+    assert (tmp_path / "logs" / "end.jsonl").exists()
