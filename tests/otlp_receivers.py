@@ -61,18 +61,23 @@ class Received:
 
 
 class GrpcReceiver(Received):
-    """An OTLP/gRPC collector on 127.0.0.1 built from the opentelemetry-proto service stubs."""
+    """An OTLP/gRPC collector on 127.0.0.1 built from the opentelemetry-proto service stubs.
 
-    def __init__(self, port: int = 0) -> None:
+    With ``credentials`` (``grpc.ssl_server_credentials``) it speaks TLS only.
+    """
+
+    def __init__(self, port: int = 0, credentials: Any = None) -> None:
         super().__init__()
         import grpc
 
         receiver = self
+        self.metadata_seen: list[dict[str, str]] = []
 
         class Traces(trace_service_pb2_grpc.TraceServiceServicer):  # type: ignore[misc]
             def Export(self, request: Any, context: Any) -> Any:
                 with receiver.lock:
                     receiver.traces.append(request)
+                    receiver.metadata_seen.append(dict(context.invocation_metadata()))
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         class Logs(logs_service_pb2_grpc.LogsServiceServicer):  # type: ignore[misc]
@@ -91,21 +96,28 @@ class GrpcReceiver(Received):
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), self.server)
         logs_service_pb2_grpc.add_LogsServiceServicer_to_server(Logs(), self.server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        if credentials is None:
+            self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        else:
+            self.port = self.server.add_secure_port(f"127.0.0.1:{port}", credentials)
+        self.scheme = "http" if credentials is None else "https"
         self.server.start()
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         self.server.stop(0).wait(5)
 
 
 class HttpReceiver(Received):
-    """An OTLP/HTTP (protobuf) collector on 127.0.0.1 built on http.server."""
+    """An OTLP/HTTP (protobuf) collector on 127.0.0.1 built on http.server.
 
-    def __init__(self) -> None:
+    With ``ssl_context`` (a server-side ``ssl.SSLContext``) it serves HTTPS only.
+    """
+
+    def __init__(self, ssl_context: Any = None) -> None:
         super().__init__()
         receiver = self
         kinds = {
@@ -157,12 +169,16 @@ class HttpReceiver(Received):
         self.headers_seen: list[dict[str, str]] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
+        self.scheme = "http"
+        if ssl_context is not None:
+            self.server.socket = ssl_context.wrap_socket(self.server.socket, server_side=True)
+            self.scheme = "https"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         self.server.shutdown()

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..._config import ConfigError
@@ -260,11 +261,21 @@ def exporter_class(options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     if options.get("timeout"):
         kwargs["timeout"] = float(options["timeout"])
     compression = options.get("compression")
+    certificate = options.get("certificate")
     if protocol == "grpc":
         if options.get("endpoint"):
             kwargs["endpoint"] = options["endpoint"]
         if options.get("insecure") is not None:
             kwargs["insecure"] = options["insecure"]
+        if certificate:
+            import grpc
+
+            try:
+                roots = Path(certificate).read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"backends.otlp_{signal}.certificate: cannot read {certificate}: {exc}") from None
+            kwargs["credentials"] = grpc.ssl_channel_credentials(root_certificates=roots)
+            kwargs.setdefault("insecure", False)  # a CA was given: never fall back to plain text
         if compression:
             import grpc
 
@@ -273,11 +284,32 @@ def exporter_class(options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
             )
     else:
         kwargs["endpoint"] = http_endpoint(signal, options.get("endpoint"))
+        certificate = certificate or _env(signal, "CERTIFICATE")
+        if certificate:
+            kwargs["certificate_file"] = certificate
+            kwargs["session"] = _pinned_session()
         if compression:
             from opentelemetry.exporter.otlp.proto.http import Compression
 
             kwargs["compression"] = Compression.Gzip if compression == "gzip" else Compression.NoCompression
     return cls, kwargs
+
+
+def _pinned_session() -> Any:
+    """A requests Session that keeps the CA file it is given.
+
+    A plain Session checks against ``REQUESTS_CA_BUNDLE`` or ``CURL_CA_BUNDLE``
+    whenever one is set, ignoring the exporter's ``certificate_file`` (requests
+    issue 3829), so the collector's certificate would fail to verify.
+    """
+    import requests
+
+    class PinnedSession(requests.Session):
+        def merge_environment_settings(self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any) -> Any:
+            chosen = self.verify if verify is None else verify
+            return super().merge_environment_settings(url, proxies, stream, chosen, cert)
+
+    return PinnedSession()
 
 
 def call_with_timeout(func: Callable[[], Any], timeout: float, name: str) -> bool:

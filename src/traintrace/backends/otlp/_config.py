@@ -18,23 +18,28 @@ PROTOCOLS = ("grpc", "http/protobuf", "console")
 COMPRESSIONS = ("gzip", "none")
 
 
-def parse_pairs(value: str | Mapping[str, Any] | None, where: str) -> dict[str, str]:
-    """``"k=v,k2=v2"`` (as in ``OTEL_EXPORTER_OTLP_HEADERS``) or a mapping, as a dict."""
+def parse_pairs(value: str | Mapping[str, Any] | None, where: str, secret: bool = False) -> dict[str, str]:
+    """``"k=v,k2=v2"`` (as in ``OTEL_EXPORTER_OTLP_HEADERS``) or a mapping, as a dict.
+
+    With ``secret`` (headers: they carry tokens) an error names the entry by position, not text.
+    """
     if value is None:
         return {}
     if isinstance(value, Mapping):
         return {str(k): str(v) for k, v in value.items()}
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: expected 'key=value,key2=value2' or a table, got {value!r}")
+        shown = type(value).__name__ if secret else repr(value)
+        raise ConfigError(f"{where}: expected 'key=value,key2=value2' or a table, got {shown}")
     from urllib.parse import unquote
 
     out: dict[str, str] = {}
-    for part in value.split(","):
+    for number, part in enumerate(value.split(","), 1):
         if not part.strip():
             continue
         key, sep, val = part.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"{where}: {part.strip()!r} is not key=value")
+            shown = f"entry {number}" if secret else repr(part.strip())
+            raise ConfigError(f"{where}: {shown} is not key=value")
         out[unquote(key.strip())] = unquote(val.strip())
     return out
 
@@ -48,16 +53,20 @@ class OtlpConfig(BackendConfig):
     ``grpc``, ``http/protobuf`` or ``console``. ``timeout``: seconds one export
     request may take, retries included. ``close_timeout``: the most seconds
     closing waits for the collector before the rest is dropped and counted.
+    ``certificate``: a PEM file of the CA certificates the collector's TLS
+    certificate is checked against (default: the system's, or
+    ``OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE``).
     """
 
     endpoint: str | None = None
     protocol: str | None = None
-    headers: str | dict[str, Any] | None = None
+    headers: str | dict[str, Any] | None = field(default=None, repr=False)  # may carry tokens
     insecure: bool | None = None
     timeout: float | None = None
     compression: str | None = None
     service_name: str | None = None
     resource_attributes: str | dict[str, Any] | None = None
+    certificate: str | None = None
     close_timeout: float = 3.0
     max_queue: int = 65536
     batch_size: int = 2048
@@ -95,7 +104,18 @@ class OtlpConfig(BackendConfig):
             not isinstance(self.service_name, str) or not self.service_name
         ):
             raise ConfigError(f"{where}.service_name: expected a non-empty string")
-        self.headers = parse_pairs(self.headers, f"{where}.headers")
+        if self.certificate is not None:
+            import os
+            from pathlib import Path
+
+            if not isinstance(self.certificate, str | os.PathLike) or not str(self.certificate):
+                raise ConfigError(f"{where}.certificate: expected the path of a PEM file")
+            self.certificate = os.fspath(self.certificate)
+            if not Path(self.certificate).is_file():
+                raise ConfigError(f"{where}.certificate: no such file: {self.certificate}")
+            if self.insecure:
+                raise ConfigError(f"{where}.certificate: set, but insecure is true (no TLS)")
+        self.headers = parse_pairs(self.headers, f"{where}.headers", secret=True)
         self.resource_attributes = parse_pairs_any(self.resource_attributes, f"{where}.resource_attributes")
 
     def exporter_options(self) -> dict[str, Any]:
@@ -108,6 +128,7 @@ class OtlpConfig(BackendConfig):
             "insecure": self.insecure,
             "timeout": self.timeout,
             "compression": self.compression,
+            "certificate": self.certificate,
         }
 
 
