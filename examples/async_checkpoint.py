@@ -78,6 +78,10 @@ def save(model: nn.Module, step: int, root: Path) -> Future[Any]:
         tt.start, tt.SpanName.CHECKPOINT_SAVE_FINALIZATION, attrs, link=blocking
     )
 
+    # Resolved once the finalisation span has ended: a future's result() can
+    # return before its done-callbacks have run.
+    recorded: Future[Any] = Future()
+
     def finished(done: Future[Any]) -> None:
         error = done.exception()
         if error is not None:
@@ -85,9 +89,10 @@ def save(model: nn.Module, step: int, root: Path) -> Future[Any]:
             tt.stop(background, status=tt.SpanStatus.ERROR)
         else:
             tt.stop(background, {"checkpoint_size": folder_size(path)})
+        recorded.set_result(None)
 
     future.add_done_callback(finished)
-    return future
+    return recorded
 
 
 def main() -> None:
