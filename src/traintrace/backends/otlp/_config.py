@@ -118,6 +118,19 @@ class OtlpConfig(BackendConfig):
         self.headers = parse_pairs(self.headers, f"{where}.headers", secret=True)
         self.resource_attributes = parse_pairs_any(self.resource_attributes, f"{where}.resource_attributes")
 
+    def backend_settings(self, level: int) -> dict[str, Any]:
+        """The keyword arguments every OTLP backend takes from these settings."""
+        return {
+            "exporter_options": self.exporter_options(),
+            "verbosity": level,
+            "service_name": self.service_name,
+            "resource_attributes": dict(self.resource_attributes or {}),  # type: ignore[arg-type]
+            "max_queue": self.max_queue,
+            "batch_size": self.batch_size,
+            "export_interval": self.export_interval,
+            "close_timeout": self.close_timeout,
+        }
+
     def exporter_options(self) -> dict[str, Any]:
         """The settings the exporter factory needs, as plain data."""
         return {
@@ -150,16 +163,7 @@ class OtlpTracesConfig(OtlpConfig):
     def create(self, config: Config, identity: Identity, level: int) -> Backend:
         from ._traces import OtlpTracesBackend
 
-        return OtlpTracesBackend(
-            exporter_options=self.exporter_options(),
-            verbosity=level,
-            service_name=self.service_name,
-            resource_attributes=dict(self.resource_attributes or {}),  # type: ignore[arg-type]
-            max_queue=self.max_queue,
-            batch_size=self.batch_size,
-            export_interval=self.export_interval,
-            close_timeout=self.close_timeout,
-        )
+        return OtlpTracesBackend(**self.backend_settings(level))
 
 
 @dataclass
@@ -182,17 +186,7 @@ class OtlpLogsConfig(OtlpConfig):
     def create(self, config: Config, identity: Identity, level: int) -> Backend:
         from ._logs import OtlpLogsBackend
 
-        return OtlpLogsBackend(
-            exporter_options=self.exporter_options(),
-            verbosity=level,
-            body=self.body,
-            service_name=self.service_name,
-            resource_attributes=dict(self.resource_attributes or {}),  # type: ignore[arg-type]
-            max_queue=self.max_queue,
-            batch_size=self.batch_size,
-            export_interval=self.export_interval,
-            close_timeout=self.close_timeout,
-        )
+        return OtlpLogsBackend(body=self.body, **self.backend_settings(level))
 
 
 @dataclass
