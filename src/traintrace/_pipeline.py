@@ -129,7 +129,7 @@ class Pipeline:
             while len(self.queue) >= self.capacity and not self._closed.is_set():
                 if time.monotonic() > deadline:
                     break
-                time.sleep(0.0002)
+                time.sleep(0.001)
                 self._wake.set()
             else:
                 self.queue.append(item)
@@ -212,7 +212,7 @@ class Pipeline:
                 self._deliver(batch)
                 wrote = True
             chunks += 1
-            if chunks % 4 == 0:
+            if chunks % 16 == 0:
                 time.sleep(0)  # let the training thread have the GIL now and then
         if waiters and self.observers:
             held: list[tuple[int, dict[str, Any]]] = []

@@ -112,7 +112,6 @@ class Span:
 
     __slots__ = (
         "_rec",
-        "_token",
         "attrs",
         "id",
         "level",
@@ -169,7 +168,7 @@ class Span:
         self.written = 0
         self.t1 = None
         self._rec = rec
-        self._token = _current.set(self)
+        _current.set(self)
         if rec._listeners:
             for listener in rec._listeners:
                 listener.span_started(self)
@@ -197,12 +196,10 @@ class Span:
         if exc is not None:
             rec._span_failed(self, exc)
         self.t1 = t1
-        try:
-            # Back to what was current at the start; closed spans there are skipped later.
-            _current.reset(self._token)
-        except (ValueError, RuntimeError):
-            # Stopped from another thread, task or callback context: nothing to restore here.
-            pass
+        if _current.get() is self:
+            # Not a reset token: holding one per queued span doubles the objects the
+            # garbage collector walks. A closed parent is skipped at the next start.
+            _current.set(self.parent)
         if rec._listeners:
             for listener in rec._listeners:
                 listener.span_stopped(self)
