@@ -42,7 +42,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 @pytest.fixture(autouse=True)
 def _clean_traintrace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     for key in list(os.environ):
-        if key.startswith("TRAINTRACE_") or key in (
+        if key.startswith(("TRAINTRACE_", "OTEL_")) or key in (
             "RANK",
             "WORLD_SIZE",
             "LOCAL_RANK",

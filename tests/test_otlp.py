@@ -18,7 +18,6 @@ pytest.importorskip("opentelemetry.sdk")
 pytest.importorskip("grpc")
 
 import traintrace as tt
-from traintrace import _recorder
 from traintrace.backends.otlp import span_id_for, span_salt, trace_id_for
 from traintrace.backends.otlp._common import flatten_attrs
 
@@ -26,17 +25,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from otlp_receivers import GrpcReceiver, HttpReceiver
 
 ERROR = 2  # Status.StatusCode.STATUS_CODE_ERROR in the protocol
-
-
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    for key in list(os.environ):
-        if key.startswith(("TRAINTRACE_", "OTEL_")) or key in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-            monkeypatch.delenv(key, raising=False)
-    monkeypatch.chdir(tmp_path)
-    _recorder._warned.clear()
-    yield
-    tt.close()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ localhost) are made at test time with the ``openssl`` command.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 import ssl
@@ -23,7 +22,6 @@ pytest.importorskip("opentelemetry.sdk")
 pytest.importorskip("grpc")
 
 import traintrace as tt
-from traintrace import _recorder
 
 sys.path.insert(0, str(Path(__file__).parent))
 from otlp_receivers import GrpcReceiver, HttpReceiver
@@ -82,17 +80,6 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
         cwd=folder,
     )  # fmt: skip
     return Certs(folder)
-
-
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    for key in list(os.environ):
-        if key.startswith(("TRAINTRACE_", "OTEL_")) or key in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
-            monkeypatch.delenv(key, raising=False)
-    monkeypatch.chdir(tmp_path)
-    _recorder._warned.clear()
-    yield
-    tt.close()
 
 
 @pytest.fixture
