@@ -62,6 +62,8 @@ class SpanName:
     CHECKPOINT_SAVE_ASYNC: Final = "checkpoint_save_async"
     CHECKPOINT_SAVE_FINALIZATION: Final = "checkpoint_save_finalization"
     CHECKPOINT_LOAD: Final = "checkpoint_load"
+    #: Communication between ranks (an all-reduce, a barrier): time spent waiting for peers.
+    COLLECTIVE: Final = "collective"
 
 
 class EventName:
@@ -106,4 +108,5 @@ DEFAULT_SPAN_VERBOSITY: Final[dict[str, Verbosity]] = {
     SpanName.BACKWARD: Verbosity.PROFILING,
     SpanName.ZERO_GRAD: Verbosity.PROFILING,
     SpanName.OPTIMIZER_STEP: Verbosity.PROFILING,
+    SpanName.COLLECTIVE: Verbosity.PROFILING,
 }

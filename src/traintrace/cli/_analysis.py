@@ -88,8 +88,12 @@ def summary(job: Job) -> dict[str, Any]:
     # Per-rank seconds by category, then the job figure is the mean over ranks (ranks run in lockstep).
     per_rank: dict[int, dict[str, float]] = {r: dict.fromkeys(CATEGORIES, 0.0) for r in ranks}
     step_counts: dict[int, dict[bool, int]] = {}
+    # Time after a hang began is hang time, never also lost progress: iterations are clipped there.
     for rank, lost, seconds, count in job.rows(
-        "SELECT rank, lost, sum(dur) / 1e9, count(*) FROM iterations GROUP BY ALL"
+        f"""
+        SELECT i.rank, i.lost, sum({_clipped("i.ts", "i.dur")}) / 1e9, count(*)
+        FROM iterations i JOIN stream_facts f USING (stream) GROUP BY ALL
+        """
     ):
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
@@ -97,7 +101,7 @@ def summary(job: Job) -> dict[str, Any]:
     case = _category_case("s.name")
     spans_sql = f"""
         SELECT s.rank, {case} AS cat,
-               sum(coalesce(s.dur, greatest(f.end_ts - s.ts, 0))) / 1e9
+               sum({_clipped("s.ts", "coalesce(s.dur, greatest(f.end_ts - s.ts, 0))")}) / 1e9
         FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE NOT s.is_agent AND {case} IS NOT NULL
           AND NOT (s.name = 'data_loading' AND EXISTS (
@@ -108,13 +112,8 @@ def summary(job: Job) -> dict[str, Any]:
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank][cat] += seconds
     for rank, seconds in job.rows(
-        """
-        SELECT f.rank, sum(f.end_ts - greatest(f.hang_ts_progress, f.start_ts)) / 1e9 FROM (
-            SELECT f.*, (SELECT max(i.ts + i.dur) FROM iterations i
-                         WHERE i.stream = f.stream AND i.ts + i.dur <= f.hang_ts) AS hang_ts_progress
-            FROM stream_facts f WHERE f.hang_ts IS NOT NULL AND NOT f.is_agent) f
-        GROUP BY ALL
-        """
+        "SELECT rank, sum(end_ts - hang_from) / 1e9 FROM stream_facts "
+        "WHERE hang_from IS NOT NULL AND NOT is_agent GROUP BY ALL"
     ):
         per_rank[rank]["hang"] += seconds
     covered = dict(
@@ -208,6 +207,12 @@ def summary(job: Job) -> dict[str, Any]:
     return result
 
 
+def _clipped(ts: str, dur: str) -> str:
+    """A duration cut where the stream's hang began (``f`` is the stream's row of stream_facts)."""
+    return f"CASE WHEN f.hang_from IS NOT NULL AND {ts} + {dur} > f.hang_from THEN greatest(f.hang_from - {ts}, 0) " \
+        f"ELSE {dur} END"
+
+
 def _count_medians(step_counts: dict[int, dict[bool, int]]) -> tuple[Any, ...]:
     """(median iterations, median productive, median lost, max lost) over ranks, as DuckDB's median would."""
     if not step_counts:
@@ -221,7 +226,9 @@ def _count_medians(step_counts: dict[int, dict[bool, int]]) -> tuple[Any, ...]:
     runs = [c[True] + c[False] for c in step_counts.values()]
     ok = [c[False] for c in step_counts.values()]
     lost = [c[True] for c in step_counts.values()]
-    return (median(runs), median(ok), median(lost), max(lost))
+    # Ranks of one job run the same steps: the job completed a step when a rank did (a rank killed mid-step
+    # has one fewer iteration record, which is not a step fewer for the job).
+    return (max(runs), max(ok), median(lost), max(lost))
 
 
 def _rate(samples: int | None, seconds: float, source: str | None) -> float | None:

@@ -156,6 +156,7 @@ class Job:
     record_count: int = 0
     _tmp: Any = None
     manifest_world_size: int = 0
+    _progress_cache: dict[int, Any] | None = None
 
     @classmethod
     def open(
@@ -335,8 +336,14 @@ class Job:
 
 
     def _stream_facts(self) -> None:
-        """Per stream: did it fail, when did its last checkpoint complete, did a hang detector fire."""
+        """Per stream: did it fail, is it still running, the job's last completed checkpoint, any hang.
+
+        A checkpoint protects every rank's progress (docs/analysis.md): when only some ranks save (the
+        replicated model saved by rank 0), the latest save of any of them counts for all ranks of that
+        restart; when every rank saves (its shard), each rank's own latest save counts for it.
+        """
         hang = "'hang_suspected'"
+        self._running_streams()
         self.con.execute(
             f"""
             CREATE TABLE stream_facts AS
@@ -346,6 +353,9 @@ class Job:
                       OR (name = 'checkpoint_save_async' AND NOT EXISTS (
                           SELECT 1 FROM spans_small f WHERE f.name = 'checkpoint_save_finalization')))
                 GROUP BY stream
+            ), attempt AS (
+                SELECT s.restart, count(*) AS ranks, count(ck.stream) AS savers, max(ck.ckpt_end) AS any_end
+                FROM streams s LEFT JOIN ck USING (stream) WHERE NOT s.is_agent GROUP BY s.restart
             ), bad AS (
                 SELECT DISTINCT stream FROM spans_small
                 WHERE status IN ('error', 'terminated') AND name IN ('main_function', 'training_loop', 'iteration')
@@ -354,11 +364,68 @@ class Job:
                 WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream
             )
             SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
-                   (NOT s.closed OR bad.stream IS NOT NULL) AS failed, ck.ckpt_end, hang.hang_ts, h.lo, h.hi
+                   (NOT s.closed AND r.stream IS NULL) OR bad.stream IS NOT NULL AS failed,
+                   r.stream IS NOT NULL AND NOT s.closed AS running,
+                   CASE WHEN a.savers = a.ranks THEN ck.ckpt_end ELSE a.any_end END AS ckpt_end,
+                   hang.hang_ts, h.lo, h.hi
             FROM streams s JOIN headers h USING (stream)
+            LEFT JOIN attempt a ON a.restart = s.restart AND NOT s.is_agent
             LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN hang USING (stream)
+            LEFT JOIN running_streams r USING (stream)
             """
         )
+        # Where each hang began: the end of the stream's last iteration before its hang_suspected record.
+        self.con.execute(
+            f"""
+            ALTER TABLE stream_facts ADD COLUMN hang_from BIGINT;
+            UPDATE stream_facts f SET hang_from = greatest(coalesce((
+                SELECT max(r.ts + r.dur) FROM raw r WHERE r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
+                  AND r.kind = 'span' AND r.name = '{ITERATION}' AND r.ts + r.dur <= f.hang_ts), 0), (
+                SELECT max(s.ts + s.dur) FROM spans_small s WHERE s.stream = f.stream AND s.name = '{ITERATION}'
+                  AND NOT s.open AND s.ts + s.dur <= f.hang_ts), f.start_ts)
+            WHERE f.hang_ts IS NOT NULL
+            """
+        )
+
+    def _running_streams(self) -> None:
+        """The streams whose process is still running (docs/analysis.md, "Running jobs")."""
+        rows = self.con.execute(
+            """
+            SELECT s.stream, s.path, s.rank, s.restart, s.host, s.pid, s.start_ts, s.closed, s.errors,
+                   s.end_ts, s.next_start IS NULL AS last
+            FROM streams s WHERE NOT s.is_agent
+            """
+        ).fetchall()
+        progress = self.progress_files()
+        running: list[int] = []
+        now = time.time_ns()
+        for stream, path, rank, restart, host, pid, start_ts, closed, errors, end_ts, last in rows:
+            if closed or not last:
+                continue
+            p = progress.get(rank)
+            if p is not None and getattr(p, "restart", restart) != restart:
+                p = None
+            try:
+                mtime = Path(path).stat().st_mtime_ns
+            except OSError:
+                mtime = end_ts
+            header = {"pid": pid, "host": host, "ts": start_ts}
+            if _stream_state(p, bool(errors), header, mtime, now) == "running":
+                running.append(int(stream))
+        self.con.execute("CREATE TABLE running_streams AS SELECT unnest($s::BIGINT[]) AS stream", {"s": running})
+
+    def progress_files(self) -> dict[int, Any]:
+        """rank -> the rank's progress file (``traintrace.progress``), for the folders of the job's files."""
+        if self._progress_cache is None:
+            self._progress_cache = {}
+            reader = _progress_module()
+            if reader is not None:
+                folders = sorted({str(Path(f.path).parent) for f in self.files})
+                try:
+                    self._progress_cache = dict(reader.read_job_progress(folders))
+                except Exception:  # noqa: BLE001 - a progress file is a hint, never a failure
+                    self._progress_cache = {}
+        return self._progress_cache
 
     def _collect_notes(self) -> None:
         for check in self.files:
@@ -494,6 +561,41 @@ class _Progress:
         if self.shown:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
+
+
+def _progress_module() -> Any:
+    """``traintrace.progress`` (the progress-file reader), or None where this version has none."""
+    import importlib
+
+    try:
+        return importlib.import_module("traintrace.progress")
+    except ImportError:
+        return None
+
+
+#: A stream that wrote this recently, on a host whose processes cannot be checked, is running.
+RECENT_S = 60.0
+
+
+def _stream_state(progress: Any, errors: bool, header: dict[str, Any], last_write_ns: int, now_ns: int) -> str:
+    """running / finished / failed / dead for a stream without a close record."""
+    module = _progress_module()
+    if module is not None:
+        state: str = module.stream_state(progress, closed=False, failed=errors, header=header,
+                                         last_write_ns=last_write_ns, now_ns=now_ns)
+        return state
+    import socket
+
+    pid, host = header.get("pid"), header.get("host")
+    if isinstance(pid, int) and pid > 0 and host == socket.gethostname():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "dead"
+        except PermissionError:
+            return "running"
+        return "running"
+    return "running" if now_ns - last_write_ns <= RECENT_S * 1e9 else "dead"
 
 
 def _manifest_world_size(paths: Sequence[str | os.PathLike[str]]) -> int:
