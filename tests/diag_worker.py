@@ -20,6 +20,7 @@ pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import datetime
 import json
@@ -64,6 +65,15 @@ def main() -> None:  # noqa: C901, PLR0912, PLR0915 - one straight training scri
     world = int(os.environ["WORLD_SIZE"])
     truth = Truth(Path(args.truth), rank)
     truth.write(event="process_start")
+    # Registered before traintrace's own: runs after it (exit handlers run last-in first-out).
+    atexit.register(truth.write, event="exit")
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        truth.write(event="sigterm")
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)  # a user's own handler: traintrace records, then calls it
     tt.configure(hang_timeout=1.5, hang_check_interval=0.25, flush_interval=0.1, log_interval=5)
     mine = rank == args.fault_rank
     fault = args.fault if mine else "none"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._diagnosis import HANG_ERRORS, _secondary, diagnose
 from ._engine import Job, compress_ranks
 
 NS = 1e9
@@ -363,6 +364,31 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
 # ---------------------------------------------------------------- errors
 
 
+def _enclosing(job: Job, stream: int, span: int) -> tuple[str | None, int | None]:
+    """The span an error was raised in, and the step of the iteration enclosing it (not the innermost span)."""
+    rows = {
+        int(r[0]): (r[1], r[2], r[3])
+        for r in job.rows(
+            "SELECT id, parent, name, try_cast(attrs->>'step' AS BIGINT) FROM spans_small WHERE stream = $s "
+            "UNION ALL SELECT id, parent, 'iteration', try_cast(attrs->>'step' AS BIGINT) FROM iterations "
+            "WHERE stream = $s",
+            {"s": stream},
+        )
+        if r[0] is not None
+    }
+    name = rows[span][1] if span in rows else None
+    node: int | None = span
+    seen: set[int] = set()
+    while node is not None and node in rows and node not in seen:
+        seen.add(node)
+        parent, kind, step = rows[node]
+        if kind == "iteration" and step is not None:
+            return name, int(step)
+        node = parent
+    return name, None
+
+
+
 def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
     """Root cause first: the first error in time, identical errors grouped, each rank's last moments."""
     prepare(job)
@@ -373,31 +399,29 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         FROM other WHERE kind = 'error' ORDER BY ts, rank
         """
     )
-    first = all_errors[0] if all_errors else None
+    verdict = diagnose(job)
+    # The first error is the first cause: peers' consequences (connection closed, timeouts) and hang reports
+    # come after it in importance, whatever their time.
+    for e in all_errors:
+        e["consequence"] = e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS or _secondary(e)
+    causes = [e for e in all_errors if not e["consequence"]]
+    first = causes[0] if causes else (all_errors[0] if all_errors else None)
     if first is not None and first.get("span"):
-        where = job.dicts(
-            """
-            SELECT name, try_cast(a.step AS BIGINT) AS step FROM spans_small WHERE stream = $s AND id = $i
-            UNION ALL
-            SELECT 'iteration', try_cast(attrs->>'step' AS BIGINT) FROM iterations WHERE stream = $s AND id = $i
-            """,
-            {"s": first["stream"], "i": first["span"]},
-        )
-        if where:
-            first["in_span"] = where[0]["name"]
-            first["step"] = where[0]["step"]
+        where = _enclosing(job, first["stream"], first["span"])
+        first["in_span"] = where[0]
+        first["step"] = where[1]
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     for e in all_errors:
         key = (e["name"] or "", e["error_type"] or "", e["message"] or "")
         g = groups.setdefault(
             key,
             {"name": e["name"], "error_type": e["error_type"], "message": e["message"], "count": 0,
-             "ranks": [], "first_ts": e["ts"], "stack": e["stack"]},
+             "ranks": [], "first_ts": e["ts"], "stack": e["stack"], "consequence": e["consequence"]},
         )
         g["count"] += 1
         if e["rank"] is not None and e["rank"] not in g["ranks"]:
             g["ranks"].append(e["rank"])
-    grouped = sorted(groups.values(), key=lambda g: g["first_ts"])
+    grouped = sorted(groups.values(), key=lambda g: (g["consequence"], g["first_ts"]))
     for g in grouped:
         g["ranks"] = compress_ranks(g["ranks"]) if g["ranks"] else "agent"
     # Each rank's last stream: how it ended, its last record, the spans it still had open.
@@ -463,6 +487,11 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         "ORDER BY ts LIMIT 1000"
     )
     return {
+        "verdict": verdict["verdict"],
+        "status": verdict["status"],
+        "culprit": verdict["culprit"],
+        "rule": verdict.get("rule"),
+        "rank_states": verdict["ranks"],
         "first_error": first,
         "error_count": len(all_errors),
         "groups": grouped,

@@ -1,0 +1,435 @@
+"""The verdict: which rank caused a failure, at which step, in which phase, and why.
+
+The rules are in docs/analysis.md ("errors: the culprit"); keep the two in step.
+Each rank's state is read from its stream (errors, signals, the spans a failure
+left open or ended), the launcher's ``worker_failure`` events (exit code,
+signal) and, where present, its progress file (the exact step and phase when
+the last records were lost).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ._engine import Job
+
+#: Messages of errors that are the consequence of another rank's failure, not a cause.
+SECONDARY = re.compile(
+    r"connection (?:closed|reset|refused|aborted)|closed by peer|reset by peer|broken pipe|timed? ?out|timeout"
+    r"|gloo|nccl|socket|remote (?:worker|process)|peer|watchdog|ProcessGroup|unreachable|store",
+    re.IGNORECASE,
+)
+HANG_ERRORS = ("hang_suspected", "hang_exit")
+#: Span names that say where a rank is, innermost wins; containers only when nothing finer is open.
+CONTAINERS = ("main_function", "training_loop")
+COLLECTIVE = "collective"
+ITERATION = "iteration"
+#: How phases read in a sentence.
+PHASE_LABELS = {
+    "data_loading": "data loading",
+    "model_forward": "forward",
+    "model_backward": "backward",
+    "optimizer_update": "the optimizer step",
+    "zero_grad": "zero_grad",
+    "checkpoint_save_sync": "a checkpoint save",
+    "checkpoint_save_async": "a checkpoint save",
+    "checkpoint_save_finalization": "a background checkpoint save",
+    "checkpoint_load": "a checkpoint load",
+    "validation_loop": "validation",
+    "test_loop": "test",
+    "iteration": "a step (between phases)",
+    "training_loop": "the training loop (between steps)",
+    "main_function": "the program (outside the training loop)",
+    "distributed_code_initialization": "distributed initialisation",
+    "model_initialization": "model initialisation",
+    "optimizer_initialization": "optimizer initialisation",
+    "data_loader_initialization": "data loader initialisation",
+    COLLECTIVE: "a collective",
+}
+#: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
+#: this much clock skew between hosts is tolerated.
+SKEW_NS = 50_000_000
+
+
+@dataclass
+class RankState:
+    """One rank's last moments in one attempt (restart)."""
+
+    rank: int
+    restart: int
+    stream: int
+    state: str = "closed"  # closed | error | killed | terminated | hung | running | ended
+    step: int | None = None
+    phase: str | None = None
+    in_collective: bool = False
+    collective: str | None = None
+    stopped_ns: int | None = None
+    last_progress_ns: int | None = None
+    error: dict[str, Any] | None = None
+    consequence: dict[str, Any] | None = None
+    hang: dict[str, Any] | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    source: list[str] = field(default_factory=list)
+
+    def doing(self) -> str:
+        """What the rank was doing, as a phrase: "waiting in a collective in backward at step 7"."""
+        where = PHASE_LABELS.get(self.phase or "", self.phase or "an unknown phase")
+        if self.in_collective:
+            op = f" ({self.collective})" if self.collective and self.collective != "all_reduce" else ""
+            what = f"waiting in a collective{op}" + ("" if self.phase in (None, ITERATION) else f" in {where}")
+        else:
+            what = f"in {where}"
+        return what + ("" if self.step is None else f" at step {self.step}")
+
+
+def diagnose(job: Job) -> dict[str, Any]:
+    """The job's verdict and each rank's state in the attempt it is about (docs/analysis.md)."""
+    facts = job.dicts(
+        """
+        SELECT f.stream, f.rank, f.restart, f.start_ts, f.end_ts, f.closed, f.failed, f.running, f.hang_ts,
+               f.hang_from, s.errors
+        FROM stream_facts f JOIN streams s USING (stream) WHERE NOT f.is_agent ORDER BY f.restart, f.rank
+        """
+    )
+    if not facts:
+        return {"status": "empty", "verdict": "no rank wrote any record", "culprit": None, "ranks": []}
+    restarts = sorted({f["restart"] for f in facts})
+    attempts = {r: [f for f in facts if f["restart"] == r] for r in restarts}
+    failed = [r for r in restarts if any(f["failed"] for f in attempts[r])]
+    last = restarts[-1]
+    launcher = _launcher_failures(job)
+    if any(f["running"] for f in attempts[last]) and not any(f["failed"] for f in attempts[last]):
+        states = [_rank_state(job, f, launcher) for f in attempts[last]]
+        return _result("running", _running_sentence(states, failed), None, states, last, failed)
+    if not failed:
+        steps = job.one("SELECT max(try_cast(attrs->>'step' AS BIGINT)) FROM iterations WHERE status = 'ok'")
+        done = f"; last step {steps[0]}" if steps and steps[0] is not None else ""
+        hangs = job.one("SELECT count(DISTINCT stream) FROM stream_facts WHERE hang_ts IS NOT NULL")
+        note = f" (a hang was suspected on {hangs[0]} rank(s) and resolved)" if hangs and hangs[0] else ""
+        ranks = len({f["rank"] for f in facts})
+        states = [_rank_state(job, f, launcher) for f in attempts[last]]
+        return _result("healthy", f"healthy: {ranks} rank(s) finished{done}{note}", None, states, last, failed)
+    about = failed[-1]
+    states = [_rank_state(job, f, launcher) for f in attempts[about]]
+    culprit, rule = _culprit(states)
+    sentence = _sentence(culprit, states)
+    if about != last:
+        sentence = f"restart {about} failed: {sentence}; restart {last} " + (
+            "is running" if any(f["running"] for f in attempts[last]) else
+            "failed too" if about in failed and last in failed else "finished")
+    out = _result("failed", sentence, culprit, states, about, failed)
+    out["rule"] = rule
+    return out
+
+
+def _result(status: str, verdict: str, culprit: RankState | None, states: list[RankState], restart: int,
+            failed: list[int]) -> dict[str, Any]:
+    return {
+        "status": status,
+        "verdict": verdict,
+        "restart": restart,
+        "failed_restarts": failed,
+        "culprit": None if culprit is None else _public(culprit),
+        "ranks": [_public(s) for s in states],
+    }
+
+
+def _public(state: RankState) -> dict[str, Any]:
+    out = asdict(state)
+    out["doing"] = state.doing()
+    out["cause"] = _cause(state)
+    return out
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
+    """(rank, restart) -> exit code and signal from the launcher's worker_failure events."""
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for attrs_text, ts in job.rows(
+        "SELECT attrs, ts FROM other WHERE is_agent AND kind = 'event' AND name = 'worker_failure' ORDER BY ts"
+    ):
+        try:
+            attrs = json.loads(attrs_text) if isinstance(attrs_text, str) else dict(attrs_text or {})
+        except ValueError:
+            continue
+        rank, restart = attrs.get("rank"), attrs.get("restart", 0)
+        if not isinstance(rank, int):
+            continue
+        data = attrs.get("data") if isinstance(attrs.get("data"), dict) else {}
+        code = attrs.get("exit_code")
+        out[(rank, int(restart or 0))] = {
+            "exit_code": code if isinstance(code, int) else None,
+            "signal": data.get("signal"),
+            "ts": ts,
+        }
+    return out
+
+
+def _rank_state(job: Job, f: dict[str, Any], launcher: dict[tuple[int, int], dict[str, Any]]) -> RankState:
+    stream = f["stream"]
+    st = RankState(rank=int(f["rank"]), restart=int(f["restart"]), stream=int(stream))
+    errors = job.dicts(
+        "SELECT ts, name, error_type, message, stack, span, attrs FROM other "
+        "WHERE stream = $s AND kind = 'error' ORDER BY ts, seq",
+        {"s": stream},
+    )
+    hangs = [e for e in errors if e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS]
+    real = [e for e in errors if e not in hangs]
+    primary = [e for e in real if not _secondary(e)]
+    secondary = [e for e in real if _secondary(e)]
+    signals = job.rows(
+        "SELECT ts, attrs FROM other WHERE stream = $s AND kind = 'event' AND name = 'signal' ORDER BY ts",
+        {"s": stream},
+    )
+    last_ok = job.one(
+        "SELECT max(ts + dur), arg_max(try_cast(attrs->>'step' AS BIGINT), ts) FROM iterations "
+        "WHERE stream = $s AND status = 'ok'",
+        {"s": stream},
+    )
+    st.last_progress_ns = last_ok[0] if last_ok else None
+    last_done_step = last_ok[1] if last_ok else None
+    fail = launcher.get((st.rank, st.restart))
+    if fail:
+        st.exit_code, st.signal = fail["exit_code"], fail["signal"]
+        st.source.append("launcher")
+    if primary:
+        st.state, st.error = "error", _error_info(primary[0])
+        st.stopped_ns = primary[0]["ts"]
+    elif (st.signal and st.signal != "SIGTERM") or (
+        st.exit_code is not None and st.exit_code < 0 and st.exit_code != -15  # noqa: PLR2004 - SIGTERM
+    ):
+        st.state = "killed"
+    elif signals:
+        st.state = "terminated"
+        sig = _attrs(signals[0][1])
+        st.signal = st.signal or str(sig.get("signal") or sig.get("reason") or "SIGTERM")
+    elif hangs:
+        st.state = "hung"
+    elif f["running"]:
+        st.state = "running"
+    elif not f["closed"]:
+        st.state = "ended"
+    elif secondary or f["failed"]:
+        st.state = "error"
+    if secondary:
+        st.consequence = _error_info(secondary[0])
+    if hangs:
+        st.hang = {"ts": hangs[0]["ts"], "message": hangs[0]["message"], "stack": hangs[0]["stack"],
+                   "from_ns": f["hang_from"]}
+    # When the rank stopped: its first error or signal, else the end of its stream.
+    marks = [e["ts"] for e in real[:1]] + [signals[0][0] for _ in signals[:1]]
+    if st.stopped_ns is None:
+        st.stopped_ns = min(marks) if marks else f["end_ts"]
+    # Where it was: at the hang if it hung first, else when it stopped.
+    at = hangs[0]["ts"] if hangs and hangs[0]["ts"] <= st.stopped_ns else st.stopped_ns
+    _locate(job, st, at, primary[0]["span"] if primary else None)
+    if st.step is None and last_done_step is not None:
+        st.step = int(last_done_step) + 1  # outside an iteration: the step it was preparing or saving after
+    _from_progress(job, st, f, bool(errors))
+    return st
+
+
+def _locate(job: Job, st: RankState, at: int, error_span: int | None) -> None:
+    """Step, phase and collective from the spans a failure left open (or ended with it) at time ``at``."""
+    spans = job.dicts(
+        """
+        SELECT id, parent, name, ts, dur, status, open, attrs FROM spans_small
+        WHERE stream = $s AND ts <= $at AND (open OR status NOT IN ('ok') OR ts + dur >= $at)
+        ORDER BY ts, id
+        """,
+        {"s": st.stream, "at": at},
+    )
+    spans += job.dicts(
+        "SELECT id, parent, 'iteration' AS name, ts, dur, status, false AS open, attrs FROM iterations "
+        "WHERE stream = $s AND ts <= $at AND ts + dur >= $at",
+        {"s": st.stream, "at": at},
+    )
+    by_id = {s["id"]: s for s in spans}
+    chain: list[dict[str, Any]] = []
+    if error_span and error_span in by_id:
+        node: dict[str, Any] | None = by_id[error_span]
+        while node is not None and node not in chain:
+            chain.append(node)
+            node = by_id.get(node["parent"])
+        chain.reverse()
+    else:
+        chain = sorted(spans, key=lambda s: (s["ts"], s["id"]))
+    for span in chain:
+        name = span["name"]
+        if name == COLLECTIVE:
+            st.in_collective = True
+            st.collective = str(_attrs(span["attrs"]).get("op") or "collective")
+            continue
+        if name == ITERATION:
+            step = _attrs(span["attrs"]).get("step")
+            if isinstance(step, int):
+                st.step = step
+        if name not in CONTAINERS or st.phase in (None, *CONTAINERS):
+            if st.in_collective and st.phase is not None and name not in CONTAINERS:
+                st.in_collective = False  # a phase opened after the collective ended
+            st.phase = name
+    if chain:
+        st.source.append("stream")
+
+
+def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool) -> None:
+    """A rank that died without writing its last records: the progress file knows its exact step and phase."""
+    progress = job.progress_files().get(st.rank)
+    if progress is None or getattr(progress, "restart", st.restart) != st.restart:
+        return
+    if had_errors and st.state == "error":
+        return
+    updated = int(getattr(progress, "updated_ns", 0) or 0)
+    if updated < (f["end_ts"] or 0):
+        return
+    step, phase = getattr(progress, "step", None), getattr(progress, "phase", None)
+    if isinstance(step, int):
+        st.step = step
+    if isinstance(phase, str) and phase:
+        st.in_collective = bool(getattr(progress, "in_collective", False)) or phase == COLLECTIVE
+        if phase != COLLECTIVE:
+            st.phase = phase
+    done = getattr(progress, "step_done", None)
+    if getattr(progress, "last_step_ns", None) and isinstance(done, int):
+        st.last_progress_ns = max(st.last_progress_ns or 0, int(getattr(progress, "step_started_ns", 0) or 0))
+    if st.state in ("killed", "ended"):
+        st.stopped_ns = max(st.stopped_ns or 0, updated)
+    st.source.append("progress file")
+
+
+def _attrs(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return {}
+
+
+def _secondary(error: dict[str, Any]) -> bool:
+    text = f"{error.get('error_type') or ''}: {error.get('message') or ''}"
+    return bool(SECONDARY.search(text))
+
+
+def _error_info(error: dict[str, Any]) -> dict[str, Any]:
+    return {"ts": error["ts"], "error_type": error["error_type"] or error["name"], "message": error["message"],
+            "stack": error["stack"]}
+
+
+# ---------------------------------------------------------------- the culprit
+
+
+def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
+    """The rank that caused the failure, and the rule that named it (docs/analysis.md)."""
+    raised = [s for s in states if s.state == "error" and s.error is not None]
+    if raised:
+        return min(raised, key=lambda s: (s.error["ts"] if s.error else 0, s.rank)), "first exception"
+    # A rank that died (a signal, or its stream just stopped) before any other rank saw trouble.
+    died = [s for s in states if s.state in ("killed", "terminated", "ended")]
+    for s in sorted(died, key=lambda s: (s.stopped_ns or 0, s.rank)):
+        others = [o for o in states if o is not s]
+        trouble = [_first_trouble(o) for o in others]
+        if all(t is None or (s.stopped_ns or 0) <= t + SKEW_NS for t in trouble):
+            return s, "died first"
+    hung = [s for s in states if s.hang is not None or s.state == "hung"]
+    if hung:
+        return min(states, key=_hang_key), "hang: the rank behind"
+    return None, "unknown"
+
+
+def _first_trouble(s: RankState) -> int | None:
+    marks = [t for t in (s.consequence and s.consequence["ts"], s.hang and s.hang["ts"], s.stopped_ns
+                         if s.state != "closed" else None) if t]
+    return min(marks) if marks else None
+
+
+def _hang_key(s: RankState) -> tuple[float, int, float, int]:
+    """Lowest step first, then not inside a collective, then the earliest last progress."""
+    step = float(s.step) if s.step is not None else float("inf")
+    return step, int(s.in_collective), float(s.last_progress_ns or 0), s.rank
+
+
+def _cause(s: RankState) -> str:
+    if s.hang is not None and s.state != "error":
+        then = {"terminated": f"; then terminated by {s.signal or 'SIGTERM'}", "killed": "; then killed"}
+        return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
+    if s.state == "error" and s.error is not None:
+        return f"raised {s.error['error_type']}: {_first_line(s.error['message'])}"
+    if s.state == "killed":
+        sig = s.signal or (f"signal {-s.exit_code}" if s.exit_code is not None and s.exit_code < 0 else "a signal")
+        return f"killed by {sig}" + ("" if s.exit_code is None else f" (exit code {s.exit_code})")
+    if s.state == "terminated":
+        return f"terminated by {s.signal or 'SIGTERM'}"
+    if s.hang is not None:
+        return "stopped making progress (hang)"
+    if s.state == "ended":
+        return "its stream ended without a close record (killed, or crashed)"
+    if s.consequence is not None:
+        return f"failed as a consequence: {s.consequence['error_type']}: {_first_line(s.consequence['message'])}"
+    return s.state
+
+
+def _first_line(text: str | None, limit: int = 160) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
+    if culprit is None:
+        first = min((s for s in states if _first_trouble(s) is not None), key=lambda s: _first_trouble(s) or 0,
+                    default=None)
+        if first is None:
+            return "failed, cause unknown: no rank recorded an error, a signal or a hang"
+        return (f"failed, cause unclear: the first sign is on rank {first.rank}, which {_cause(first)} "
+                f"{first.doing()}")
+    if culprit.state == "error" and culprit.error is not None:
+        head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
+    elif culprit.state == "killed":
+        head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
+    elif culprit.state == "terminated" and culprit.hang is None:
+        head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
+    elif culprit.hang is not None or culprit.state == "hung":
+        where = "inside a collective" if culprit.in_collective else "(not in a collective)"
+        head = f"rank {culprit.rank} hung {culprit.doing().removeprefix('in ')} {where}".replace(
+            "waiting in a collective", "in a collective").replace(" in a collective inside a collective",
+                                                                   " inside a collective")
+    else:
+        head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
+    others = [s for s in states if s is not culprit]
+    if not others:
+        return head
+    groups: dict[str, list[int]] = {}
+    for s in others:
+        groups.setdefault(s.doing(), []).append(s.rank)
+    parts = [f"{_ranks_phrase(ranks)} {'was' if len(ranks) == 1 else 'were'} {doing}"
+             for doing, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))]
+    return head + "; " + "; ".join(parts)
+
+
+def _ranks_phrase(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) <= 4:
+        return "ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
+    from ._engine import compress_ranks
+
+    return f"ranks {compress_ranks(ranks)}"
+
+
+def _running_sentence(states: list[RankState], failed: list[int]) -> str:
+    steps = [s.step for s in states if s.step is not None]
+    at = f", at step {max(steps)}" if steps else ""
+    hung = [s.rank for s in states if s.hang is not None]
+    extra = f"; a hang is suspected on {_ranks_phrase(hung)}" if hung else ""
+    earlier = f" (after {len(failed)} failed attempt(s))" if failed else ""
+    return f"running: {len(states)} rank(s) still writing{at}{earlier}{extra}"
