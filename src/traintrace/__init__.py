@@ -73,6 +73,7 @@ from ._recorder import Recorder, Span, TraintraceWarning, current_span
 from ._stats import PEAK_BF16_TFLOPS, peak_tflops
 from ._version import __version__
 from .backends import Backend, BaseBackend, FileBackend, LogBackend, MemoryBackend
+from .progress import Progress, read_progress, stream_state
 
 __all__ = [
     "DEFAULT_PHASE_TIMEOUTS",
@@ -95,6 +96,7 @@ __all__ = [
     "LogBackend",
     "LogBackendConfig",
     "MemoryBackend",
+    "Progress",
     "RecordKind",
     "Recorder",
     "Span",
@@ -132,12 +134,14 @@ __all__ = [
     "optimizer_init",
     "optimizer_step",
     "peak_tflops",
+    "read_progress",
     "refresh_identity",
     "running",
     "set_step_info",
     "span",
     "start",
     "stop",
+    "stream_state",
     "test",
     "timed_span",
     "training",

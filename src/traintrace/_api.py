@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from . import _faults, _recorder
+from . import _faults, _progress, _recorder
 from ._config import (
     BackendConfig,
     Config,
@@ -225,6 +225,7 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
     pipeline = Pipeline(config, header, routes)
     recorder = Recorder(pipeline, max_level, listeners)
     recorder.identity = identity  # type: ignore[attr-defined]
+    _progress.attach(recorder, config, identity)
     from ._insight import attach
 
     attach(recorder, pipeline, config, identity)

@@ -62,7 +62,7 @@ class SpanName:
     CHECKPOINT_SAVE_ASYNC: Final = "checkpoint_save_async"
     CHECKPOINT_SAVE_FINALIZATION: Final = "checkpoint_save_finalization"
     CHECKPOINT_LOAD: Final = "checkpoint_load"
-    #: Communication between ranks (an all-reduce, a barrier): time spent waiting for peers.
+    #: Communication between ranks (all-reduce, barrier, ...): time waiting for the others.
     COLLECTIVE: Final = "collective"
 
 
