@@ -410,6 +410,9 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         where = _enclosing(job, first["stream"], first["span"])
         first["in_span"] = where[0]
         first["step"] = where[1]
+    culprit = verdict["culprit"]
+    if first is not None and culprit and culprit["error"] and culprit["error"]["ts"] == first["ts"]:
+        first["step"] = culprit["step"]  # outside an iteration: the step it was preparing or saving after
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     for e in all_errors:
         key = (e["name"] or "", e["error_type"] or "", e["message"] or "")

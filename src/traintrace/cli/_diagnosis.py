@@ -289,15 +289,14 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
     if updated < (f["end_ts"] or 0):
         return
     step, phase = getattr(progress, "step", None), getattr(progress, "phase", None)
+    done = getattr(progress, "step_done", None)
     if isinstance(step, int):
-        st.step = step
+        # Its last iteration completed: outside an iteration, the step it was preparing or saving after.
+        st.step = step + 1 if done == step else step
     if isinstance(phase, str) and phase:
         st.in_collective = bool(getattr(progress, "in_collective", False)) or phase == COLLECTIVE
         if phase != COLLECTIVE:
             st.phase = phase
-    done = getattr(progress, "step_done", None)
-    if getattr(progress, "last_step_ns", None) and isinstance(done, int):
-        st.last_progress_ns = max(st.last_progress_ns or 0, int(getattr(progress, "step_started_ns", 0) or 0))
     if st.state in ("killed", "ended"):
         st.stopped_ns = max(st.stopped_ns or 0, updated)
     st.source.append("progress file")
