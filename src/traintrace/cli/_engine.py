@@ -340,7 +340,8 @@ class Job:
 
         A checkpoint protects every rank's progress (docs/analysis.md): when only some ranks save (the
         replicated model saved by rank 0), the latest save of any of them counts for all ranks of that
-        restart; when every rank saves (its shard), each rank's own latest save counts for it.
+        restart; when every rank saves (its shard; a save started counts), each rank's own latest completed
+        save counts for it.
         """
         hang = "'hang_suspected'"
         self._running_streams()
@@ -353,9 +354,13 @@ class Job:
                       OR (name = 'checkpoint_save_async' AND NOT EXISTS (
                           SELECT 1 FROM spans_small f WHERE f.name = 'checkpoint_save_finalization')))
                 GROUP BY stream
+            ), saving AS (
+                SELECT DISTINCT stream FROM spans_small
+                WHERE name IN ('checkpoint_save_sync', 'checkpoint_save_async', 'checkpoint_save_finalization')
             ), attempt AS (
-                SELECT s.restart, count(*) AS ranks, count(ck.stream) AS savers, max(ck.ckpt_end) AS any_end
-                FROM streams s LEFT JOIN ck USING (stream) WHERE NOT s.is_agent GROUP BY s.restart
+                SELECT s.restart, count(*) AS ranks, count(v.stream) AS savers, max(ck.ckpt_end) AS any_end
+                FROM streams s LEFT JOIN ck USING (stream) LEFT JOIN saving v USING (stream)
+                WHERE NOT s.is_agent GROUP BY s.restart
             ), bad AS (
                 SELECT DISTINCT stream FROM spans_small
                 WHERE status IN ('error', 'terminated') AND name IN ('main_function', 'training_loop', 'iteration')
