@@ -157,7 +157,8 @@ def summary(job: Job) -> dict[str, Any]:
             samples_source = "sum of iteration batch_size over all ranks (includes redone steps)"
     productive_s = breakdown["productive"]
     failures = job.one(
-        "SELECT count(*) FILTER (failed AND NOT is_agent), count(DISTINCT restart) FROM stream_facts"
+        "SELECT count(*) FILTER (failed AND NOT is_agent), count(DISTINCT restart), "
+        "count(*) FILTER (running AND NOT is_agent) FROM stream_facts"
     )
     phases = {
         "initialization_s": breakdown["initialization"],
@@ -171,7 +172,10 @@ def summary(job: Job) -> dict[str, Any]:
         "test_s": breakdown["test"],
         "idle_between_restarts_s": breakdown["restart_idle"],
     }
+    verdict = diagnose(job)
     result: dict[str, Any] = {
+        "verdict": verdict["verdict"],
+        "status": verdict["status"],
         "job": meta[0] if meta else None,
         "job_name": meta[1] if meta else None,
         "files": len(job.files),
@@ -183,6 +187,7 @@ def summary(job: Job) -> dict[str, Any]:
         "streams": int(meta[3]) if meta and meta[3] is not None else 0,
         "restarts": int(meta[4]) if meta and meta[4] is not None else 0,
         "failed_streams": int(failures[0]) if failures else 0,
+        "running_streams": int(failures[2]) if failures else 0,
         "start_ns": start,
         "end_ns": end,
         "wall_s": wall / NS,

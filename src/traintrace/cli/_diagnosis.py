@@ -101,9 +101,9 @@ def diagnose(job: Job) -> dict[str, Any]:
     attempts = {r: [f for f in facts if f["restart"] == r] for r in restarts}
     failed = [r for r in restarts if any(f["failed"] for f in attempts[r])]
     last = restarts[-1]
-    launcher = _launcher_failures(job)
+    facts = _Facts(job)
     if any(f["running"] for f in attempts[last]) and not any(f["failed"] for f in attempts[last]):
-        states = [_rank_state(job, f, launcher) for f in attempts[last]]
+        states = [_rank_state(job, f, facts) for f in attempts[last]]
         return _result("running", _running_sentence(states, failed), None, states, last, failed)
     if not failed:
         steps = job.one("SELECT max(try_cast(attrs->>'step' AS BIGINT)) FROM iterations WHERE status = 'ok'")
@@ -111,10 +111,10 @@ def diagnose(job: Job) -> dict[str, Any]:
         hangs = job.one("SELECT count(DISTINCT stream) FROM stream_facts WHERE hang_ts IS NOT NULL")
         note = f" (a hang was suspected on {hangs[0]} rank(s) and resolved)" if hangs and hangs[0] else ""
         ranks = len({f["rank"] for f in facts})
-        states = [_rank_state(job, f, launcher) for f in attempts[last]]
+        states = [_rank_state(job, f, facts) for f in attempts[last]]
         return _result("healthy", f"healthy: {ranks} rank(s) finished{done}{note}", None, states, last, failed)
     about = failed[-1]
-    states = [_rank_state(job, f, launcher) for f in attempts[about]]
+    states = [_rank_state(job, f, facts) for f in attempts[about]]
     culprit, rule = _culprit(states)
     sentence = _sentence(culprit, states)
     if about != last:
@@ -148,6 +148,32 @@ def _public(state: RankState) -> dict[str, Any]:
 # ---------------------------------------------------------------- one rank
 
 
+class _Facts:
+    """What the rank states are read from, each fetched in one query for all streams."""
+
+    def __init__(self, job: Job) -> None:
+        self.failures = _launcher_failures(job)
+        self.errors: dict[int, list[dict[str, Any]]] = {}
+        for e in job.dicts(
+            "SELECT stream, ts, name, error_type, message, stack, span, attrs FROM other "
+            "WHERE kind = 'error' AND NOT is_agent ORDER BY ts, seq"
+        ):
+            self.errors.setdefault(e["stream"], []).append(e)
+        self.signals: dict[int, list[tuple[int, Any]]] = {}
+        for stream, ts, attrs in job.rows(
+            "SELECT stream, ts, attrs FROM other WHERE kind = 'event' AND name = 'signal' AND NOT is_agent "
+            "ORDER BY ts"
+        ):
+            self.signals.setdefault(stream, []).append((ts, attrs))
+        self.last_ok: dict[int, tuple[Any, Any]] = {
+            row[0]: (row[1], row[2])
+            for row in job.rows(
+                "SELECT stream, max(ts + dur), arg_max(try_cast(attrs->>'step' AS BIGINT), ts) FROM iterations "
+                "WHERE status = 'ok' GROUP BY stream"
+            )
+        }
+
+
 def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
     """(rank, restart) -> exit code and signal from the launcher's worker_failure events."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
@@ -171,30 +197,17 @@ def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
     return out
 
 
-def _rank_state(job: Job, f: dict[str, Any], launcher: dict[tuple[int, int], dict[str, Any]]) -> RankState:
+def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
     stream = f["stream"]
     st = RankState(rank=int(f["rank"]), restart=int(f["restart"]), stream=int(stream))
-    errors = job.dicts(
-        "SELECT ts, name, error_type, message, stack, span, attrs FROM other "
-        "WHERE stream = $s AND kind = 'error' ORDER BY ts, seq",
-        {"s": stream},
-    )
+    errors = facts.errors.get(stream, [])
     hangs = [e for e in errors if e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS]
     real = [e for e in errors if e not in hangs]
     primary = [e for e in real if not _secondary(e)]
     secondary = [e for e in real if _secondary(e)]
-    signals = job.rows(
-        "SELECT ts, attrs FROM other WHERE stream = $s AND kind = 'event' AND name = 'signal' ORDER BY ts",
-        {"s": stream},
-    )
-    last_ok = job.one(
-        "SELECT max(ts + dur), arg_max(try_cast(attrs->>'step' AS BIGINT), ts) FROM iterations "
-        "WHERE stream = $s AND status = 'ok'",
-        {"s": stream},
-    )
-    st.last_progress_ns = last_ok[0] if last_ok else None
-    last_done_step = last_ok[1] if last_ok else None
-    fail = launcher.get((st.rank, st.restart))
+    signals = facts.signals.get(stream, [])
+    st.last_progress_ns, last_done_step = facts.last_ok.get(stream, (None, None))
+    fail = facts.failures.get((st.rank, st.restart))
     if fail:
         st.exit_code, st.signal = fail["exit_code"], fail["signal"]
         st.source.append("launcher")
@@ -245,11 +258,6 @@ def _locate(job: Job, st: RankState, at: int, error_span: int | None) -> None:
         """,
         {"s": st.stream, "at": at},
     )
-    spans += job.dicts(
-        "SELECT id, parent, 'iteration' AS name, ts, dur, status, false AS open, attrs FROM iterations "
-        "WHERE stream = $s AND ts <= $at AND ts + dur >= $at",
-        {"s": st.stream, "at": at},
-    )
     by_id = {s["id"]: s for s in spans}
     chain: list[dict[str, Any]] = []
     if error_span and error_span in by_id:
@@ -283,8 +291,8 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
     progress = job.progress_files().get(st.rank)
     if progress is None or getattr(progress, "restart", st.restart) != st.restart:
         return
-    if had_errors and st.state == "error":
-        return
+    if st.state not in ("killed", "ended", "terminated", "running") or st.hang is not None:
+        return  # an exception or a hang report says where the rank was; the file says where it ended up
     updated = int(getattr(progress, "updated_ns", 0) or 0)
     if updated < (f["end_ts"] or 0):
         return
@@ -397,10 +405,13 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     elif culprit.state == "terminated" and culprit.hang is None:
         head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
     elif culprit.hang is not None or culprit.state == "hung":
-        where = "inside a collective" if culprit.in_collective else "(not in a collective)"
-        head = f"rank {culprit.rank} hung {culprit.doing().removeprefix('in ')} {where}".replace(
-            "waiting in a collective", "in a collective").replace(" in a collective inside a collective",
-                                                                   " inside a collective")
+        at = "" if culprit.step is None else f" at step {culprit.step}"
+        phase = PHASE_LABELS.get(culprit.phase or "", culprit.phase or "an unknown phase")
+        if culprit.in_collective:
+            inside = "" if culprit.phase in (None, ITERATION) else f" in {phase}"
+            head = f"rank {culprit.rank} hung inside a collective{inside}{at}"
+        else:
+            head = f"rank {culprit.rank} hung in {phase}{at}, not in a collective"
     else:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
     others = [s for s in states if s is not culprit]
