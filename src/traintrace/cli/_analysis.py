@@ -289,68 +289,78 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     if not rows:
         return {"ranks": [], "top": [], "stragglers": [], "job_median_s": None, "windows": [],
                 "notes": [*job.notes, "no iteration spans: nothing to compare"]}
-    job_median = sorted(r["median_s"] for r in rows)[len(rows) // 2]
+    job_median = _median([r["median_s"] for r in rows])
+    steps = {r["rank"]: r["median_s"] for r in rows}
     for r in rows:
-        r["score"] = r["median_s"] / job_median if job_median else None
-    # Components inside (or beside) the step, when recorded: data loading versus compute.
-    components = job.rows(
-        """
-        SELECT rank, 'data_loading', median(dur) / 1e9 FROM spans_small
-        WHERE name = 'data_loading' AND dur IS NOT NULL AND NOT is_agent GROUP BY rank
-        UNION ALL
-        SELECT rank, 'compute', median(d) / 1e9 FROM (
-            SELECT rank, stream, parent, sum(dur) AS d FROM spans_small
-            WHERE name IN ('model_forward', 'model_backward', 'optimizer_update', 'zero_grad')
-              AND dur IS NOT NULL AND NOT is_agent
-            GROUP BY ALL)
-        GROUP BY rank
-        """
-    )
+        ref = _reference(steps, r["rank"])
+        r["score"] = r["median_s"] / ref if ref else None
+    # The parts of a rank's time that are its own work (docs/analysis.md, "ranks"): collectives equalise step
+    # times in data-parallel jobs, so the slow rank is the one with the most time outside them.
+    _step_parts(job)
     parts: dict[int, dict[str, float]] = {}
-    for rank, part, value in components:
-        parts.setdefault(rank, {})[part] = value
-    part_median: dict[str, float] = {}
-    for part in ("data_loading", "compute"):
-        values = sorted(p[part] for p in parts.values() if part in p)
-        if values:
-            part_median[part] = values[len(values) // 2]
+    for rank, part, value in job.rows(
+        """
+        SELECT rank, 'compute', median(dur - coll) / 1e9 FROM step_parts GROUP BY rank
+        UNION ALL SELECT rank, 'collective', median(coll) / 1e9 FROM step_parts WHERE has_coll GROUP BY rank
+        UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9 FROM loading_parts GROUP BY rank
+        UNION ALL SELECT rank, 'checkpoint_save', median(dur) / 1e9 FROM spans_small
+            WHERE name IN ('checkpoint_save_sync', 'checkpoint_save_async') AND dur IS NOT NULL AND NOT is_agent
+            GROUP BY rank
+        """
+    ):
+        parts.setdefault(int(rank), {})[part] = float(value)
+    # A part is slow when it is `threshold` times the other ranks' median and the excess matters: at least
+    # MIN_EXCESS of the job's median step time (a 10 us zero_grad twice as slow is not a straggler).
+    floor = MIN_EXCESS * (job_median or 0.0)
     for r in rows:
         mine = parts.get(r["rank"], {})
-        for part, med in part_median.items():
+        excess: dict[str, float] = {}
+        for part in SLOW_PARTS:
+            values = {k: v[part] for k, v in parts.items() if part in v}
+            ref = _reference(values, r["rank"]) if part in mine else None
             r[f"{part}_median_s"] = mine.get(part)
-            r[f"{part}_score"] = mine[part] / med if part in mine and med else None
-        scores = {part: r.get(f"{part}_score") or 0.0 for part in part_median}
-        worst = max([r["score"] or 0.0, *scores.values()])
-        r["straggler"] = worst >= threshold
-        if r["straggler"]:
-            slow = {k: v for k, v in scores.items() if v >= threshold}
-            r["slow_in"] = max(slow, key=lambda k: slow[k]) if slow else "step"
-    # Windows: median step time per rank per time window, relative to the job median of that window.
+            r[f"{part}_score"] = mine[part] / ref if ref else None
+            if ref and mine[part] / ref >= threshold and mine[part] - ref >= floor:
+                excess[part] = mine[part] - ref
+        if "collective" in mine:
+            r["collective_median_s"] = mine["collective"]
+        step_ref = _reference(steps, r["rank"])
+        if not excess and r["score"] is not None and r["score"] >= threshold and step_ref and \
+                r["median_s"] - step_ref >= floor:
+            excess["step"] = r["median_s"] - step_ref
+        r["straggler"] = bool(excess)
+        if excess:
+            r["slow_in"] = max(excess, key=lambda k: excess[k])
+            r["excess_s"] = excess[r["slow_in"]]
+            r.update(_onset(job, r["rank"], r["slow_in"], threshold))
+    # Windows: each rank's median step time outside collectives per time window, relative to the other
+    # ranks' median in that window.
     grid = job.rows(
         f"""
-        SELECT rank, least((ts - {start}) // {width}, {windows - 1}) AS w, quantile_cont(dur, 0.5) / 1e9
-        FROM iterations WHERE status = 'ok' GROUP BY ALL
+        SELECT rank, least((ts - {start}) // {width}, {windows - 1}) AS w, quantile_cont(dur - coll, 0.5) / 1e9
+        FROM step_parts GROUP BY ALL
         """
     )
-    by_window: dict[int, list[float]] = {}
-    for _, w, value in grid:
-        by_window.setdefault(int(w), []).append(value)
-    window_median = {w: sorted(v)[len(v) // 2] for w, v in by_window.items()}
-    heat: dict[int, dict[int, float]] = {}
+    by_window: dict[int, dict[int, float]] = {}
     for rank, w, value in grid:
-        base = window_median[int(w)]
-        heat.setdefault(int(rank), {})[int(w)] = value / base if base else 1.0
+        by_window.setdefault(int(w), {})[int(rank)] = float(value)
+    heat: dict[int, dict[int, float]] = {}
+    for w, values in by_window.items():
+        for rank, value in values.items():
+            base = _reference(values, rank)
+            heat.setdefault(rank, {})[w] = value / base if base else 1.0
     for r in rows:
         cells = heat.get(r["rank"], {})
         slow_windows = [w for w in sorted(cells) if cells[w] >= threshold]
-        if slow_windows:
+        if slow_windows and r["straggler"]:
             r["slow_since_window"] = slow_windows[0]
-            r["slow_since_s"] = slow_windows[0] * width / NS
+            r.setdefault("slow_since_s", slow_windows[0] * width / NS)
             r["slow_windows"] = len(slow_windows)
-    def badness(r: dict[str, Any]) -> float:
-        return max([r["score"] or 0.0, *(r.get(f"{p}_score") or 0.0 for p in part_median)])
 
-    ordered = sorted(rows, key=lambda r: -badness(r))
+    def badness(r: dict[str, Any]) -> tuple[float, float]:
+        return (r.get("excess_s") or 0.0, max([r["score"] or 0.0, *(r.get(f"{p}_score") or 0.0 for p in SLOW_PARTS)]))
+
+    ordered = sorted(rows, key=badness, reverse=True)
     stragglers = [r["rank"] for r in ordered if r["straggler"]][:top]
     return {
         "job_median_s": job_median,
@@ -364,6 +374,88 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         ],
         "notes": list(job.notes),
     }
+
+
+#: The parts of a rank's time compared across ranks; ``compute`` is the step's time outside collectives.
+SLOW_PARTS = ("compute", "data_loading", "checkpoint_save")
+#: A slow part must exceed the other ranks' median by at least this share of the job's median step time.
+MIN_EXCESS = 0.05
+#: The share of the steps from the onset on that must be slow.
+ONSET_SHARE = 0.8
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    if not n:
+        return 0.0
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _reference(values: dict[int, float], rank: int) -> float | None:
+    """The median of the other ranks' values: with two ranks, the other rank (no upper-median trap)."""
+    others = [v for k, v in values.items() if k != rank]
+    return _median(others) if others else None
+
+
+def _step_parts(job: Job) -> None:
+    """Per step: its duration and the time spent in collectives inside it; per data-loading span: its ordinal."""
+    job.con.execute(
+        """
+        CREATE TEMP TABLE IF NOT EXISTS step_parts AS
+        WITH it AS (
+            SELECT stream, rank, restart, ts, dur, try_cast(attrs->>'step' AS BIGINT) AS step,
+                   row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
+            FROM iterations WHERE status = 'ok'
+        ), col AS (
+            SELECT stream, ts, dur FROM spans_small WHERE name = 'collective' AND dur IS NOT NULL AND NOT is_agent
+        ), inside AS (
+            SELECT c.stream, i.ts AS its, sum(least(c.ts + c.dur, i.ts + i.dur) - c.ts) AS coll
+            FROM col c ASOF JOIN it i ON c.stream = i.stream AND c.ts >= i.ts
+            WHERE c.ts < i.ts + i.dur GROUP BY ALL
+        )
+        SELECT it.rank, it.restart, it.k, it.step, it.ts, it.dur, coalesce(inside.coll, 0) AS coll,
+               inside.coll IS NOT NULL AS has_coll
+        FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts;
+        CREATE TEMP TABLE IF NOT EXISTS loading_parts AS
+        SELECT rank, restart, ts, dur, row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
+        FROM spans_small WHERE name = 'data_loading' AND dur IS NOT NULL AND NOT is_agent;
+        """
+    )
+
+
+def _onset(job: Job, rank: int, part: str, threshold: float) -> dict[str, Any]:
+    """From which step (and when) ``part`` stayed slow on ``rank``: the first step from which at least
+    ONSET_SHARE of the steps are ``threshold`` times the other ranks' median of the same step."""
+    table, value = {"compute": ("step_parts", "dur - coll"), "data_loading": ("loading_parts", "dur"),
+                    "step": ("step_parts", "dur")}.get(part, (None, None))
+    if table is None:
+        return {}
+    step_col = "step" if table == "step_parts" else "NULL::BIGINT"
+    rows = job.rows(
+        f"""
+        SELECT restart, k, max({value}) FILTER (rank = $r), median({value}) FILTER (rank <> $r),
+               max(ts) FILTER (rank = $r), max({step_col}) FILTER (rank = $r)
+        FROM {table} GROUP BY restart, k HAVING count(*) FILTER (rank = $r) > 0
+        ORDER BY restart, k
+        """,
+        {"r": rank},
+    )
+    flags = [bool(mine is not None and ref and mine / ref >= threshold) for _, _, mine, ref, _, _ in rows]
+    n = len(flags)
+    if not n:
+        return {}
+    slow_after = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        slow_after[i] = slow_after[i + 1] + int(flags[i])
+    for i in range(n):
+        if flags[i] and slow_after[i] >= ONSET_SHARE * (n - i):
+            restart, k, _, _, ts, step = rows[i]
+            start = job_bounds(job)[0]
+            return {"slow_since_step": int(step) if step is not None else int(k) - 1,
+                    "slow_since_ns": int(ts), "slow_since_s": (int(ts) - start) / NS,
+                    "slow_since_restart": int(restart)}
+    return {}
 
 
 # ---------------------------------------------------------------- errors

@@ -101,9 +101,9 @@ def diagnose(job: Job) -> dict[str, Any]:
     attempts = {r: [f for f in facts if f["restart"] == r] for r in restarts}
     failed = [r for r in restarts if any(f["failed"] for f in attempts[r])]
     last = restarts[-1]
-    facts = _Facts(job)
+    known = _Facts(job)
     if any(f["running"] for f in attempts[last]) and not any(f["failed"] for f in attempts[last]):
-        states = [_rank_state(job, f, facts) for f in attempts[last]]
+        states = [_rank_state(job, f, known) for f in attempts[last]]
         return _result("running", _running_sentence(states, failed), None, states, last, failed)
     if not failed:
         steps = job.one("SELECT max(try_cast(attrs->>'step' AS BIGINT)) FROM iterations WHERE status = 'ok'")
@@ -111,10 +111,10 @@ def diagnose(job: Job) -> dict[str, Any]:
         hangs = job.one("SELECT count(DISTINCT stream) FROM stream_facts WHERE hang_ts IS NOT NULL")
         note = f" (a hang was suspected on {hangs[0]} rank(s) and resolved)" if hangs and hangs[0] else ""
         ranks = len({f["rank"] for f in facts})
-        states = [_rank_state(job, f, facts) for f in attempts[last]]
+        states = [_rank_state(job, f, known) for f in attempts[last]]
         return _result("healthy", f"healthy: {ranks} rank(s) finished{done}{note}", None, states, last, failed)
     about = failed[-1]
-    states = [_rank_state(job, f, facts) for f in attempts[about]]
+    states = [_rank_state(job, f, known) for f in attempts[about]]
     culprit, rule = _culprit(states)
     sentence = _sentence(culprit, states)
     if about != last:

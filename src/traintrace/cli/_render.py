@@ -75,7 +75,7 @@ def notes(items: Sequence[str]) -> str:
 
 
 def render_summary(s: dict[str, Any]) -> str:
-    out = [f"{s['status'].upper()}: {s['verdict']}", ""]
+    out = [f"VERDICT: {s['verdict']}", ""]
     title = s["job"] or "?"
     if s.get("job_name"):
         title += f" ({s['job_name']})"
@@ -174,7 +174,7 @@ def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
 
 def render_verdict(e: dict[str, Any], show_stack: bool = True) -> list[str]:
     """The verdict sentence, the culprit, and what every rank was doing."""
-    out = [f"{e['status'].upper()}: {e['verdict']}"]
+    out = [f"VERDICT: {e['verdict']}"]
     culprit = e.get("culprit")
     if culprit is not None:
         out.append("")
