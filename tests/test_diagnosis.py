@@ -248,3 +248,31 @@ def test_a_running_job_is_running(tmp_path: Path) -> None:
     assert seen["errors"]["status"] == "running", seen["errors"]["verdict"]
     assert seen["errors"]["verdict"].startswith("running")
     assert seen["summary"]["failed_streams"] == 0 and seen["summary"]["steps_lost"] == 0
+
+
+@pytest.mark.parametrize(
+    ("nproc", "fault", "rank", "part"),
+    [(3, "slow_compute", 2, "compute"), (3, "slow_data", 1, "data_loading"), (2, "slow_compute", 1, "compute")],
+)
+def test_a_straggler_in_data_parallel_training(tmp_path: Path, nproc: int, fault: str, rank: int, part: str) -> None:
+    """One rank slower in forward (or data loading) from step 8 on: the all-reduce makes every rank's step as
+    long, yet ``ranks`` names it, the part it is slow in, and the step it became slow at; with 2 ranks too."""
+    run = launch(tmp_path, nproc, "--fault", fault, "--fault-rank", str(rank), "--fault-step", "8",
+                 "--steps", "30")
+    assert run.returncode == 0, run.output[-3000:]
+    marks = run.marks()
+    durations = {r: [b["ts"] - a["ts"] for a, b in zip(
+        [m for m in ms if m["event"] == "step_start"], [m for m in ms if m["event"] == "step_end"], strict=True)]
+        for r, ms in marks.items()}
+    late = {r: sorted(d[10:])[len(d[10:]) // 2] for r, d in durations.items()}
+    if part == "compute":  # the premise: collectives equalise the step times the worker measured itself
+        assert max(late.values()) < 1.3 * min(late.values()), late
+    result = run.cli("ranks")
+    assert result["stragglers"] == [rank], result["ranks"]
+    slow = next(r for r in result["ranks"] if r["rank"] == rank)
+    assert slow["slow_in"] == part
+    assert slow["slow_since_step"] == 8
+    start = next(m["ts"] for m in marks[rank] if m["event"] == "step_start" and m["step"] == 8)
+    assert abs(slow["slow_since_ns"] - start) < 0.2e9  # the step's start, as the worker saw it
+    errors = run.cli("errors")
+    assert errors["status"] == "healthy"

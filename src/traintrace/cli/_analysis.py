@@ -324,10 +324,6 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
                 excess[part] = mine[part] - ref
         if "collective" in mine:
             r["collective_median_s"] = mine["collective"]
-        step_ref = _reference(steps, r["rank"])
-        if not excess and r["score"] is not None and r["score"] >= threshold and step_ref and \
-                r["median_s"] - step_ref >= floor:
-            excess["step"] = r["median_s"] - step_ref
         r["straggler"] = bool(excess)
         if excess:
             r["slow_in"] = max(excess, key=lambda k: excess[k])
@@ -382,6 +378,8 @@ SLOW_PARTS = ("compute", "data_loading", "checkpoint_save")
 MIN_EXCESS = 0.05
 #: The share of the steps from the onset on that must be slow.
 ONSET_SHARE = 0.8
+#: How many consecutive slow steps an onset needs.
+ONSET_RUN = 3
 
 
 def _median(values: list[float]) -> float:
@@ -449,7 +447,8 @@ def _onset(job: Job, rank: int, part: str, threshold: float) -> dict[str, Any]:
     for i in range(n - 1, -1, -1):
         slow_after[i] = slow_after[i + 1] + int(flags[i])
     for i in range(n):
-        if flags[i] and slow_after[i] >= ONSET_SHARE * (n - i):
+        # Slow here and in the next ONSET_RUN steps (one slow step is noise), and mostly slow from here on.
+        if all(flags[i : i + ONSET_RUN]) and slow_after[i] >= ONSET_SHARE * (n - i):
             restart, k, _, _, ts, step = rows[i]
             start = job_bounds(job)[0]
             return {"slow_since_step": int(step) if step is not None else int(k) - 1,

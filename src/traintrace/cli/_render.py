@@ -144,7 +144,8 @@ def render_summary(s: dict[str, Any]) -> str:
 def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
     if not r["ranks"]:
         return notes(r["notes"])
-    out = [f"job median step time {seconds(r['job_median_s'])}; straggler threshold: score >= {r['threshold']}"]
+    out = [f"job median step time {seconds(r['job_median_s'])}; a rank is a straggler when a part of its time "
+           f"(outside collectives, data loading, checkpoint saves) is >= {r['threshold']} x the other ranks' median"]
     if r["stragglers"]:
         out.append("stragglers: " + ", ".join(str(x) for x in r["stragglers"]))
     else:
@@ -155,14 +156,19 @@ def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
     has_parts = any("compute_median_s" in x for x in chosen)
     headers = ["rank", "steps", "median", "p90", "p99", "score", "slow since"]
     if has_parts:
-        headers[6:6] = ["data load", "compute", "slow in"]
+        headers[6:6] = ["data load", "outside coll.", "in coll.", "checkpoint", "slow in"]
     rows = []
     for x in chosen:
-        since = f"{seconds(x['slow_since_s'])} in" if "slow_since_s" in x else "-"
+        since = "-"
+        if "slow_since_step" in x:
+            since = f"step {x['slow_since_step']} ({seconds(x['slow_since_s'])} in)"
+        elif "slow_since_s" in x:
+            since = f"{seconds(x['slow_since_s'])} in"
         row = [x["rank"], number(x["steps"]), seconds(x["median_s"]), seconds(x["p90_s"]), seconds(x["p99_s"]),
                f"{x['score']:.2f}" if x["score"] is not None else "-", since]
         if has_parts:
             row[6:6] = [seconds(x.get("data_loading_median_s")), seconds(x.get("compute_median_s")),
+                        seconds(x.get("collective_median_s")), seconds(x.get("checkpoint_save_median_s")),
                         x.get("slow_in", "-")]
         rows.append(row)
     label = "all ranks" if show_all else f"top {len(chosen)} slowest ranks (--all for every rank)"
