@@ -49,7 +49,7 @@ class Truth:
         self.handle.write(json.dumps({"ts": time.time_ns(), **fields}) + "\n")
 
 
-def main() -> None:  # noqa: C901, PLR0912, PLR0915 - one straight training script
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("truth")
     parser.add_argument("--steps", type=int, default=24)

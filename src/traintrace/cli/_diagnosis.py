@@ -126,8 +126,9 @@ def diagnose(job: Job) -> dict[str, Any]:
     return out
 
 
-def _result(status: str, verdict: str, culprit: RankState | None, states: list[RankState], restart: int,
-            failed: list[int]) -> dict[str, Any]:
+def _result(  # noqa: PLR0917 - a private constructor of the answer
+    status: str, verdict: str, culprit: RankState | None, states: list[RankState], restart: int, failed: list[int]
+) -> dict[str, Any]:
     return {
         "status": status,
         "verdict": verdict,
@@ -187,7 +188,8 @@ def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
         rank, restart = attrs.get("rank"), attrs.get("restart", 0)
         if not isinstance(rank, int):
             continue
-        data = attrs.get("data") if isinstance(attrs.get("data"), dict) else {}
+        raw = attrs.get("data")
+        data: dict[str, Any] = raw if isinstance(raw, dict) else {}
         code = attrs.get("exit_code")
         out[(rank, int(restart or 0))] = {
             "exit_code": code if isinstance(code, int) else None,
@@ -215,7 +217,7 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
         st.state, st.error = "error", _error_info(primary[0])
         st.stopped_ns = primary[0]["ts"]
     elif (st.signal and st.signal != "SIGTERM") or (
-        st.exit_code is not None and st.exit_code < 0 and st.exit_code != -15  # noqa: PLR2004 - SIGTERM
+        st.exit_code is not None and st.exit_code < 0 and st.exit_code != -15
     ):
         st.state = "killed"
     elif signals:
@@ -400,9 +402,7 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
                 f"{first.doing()}")
     if culprit.state == "error" and culprit.error is not None:
         head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
-    elif culprit.state == "killed":
-        head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
-    elif culprit.state == "terminated" and culprit.hang is None:
+    elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
         head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
     elif culprit.hang is not None or culprit.state == "hung":
         at = "" if culprit.step is None else f" at step {culprit.step}"

@@ -40,7 +40,7 @@ def record_collectives(model: Any, state: Any = None, hook: Callable[[Any, Any],
     """
     try:
         import torch
-        from torch.distributed import GradBucket
+        from torch.distributed import GradBucket  # type: ignore[attr-defined]
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     except ImportError as exc:  # pragma: no cover - torch is the caller's
         raise missing_extra("torch", "torch", exc) from None
@@ -50,7 +50,8 @@ def record_collectives(model: Any, state: Any = None, hook: Callable[[Any, Any],
     def traced(hook_state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         rec = get_recorder()
         if rec is None or rec.max_level < _LEVEL:
-            return inner(hook_state, bucket)
+            plain: torch.futures.Future[torch.Tensor] = inner(hook_state, bucket)
+            return plain
         try:
             size = int(bucket.buffer().numel() * bucket.buffer().element_size())
         except Exception:  # noqa: BLE001 - the size is a detail
