@@ -167,6 +167,8 @@ def test_a_rank_killed_by_a_signal(tmp_path: Path, fault: str, sig: str) -> None
     run = launch(tmp_path, 3, "--fault", fault, "--fault-rank", "1", "--fault-step", "8")
     errors = check_culprit(run, 1, 8, "model_forward", f"killed by {sig}")
     assert errors["culprit"]["state"] == "killed"
+    if sig == "SIGSEGV":  # faulthandler's Python stack of the crash, read beside the stream
+        assert "diag_worker.py" in errors["culprit"]["fault_stacks"]
     check_goodput(run)
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from .._faults import FAULTS_SUFFIX
 from ._engine import Job
 
 #: Messages of errors that are the consequence of another rank's failure, not a cause.
@@ -74,6 +76,8 @@ class RankState:
     exit_code: int | None = None
     signal: str | None = None
     source: list[str] = field(default_factory=list)
+    #: Python stacks faulthandler wrote on a fatal signal (``<stream>.faults.txt``), for a crashed rank.
+    fault_stacks: str | None = None
 
     def doing(self) -> str:
         """What the rank was doing, as a phrase: "waiting in a collective in backward at step 7"."""
@@ -91,7 +95,7 @@ def diagnose(job: Job) -> dict[str, Any]:
     facts = job.dicts(
         """
         SELECT f.stream, f.rank, f.restart, f.start_ts, f.end_ts, f.closed, f.failed, f.running, f.hang_ts,
-               f.hang_from, s.errors
+               f.hang_from, s.errors, s.path, s.next_start IS NULL AS last_in_file
         FROM stream_facts f JOIN streams s USING (stream) WHERE NOT f.is_agent ORDER BY f.restart, f.rank
         """
     )
@@ -232,6 +236,8 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
         st.state = "ended"
     elif secondary or f["failed"]:
         st.state = "error"
+    if st.state in ("killed", "ended") and f["last_in_file"]:
+        st.fault_stacks = _fault_stacks(str(f["path"]))
     if secondary:
         st.consequence = _error_info(secondary[0])
     if hangs:
@@ -312,6 +318,16 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
     st.source.append("progress file")
 
 
+def _fault_stacks(stream_path: str, limit: int = 65536) -> str | None:
+    """What faulthandler wrote beside the stream when the process crashed (docs/reliability.md)."""
+    path = Path(stream_path)
+    try:
+        text = path.with_name(path.name + FAULTS_SUFFIX).read_text(errors="replace")[:limit]
+    except OSError:
+        return None
+    return text if text.strip() else None
+
+
 def _attrs(value: Any) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
@@ -387,7 +403,14 @@ def _cause(s: RankState) -> str:
     return s.state
 
 
+#: Wrappers that hide the informative part of communication errors (torch futures nest the cause).
+_NOISE = (re.compile(r"(?:Got the following error when running the callback: \w+: )+"),
+          re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] "))
+
+
 def _first_line(text: str | None, limit: int = 160) -> str:
+    for noise in _NOISE:
+        text = noise.sub("", text or "")
     line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
     return line if len(line) <= limit else line[: limit - 1] + "…"
 

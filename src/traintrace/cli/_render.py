@@ -188,7 +188,8 @@ def render_verdict(e: dict[str, Any], show_stack: bool = True) -> list[str]:
         out.append(f"  step {culprit['step'] if culprit['step'] is not None else '-'}, phase "
                    f"{culprit['phase'] or '-'}{', inside a collective' if culprit['in_collective'] else ''}"
                    f" (rule: {e.get('rule')}; from {', '.join(culprit['source']) or 'stream'})")
-        stack = (culprit.get("error") or {}).get("stack") or (culprit.get("hang") or {}).get("stack")
+        stack = ((culprit.get("error") or {}).get("stack") or (culprit.get("hang") or {}).get("stack")
+                 or culprit.get("fault_stacks"))
         if show_stack and stack:
             out.append("  " + "\n  ".join(stack.rstrip().splitlines()))
     if e.get("rank_states"):
