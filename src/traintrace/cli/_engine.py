@@ -404,18 +404,17 @@ class Job:
         progress = self.progress_files()
         running: list[int] = []
         now = time.time_ns()
-        for stream, path, rank, restart, host, pid, start_ts, closed, errors, end_ts, last in rows:
+        for stream, _path, rank, restart, host, pid, start_ts, closed, errors, end_ts, last in rows:
             if closed or not last:
                 continue
             p = progress.get(rank)
             if p is not None and getattr(p, "restart", restart) != restart:
                 p = None
-            try:
-                mtime = Path(path).stat().st_mtime_ns
-            except OSError:
-                mtime = end_ts
+            # "Wrote recently" is the stream's last record, not the file's time (a copied file is new);
+            # a record from the future (beyond clock skew) is a made-up job, never a running one.
+            last_write = end_ts if end_ts <= now + RECENT_S * 1e9 else 0
             header = {"pid": pid, "host": host, "ts": start_ts}
-            if _stream_state(p, bool(errors), header, mtime, now) == "running":
+            if _stream_state(p, bool(errors), header, last_write, now) == "running":
                 running.append(int(stream))
         self.con.execute("CREATE TABLE running_streams AS SELECT unnest($s::BIGINT[]) AS stream", {"s": running})
 
