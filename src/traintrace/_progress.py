@@ -164,11 +164,11 @@ class ProgressFile:
         self._bytes = memoryview(self._map)
         self.view: memoryview = self._bytes.cast("q")
 
-    def set_state(self, state: int) -> None:
+    def set_state(self, state: int, counter: int) -> None:
         try:
             self.view[S_UPDATED] = time.perf_counter_ns()
             self.view[S_STATE] = state
-            self.view[S_COUNTER] += 1
+            self.view[S_COUNTER] = counter
         except (ValueError, TypeError):
             pass  # already released
 
@@ -228,7 +228,7 @@ def finish(recorder: Recorder, state: int) -> None:
         return
     if state == STATE_CLOSED and recorder._progress_error:
         state = STATE_ERROR
-    opened.set_state(state)
+    opened.set_state(state, next(recorder._progress_seq))
     opened.release()
     _attached.discard(recorder)
 
@@ -245,7 +245,7 @@ def failed(recorder: Recorder, span: Any = None, t0: int = 0) -> None:
             prog[S_ITERATIONS] += 1
             prog[S_PHASE] = ITERATION_CODE
             prog[S_PHASE_T0] = t0
-            prog[S_COUNTER] += 1
+            prog[S_COUNTER] = next(recorder._progress_seq)
             return
         except Exception:  # noqa: BLE001
             pass

@@ -198,8 +198,10 @@ class Span:
         if prog is not None and self.tid == rec._progress_tid:
             # The progress file (_progress.py): a few int64 stores into the mapped page.
             try:
-                code = _PHASES.get(self.name)
-                if code is not None:
+                # "in" and [] rather than .get(): no bound method made (3.11 does not specialise it).
+                name = self.name
+                if name in _PHASES:
+                    code = _PHASES[name]
                     if code == _ITERATION:
                         attrs = self.attrs
                         step = attrs.get("step") if attrs.__class__ is dict else None
@@ -211,7 +213,7 @@ class Span:
                         prog[S_COLLECTIVE_T0] = t0
                     prog[S_PHASE] = code
                     prog[S_PHASE_T0] = t0
-                    prog[S_COUNTER] += 1
+                    prog[S_COUNTER] = next(rec._progress_seq)
             except Exception:  # noqa: BLE001 - never raise into training
                 _progress_failed(rec, self, t0)
         queue = rec._queue
@@ -247,8 +249,9 @@ class Span:
         prog = rec._progress
         if prog is not None and self.tid == rec._progress_tid:
             try:
-                code = _PHASES.get(self.name)
-                if code is not None:
+                name = self.name
+                if name in _PHASES:
+                    code = _PHASES[name]
                     if code == _ITERATION:
                         prog[S_STEP_DONE] = prog[S_STEP]
                         prog[S_STEPS_DONE] += 1
@@ -257,11 +260,11 @@ class Span:
                         prog[S_COLLECTIVE] -= 1
                     # Back in the enclosing standard phase (0: none).
                     parent = self.parent
-                    while parent is not None and (code := _PHASES.get(parent.name)) is None:
+                    while parent is not None and parent.name not in _PHASES:
                         parent = parent.parent
-                    prog[S_PHASE] = 0 if parent is None else code
+                    prog[S_PHASE] = 0 if parent is None else _PHASES[parent.name]
                     prog[S_UPDATED] = t1
-                    prog[S_COUNTER] += 1
+                    prog[S_COUNTER] = next(rec._progress_seq)
             except Exception:  # noqa: BLE001 - never raise into training
                 _progress_failed(rec)
         if self.written != _START_DROPPED:
@@ -382,6 +385,7 @@ class Recorder:
         self._progress: memoryview | None = None
         self._progress_file: Any = None
         self._progress_tid = 0
+        self._progress_seq = itertools.count(1)
         self._progress_error = False
 
     # -- hot path --------------------------------------------------------
