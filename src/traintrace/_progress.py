@@ -190,18 +190,38 @@ _attached: weakref.WeakSet[Any] = weakref.WeakSet()
 _warned = False
 
 
+def file_stream(recorder: Recorder | None) -> Any:
+    """The recorder's file backend (its stream), or None."""
+    from .backends._file import FileBackend
+
+    pipeline = getattr(recorder, "_pipeline", None)
+    for route in getattr(pipeline, "_routes", ()):
+        if isinstance(route.backend, FileBackend):
+            return route.backend
+    return None
+
+
+def dead_worker_fields(rank: int, pid: int | None) -> dict[str, Any]:
+    """For the launcher: the last step and phase of a dead worker, from its progress file
+    in the folder of this process's (the agent's) stream; empty if not found."""
+    from ._recorder import get_active
+    from .progress import last_progress, progress_fields
+
+    stream = file_stream(get_active())
+    if stream is None:
+        return {}
+    return progress_fields(last_progress(stream.path.parent, rank, pid))
+
+
 def attach(recorder: Recorder, config: Any, identity: Identity) -> None:
     """Open the progress file beside the recorder's file stream, if any; warn once if impossible."""
     global _warned
     if not getattr(config, "progress_file", True):
         return
-    from .backends._file import FileBackend
-
-    stream = None
-    for route in getattr(recorder._pipeline, "_routes", ()):
-        if isinstance(route.backend, FileBackend):
-            stream = route.backend
-            break
+    header = recorder.header
+    if header.get("role") == "agent" or "parent_pid" in header:
+        return  # a launcher agent, or a forked child's own stream: not a rank's training thread
+    stream = file_stream(recorder)
     if stream is None:
         return
     path = progress_path(stream.path)

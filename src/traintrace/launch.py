@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import events
+from . import _progress, events
 from ._identity import safe_component, scheduler_job_id
 from .events import EventSource, EventType
 
@@ -303,6 +303,7 @@ def _record_failures(agent: Any, worker_group: Any, result: Any) -> None:
         error_data = failure.error_file_data
         if isinstance(error_data, dict) and error_data.get("message") not in (None, "", "<NONE>"):
             data["error"] = error_data["message"]
+        data.update(_progress.dead_worker_fields(int(global_rank), failure.pid))  # its last step and phase
         events.record(
             EventType.WORKER_FAILURE,
             failure.local_rank,
