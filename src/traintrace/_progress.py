@@ -253,6 +253,19 @@ def finish(recorder: Recorder, state: int) -> None:
     _attached.discard(recorder)
 
 
+def adopt(recorder: Recorder, span: Any) -> bool:
+    """A span started on a thread other than the progress file's. The first iteration decides:
+    if the configuring thread has run none yet, this thread is the training thread from now on."""
+    prog = recorder._progress
+    try:
+        if prog is not None and span.name == SpanName.ITERATION and prog[S_ITERATIONS] == 0:
+            recorder._progress_tid = span.tid
+            return True
+    except Exception:  # noqa: BLE001
+        pass
+    return False
+
+
 def failed(recorder: Recorder, span: Any = None, t0: int = 0) -> None:
     """A store raised. A step that is no int64 (too large): the iteration is kept with step -1.
     Anything else (a released view): stop updating, warn once."""

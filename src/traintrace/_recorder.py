@@ -41,6 +41,7 @@ from ._progress import (
 )
 from ._progress import STATE_CLOSED as _STATE_CLOSED
 from ._progress import STATE_TERMINATED as _STATE_TERMINATED
+from ._progress import adopt as _progress_adopt
 from ._progress import failed as _progress_failed
 from ._progress import finish as _progress_finish
 from ._sanitize import clip_text
@@ -195,7 +196,7 @@ class Span:
                 listener.span_started(self)
         self.t0 = t0 = perf_counter_ns()
         prog = rec._progress
-        if prog is not None and self.tid == rec._progress_tid:
+        if prog is not None and (self.tid == rec._progress_tid or _progress_adopt(rec, self)):
             # The progress file (_progress.py): a few int64 stores into the mapped page.
             try:
                 # "in" and [] rather than .get(): no bound method made (3.11 does not specialise it).
