@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from traintrace.cli._watch import Watcher
 from traintrace.progress import DEAD, read_job_progress, stream_state
 from traintrace.reader import read_file
 
@@ -109,6 +110,12 @@ def test_a_rank_killed_mid_step_leaves_its_exact_step_and_phase(tmp_path: Path, 
 
     expected = "failed" if signame == "SIGTERM" else DEAD
     assert stream_state(victim) == expected
+
+    # traintrace watch, after the fact: the death as the launcher saw it, and the rank's state.
+    rows, messages = Watcher(job).poll()
+    died = f"rank 1 died (launcher): exit code {exit_code}, {signame}, at step 40 in {phase}"
+    assert died in messages
+    assert {r.rank: r.state for r in rows}[1] == expected
 
 
 @pytest.mark.slow
