@@ -70,9 +70,9 @@ def test_file_permissions(tmp_path: Path) -> None:
 
 def test_write_failure_is_counted_and_reported_after_recovery(tmp_path: Path) -> None:
     """A failing write drops the batch, and a dropped note follows once writes work."""
-    from traintrace._api import _header
     from traintrace._config import Config
     from traintrace._identity import detect
+    from traintrace._setup import _header
 
     backend = FileBackend(tmp_path / "f.jsonl")
     backend.open(_header(detect(), Config(job_id="j"), {}))

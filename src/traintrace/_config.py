@@ -10,13 +10,19 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import os
+import string
+import time
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+if TYPE_CHECKING:
+    from .backends._base import Backend
+
+from ._identity import Identity, safe_component
 from ._names import Verbosity
 from ._redact import DEFAULT_REDACT_KEYS
 
@@ -111,6 +117,10 @@ class BackendConfig:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"{where}.enabled: expected true or false, got {self.enabled!r}")
 
+    def create(self, config: Config, identity: Identity, level: int) -> Backend:
+        """The backend this config describes, at ``level``, for the process ``identity`` names."""
+        raise ConfigError(f"backends.{self.type}: {type(self).__name__} has no create(config, identity, level)")
+
 
 @dataclass
 class FileBackendConfig(BackendConfig):
@@ -136,6 +146,12 @@ class FileBackendConfig(BackendConfig):
         if not isinstance(self.file_mode, int) or not 0 <= self.file_mode <= 0o777:
             raise ConfigError(f"{where}.file_mode: expected permission bits like 0o640")
 
+    def create(self, config: Config, identity: Identity, level: int) -> Backend:
+        from .backends._file import FileBackend
+
+        path = resolve_path(self.path, config.log_dir, identity)
+        return FileBackend(path, verbosity=level, file_mode=self.file_mode, fsync_on_close=self.fsync_on_close)
+
 
 @dataclass
 class LogBackendConfig(BackendConfig):
@@ -156,6 +172,51 @@ class LogBackendConfig(BackendConfig):
             raise ConfigError(f"{where}.format: expected 'kv' or 'json', got {self.format!r}")
         if not isinstance(self.logger, str) or not self.logger:
             raise ConfigError(f"{where}.logger: expected a logger name")
+
+    def create(self, config: Config, identity: Identity, level: int) -> Backend:
+        from .backends._log import LogBackend
+
+        return LogBackend(self.logger, format=self.format, verbosity=level)
+
+
+# ---------------------------------------------------------------- path templates
+
+_PLACEHOLDERS = ("job", "rank", "local_rank", "node", "world_size", "restart", "host", "pid", "date", "time")
+
+
+def resolve_path(template: str, log_dir: str | os.PathLike[str], identity: Identity) -> Path:
+    """The file a path template names for ``identity``; raises ConfigError if unsafe."""
+    now = time.localtime()
+    values = {
+        "job": safe_component(identity.job_id),
+        "rank": str(identity.rank),
+        "local_rank": str(identity.local_rank),
+        "node": str(identity.node_rank),
+        "world_size": str(identity.world_size),
+        "restart": str(identity.restart_count),
+        "host": safe_component(identity.host),
+        "pid": str(identity.pid),
+        "date": time.strftime("%Y%m%d", now),
+        "time": time.strftime("%H%M%S", now),
+    }
+    for _, field_name, _, _ in string.Formatter().parse(template):
+        if field_name is not None and field_name not in values:
+            raise ConfigError(
+                f"backends.file.path: unknown placeholder {{{field_name}}} "
+                f"(known: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)})"
+            )
+    try:
+        rendered = template.format(**values)
+    except (ValueError, IndexError) as exc:
+        raise ConfigError(f"backends.file.path: {exc}") from None
+    path = Path(rendered)
+    if path.is_absolute():
+        return path
+    root = Path(log_dir).resolve()
+    full = (root / path).resolve()
+    if not full.is_relative_to(root):
+        raise ConfigError(f"backends.file.path: {template!r} leaves the log folder {root}")
+    return full
 
 
 def _default_backends() -> dict[str, BackendConfig]:

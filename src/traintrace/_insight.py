@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from ._config import ConfigError
 from ._monitor import DEFAULT_PHASE_TIMEOUTS, Sampler, Watchdog
+from ._peaks import peak_tflops
 from ._recorder import Recorder, get_active, warn_once
-from ._stats import IterationStats, peak_tflops
+from ._stats import IterationStats
 
 if TYPE_CHECKING:
     from ._config import Config

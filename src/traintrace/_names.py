@@ -107,3 +107,8 @@ DEFAULT_SPAN_VERBOSITY: Final[dict[str, Verbosity]] = {
     SpanName.ZERO_GRAD: Verbosity.PROFILING,
     SpanName.OPTIMIZER_STEP: Verbosity.PROFILING,
 }
+
+
+def level_of(name: str) -> int:
+    """The default verbosity of a span named ``name`` (``info`` for names not listed above)."""
+    return int(DEFAULT_SPAN_VERBOSITY.get(name, Verbosity.INFO))

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-from .._api import configure, get_recorder
 from .._config import Config
-from .._names import DEFAULT_SPAN_VERBOSITY, SpanStatus, Verbosity
+from .._names import SpanStatus
 from .._recorder import Recorder, Span, warn_once
+from .._setup import configure, get_recorder
 
 #: Keys that hold token ids in a batch mapping, most common first.
 TOKEN_KEYS = ("input_ids", "tokens", "token_ids")
-
-
-def level_of(name: str) -> int:
-    """The default verbosity of a standard span name."""
-    return int(DEFAULT_SPAN_VERBOSITY.get(name, Verbosity.INFO))
 
 
 def missing_extra(extra: str, package: str, exc: ImportError) -> ImportError:
@@ -99,28 +92,6 @@ def safe_call(fn: Callable[[Any], Any] | None, batch: Any, what: str) -> int | N
     except Exception as exc:  # noqa: BLE001 - a user's helper must not break training
         warn_once(f"{what}_fn", f"{what}_fn raised {type(exc).__name__}: {exc}; {what} not recorded")
         return None
-
-
-def path_size(path: str | os.PathLike[str] | None) -> int | None:
-    """Bytes in a file, or in all files under a folder; None if unreadable."""
-    if path is None:
-        return None
-    try:
-        target = Path(path)
-        if target.is_file():
-            return target.stat().st_size
-        if target.is_dir():
-            total = 0
-            for root, _, files in os.walk(target):
-                for name in files:
-                    try:
-                        total += (Path(root) / name).stat().st_size
-                    except OSError:
-                        pass
-            return total
-    except (OSError, TypeError, ValueError):
-        return None
-    return None
 
 
 def ensure_recorder(
