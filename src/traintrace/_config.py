@@ -299,9 +299,52 @@ class Config:
             raise ConfigError("metadata: expected a mapping")
         for key, backend in self.backends.items():
             backend.validate(f"backends.{key}")
-        from ._insight import validate_settings
+        _validate_insight(self)
 
-        validate_settings(self)
+
+def _validate_insight(config: Config) -> None:
+    """Raise ConfigError for a bad training-loop insight setting (docs/insight.md)."""
+    peak = config.peak_tflops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int | float) or peak <= 0):
+        raise ConfigError(f"peak_tflops: expected a positive number, got {peak!r}")
+    for name in ("device_sample_interval", "hang_timeout", "hang_check_interval"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"{name}: expected a number of seconds (0 turns it off), got {value!r}")
+    if not config.hang_check_interval:
+        raise ConfigError("hang_check_interval: must be above 0")
+    value = config.hang_exit_after
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+        raise ConfigError(f"hang_exit_after: expected a positive number of seconds, got {value!r}")
+    code = config.hang_exit_code
+    if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255:
+        raise ConfigError(f"hang_exit_code: expected an exit status from 1 to 255, got {code!r}")
+    if not isinstance(config.statistics, bool):
+        raise ConfigError(f"statistics: expected true or false, got {config.statistics!r}")
+    if config.accelerator is not None and not isinstance(config.accelerator, str):
+        raise ConfigError(f"accelerator: expected a device name, got {config.accelerator!r}")
+    timeouts = config.phase_timeouts
+    if isinstance(timeouts, str):
+        # From the environment: "checkpoint_save_sync=3600,validation_loop=7200".
+        parsed: dict[str, float] = {}
+        for part in timeouts.split(","):
+            if not part.strip():
+                continue
+            name, sep, seconds = part.partition("=")
+            try:
+                parsed[name.strip()] = float(seconds)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise ConfigError(f"phase_timeouts: expected name=seconds pairs, got {part!r}") from None
+        timeouts = config.phase_timeouts = parsed
+    if not isinstance(timeouts, Mapping):
+        raise ConfigError("phase_timeouts: expected a mapping of span name to seconds")
+    for name, seconds in timeouts.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+            raise ConfigError(
+                f"phase_timeouts.{name}: expected a positive number of seconds, got {seconds!r}"
+            )
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
