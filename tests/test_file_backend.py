@@ -15,7 +15,7 @@ from traintrace.backends import FileBackend
 def _run(tmp_path: Path, steps: int = 5, **settings: object) -> Path:
     settings.setdefault("backends", {"log": False})
     rec = tt.configure(job_id="job", log_dir=str(tmp_path), **settings)
-    path = rec._pipeline._routes[0].backend.path
+    path = rec.routes()[0].backend.path
     with tt.application():
         with tt.training_loop():
             for step in range(steps):
@@ -105,7 +105,7 @@ def test_hostile_values_are_valid_json(tmp_path: Path) -> None:
     cyclic: dict = {}
     cyclic["self"] = cyclic
     rec = tt.configure(job_id="j", log_dir=str(tmp_path), backends={"log": False})
-    path = rec._pipeline._routes[0].backend.path
+    path = rec.routes()[0].backend.path
     with tt.span("s") as s:
         s.add_metrics(
             {

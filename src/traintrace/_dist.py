@@ -35,7 +35,7 @@ def refresh_identity() -> Identity | None:
     rec = get_active()
     if rec is None:
         return None
-    current: Identity | None = getattr(rec, "identity", None)
+    current = rec.identity
     try:
         view = distributed_view()
         if view is None or current is None:
@@ -48,7 +48,7 @@ def refresh_identity() -> Identity | None:
         new_rank = current.rank if config.rank is not None or rank >= new_world else rank
         changed = (new_rank, new_world) != (current.rank, current.world_size)
         conflict = (new_rank, new_world) != (rank, world)
-        if not changed and getattr(rec, "_identity_conflict_reported", False):
+        if not changed and rec.identity_conflict_reported:
             return current
         rec.event(
             IDENTITY_EVENT,
@@ -65,7 +65,7 @@ def refresh_identity() -> Identity | None:
             level=Verbosity.ERROR if conflict else Verbosity.INFO,
         )
         if conflict:
-            rec._identity_conflict_reported = True  # type: ignore[attr-defined]
+            rec.identity_conflict_reported = True
             warn_once(
                 "identity_conflict",
                 f"{source} says rank {rank} of {world}, the configuration says rank "
@@ -74,7 +74,7 @@ def refresh_identity() -> Identity | None:
         if not changed:
             return current
         updated = dataclasses.replace(current, rank=new_rank, world_size=new_world)
-        rec.identity = updated  # type: ignore[attr-defined]
+        rec.identity = updated
         from .events import invalidate_identity_cache
 
         invalidate_identity_cache()
@@ -122,7 +122,7 @@ def _files_enabled(rec: Recorder) -> bool:
 
 
 def _stream_path(rec: Recorder) -> str | None:
-    for route in getattr(rec._pipeline, "_routes", []):
+    for route in rec.routes():
         path = getattr(route.backend, "path", None)
         if path is not None:
             return str(path)

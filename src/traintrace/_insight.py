@@ -69,19 +69,19 @@ class Insight:
 
 def attach(recorder: Recorder, pipeline: Pipeline, config: Config, identity: Identity) -> Insight | None:
     """Start insight for a new recorder; None when statistics are off or nothing records."""
-    if not config.statistics or not pipeline._routes:
+    if not config.statistics or not pipeline.routes:
         return None
     insight = Insight(recorder, pipeline, config, identity)
     count_flops.reset()
     pipeline.observers.append(insight)
-    recorder.insight = insight  # type: ignore[attr-defined]
+    recorder.insight = insight
     insight.start()
     return insight
 
 
 def _insight(recorder: Recorder | None = None) -> Insight | None:
     rec = recorder or get_active()
-    return getattr(rec, "insight", None) if rec is not None else None
+    return rec.insight if rec is not None else None
 
 
 # ---------------------------------------------------------------- public API

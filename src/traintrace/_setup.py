@@ -177,7 +177,7 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
         max_level = max(max_level, int(Verbosity.PROFILING))
     pipeline = Pipeline(config, header, routes)
     recorder = Recorder(pipeline, max_level, listeners)
-    recorder.identity = identity  # type: ignore[attr-defined]
+    recorder.identity = identity
     from ._insight import attach
 
     attach(recorder, pipeline, config, identity)
@@ -282,7 +282,7 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     rec = get_active()
     if rec is not None and isinstance(exc, Exception):
-        rec._exception(exc, EventName.EXCEPTION, {"unhandled": True}, 0)
+        rec.record_exception(exc, EventName.EXCEPTION, {"unhandled": True}, 0)
         rec.flush(1.0)
     hook = _previous_excepthook or sys.__excepthook__
     hook(kind, exc, tb)
@@ -292,7 +292,7 @@ def _thread_excepthook(args: Any) -> None:
     rec = get_active()
     if rec is not None and isinstance(args.exc_value, Exception):
         thread = getattr(args.thread, "name", "?")
-        rec._exception(args.exc_value, EventName.EXCEPTION, {"unhandled": True, "thread": thread}, 0)
+        rec.record_exception(args.exc_value, EventName.EXCEPTION, {"unhandled": True, "thread": thread}, 0)
     hook = _previous_thread_excepthook or threading.__excepthook__
     hook(args)
 
@@ -313,9 +313,7 @@ def _after_fork_in_child() -> None:
     # Spans open in the parent are not the child's: its spans start at the top level.
     _recorder._current.set(None)
     # The parent's queue and writer are not ours: never drain or close them here.
-    rec.closed = True
-    rec._pipeline.queue.clear()
-    rec._pipeline._drop_lock = threading.Lock()
+    rec.forget_after_fork()
     if rec.config.fork != "own_stream":
         return
     try:

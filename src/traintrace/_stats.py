@@ -87,7 +87,7 @@ class IterationStats:
         self.peak_tflops = peak_tflops
         #: (monotonic ns from which it applies, values): defaults for every step.
         self.step_info: tuple[tuple[int, dict[str, Any]], ...] = ()
-        self._max_route_level = max((r.level for r in pipeline._routes), default=-1)
+        self._max_route_level = pipeline.max_route_level
         # counters of the run
         self.completed_steps = 0
         self.skipped_steps = 0

@@ -84,7 +84,7 @@ _cache_source = "worker"
 def _refresh_cache(rec: _recorder.Recorder | None) -> None:
     """Precompute the identity attributes of events recorded through ``rec``."""
     global _cache_rec, _cache_attrs, _cache_full, _cache_source
-    identity = getattr(rec, "identity", None) if rec is not None else None
+    identity = rec.identity if rec is not None else None
     if identity is None:
         from ._identity import detect
 
@@ -158,11 +158,7 @@ def record(
                 if span is not None and span.t1 is not None:
                     span = _recorder.current_span()
                 item = (_EVENT_TAG, name, attrs, span.id if span is not None else 0, get_ident(), mono, level)
-                queue = rec._queue
-                if len(queue) < rec._cap:
-                    queue.append(item)
-                else:
-                    rec._pipeline.overflow(item)
+                rec.put(item)
         if _publisher.listening:
             _publisher.enqueue((name, mono, attrs, _cache_full))
     except Exception:  # noqa: BLE001 - never raise into the caller

@@ -126,8 +126,8 @@ def start_agent_stream(job_id: str, info: dict[str, Any] | None = None) -> Any:
     config.rank, config.world_size = 0, 1
     config.local_rank, config.local_world_size, config.restart_count = 0, 1, 0
     rec = start_stream(config, (), {"role": "agent", "launch": info})
-    identity = rec.identity  # type: ignore[attr-defined]
-    if workers_config.manifest and "file" in config.backends:
+    identity = rec.identity
+    if workers_config.manifest and "file" in config.backends and identity is not None:
         try:
             # The workers' configuration, which is what the manifest describes.
             folder = job_dir(config, identity)

@@ -113,7 +113,7 @@ def ensure_recorder(
     """
     current = get_recorder()
     if current is not None:
-        identity = getattr(current, "identity", None)
+        identity = current.identity
         if identity is None or (identity.rank == rank and identity.world_size == world_size):
             return current, False
         warn_once(

@@ -370,7 +370,7 @@ class TraintraceCallback(Callback):
                     rec, phase, _PHASE, self._mark, perf_counter_ns(), self._iter, None, status
                 )
                 if broken is not None and isinstance(exception, Exception):
-                    rec._exception(exception, EventName.EXCEPTION, None, broken.id)
+                    rec.record_exception(exception, EventName.EXCEPTION, None, broken.id)
             if isinstance(exception, Exception):
                 rec.error(exception, name=EventName.EXCEPTION)
         self._close_open(status)
