@@ -9,13 +9,13 @@ from types import TracebackType
 from typing import Any
 
 from ._identity import Identity, distributed_view
-from ._names import Verbosity
+from ._names import EventName, Verbosity
 from ._recorder import Recorder, Span, get_active, warn_once
 
 log = logging.getLogger("traintrace.lib")
 
 #: The event recorded when the process group's view of the rank differs from the stream's.
-IDENTITY_EVENT = "identity"
+IDENTITY_EVENT = EventName.IDENTITY
 
 
 def refresh_identity() -> Identity | None:

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("traintrace.lib")
 
-HANG_SUSPECTED: Final = "hang_suspected"
-HANG_RESOLVED: Final = "hang_resolved"
-HANG_EXIT: Final = "hang_exit"
+HANG_SUSPECTED: Final = EventName.HANG_SUSPECTED
+HANG_RESOLVED: Final = EventName.HANG_RESOLVED
+HANG_EXIT: Final = EventName.HANG_EXIT
 
 #: Default limits of the long phases during which ``hang_timeout`` does not apply.
 DEFAULT_PHASE_TIMEOUTS: Final[dict[str, float]] = {

@@ -24,6 +24,7 @@ from typing import Any
 from . import _faults, _recorder
 from ._config import Config, ConfigError, FileBackendConfig, build_config, resolve_path
 from ._dist import after_start
+from ._format import SCHEMA, SCHEMA_VERSION
 from ._identity import Identity, detect
 from ._names import EventName, RecordKind, Verbosity
 from ._pipeline import Pipeline
@@ -34,9 +35,6 @@ from .backends._base import Backend
 __all__ = ["configure", "get_recorder", "is_configured", "resolve_path", "start_stream"]
 
 log = logging.getLogger("traintrace.lib")
-
-SCHEMA = "traintrace"
-SCHEMA_VERSION = 1
 
 _configure_lock = threading.RLock()
 
