@@ -347,6 +347,12 @@ def _validate_insight(config: Config) -> None:
             )
 
 
+def disabled(env: Mapping[str, str] | None = None) -> bool:
+    """True when ``TRAINTRACE_DISABLED`` turns recording off (``1``, ``true``, ``yes``)."""
+    value = (os.environ if env is None else env).get(ENV_PREFIX + "DISABLED", "")
+    return value.lower() in ("1", "true", "yes")
+
+
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
     if value is None and optional:
         return

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from types import TracebackType
 from typing import Any
 
+from ._config import disabled
 from ._identity import Identity, distributed_view
 from ._names import EventName, Verbosity
 from ._recorder import Recorder, Span, get_active, warn_once
@@ -115,7 +115,7 @@ def _files_enabled(rec: Recorder) -> bool:
     config = rec.config
     if not getattr(config, "manifest", True):
         return False
-    if os.environ.get("TRAINTRACE_DISABLED", "").lower() in ("1", "true", "yes"):
+    if disabled():
         return False
     file_cfg = config.backends.get("file")
     return file_cfg is not None and bool(file_cfg.enabled)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ._names import RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
-from ._sanitize import clean_key, convert_mapping
+from ._sanitize import bound_key, convert_mapping
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -77,7 +77,7 @@ def _name(name: object) -> str:
     """A span/event name as a bounded string (any object a caller passed)."""
     if type(name) is str and len(name) <= 256:
         return name
-    return clean_key(name)
+    return bound_key(name)
 
 
 def _merge(attrs: Any, metrics: dict[str, Any]) -> Any:

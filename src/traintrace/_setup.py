@@ -22,7 +22,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from . import _faults, _recorder
-from ._config import Config, ConfigError, FileBackendConfig, build_config, resolve_path
+from ._config import Config, ConfigError, FileBackendConfig, build_config, disabled, resolve_path
 from ._dist import after_start
 from ._format import SCHEMA, SCHEMA_VERSION
 from ._identity import Identity, detect
@@ -74,15 +74,7 @@ def _header(identity: Identity, config: Config, extra: Mapping[str, Any]) -> dic
         "schema_version": SCHEMA_VERSION,
         "time": iso_time(wall),
         "mono": mono,
-        "job": identity.job_id,
-        "rank": identity.rank,
-        "world_size": identity.world_size,
-        "local_rank": identity.local_rank,
-        "local_world_size": identity.local_world_size,
-        "node_rank": identity.node_rank,
-        "restart": identity.restart_count,
-        "host": identity.host,
-        "pid": identity.pid,
+        **identity.to_dict(),
         "library_version": __version__,
         "python": platform.python_version(),
     }
@@ -140,7 +132,7 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
     previous = get_active()
     if previous is not None:
         previous.close()
-    if os.environ.get("TRAINTRACE_DISABLED", "").lower() in ("1", "true", "yes"):
+    if disabled():
         config.backends = {}
         extra_backends = []
     identity = _identity(config)

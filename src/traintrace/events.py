@@ -79,6 +79,8 @@ _cache_rec: Any = object()  # the recorder the cache below was built for
 _cache_attrs: dict[str, Any] = {}
 _cache_full: dict[str, Any] = {}
 _cache_source = "worker"
+#: The identity fields every lifecycle event carries in its attributes.
+_RANK_FIELDS = ("rank", "local_rank", "node_rank", "restart")
 
 
 def _refresh_cache(rec: _recorder.Recorder | None) -> None:
@@ -91,19 +93,9 @@ def _refresh_cache(rec: _recorder.Recorder | None) -> None:
         identity = detect()
     header = rec.header if rec is not None else {}
     _cache_source = "agent" if header.get("role") == "agent" else "worker"
-    _cache_attrs = {
-        "rank": identity.rank,
-        "local_rank": identity.local_rank,
-        "node_rank": identity.node_rank,
-        "restart": identity.restart_count,
-    }
-    _cache_full = {
-        **_cache_attrs,
-        "world_size": identity.world_size,
-        "job": identity.job_id,
-        "host": identity.host,
-        "pid": identity.pid,
-    }
+    fields = identity.to_dict()
+    _cache_attrs = {key: fields[key] for key in _RANK_FIELDS}
+    _cache_full = {**_cache_attrs, **{key: fields[key] for key in ("world_size", "job", "host", "pid")}}
     _cache_rec = rec
 
 
