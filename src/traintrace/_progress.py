@@ -194,8 +194,9 @@ def file_stream(recorder: Recorder | None) -> Any:
     """The recorder's file backend (its stream), or None."""
     from .backends._file import FileBackend
 
-    pipeline = getattr(recorder, "_pipeline", None)
-    for route in getattr(pipeline, "_routes", ()):
+    if recorder is None:
+        return None
+    for route in recorder.routes():
         if isinstance(route.backend, FileBackend):
             return route.backend
     return None
