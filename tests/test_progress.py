@@ -132,6 +132,23 @@ def test_a_step_that_is_no_int64_does_not_raise(tmp_path: Path) -> None:
         assert _progress_now().step == 1  # not an int: the ordinal
 
 
+def test_training_on_another_thread_adopts_it_at_its_first_iteration(tmp_path: Path) -> None:
+    tt.configure(log_dir=str(tmp_path), job_id="j")
+    seen: list[tuple[int | None, str | None]] = []
+
+    def train() -> None:
+        for step in range(3):
+            with tt.training_iteration(step), tt.forward():
+                seen.append((_progress_now().step, _progress_now().phase))
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join()
+    assert seen == [(0, "model_forward"), (1, "model_forward"), (2, "model_forward")]
+    with tt.training_iteration(50):  # the configuring thread no longer moves it
+        assert _progress_now().step == 2
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_write_the_parents_file(tmp_path: Path) -> None:
     tt.configure(log_dir=str(tmp_path), job_id="j")

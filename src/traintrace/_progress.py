@@ -164,11 +164,11 @@ class ProgressFile:
         self._bytes = memoryview(self._map)
         self.view: memoryview = self._bytes.cast("q")
 
-    def set_state(self, state: int) -> None:
+    def set_state(self, state: int, counter: int) -> None:
         try:
             self.view[S_UPDATED] = time.perf_counter_ns()
             self.view[S_STATE] = state
-            self.view[S_COUNTER] += 1
+            self.view[S_COUNTER] = counter
         except (ValueError, TypeError):
             pass  # already released
 
@@ -190,18 +190,39 @@ _attached: weakref.WeakSet[Any] = weakref.WeakSet()
 _warned = False
 
 
+def file_stream(recorder: Recorder | None) -> Any:
+    """The recorder's file backend (its stream), or None."""
+    from .backends._file import FileBackend
+
+    if recorder is None:
+        return None
+    for route in recorder.routes():
+        if isinstance(route.backend, FileBackend):
+            return route.backend
+    return None
+
+
+def dead_worker_fields(rank: int, pid: int | None) -> dict[str, Any]:
+    """For the launcher: the last step and phase of a dead worker, from its progress file
+    in the folder of this process's (the agent's) stream; empty if not found."""
+    from ._recorder import get_active
+    from .progress import last_progress, progress_fields
+
+    stream = file_stream(get_active())
+    if stream is None:
+        return {}
+    return progress_fields(last_progress(stream.path.parent, rank, pid))
+
+
 def attach(recorder: Recorder, config: Any, identity: Identity) -> None:
     """Open the progress file beside the recorder's file stream, if any; warn once if impossible."""
     global _warned
     if not getattr(config, "progress_file", True):
         return
-    from .backends._file import FileBackend
-
-    stream = None
-    for route in getattr(recorder._pipeline, "_routes", ()):
-        if isinstance(route.backend, FileBackend):
-            stream = route.backend
-            break
+    header = recorder.header
+    if header.get("role") == "agent" or "parent_pid" in header:
+        return  # a launcher agent, or a forked child's own stream: not a rank's training thread
+    stream = file_stream(recorder)
     if stream is None:
         return
     path = progress_path(stream.path)
@@ -228,9 +249,22 @@ def finish(recorder: Recorder, state: int) -> None:
         return
     if state == STATE_CLOSED and recorder._progress_error:
         state = STATE_ERROR
-    opened.set_state(state)
+    opened.set_state(state, next(recorder._progress_seq))
     opened.release()
     _attached.discard(recorder)
+
+
+def adopt(recorder: Recorder, span: Any) -> bool:
+    """A span started on a thread other than the progress file's. The first iteration decides:
+    if the configuring thread has run none yet, this thread is the training thread from now on."""
+    prog = recorder._progress
+    try:
+        if prog is not None and span.name == SpanName.ITERATION and prog[S_ITERATIONS] == 0:
+            recorder._progress_tid = span.tid
+            return True
+    except Exception:  # noqa: BLE001
+        pass
+    return False
 
 
 def failed(recorder: Recorder, span: Any = None, t0: int = 0) -> None:
@@ -245,7 +279,7 @@ def failed(recorder: Recorder, span: Any = None, t0: int = 0) -> None:
             prog[S_ITERATIONS] += 1
             prog[S_PHASE] = ITERATION_CODE
             prog[S_PHASE_T0] = t0
-            prog[S_COUNTER] += 1
+            prog[S_COUNTER] = next(recorder._progress_seq)
             return
         except Exception:  # noqa: BLE001
             pass

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from time import perf_counter_ns
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._names import EventName, SpanStatus, Verbosity
 from ._progress import COLLECTIVE_CODE as _COLLECTIVE
@@ -41,12 +41,16 @@ from ._progress import (
 )
 from ._progress import STATE_CLOSED as _STATE_CLOSED
 from ._progress import STATE_TERMINATED as _STATE_TERMINATED
+from ._progress import adopt as _progress_adopt
 from ._progress import failed as _progress_failed
 from ._progress import finish as _progress_finish
 from ._sanitize import clip_text
 
 if TYPE_CHECKING:
-    from ._pipeline import Pipeline
+    from ._config import Config
+    from ._identity import Identity
+    from ._insight import Insight
+    from ._pipeline import Route
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -195,11 +199,13 @@ class Span:
                 listener.span_started(self)
         self.t0 = t0 = perf_counter_ns()
         prog = rec._progress
-        if prog is not None and self.tid == rec._progress_tid:
+        if prog is not None and (self.tid == rec._progress_tid or _progress_adopt(rec, self)):
             # The progress file (_progress.py): a few int64 stores into the mapped page.
             try:
-                code = _PHASES.get(self.name)
-                if code is not None:
+                # "in" and [] rather than .get(): no bound method made (3.11 does not specialise it).
+                name = self.name
+                if name in _PHASES:
+                    code = _PHASES[name]
                     if code == _ITERATION:
                         attrs = self.attrs
                         step = attrs.get("step") if attrs.__class__ is dict else None
@@ -211,7 +217,7 @@ class Span:
                         prog[S_COLLECTIVE_T0] = t0
                     prog[S_PHASE] = code
                     prog[S_PHASE_T0] = t0
-                    prog[S_COUNTER] += 1
+                    prog[S_COUNTER] = next(rec._progress_seq)
             except Exception:  # noqa: BLE001 - never raise into training
                 _progress_failed(rec, self, t0)
         queue = rec._queue
@@ -247,8 +253,9 @@ class Span:
         prog = rec._progress
         if prog is not None and self.tid == rec._progress_tid:
             try:
-                code = _PHASES.get(self.name)
-                if code is not None:
+                name = self.name
+                if name in _PHASES:
+                    code = _PHASES[name]
                     if code == _ITERATION:
                         prog[S_STEP_DONE] = prog[S_STEP]
                         prog[S_STEPS_DONE] += 1
@@ -257,11 +264,11 @@ class Span:
                         prog[S_COLLECTIVE] -= 1
                     # Back in the enclosing standard phase (0: none).
                     parent = self.parent
-                    while parent is not None and (code := _PHASES.get(parent.name)) is None:
+                    while parent is not None and parent.name not in _PHASES:
                         parent = parent.parent
-                    prog[S_PHASE] = 0 if parent is None else code
+                    prog[S_PHASE] = 0 if parent is None else _PHASES[parent.name]
                     prog[S_UPDATED] = t1
-                    prog[S_COUNTER] += 1
+                    prog[S_COUNTER] = next(rec._progress_seq)
             except Exception:  # noqa: BLE001 - never raise into training
                 _progress_failed(rec)
         if self.written != _START_DROPPED:
@@ -317,7 +324,7 @@ class Span:
         """Record an event inside this span."""
         rec = self._rec
         if rec is not None:
-            rec._event(name, metrics, _INFO, self.id)
+            rec.record_event(name, metrics, _INFO, self.id)
 
     @property
     def open(self) -> bool:
@@ -361,6 +368,42 @@ class InertSpan(Span):
         return Span(self.name, self.attrs, self.level)(func)
 
 
+class RecordSink(Protocol):
+    """The queue side of a :class:`Recorder`: what it hands items to (``_pipeline.Pipeline``).
+
+    The caller's thread appends to ``queue`` while it holds fewer than
+    ``capacity`` items and calls ``overflow`` otherwise; everything else runs
+    on the writer thread behind it.
+    """
+
+    queue: deque[Any]
+    capacity: int
+    config: Config
+    header: dict[str, Any]
+    dropped: int
+    routes: list[Route]
+
+    def overflow(self, item: Any) -> bool:
+        """The queue is full: wait or drop and count. True if queued."""
+        ...
+
+    def wake(self) -> None:
+        """Have the writer run a cycle now."""
+        ...
+
+    def flush(self, timeout: float) -> bool:
+        """Write what is queued; True when done within ``timeout`` seconds."""
+        ...
+
+    def close(self, timeout: float, open_status: str = ...) -> None:
+        """Write what is queued, end open spans with ``open_status``, close backends."""
+        ...
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's queued items."""
+        ...
+
+
 class Recorder:
     """The low-level API: ``start``/``stop``/``event``/``error``/``close``.
 
@@ -368,7 +411,14 @@ class Recorder:
     configuration; misuse warns once per kind.
     """
 
-    def __init__(self, pipeline: Pipeline, max_level: int, listeners: list[Any]) -> None:
+    #: Who this process is (set by ``configure()``; updated by ``refresh_identity()``).
+    identity: Identity | None = None
+    #: Statistics, sampler and watchdog, when statistics are on (``_insight.attach``).
+    insight: Insight | None = None
+    #: A rank/world-size disagreement with the process group was reported once.
+    identity_conflict_reported: bool = False
+
+    def __init__(self, pipeline: RecordSink, max_level: int, listeners: list[Any]) -> None:
         self._pipeline = pipeline
         self._queue: deque[Any] = pipeline.queue
         self._cap = pipeline.capacity
@@ -382,10 +432,12 @@ class Recorder:
         self._progress: memoryview | None = None
         self._progress_file: Any = None
         self._progress_tid = 0
+        self._progress_seq = itertools.count(1)
         self._progress_error = False
 
     # -- hot path --------------------------------------------------------
-    def _put(self, item: Any) -> None:
+    def put(self, item: Any) -> None:
+        """Queue an item (a Span or an EVENT/ERROR tuple), or hand it to overflow when full."""
         queue = self._queue
         if len(queue) < self._cap:
             queue.append(item)
@@ -400,23 +452,24 @@ class Recorder:
             return
         warn_once("stop_twice", f"span {_label(span.name)} stopped twice; the second stop is ignored")
 
-    def _event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
+    def record_event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
+        """An event in span ``span_id`` (0: none) at ``level``, as given: no current-span lookup."""
         if level > self.max_level or self.closed:
             return
         attrs = as_attrs(metrics)
-        self._put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
+        self.put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
 
     def _span_failed(self, span: Span, exc: BaseException) -> None:
         if isinstance(exc, Exception):
             span.status = SpanStatus.ERROR
             if span.parent is None:
                 self._progress_error = True  # out of the outermost span: the program fails
-            self._exception(exc, EventName.EXCEPTION, None, span.id)
+            self.record_exception(exc, EventName.EXCEPTION, None, span.id)
         else:
             # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
             span.status = SpanStatus.TERMINATED
 
-    def _exception(self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int) -> bool:
+    def record_exception(self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int) -> bool:
         """Record ``exc`` unless it already was; True if it was recorded now."""
         if _already_recorded(exc, self._recorded_exceptions):
             return False
@@ -426,7 +479,7 @@ class Recorder:
         attrs = as_attrs(metrics)
         if attrs and attrs.get("unhandled") is True:
             self._progress_error = True
-        self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+        self.put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
         self._pipeline.wake()
         return True
 
@@ -515,7 +568,7 @@ class Recorder:
         """Record a point event, inside the current span if one is open."""
         span = current_span()
         try:
-            self._event(name, metrics, as_level(level), span.id if span is not None else 0)
+            self.record_event(name, metrics, as_level(level), span.id if span is not None else 0)
         except Exception:  # noqa: BLE001 - event() must never fail the caller
             warn_once("bad_event", f"event {_label(name)} has metrics that are not a mapping; ignored")
 
@@ -531,7 +584,7 @@ class Recorder:
         span_id = span.id if span is not None else 0
         try:
             if isinstance(error, BaseException):
-                self._exception(error, name, metrics, span_id)
+                self.record_exception(error, name, metrics, span_id)
                 return
             if self.closed:
                 return
@@ -539,7 +592,7 @@ class Recorder:
             stack = "".join(traceback.format_stack(sys._getframe(1)))
             info = (None, clip_text(message, 65536), clip_text(stack, 65536))
             attrs = dict(metrics) if metrics else None
-            self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+            self.put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
             self._pipeline.wake()
         except Exception:  # noqa: BLE001 - error() must never fail the caller
             warn_once("bad_error", "error() could not record its argument")
@@ -572,6 +625,28 @@ class Recorder:
         self.closed = True
         self._pipeline.close(self.config.close_timeout, open_status=SpanStatus.TERMINATED)
         _progress_finish(self, _STATE_TERMINATED)
+
+    def wake(self) -> None:
+        """Have the writer run a cycle now (after an error, a hang report)."""
+        self._pipeline.wake()
+
+    @property
+    def listeners(self) -> tuple[Any, ...]:
+        """The backends told of every span start and stop on the caller's thread (NVTX)."""
+        return self._listeners
+
+    def routes(self) -> list[Route]:
+        """The backends this recorder writes to, with their names and levels."""
+        return list(self._pipeline.routes)
+
+    def backend(self, name: str) -> Any:
+        """The backend configured under ``name`` (``"file"``, ``"otlp_traces"``), or None."""
+        return next((route.backend for route in self._pipeline.routes if route.name == name), None)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: this recorder is the parent's; never drain or close its queue here."""
+        self.closed = True
+        self._pipeline.forget_after_fork()
 
     @property
     def dropped(self) -> int:

@@ -67,7 +67,9 @@ __all__ = [
     "RUNNING",
     "Progress",
     "find_progress_files",
+    "last_progress",
     "pid_alive",
+    "progress_fields",
     "progress_path",
     "read_job_progress",
     "read_progress",
@@ -253,6 +255,42 @@ def read_job_progress(job_dir: str | os.PathLike[str] | Iterable[str | os.PathLi
         if known is None or (progress.restart, progress.created_ns) > (known.restart, known.created_ns):
             found[progress.rank] = progress
     return found
+
+
+def last_progress(
+    job_dir: str | os.PathLike[str], rank: int, pid: int | None = None
+) -> Progress | None:
+    """The progress file of ``rank`` in a job folder: the one written by ``pid`` if given and found,
+    else the rank's latest."""
+    best: Progress | None = None
+    for path in find_progress_files(job_dir):
+        found = read_progress(path)
+        if found is None or found.rank != rank:
+            continue
+        if pid is not None and found.pid == pid:
+            return found
+        if best is None or (found.restart, found.created_ns) > (best.restart, best.created_ns):
+            best = found
+    return best
+
+
+def progress_fields(progress: Progress | None) -> dict[str, Any]:
+    """What a lifecycle event carries about a dead rank's last progress (empty if unknown)."""
+    if progress is None:
+        return {}
+    fields: dict[str, Any] = {
+        "last_step": progress.step,
+        "last_phase": progress.phase,
+        "in_collective": progress.in_collective,
+        "last_progress_ns": progress.updated_ns,
+        "steps_done": progress.steps_done,
+        "progress_state": progress.state,
+    }
+    if progress.step_done is not None:
+        fields["last_step_done"] = progress.step_done
+    if progress.phase_started_ns is not None:
+        fields["phase_started_ns"] = progress.phase_started_ns
+    return fields
 
 
 # ---------------------------------------------------------------- is it running?

@@ -7,26 +7,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._names import EventName, SpanName
 from ._diagnosis import HANG_ERRORS, _secondary, diagnose
-from ._engine import Job, compress_ranks
+from ._engine import ITERATION, Job, compress_ranks
 
 NS = 1e9
 
 INIT_SPANS = (
-    "distributed_code_initialization",
-    "data_loader_initialization",
-    "model_initialization",
-    "optimizer_initialization",
+    SpanName.DISTRIBUTED_INIT,
+    SpanName.DATA_LOADER_INIT,
+    SpanName.MODEL_INIT,
+    SpanName.OPTIMIZER_INIT,
 )
 #: Span name -> time category. Iterations, hangs and idle time are derived separately.
 CATEGORY_OF: dict[str, str] = {
     **dict.fromkeys(INIT_SPANS, "initialization"),
-    "checkpoint_load": "checkpoint_load",
-    "checkpoint_save_sync": "checkpoint_save",
-    "checkpoint_save_async": "checkpoint_save",
-    "validation_loop": "validation",
-    "test_loop": "test",
-    "data_loading": "data_loading",
+    SpanName.CHECKPOINT_LOAD: "checkpoint_load",
+    SpanName.CHECKPOINT_SAVE_SYNC: "checkpoint_save",
+    SpanName.CHECKPOINT_SAVE_ASYNC: "checkpoint_save",
+    SpanName.VALIDATION: "validation",
+    SpanName.TEST: "test",
+    SpanName.DATA_LOADING: "data_loading",
 }
 #: Order of categories in tables; ``productive`` first, then badput.
 CATEGORIES = (
@@ -42,8 +43,9 @@ CATEGORIES = (
     "restart_idle",
     "other",
 )
-HANG_NAMES = ("hang_suspected",)
-PROGRESS_EVENTS = ("training_iterations",)
+HANG_NAMES = (EventName.HANG_SUSPECTED,)
+PROGRESS_EVENTS = (EventName.TRAINING_ITERATIONS,)
+#: The compute phases of a step (beside the wait for data).
 #: Aliases accepted for progress fields in ``training_iterations`` events.
 FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "consumed_samples": ("consumed_samples", "samples", "total_samples"),
@@ -105,7 +107,7 @@ def summary(job: Job) -> dict[str, Any]:
                sum({_clipped("s.ts", "coalesce(s.dur, greatest(f.end_ts - s.ts, 0))")}) / 1e9
         FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE NOT s.is_agent AND {case} IS NOT NULL
-          AND NOT (s.name = 'data_loading' AND EXISTS (
+          AND NOT (s.name = '{SpanName.DATA_LOADING}' AND EXISTS (
               SELECT 1 FROM iterations i WHERE i.stream = s.stream AND i.id = s.parent))
         GROUP BY ALL
     """
@@ -165,7 +167,7 @@ def summary(job: Job) -> dict[str, Any]:
         "training_s": breakdown["productive"] + breakdown["lost_progress"] + breakdown["data_loading"],
         "checkpoint_save_exposed_s": breakdown["checkpoint_save"],
         "checkpoint_save_background_s": _mean_per_rank(
-            job, "SELECT rank, sum(dur) / 1e9 FROM spans_small WHERE name = 'checkpoint_save_finalization' "
+            job, f"SELECT rank, sum(dur) / 1e9 FROM spans_small WHERE name = '{SpanName.CHECKPOINT_SAVE_FINALIZATION}' "
             "AND NOT is_agent GROUP BY ALL", n_ranks),
         "checkpoint_load_s": breakdown["checkpoint_load"],
         "validation_s": breakdown["validation"],
@@ -299,12 +301,13 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     _step_parts(job)
     parts: dict[int, dict[str, float]] = {}
     for rank, part, value in job.rows(
-        """
+        f"""
         SELECT rank, 'compute', median(dur - coll) / 1e9 FROM step_parts GROUP BY rank
         UNION ALL SELECT rank, 'collective', median(coll) / 1e9 FROM step_parts WHERE has_coll GROUP BY rank
         UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9 FROM loading_parts GROUP BY rank
         UNION ALL SELECT rank, 'checkpoint_save', median(dur) / 1e9 FROM spans_small
-            WHERE name IN ('checkpoint_save_sync', 'checkpoint_save_async') AND dur IS NOT NULL AND NOT is_agent
+            WHERE name IN ('{SpanName.CHECKPOINT_SAVE_SYNC}', '{SpanName.CHECKPOINT_SAVE_ASYNC}')
+              AND dur IS NOT NULL AND NOT is_agent
             GROUP BY rank
         """
     ):
@@ -399,14 +402,15 @@ def _reference(values: dict[int, float], rank: int) -> float | None:
 def _step_parts(job: Job) -> None:
     """Per step: its duration and the time spent in collectives inside it; per data-loading span: its ordinal."""
     job.con.execute(
-        """
+        f"""
         CREATE TEMP TABLE IF NOT EXISTS step_parts AS
         WITH it AS (
             SELECT stream, rank, restart, ts, dur, try_cast(attrs->>'step' AS BIGINT) AS step,
                    row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
             FROM iterations WHERE status = 'ok'
         ), col AS (
-            SELECT stream, ts, dur FROM spans_small WHERE name = 'collective' AND dur IS NOT NULL AND NOT is_agent
+            SELECT stream, ts, dur FROM spans_small
+            WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
         ), inside AS (
             SELECT c.stream, i.ts AS its, sum(least(c.ts + c.dur, i.ts + i.dur) - c.ts) AS coll
             FROM col c ASOF JOIN it i ON c.stream = i.stream AND c.ts >= i.ts
@@ -417,7 +421,7 @@ def _step_parts(job: Job) -> None:
         FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts;
         CREATE TEMP TABLE IF NOT EXISTS loading_parts AS
         SELECT rank, restart, ts, dur, row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
-        FROM spans_small WHERE name = 'data_loading' AND dur IS NOT NULL AND NOT is_agent;
+        FROM spans_small WHERE name = '{SpanName.DATA_LOADING}' AND dur IS NOT NULL AND NOT is_agent;
         """
     )
 
@@ -466,7 +470,7 @@ def _enclosing(job: Job, stream: int, span: int) -> tuple[str | None, int | None
         int(r[0]): (r[1], r[2], r[3])
         for r in job.rows(
             "SELECT id, parent, name, try_cast(attrs->>'step' AS BIGINT) FROM spans_small WHERE stream = $s "
-            "UNION ALL SELECT id, parent, 'iteration', try_cast(attrs->>'step' AS BIGINT) FROM iterations "
+            f"UNION ALL SELECT id, parent, '{ITERATION}', try_cast(attrs->>'step' AS BIGINT) FROM iterations "
             "WHERE stream = $s",
             {"s": stream},
         )
@@ -478,7 +482,7 @@ def _enclosing(job: Job, stream: int, span: int) -> tuple[str | None, int | None
     while node is not None and node in rows and node not in seen:
         seen.add(node)
         parent, kind, step = rows[node]
-        if kind == "iteration" and step is not None:
+        if kind == ITERATION and step is not None:
             return name, int(step)
         node = parent
     return name, None
@@ -575,8 +579,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         if not s["closed"] and silent_s >= hang_after_s:
             hang_suspects.append(s["rank"])
     for row in job.rows(
-        "SELECT DISTINCT stream_rank FROM other WHERE kind = 'error' AND (name IN ('hang_suspected') "
-        "OR error_type IN ('hang_suspected')) AND stream_rank IS NOT NULL"
+        f"SELECT DISTINCT stream_rank FROM other WHERE kind = 'error' AND (name IN ({_names(HANG_NAMES)}) "
+        f"OR error_type IN ({_names(HANG_NAMES)})) AND stream_rank IS NOT NULL"
     ):
         if row[0] not in hang_suspects:
             hang_suspects.append(row[0])

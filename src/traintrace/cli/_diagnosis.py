@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .._faults import FAULTS_SUFFIX
+from .._names import EventName, SpanName
+from ..events import EventType
 from ._engine import Job
 
 #: Messages of errors that are the consequence of another rank's failure, not a cause.
@@ -24,32 +26,32 @@ SECONDARY = re.compile(
     r"|gloo|nccl|socket|remote (?:worker|process)|peer|watchdog|ProcessGroup|unreachable|store",
     re.IGNORECASE,
 )
-HANG_ERRORS = ("hang_suspected", "hang_exit")
+HANG_ERRORS = (EventName.HANG_SUSPECTED, EventName.HANG_EXIT)
 #: Span names that say where a rank is, innermost wins; containers only when nothing finer is open.
-CONTAINERS = ("main_function", "training_loop")
-COLLECTIVE = "collective"
-ITERATION = "iteration"
+CONTAINERS = (SpanName.APPLICATION, SpanName.TRAINING_LOOP)
+COLLECTIVE = SpanName.COLLECTIVE
+ITERATION = SpanName.ITERATION
 #: How phases read in a sentence.
 PHASE_LABELS = {
-    "data_loading": "data loading",
-    "model_forward": "forward",
-    "model_backward": "backward",
-    "optimizer_update": "the optimizer step",
-    "zero_grad": "zero_grad",
-    "checkpoint_save_sync": "a checkpoint save",
-    "checkpoint_save_async": "a checkpoint save",
-    "checkpoint_save_finalization": "a background checkpoint save",
-    "checkpoint_load": "a checkpoint load",
-    "validation_loop": "validation",
-    "test_loop": "test",
-    "iteration": "a step (between phases)",
-    "training_loop": "the training loop (between steps)",
-    "main_function": "the program (outside the training loop)",
-    "distributed_code_initialization": "distributed initialisation",
-    "model_initialization": "model initialisation",
-    "optimizer_initialization": "optimizer initialisation",
-    "data_loader_initialization": "data loader initialisation",
-    COLLECTIVE: "a collective",
+    SpanName.DATA_LOADING: "data loading",
+    SpanName.FORWARD: "forward",
+    SpanName.BACKWARD: "backward",
+    SpanName.OPTIMIZER_STEP: "the optimizer step",
+    SpanName.ZERO_GRAD: "zero_grad",
+    SpanName.CHECKPOINT_SAVE_SYNC: "a checkpoint save",
+    SpanName.CHECKPOINT_SAVE_ASYNC: "a checkpoint save",
+    SpanName.CHECKPOINT_SAVE_FINALIZATION: "a background checkpoint save",
+    SpanName.CHECKPOINT_LOAD: "a checkpoint load",
+    SpanName.VALIDATION: "validation",
+    SpanName.TEST: "test",
+    SpanName.ITERATION: "a step (between phases)",
+    SpanName.TRAINING_LOOP: "the training loop (between steps)",
+    SpanName.APPLICATION: "the program (outside the training loop)",
+    SpanName.DISTRIBUTED_INIT: "distributed initialisation",
+    SpanName.MODEL_INIT: "model initialisation",
+    SpanName.OPTIMIZER_INIT: "optimizer initialisation",
+    SpanName.DATA_LOADER_INIT: "data loader initialisation",
+    SpanName.COLLECTIVE: "a collective",
 }
 #: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
 #: this much clock skew between hosts is tolerated.
@@ -166,8 +168,8 @@ class _Facts:
             self.errors.setdefault(e["stream"], []).append(e)
         self.signals: dict[int, list[tuple[int, Any]]] = {}
         for stream, ts, attrs in job.rows(
-            "SELECT stream, ts, attrs FROM other WHERE kind = 'event' AND name = 'signal' AND NOT is_agent "
-            "ORDER BY ts"
+            f"SELECT stream, ts, attrs FROM other WHERE kind = 'event' AND name = '{EventName.SIGNAL}' "
+            "AND NOT is_agent ORDER BY ts"
         ):
             self.signals.setdefault(stream, []).append((ts, attrs))
         self.last_ok: dict[int, tuple[Any, Any]] = {
@@ -183,7 +185,8 @@ def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
     """(rank, restart) -> exit code and signal from the launcher's worker_failure events."""
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for attrs_text, ts in job.rows(
-        "SELECT attrs, ts FROM other WHERE is_agent AND kind = 'event' AND name = 'worker_failure' ORDER BY ts"
+        f"SELECT attrs, ts FROM other WHERE is_agent AND kind = 'event' AND name = '{EventType.WORKER_FAILURE.value}' "
+        "ORDER BY ts"
     ):
         try:
             attrs = json.loads(attrs_text) if isinstance(attrs_text, str) else dict(attrs_text or {})

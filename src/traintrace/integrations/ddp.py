@@ -22,9 +22,9 @@ import contextvars
 from collections.abc import Callable
 from typing import Any
 
-from .._api import get_recorder
-from .._names import SpanName, SpanStatus
-from ._common import level_of, missing_extra
+from .._names import SpanName, SpanStatus, level_of
+from .._setup import get_recorder
+from ._common import missing_extra
 
 __all__ = ["record_collectives"]
 
