@@ -68,7 +68,7 @@ from ._metrics import (
 )
 from ._monitor import DEFAULT_PHASE_TIMEOUTS
 from ._names import EventName, RecordKind, SpanName, SpanStatus, Verbosity
-from ._recorder import Recorder, Span, TraintraceWarning, current_span
+from ._recorder import Recorder, Span, TraintraceWarning, current_span, stats
 from ._stats import PEAK_BF16_TFLOPS, peak_tflops
 from ._version import __version__
 from .backends import Backend, BaseBackend, FileBackend, LogBackend, MemoryBackend
@@ -135,6 +135,7 @@ __all__ = [
     "set_step_info",
     "span",
     "start",
+    "stats",
     "stop",
     "test",
     "timed_span",
