@@ -236,10 +236,9 @@ class Pipeline:
         chunks = 0
         queue = self.queue
         budget = len(queue)
-        stop_at = self._drain_deadline() if drain else None
         while queue and (drain or budget > 0):
-            if stop_at is not None and time.monotonic() > stop_at:
-                self._abandon_queue()
+            if self._deadline is not None and time.monotonic() > self._drain_deadline():
+                self._abandon_queue()  # close() is out of time: say what is not written
                 break
             budget -= _CHUNK
             batch: list[tuple[int, dict[str, Any]]] = []
@@ -591,10 +590,10 @@ class Pipeline:
                 self._backend_failed(route, exc, 0)
 
     # -- close budget and losses (writer thread) --------------------------
-    def _drain_deadline(self) -> float | None:
+    def _drain_deadline(self) -> float:
         """When the writer stops writing queued records at close, leaving the backends their share."""
         if self._deadline is None:
-            return None
+            return float("inf")
         left = self._deadline - time.monotonic()
         wanted = max((float(getattr(r.backend, "close_timeout", 0.0) or 0.0) for r in self._routes), default=0.0)
         # Queued records come first, but backends that send elsewhere keep up to half the budget.

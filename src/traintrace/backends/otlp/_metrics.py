@@ -63,8 +63,9 @@ class OtlpMetricsBackend:
         self.export_interval = export_interval
         self.close_timeout = close_timeout
         self.provider: Any = None
-        self.exports = 0
+        self.exports = 0  # finished, successful or not
         self.failed_exports = 0
+        self.unfinished_exports = 0  # the final export, when the close budget ran out first
         self._closing: threading.Thread | None = None
         self._deadline = 0.0
         self._count_exports()
@@ -200,26 +201,33 @@ class OtlpMetricsBackend:
         self._closing.join(max(self._deadline - time.monotonic(), 0.0))
         if self._closing.is_alive() and self._deadline:
             self._deadline = 0.0
-            self.failed_exports += 1  # the final export did not finish within the close budget
+            self.unfinished_exports = 1  # the final export did not finish within the close budget
 
     def close(self) -> None:
         if self.provider is None:
             return
         self.settle()
-        if self.failed_exports:
+        failed = self.failed_exports + self.unfinished_exports
+        if failed:
             log.warning(
-                "traintrace: otlp_metrics exported %d times, %d exports failed or were not finished "
-                "within the close budget of %.1fs",
+                "traintrace: otlp_metrics exported %d times, %d exports lost (%d failed, %d not finished "
+                "within the close budget of %.1fs)",
                 self.exports - self.failed_exports,
+                failed,
                 self.failed_exports,
+                self.unfinished_exports,
                 self.close_timeout,
             )
         else:
-            log.info("traintrace: otlp_metrics exported %d times, none failed", self.exports)
+            log.info("traintrace: otlp_metrics exported %d times, none lost", self.exports)
 
     def losses(self) -> dict[str, int]:
-        """Metric exports that failed (each loses that interval's points, not records)."""
-        return {"failed_exports": self.failed_exports} if self.failed_exports else {}
+        """Metric exports lost (each loses that interval's points; not records)."""
+        failed = self.failed_exports + self.unfinished_exports
+        return {"failed_exports": failed} if failed else {}
 
     def stats(self) -> dict[str, int]:
-        return {"exports": self.exports, "failed_exports": self.failed_exports}
+        return {
+            "exports": self.exports - self.failed_exports,
+            "failed_exports": self.failed_exports + self.unfinished_exports,
+        }
