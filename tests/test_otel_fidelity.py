@@ -246,7 +246,7 @@ def test_queue_drops_are_counted_in_records_and_written(tmp_path: Path) -> None:
     stream = read_file(tmp_path / "traintrace_logs" / "drops" / "rank0.jsonl").streams[0]
     close = stream.records[-1]
     assert close["kind"] == "close"
-    spans = [s for s in stream.spans("s")]
+    spans = stream.spans("s")
     events = stream.of_kind("event")
     made = 2 * threads * per_thread  # one span and one event each
     missing = made - len(spans) - len(events)
