@@ -56,6 +56,19 @@ class _Pending:
             self.status = record.get("status", SpanStatus.OK)
 
 
+def _within(pending: _Pending) -> list[tuple[str, int, dict[str, AttrValue]]]:
+    """The span's events, their times kept inside the span.
+
+    They happened in it; a time outside is the wall clock's re-anchoring
+    between the writer's cycles (at most microseconds), not a real difference.
+    """
+    start, end = pending.start, pending.end
+    events = pending.events
+    if all(start <= ts <= end for _, ts, _ in events):
+        return events
+    return [(name, min(max(ts, start), end), attrs) for name, ts, attrs in events]
+
+
 class Encoded:
     """A batch of spans already encoded as an ExportTraceServiceRequest."""
 
@@ -226,7 +239,10 @@ class OtlpTracesBackend:
                 found = open_spans.pop(record["id"], None)
                 if found is None:
                     continue
-                found.end = record["ts"]
+                # Start plus the monotonic duration: the end record's wall time may be
+                # derived from a later clock anchor, a few microseconds apart.
+                dur = record.get("dur")
+                found.end = found.start + dur if type(dur) is int else record["ts"]
                 found.status = record.get("status", SpanStatus.OK)
                 attrs = record.get("attrs")
                 if attrs:
@@ -400,7 +416,7 @@ class OtlpTracesBackend:
             start=pending.start,
             end=pending.end,
             attrs=attrs,
-            events=pending.events,
+            events=_within(pending),
             link=pending.link,
             error=error,
             tid=pending.tid,
@@ -427,7 +443,7 @@ class OtlpTracesBackend:
             else None,
             resource=self.resource,
             attributes=attrs,
-            events=[self._Event(name, attrs, ts) for name, ts, attrs in pending.events],
+            events=[self._Event(name, attrs, ts) for name, ts, attrs in _within(pending)],
             links=links,
             kind=self._kind,
             status=status,
