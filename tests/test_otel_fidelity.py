@@ -334,3 +334,44 @@ def test_ids_match_the_file(receiver: GrpcReceiver, tmp_path: Path) -> None:
     salt = span_salt(header["job"], header["restart"], header["rank"], header["host"], header["pid"])
     expected = {span_id_for(salt, s["id"]).to_bytes(8, "big") for s in stream.spans()}
     assert {span.span_id for _, span in receiver.spans()} == expected
+
+
+def test_an_event_waits_for_its_held_span_past_a_sibling_released_with_it() -> None:
+    """Records in the order the writer releases held iterations: the event goes to its own span.
+
+    Iteration 3 was seen open (its start written), then held at its end; iteration 4
+    was held whole. Iteration 4's event arrives while 3 looks open; both are released
+    together, 3's end first.
+    """
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from traintrace.backends.otlp._traces import OtlpTracesBackend
+
+    class Keep:
+        def __init__(self) -> None:
+            self.spans: list[Any] = []
+
+        def export(self, spans: Any) -> Any:
+            self.spans.extend(spans)
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            return None
+
+    exporter = Keep()
+    backend = OtlpTracesBackend(exporter)
+    backend.open({"job": "w", "restart": 0, "rank": 0, "host": "h", "pid": 1})
+    base = {"parent": 1, "tid": 7}
+    backend.write([{"seq": 1, "kind": "start", "ts": 10, "name": "training_loop", "id": 1, "parent": 0, "tid": 7}])
+    backend.write([{"seq": 2, "kind": "start", "ts": 20, "name": "iteration", "id": 3, **base}])
+    backend.write([{"seq": 3, "kind": "event", "ts": 35, "name": "in_4", "span": 4, "tid": 7}])
+    backend.write(
+        [
+            {"seq": 4, "kind": "end", "ts": 29, "name": "iteration", "id": 3, "dur": 9, "status": "ok"},
+            {"seq": 5, "kind": "span", "ts": 30, "name": "iteration", "id": 4, "dur": 10, "status": "ok", **base},
+        ]
+    )
+    backend.write([{"seq": 6, "kind": "end", "ts": 50, "name": "training_loop", "id": 1, "dur": 40, "status": "ok"}])
+    backend.close()
+    events = {span.attributes["traintrace.span.id"]: [e.name for e in span.events] for span in exporter.spans}
+    assert events == {1: [], 3: [], 4: ["in_4"]}

@@ -223,6 +223,7 @@ class OtlpTracesBackend:
 
     def write(self, records: Sequence[Record]) -> None:
         done, open_spans = self._done, self._open
+        ended: list[int] = []
         for record in records:
             kind = record["kind"]
             if kind == RecordKind.SPAN:
@@ -249,9 +250,15 @@ class OtlpTracesBackend:
                     flatten_attrs(attrs, found.attrs)
                 done[found.id] = found
                 if self._waiting:
-                    self._fall_back(found.id)
+                    ended.append(found.id)
             elif kind in (RecordKind.EVENT, RecordKind.ERROR):
                 self._attach(record)
+        # Only after the whole batch: a held span's end can come just before the held
+        # span that waiting events belong to (both released together), so an ended
+        # span gets the waiting events only if theirs did not come with it.
+        for span_id in ended:
+            if self._waiting:
+                self._fall_back(span_id)
         if len(done) > 2 * _WINDOW:
             # The writer is backlogged and flush() waits for an empty queue: send all
             # but the newest spans now (their events are at most a window behind).
