@@ -375,3 +375,34 @@ def test_an_event_waits_for_its_held_span_past_a_sibling_released_with_it() -> N
     backend.close()
     events = {span.attributes["traintrace.span.id"]: [e.name for e in span.events] for span in exporter.spans}
     assert events == {1: [], 3: [], 4: ["in_4"]}
+
+
+def test_under_overload_every_span_is_delivered_or_counted(receiver: GrpcReceiver, tmp_path: Path) -> None:
+    """More spans than the writer keeps up with: created = received + counted in the file, exactly."""
+    tt.configure(
+        job_id="overload",
+        queue_size=64,
+        backends={"log": False, "otlp_traces": {"endpoint": receiver.endpoint, "close_timeout": 20}},
+    )
+    threads, per_thread = 2, 15_000
+
+    def work() -> None:
+        for i in range(per_thread):
+            with tt.span("s", {"i": i}):
+                pass
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    tt.close(timeout=30)
+    records = _stream(tmp_path, "overload")
+    close = records[-1]
+    assert close["kind"] == "close"
+    written = [r for r in records if r["kind"] in ("span", "start")]
+    lost_before = close["dropped"]
+    lost_in_export = sum(close.get("backend_losses", {}).get("otlp_traces", {}).values())
+    assert lost_before > 0, "the queue never overflowed"
+    assert len(written) + lost_before == threads * per_thread
+    assert len(receiver.spans()) + lost_in_export == len(written)
