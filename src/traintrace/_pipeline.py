@@ -269,8 +269,9 @@ class Pipeline:
                     "'dropped' records). Set blocking=True or a larger queue_size to keep all.",
                     notes[-1][1]["count"],
                 )
-            self._deliver(notes)
-            wrote = True
+            if notes:
+                self._deliver(notes)
+                wrote = True
         if self._report_losses():
             wrote = True
         if wrote or waiters:
