@@ -26,7 +26,7 @@ from traintrace.reader import read_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import read_jsonl
-from otlp_receivers import GrpcReceiver
+from otlp_receivers import GrpcReceiver, HttpReceiver
 
 ERROR = 2  # Status.StatusCode.STATUS_CODE_ERROR
 UNSET = 0
@@ -295,30 +295,35 @@ def test_close_out_of_time_says_what_it_did_not_write(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- 8. request size
 
 
-def test_requests_are_split_by_encoded_size(receiver: GrpcReceiver) -> None:
-    """Spans and logs with 3,000-character attributes: every request stays under the receiver's 4 MiB limit."""
-    attr = "x" * 3000
-    tt.configure(
-        job_id="big",
-        backends={
-            "file": False,
-            "log": False,
-            "otlp_traces": {"endpoint": receiver.endpoint},
-            "otlp_logs": {"endpoint": receiver.endpoint},
-        },
-    )
-    for i in range(2000):
-        with tt.span("big", {"i": i, "blob": attr}):
-            pass
-    tt.close(timeout=30)
-    spans = [span for _, span in receiver.spans()]
-    assert len(spans) == 2000
-    assert {_attrs(s)["i"] for s in spans} == set(range(2000))
-    logs = [r for _, r in receiver.log_records() if _attrs(r).get("traintrace.kind") == "span"]
-    assert len(logs) == 2000
-    sizes = [request.ByteSize() for request in receiver.traces + receiver.logs]
-    assert max(sizes) < 4 * 1024 * 1024
-    assert len(receiver.traces) >= 2 and len(receiver.logs) >= 2
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_requests_are_split_by_encoded_size(protocol: str) -> None:
+    """Spans and logs with 3,000-character attributes: every request stays under a collector's 4 MiB limit.
+
+    gRPC: traintrace's own encoding, sized exactly (the gRPC receiver refuses more than 4 MiB).
+    HTTP: the SDK's encoder, sized by estimate.
+    """
+    receiver: Any = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
+    try:
+        attr = "x" * 3000
+        target = {"endpoint": receiver.endpoint, "protocol": protocol}
+        tt.configure(
+            job_id="big",
+            backends={"file": False, "log": False, "otlp_traces": target, "otlp_logs": target},
+        )
+        for i in range(2000):
+            with tt.span("big", {"i": i, "blob": attr}):
+                pass
+        tt.close(timeout=30)
+        spans = [span for _, span in receiver.spans()]
+        assert len(spans) == 2000
+        assert {_attrs(s)["i"] for s in spans} == set(range(2000))
+        logs = [r for _, r in receiver.log_records() if _attrs(r).get("traintrace.kind") == "span"]
+        assert len(logs) == 2000
+        sizes = [request.ByteSize() for request in receiver.traces + receiver.logs]
+        assert max(sizes) < 4 * 1024 * 1024
+        assert len(receiver.traces) >= 2 and len(receiver.logs) >= 2
+    finally:
+        receiver.stop()
 
 
 def test_ids_match_the_file(receiver: GrpcReceiver, tmp_path: Path) -> None:
