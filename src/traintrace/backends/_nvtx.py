@@ -95,7 +95,10 @@ class NvtxBackend:
     """A span listener: ``span_started`` pushes an NVTX range, ``span_stopped`` pops it.
 
     Both run on the caller's thread, so ranges nest as the code does and
-    Nsight shows them on the thread that ran them. Range names are the span
+    Nsight shows them on the thread that ran them. A stack of ranges is kept
+    per thread: a span stopped on another thread (``stop()`` from a callback)
+    has its range popped by its own thread at that thread's next start or
+    stop (counted in ``unbalanced``), so later pops close their own ranges. Range names are the span
     names (no counters), registered once per name in the domain; the
     iteration number goes in the payload. With no profiler attached, NVTX
     hands out a dummy domain and both methods become a bare call that returns.
