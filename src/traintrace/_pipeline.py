@@ -8,12 +8,12 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._names import RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
-from ._sanitize import clean_key, convert_mapping
+from ._sanitize import bound_key, convert_mapping
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -35,14 +35,42 @@ _CLOSE_RESERVE = 0.25
 _CLOSE_GRACE = 0.5
 
 
+Out = list[tuple[int, dict[str, Any]]]
+
+
 @dataclass
-class _Route:
+class Route:
+    """One backend as the writer feeds it: its name in the config and the level it runs at."""
+
     backend: Backend
     name: str
     level: int
-    failures: int = 0
     failed_records: int = 0
     warned: bool = False
+
+
+class SpanObserver(Protocol):
+    """A writer-thread hook that sees every span end (``_insight.Insight``).
+
+    All four run on the writer thread; one that raises is logged and the
+    others still run.
+    """
+
+    def hold(self, span: Span, started: bool) -> bool:
+        """True to keep an ended span's record back (released later by ``Pipeline.release_span``)."""
+        ...
+
+    def span_ended(self, span: Span, out: Out) -> None:
+        """A span ended; records to write may be appended to ``out``."""
+        ...
+
+    def flushing(self, out: Out) -> None:
+        """Someone waits in ``flush()``: append what is held back and should be written now."""
+        ...
+
+    def finish(self, out: Out, open_status: str) -> None:
+        """The pipeline closes; spans still open end with ``open_status``."""
+        ...
 
 
 #: A backend's loss reasons that count records, and the reason its ``dropped`` records give.
@@ -56,7 +84,7 @@ def _name(name: object) -> str:
     """A span/event name as a bounded string (any object a caller passed)."""
     if type(name) is str and len(name) <= 256:
         return name
-    return clean_key(name)
+    return bound_key(name)
 
 
 def _merge(attrs: Any, metrics: dict[str, Any]) -> Any:
@@ -109,8 +137,9 @@ class Pipeline:
         self._starts_dropped = 0
         self._dropped_reported = 0
         self._drop_lock = threading.Lock()
-        self._routes = [_Route(b, name, level) for b, name, level in routes]
-        self._max_route_level = max((r.level for r in self._routes), default=-1)
+        self.routes = [Route(b, name, level) for b, name, level in routes]
+        #: The most verbose level any backend writes (-1: none).
+        self.max_route_level = max((r.level for r in self.routes), default=-1)
         self._wake = threading.Event()
         self._flush_waiters: list[threading.Event] = []
         self._closing: str | None = None
@@ -123,9 +152,8 @@ class Pipeline:
         self._anchor_wall = 0
         self._anchor_mono = 0
         self._refresh_anchor()
-        self.records_written = 0
         #: Writer-thread hooks that see every span end (see ``_insight.IterationStats``).
-        self.observers: list[Any] = []
+        self.observers: list[SpanObserver] = []
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
         self._warned_drops = False
         self._losses_reported: dict[str, dict[str, int]] = {}
@@ -165,6 +193,20 @@ class Pipeline:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def open_spans(self) -> list[Span]:
+        """The spans whose start is written and whose end is not (a snapshot; any thread)."""
+        for _ in range(10):
+            try:
+                return list(self._open.values())
+            except RuntimeError:  # changed size while copying
+                continue
+        return []
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's queued items and drop lock are not this process's."""
+        self.queue.clear()
+        self._drop_lock = threading.Lock()
 
     def flush(self, timeout: float) -> bool:
         if not self._thread.is_alive():
@@ -511,7 +553,7 @@ class Pipeline:
     def _deliver(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
         top = max(level for level, _ in batch)
         everything: list[dict[str, Any]] | None = None
-        for route in self._routes:
+        for route in self.routes:
             if route.level >= top:
                 if everything is None:
                     everything = [record for _, record in batch]
@@ -524,10 +566,8 @@ class Pipeline:
                 route.backend.write(records)
             except Exception as exc:  # noqa: BLE001 - one broken backend must not stop others
                 self._backend_failed(route, exc, len(records))
-        self.records_written += len(batch)
 
-    def _backend_failed(self, route: _Route, exc: Exception, count: int) -> None:
-        route.failures += 1
+    def _backend_failed(self, route: Route, exc: Exception, count: int) -> None:
         route.failed_records += count
         if not route.warned:
             route.warned = True
@@ -539,7 +579,7 @@ class Pipeline:
             )
 
     def _flush_backends(self) -> None:
-        for route in self._routes:
+        for route in self.routes:
             try:
                 route.backend.flush()
             except Exception as exc:  # noqa: BLE001
@@ -576,7 +616,7 @@ class Pipeline:
         record = self._record(RecordKind.CLOSE, time.perf_counter_ns())
         record["records"] = self._seq
         record["dropped"] = self.dropped
-        failed = {r.name: r.failed_records for r in self._routes if r.failed_records}
+        failed = {r.name: r.failed_records for r in self.routes if r.failed_records}
         if failed:
             record["backend_failures"] = failed
         losses = self.backend_losses()
@@ -584,7 +624,7 @@ class Pipeline:
             record["backend_losses"] = losses
         out.append((int(Verbosity.ERROR), record))
         self._deliver(out)
-        for route in self._routes:
+        for route in self.routes:
             try:
                 route.backend.close()
             except Exception as exc:  # noqa: BLE001
@@ -596,7 +636,7 @@ class Pipeline:
         if self._deadline is None:
             return float("inf")
         left = self._deadline - time.monotonic()
-        wanted = max((float(getattr(r.backend, "close_timeout", 0.0) or 0.0) for r in self._routes), default=0.0)
+        wanted = max((float(getattr(r.backend, "close_timeout", 0.0) or 0.0) for r in self.routes), default=0.0)
         # Queued records come first, but backends that send elsewhere keep up to half the budget.
         reserve = min(wanted, max(left, 0.0) / 2) + _CLOSE_RESERVE
         return self._deadline - reserve
@@ -644,7 +684,7 @@ class Pipeline:
 
     def _settle_backends(self) -> None:
         """Let every backend with a sender of its own finish sending, in parallel, by the deadline."""
-        settling = [r for r in self._routes if callable(getattr(r.backend, "settle", None))]
+        settling = [r for r in self.routes if callable(getattr(r.backend, "settle", None))]
         if not settling:
             return
         deadline = None if self._deadline is None else self._deadline - _CLOSE_RESERVE
@@ -662,7 +702,7 @@ class Pipeline:
     def backend_losses(self) -> dict[str, dict[str, int]]:
         """What each backend that sends elsewhere lost so far, by reason (see ``losses()``)."""
         out: dict[str, dict[str, int]] = {}
-        for route in self._routes:
+        for route in self.routes:
             losses = getattr(route.backend, "losses", None)
             if losses is None:
                 continue
@@ -698,7 +738,7 @@ class Pipeline:
     def stats(self) -> dict[str, Any]:
         """Records made and lost so far, and each backend's own figures (any thread)."""
         backends: dict[str, Any] = {}
-        for route in self._routes:
+        for route in self.routes:
             own = getattr(route.backend, "stats", None)
             figures: dict[str, Any] = {}
             if callable(own):
@@ -711,10 +751,7 @@ class Pipeline:
             backends[route.name] = figures
         return {
             "records": self._seq,
-            "dropped": self.dropped + self._starts_dropped,
+            "dropped": self.dropped,
             "backends": backends,
             "backend_losses": self.backend_losses(),
         }
-
-    def wall_ns(self, mono: int) -> int:
-        return self._anchor_wall + (mono - self._anchor_mono)
