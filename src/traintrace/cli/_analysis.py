@@ -331,7 +331,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         if excess:
             r["slow_in"] = max(excess, key=lambda k: excess[k])
             r["excess_s"] = excess[r["slow_in"]]
-            r.update(_onset(job, r["rank"], r["slow_in"], threshold))
+            r.update(_onset(job, r["rank"], r["slow_in"], threshold, floor))
     # Windows: each rank's median step time outside collectives per time window, relative to the other
     # ranks' median in that window.
     grid = job.rows(
@@ -380,9 +380,7 @@ SLOW_PARTS = ("compute", "data_loading", "checkpoint_save")
 #: A slow part must exceed the other ranks' median by at least this share of the job's median step time.
 MIN_EXCESS = 0.05
 #: The share of the steps from the onset on that must be slow.
-ONSET_SHARE = 0.8
-#: How many consecutive slow steps an onset needs.
-ONSET_RUN = 3
+ONSET_SHARE = 0.7
 
 
 def _median(values: list[float]) -> float:
@@ -426,11 +424,15 @@ def _step_parts(job: Job) -> None:
     )
 
 
-def _onset(job: Job, rank: int, part: str, threshold: float) -> dict[str, Any]:
-    """From which step (and when) ``part`` stayed slow on ``rank``: the first step from which at least
-    ONSET_SHARE of the steps are ``threshold`` times the other ranks' median of the same step."""
-    table, value = {"compute": ("step_parts", "dur - coll"), "data_loading": ("loading_parts", "dur"),
-                    "step": ("step_parts", "dur")}.get(part, (None, None))
+def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> dict[str, Any]:
+    """From which step (and when) ``part`` became slow on ``rank`` (docs/analysis.md, "ranks").
+
+    Each step is slow when its value is ``threshold`` times the other ranks' median for the same step and
+    exceeds it by ``floor`` seconds. The onset is the change point that classifies the most steps right
+    (fast before it, slow from it on), so a few noisy steps on either side do not move it.
+    """
+    table, value = {"compute": ("step_parts", "dur - coll"), "data_loading": ("loading_parts", "dur")}.get(
+        part, (None, None))
     if table is None:
         return {}
     step_col = "step" if table == "step_parts" else "NULL::BIGINT"
@@ -443,22 +445,23 @@ def _onset(job: Job, rank: int, part: str, threshold: float) -> dict[str, Any]:
         """,
         {"r": rank},
     )
-    flags = [bool(mine is not None and ref and mine / ref >= threshold) for _, _, mine, ref, _, _ in rows]
+    floor_ns = floor * NS
+    flags = [bool(mine is not None and ref and mine / ref >= threshold and mine - ref >= floor_ns)
+             for _, _, mine, ref, _, _ in rows]
     n = len(flags)
     if not n:
         return {}
-    slow_after = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        slow_after[i] = slow_after[i + 1] + int(flags[i])
+    best, best_at, right = -1, 0, sum(flags)  # right: steps classified right with the change at i (all slow)
     for i in range(n):
-        # Slow here and in the next ONSET_RUN steps (one slow step is noise), and mostly slow from here on.
-        if all(flags[i : i + ONSET_RUN]) and slow_after[i] >= ONSET_SHARE * (n - i):
-            restart, k, _, _, ts, step = rows[i]
-            start = job_bounds(job)[0]
-            return {"slow_since_step": int(step) if step is not None else int(k) - 1,
-                    "slow_since_ns": int(ts), "slow_since_s": (int(ts) - start) / NS,
-                    "slow_since_restart": int(restart)}
-    return {}
+        if right > best:
+            best, best_at = right, i
+        right += 1 if not flags[i] else -1  # step i moves to the fast side
+    if sum(flags[best_at:]) < ONSET_SHARE * (n - best_at):
+        return {}
+    restart, k, _, _, ts, step = rows[best_at]
+    start = job_bounds(job)[0]
+    return {"slow_since_step": int(step) if step is not None else int(k) - 1,
+            "slow_since_ns": int(ts), "slow_since_s": (int(ts) - start) / NS, "slow_since_restart": int(restart)}
 
 
 # ---------------------------------------------------------------- errors
