@@ -233,3 +233,24 @@ def test_a_peer_error_before_the_cause_is_a_consequence(tmp_path: Path) -> None:
     s = _analysis.summary(_open(tmp_path / "job"))
     assert s["status"] == "failed" and s["verdict"] == e["verdict"]
     assert sum(s["breakdown_s"].values()) == pytest.approx(s["wall_s"], rel=1e-9)
+
+
+def test_a_resolved_hang_is_not_hang_time(tmp_path: Path) -> None:
+    """hang_suspected followed by hang_resolved: the steps after it stay productive; the job is healthy."""
+    import json
+
+    script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, straggler=None))
+    lines = script.files[2].read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if '"step":22,' in line)
+    step = json.loads(lines[at])
+    report = {"seq": 997, "kind": "error", "ts": step["ts"] + 10**6, "name": "hang_suspected", "span": 0, "tid": 7,
+              "message": "no progress for 5.0s", "stack": "Thread 7", "attrs": {"last_step": 21}}
+    resumed = {"seq": 998, "kind": "event", "ts": step["ts"] + 2 * 10**6, "name": "hang_resolved", "span": 0,
+               "tid": 7, "attrs": {"hang_seconds": 5.0}}
+    lines[at + 1 : at + 1] = [json.dumps(report) + "\n", json.dumps(resumed) + "\n"]
+    script.files[2].write_text("".join(lines))
+    truth = expected(script)
+    s = _analysis.summary(_open(tmp_path / "job"))
+    assert s["breakdown_s"]["hang"] == 0
+    assert s["goodput"] == pytest.approx(truth["goodput"], rel=1e-9)
+    assert s["status"] == "healthy" and "resolved" in s["verdict"]

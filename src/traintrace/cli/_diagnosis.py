@@ -110,12 +110,17 @@ def diagnose(job: Job) -> dict[str, Any]:
     known = _Facts(job)
     if any(f["running"] for f in attempts[last]) and not any(f["failed"] for f in attempts[last]):
         states = [_rank_state(job, f, known) for f in attempts[last]]
+        if any(s.hang is not None for s in states):
+            culprit = min(states, key=_hang_key)
+            out = _result("running", "running, without progress: " + _sentence(culprit, states), culprit, states,
+                          last, failed)
+            out["rule"] = "hang: the rank behind"
+            return out
         return _result("running", _running_sentence(states, failed), None, states, last, failed)
     if not failed:
         steps = job.one("SELECT max(try_cast(attrs->>'step' AS BIGINT)) FROM iterations WHERE status = 'ok'")
         done = f"; last step {steps[0]}" if steps and steps[0] is not None else ""
-        hangs = job.one("SELECT count(DISTINCT stream) FROM stream_facts WHERE hang_ts IS NOT NULL")
-        note = f" (a hang was suspected on {hangs[0]} rank(s) and resolved)" if hangs and hangs[0] else ""
+        note = f" (a hang was suspected on {len(known.resolved)} rank(s) and resolved)" if known.resolved else ""
         ranks = len({f["rank"] for f in facts})
         states = [_rank_state(job, f, known) for f in attempts[last]]
         return _result("healthy", f"healthy: {ranks} rank(s) finished{done}{note}", None, states, last, failed)
@@ -172,6 +177,10 @@ class _Facts:
             "AND NOT is_agent ORDER BY ts"
         ):
             self.signals.setdefault(stream, []).append((ts, attrs))
+        self.resolved: dict[int, int] = dict(job.rows(
+            f"SELECT stream, max(ts) FROM other WHERE kind = 'event' AND name = '{EventName.HANG_RESOLVED}' "
+            "AND NOT is_agent GROUP BY stream"
+        ))
         self.last_ok: dict[int, tuple[Any, Any]] = {
             row[0]: (row[1], row[2])
             for row in job.rows(
@@ -212,6 +221,9 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
     errors = facts.errors.get(stream, [])
     hangs = [e for e in errors if e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS]
     real = [e for e in errors if e not in hangs]
+    resolved = facts.resolved.get(stream)
+    if hangs and resolved is not None and resolved >= hangs[-1]["ts"]:
+        hangs = []  # progress resumed after the last hang report
     primary = [e for e in real if not _secondary(e)]
     secondary = [e for e in real if _secondary(e)]
     signals = facts.signals.get(stream, [])

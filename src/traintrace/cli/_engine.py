@@ -345,8 +345,12 @@ class Job:
                 SELECT DISTINCT stream FROM spans_small
                 WHERE status IN ({failed}) AND name IN ({outer})
             ), hang AS (
-                SELECT stream, min(ts) AS hang_ts FROM other
-                WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream
+                -- A hang that ended (hang_resolved after the last report) is time in whatever it happened in.
+                SELECT h.stream, h.hang_ts FROM (
+                    SELECT stream, min(ts) AS hang_ts, max(ts) AS last_ts FROM other
+                    WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream) h
+                WHERE NOT EXISTS (SELECT 1 FROM other o WHERE o.stream = h.stream AND o.kind = 'event'
+                                  AND o.name = '{EventName.HANG_RESOLVED}' AND o.ts >= h.last_ts)
             )
             SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
                    (NOT s.closed AND r.stream IS NULL) OR bad.stream IS NOT NULL AS failed,
