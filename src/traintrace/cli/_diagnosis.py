@@ -111,8 +111,8 @@ def diagnose(job: Job) -> dict[str, Any]:
     if any(f["running"] for f in attempts[last]) and not any(f["failed"] for f in attempts[last]):
         states = [_rank_state(job, f, known) for f in attempts[last]]
         if any(s.hang is not None for s in states):
-            culprit = min(states, key=_hang_key)
-            out = _result("running", "running, without progress: " + _sentence(culprit, states), culprit, states,
+            behind = min(states, key=_hang_key)
+            out = _result("running", "running, without progress: " + _sentence(behind, states), behind, states,
                           last, failed)
             out["rule"] = "hang: the rank behind"
             return out
