@@ -267,3 +267,25 @@ def _real_file_bytes(tmp_path: Path) -> bytes:
         opened.release()
         _REAL["raw"] = (tmp_path / "real.progress").read_bytes()
     return _REAL["raw"]
+
+
+@pytest.mark.parametrize(
+    ("body", "state"),
+    [
+        ("with tt.application(), tt.training_iteration(3), tt.backward():\n    raise RuntimeError('x')", "error"),
+        ("with tt.training_iteration(3), tt.backward():\n    raise RuntimeError('x')", "error"),
+        ("import threading\nt = threading.Thread(target=lambda: 1 / 0)\nt.start(); t.join()", "closed"),
+        ("with tt.training_iteration(3):\n    pass", "closed"),
+    ],
+    ids=["out_of_application", "unhandled", "thread_only", "clean"],
+)
+def test_state_at_exit(tmp_path: Path, body: str, state: str) -> None:
+    """An exception that ends the program leaves state error (stream_state: failed); a thread's does not."""
+    script = f"import traintrace as tt\ntt.configure(log_dir={str(tmp_path)!r}, job_id='j')\n{body}\n"
+    env = {**os.environ, "PYTHONPATH": str(Path(tt.__file__).parents[1])}
+    subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60, check=False)
+    found = read_progress(tmp_path / "j" / "rank0.progress")
+    assert found is not None and found.state == state
+    assert stream_state(found) == (FAILED if state == "error" else FINISHED)
+    if "iteration" in body:
+        assert found.step == 3

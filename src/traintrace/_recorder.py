@@ -477,8 +477,8 @@ class Recorder:
             return False
         info = describe_exception(exc)
         attrs = as_attrs(metrics)
-        if attrs and attrs.get("unhandled") is True:
-            self._progress_error = True
+        if attrs and attrs.get("unhandled") is True and "thread" not in attrs:
+            self._progress_error = True  # sys.excepthook: the program ends with it
         self.put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
         self._pipeline.wake()
         return True
