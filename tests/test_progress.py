@@ -24,6 +24,7 @@ from traintrace.progress import (
     Progress,
     find_progress_files,
     parse_progress,
+    progress_path,
     read_job_progress,
     read_progress,
     stream_state,
@@ -289,3 +290,9 @@ def test_state_at_exit(tmp_path: Path, body: str, state: str) -> None:
     assert stream_state(found) == (FAILED if state == "error" else FINISHED)
     if "iteration" in body:
         assert found.step == 3
+
+
+def test_progress_path_beside_the_stream() -> None:
+    assert progress_path("a/rank3.jsonl") == Path("a/rank3.progress")
+    assert progress_path("a/rank0.pid12.jsonl") == Path("a/rank0.pid12.progress")
+    assert progress_path("a/job.rank1") == Path("a/job.rank1.progress")  # never shared by two ranks

@@ -108,8 +108,12 @@ COLLECTIVE_CODE: Final = PHASE_CODES[SpanName.COLLECTIVE]
 
 
 def progress_path(stream_path: str | os.PathLike[str]) -> Path:
-    """The progress file beside the stream at ``stream_path``."""
-    return Path(stream_path).with_suffix(SUFFIX)
+    """The progress file beside the stream at ``stream_path``: ``rank0.jsonl`` -> ``rank0.progress``
+    (other names get the suffix added: ``job.rank0`` -> ``job.rank0.progress``)."""
+    path = Path(stream_path)
+    if path.suffix == ".jsonl":
+        return path.with_suffix(SUFFIX)
+    return path.with_name(path.name + SUFFIX)
 
 
 def _text(value: str, size: int) -> bytes:
