@@ -4,8 +4,8 @@ Figures, all in one process, medians of interleaved repeats:
 
 * ``store floor``: one bare ``view[i] = x`` into an int64 memoryview over an mmap;
 * ``update``: the statements ``Span.__enter__`` runs for a standard phase
-  (dictionary look-up of the name, thread check, two stores, the counter's
-  next value stored),
+  (dictionary look-up of the name, thread check, two stores: the phase's
+  start, and the update counter with the phase code in its low byte),
   against a real mapped progress file, loop cost subtracted;
 * ``span``: ``with tt.forward(): pass`` on one recorder, with the progress view
   attached and detached (chunks alternated, writer drained between chunks); the
@@ -38,7 +38,7 @@ from typing import Any
 import traintrace as tt
 from traintrace import _progress
 from traintrace._identity import detect
-from traintrace._progress import PHASE_CODES, S_COUNTER, S_PHASE, S_PHASE_T0, S_STEP
+from traintrace._progress import COUNTER_STEP, PHASE_CODES, S_COUNTER, S_PHASE_T0, S_STEP
 
 _NAME = tt.SpanName.FORWARD
 
@@ -76,7 +76,7 @@ class _FakeRecorder:
     def __init__(self, view: memoryview) -> None:
         self._progress = view
         self._progress_tid = threading.get_ident()
-        self._progress_seq = itertools.count(1)
+        self._progress_seq = itertools.count(COUNTER_STEP, COUNTER_STEP)
 
 
 def update_loop(view: memoryview) -> Callable[[int], None]:
@@ -99,9 +99,8 @@ def update_loop(view: memoryview) -> Callable[[int], None]:
                             pass
                         elif code == collective:
                             pass
-                        prog[S_PHASE] = code
                         prog[S_PHASE_T0] = t0
-                        prog[S_COUNTER] = next(rec._progress_seq)
+                        prog[S_COUNTER] = next(rec._progress_seq) | code
                 except Exception:
                     pass
 

@@ -264,7 +264,7 @@ def _real_file_bytes(tmp_path: Path) -> bytes:
 
         opened = _progress.ProgressFile(tmp_path / "real.progress", detect())
         opened.view[_progress.S_STEP] = 12
-        opened.view[_progress.S_PHASE] = 9
+        opened.view[_progress.S_COUNTER] = 5 * _progress.COUNTER_STEP + 9
         opened.release()
         _REAL["raw"] = (tmp_path / "real.progress").read_bytes()
     return _REAL["raw"]
