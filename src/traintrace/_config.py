@@ -378,14 +378,32 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return loaded.get("traintrace", loaded) if isinstance(loaded.get("traintrace"), dict) else loaded
 
 
+#: ``TRAINTRACE_*`` variables that are not settings of the library: read by
+#: ``configure()`` itself or by the ``traintrace`` command (docs/configuration.md).
+OWN_VARIABLES = frozenset({"config", "disabled", "memory_limit"})
+
+
+def _unknown_variable(key: str, candidates: Sequence[str]) -> None:
+    """One warning per variable, naming the closest setting; never an error."""
+    import difflib
+
+    from ._recorder import warn_once
+
+    name = key[len(ENV_PREFIX) :].lower()
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
+    warn_once(f"env:{key}", f"{key} is not a setting; ignored{hint} (docs/configuration.md)")
+
+
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """The settings named by ``TRAINTRACE_*`` variables, as a nested mapping.
 
     ``TRAINTRACE_JOB_ID=x`` sets ``job_id``; ``TRAINTRACE_BACKENDS_FILE_PATH=p``
     sets ``backends.file.path``; ``TRAINTRACE_BACKENDS_LOG_ENABLED=0`` turns the
-    log backend off.
+    log backend off. A variable that names no setting is ignored with one
+    warning that names the closest setting (a typo must not stop recording).
     """
-    top = {f.name for f in dataclasses.fields(Config)}
+    top = {f.name for f in dataclasses.fields(Config)} - {"backends", "metadata"}
     out: dict[str, Any] = {}
     backends: dict[str, dict[str, Any]] = {}
     for key, value in env.items():
@@ -396,14 +414,22 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             rest = name[len("backends_") :]
             for kind in sorted(BackendConfig.registry, key=len, reverse=True):
                 if rest.startswith(kind + "_"):
-                    backends.setdefault(kind, {})[rest[len(kind) + 1 :]] = value
+                    fields = _fields(BackendConfig.registry[kind])
+                    field_name = rest[len(kind) + 1 :]
+                    if field_name in fields:
+                        backends.setdefault(kind, {})[field_name] = value
+                    else:
+                        _unknown_variable(key, [f"backends_{kind}_{f}" for f in fields])
                     break
             else:
-                raise ConfigError(f"{key}: unknown backend (known: {sorted(BackendConfig.registry)})")
-        elif name in top and name not in ("backends", "metadata"):
+                _unknown_variable(
+                    key,
+                    [f"backends_{kind}_{f}" for kind, cls in BackendConfig.registry.items() for f in _fields(cls)],
+                )
+        elif name in top:
             out[name] = value
-        elif name not in ("config", "disabled"):
-            raise ConfigError(f"{key}: unknown setting (known: {', '.join(sorted(top))})")
+        elif name not in OWN_VARIABLES:
+            _unknown_variable(key, sorted(top))
     if backends:
         out["backends"] = backends
     return out
