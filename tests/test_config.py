@@ -256,3 +256,31 @@ def test_the_commands_own_variables_are_not_settings_and_not_warned(monkeypatch:
     texts = [str(w.message) for w in caught]
     assert not any("MEMORY_LIMIT" in t for t in texts), texts
     assert any("TRAINTRACE_VENV" in t for t in texts), texts
+
+
+def test_toml_on_python_310_uses_tomli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without tomllib (Python 3.10) the TOML file is read with tomli."""
+    import sys
+
+    pytest.importorskip("tomli")
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # what `import tomllib` finds on 3.10
+    file = tmp_path / "tt.toml"
+    file.write_text('job_name = "floor"\n[backends.log]\nenabled = false\n')
+    config = build_config(config_file=file, env={})
+    assert config.job_name == "floor" and config.backends["log"].enabled is False
+    broken = tmp_path / "broken.toml"
+    broken.write_text("job_name = \n")
+    with pytest.raises(tt.ConfigError, match=r"broken\.toml"):
+        build_config(config_file=broken, env={})
+
+
+def test_toml_without_a_reader_names_tomli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.10 without tomli: configure() raises a ConfigError that says to install tomli."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    file = tmp_path / "tt.toml"
+    file.write_text('job_name = "floor"\n')
+    with pytest.raises(tt.ConfigError, match=r"tomli"):
+        tt.configure(config_file=file)

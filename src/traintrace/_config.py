@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -348,6 +349,25 @@ def _apply_backends(config: Config, value: Any, where: str) -> None:
     raise ConfigError(f"{where}: expected a mapping or a list of backend configs")
 
 
+def _toml_module(file: Path) -> Any:
+    """``tomllib`` (Python 3.11+), else ``tomli``; a ConfigError when neither exists."""
+    try:
+        import tomllib  # type: ignore[import-not-found,unused-ignore]
+
+        return tomllib
+    except ImportError:
+        pass
+    try:
+        import tomli  # type: ignore[import-not-found,unused-ignore]
+
+        return tomli
+    except ImportError:
+        raise ConfigError(
+            f"config file {file}: TOML on Python {sys.version_info[0]}.{sys.version_info[1]} needs tomli "
+            "(pip install 'traintrace[toml]'), or use YAML with PyYAML"
+        ) from None
+
+
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a TOML (or, with PyYAML installed, YAML) configuration file."""
     file = Path(path)
@@ -367,11 +387,10 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {file}: {exc}") from None
     else:
-        import tomllib
-
+        toml = _toml_module(file)
         try:
-            loaded = tomllib.loads(data.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            loaded = toml.loads(data.decode("utf-8"))
+        except (toml.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {file}: {exc}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {file}: expected a table of settings at the top")
