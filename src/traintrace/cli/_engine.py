@@ -426,7 +426,7 @@ class Job:
             FROM spans_small WHERE NOT is_agent
             UNION ALL
             SELECT rank, restart, stream, 'iteration', id, parent, tid, ts, dur, ts + dur, status, attrs, file
-            FROM iterations
+            FROM iterations WHERE seq IS NOT NULL  -- start/end pairs are in spans_small already
             ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW steps AS
             SELECT x.* EXCLUDE (file), p.path AS file FROM (
