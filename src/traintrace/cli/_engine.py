@@ -190,7 +190,11 @@ class Job:
             config["threads"] = self.threads
         con = duckdb.connect(":memory:", config=config)
         # Progress is tracked (query_progress) but never printed by DuckDB itself: ours goes to stderr.
-        con.execute("SET enable_progress_bar = true; SET enable_progress_bar_print = false")
+        # Off unless shown: in a Jupyter kernel DuckDB refuses the setting without ipywidgets.
+        try:
+            con.execute(f"SET enable_progress_bar = {str(self.progress).lower()}; SET enable_progress_bar_print = false")
+        except duckdb.Error:
+            self.progress = False
         return con
 
     def _load(self) -> None:
