@@ -21,7 +21,9 @@ def run_notebook(cells: list[str], cwd: Path) -> list[dict]:
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(f"import sys; sys.path.insert(0, {str(SRC)!r})")]
     notebook.cells += [nbformat.v4.new_code_cell(source) for source in cells]
-    client = nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+    client = nbclient.NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
     client.execute()
     return [cell.outputs for cell in notebook.cells[1:]]
 

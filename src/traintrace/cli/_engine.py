@@ -192,7 +192,8 @@ class Job:
         # Progress is tracked (query_progress) but never printed by DuckDB itself: ours goes to stderr.
         # Off unless shown: in a Jupyter kernel DuckDB refuses the setting without ipywidgets.
         try:
-            con.execute(f"SET enable_progress_bar = {str(self.progress).lower()}; SET enable_progress_bar_print = false")
+            shown = "true" if self.progress else "false"
+            con.execute(f"SET enable_progress_bar = {shown}; SET enable_progress_bar_print = false")
         except duckdb.Error:
             self.progress = False
         return con
