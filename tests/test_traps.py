@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,3 +68,44 @@ def test_spans_view_and_docs_snippet_give_one_row_per_span(tmp_path: Path) -> No
     sql = snippet.group(1).replace("traintrace_logs/myjob", str(logs / "pairs"))
     result = {name: n for name, n, *_ in duckdb.sql(sql).fetchall()}
     assert {name: result.get(name) for name in truth} == truth
+
+
+CAUGHT = """
+import traintrace as tt
+tt.configure(job_id="caught", log_dir={logs!r})
+
+def deep(n):
+    if n == 0:
+        raise ValueError("bad batch, skipped")
+    return deep(n - 1)
+
+with tt.application():
+    for step in range(3):
+        with tt.training_iteration(step):
+            try:
+                with tt.span("load_batch"):
+                    deep(30)
+            except ValueError:
+                pass  # the user handles it: training goes on
+tt.close()
+print("done")
+"""
+
+
+def test_a_caught_exception_is_quiet_on_stderr_and_whole_in_the_file(tmp_path: Path) -> None:
+    """An exception the user catches inside a span: one short line on stderr; the stack stays in the file."""
+    logs = tmp_path / "logs"
+    result = subprocess.run(
+        [sys.executable, "-c", CAUGHT.format(logs=str(logs))], capture_output=True, text=True, timeout=60,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, check=True,
+    )
+    assert result.stdout.strip() == "done"
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) <= 3, result.stderr  # one per caught exception at most
+    assert all(len(line) < 400 for line in lines), result.stderr
+    assert "Traceback" not in result.stderr
+    assert all("ValueError" in line and "bad batch, skipped" in line for line in lines), result.stderr
+    records = [json.loads(line) for line in (logs / "caught" / "rank0.jsonl").read_text().splitlines()]
+    errors = [r for r in records if r["kind"] == "error"]
+    assert len(errors) == 3
+    assert all("in deep" in r["stack"] and "ValueError: bad batch, skipped" in r["stack"] for r in errors)

@@ -154,7 +154,7 @@ def _create_backend(name: str, cfg: BackendConfig, level: int, config: Config, i
     if isinstance(cfg, LogBackendConfig):
         from .backends._log import LogBackend
 
-        return LogBackend(cfg.logger, format=cfg.format, verbosity=level)
+        return LogBackend(cfg.logger, format=cfg.format, verbosity=level, stacks=cfg.stacks)
     create = getattr(cfg, "create", None)
     if create is None:
         raise ConfigError(f"backends.{name}: {type(cfg).__name__} has no create(config, identity, level)")

@@ -150,9 +150,13 @@ class LogBackendConfig(BackendConfig):
     format: str = "kv"
     ranks: str | int | Sequence[int] = "0"
     verbosity_elsewhere: Verbosity | str | int | None = Verbosity.ERROR
+    #: Put an error's whole stack in its log line (off: the stack is in the file; the line says where).
+    stacks: bool = False
 
     def validate(self, where: str) -> None:
         super().validate(where)
+        if not isinstance(self.stacks, bool):
+            raise ConfigError(f"{where}.stacks: expected true or false, got {self.stacks!r}")
         if self.format not in ("kv", "json"):
             raise ConfigError(f"{where}.format: expected 'kv' or 'json', got {self.format!r}")
         if not isinstance(self.logger, str) or not self.logger:
