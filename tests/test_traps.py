@@ -109,3 +109,42 @@ def test_a_caught_exception_is_quiet_on_stderr_and_whole_in_the_file(tmp_path: P
     errors = [r for r in records if r["kind"] == "error"]
     assert len(errors) == 3
     assert all("in deep" in r["stack"] and "ValueError: bad batch, skipped" in r["stack"] for r in errors)
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_traintrace_run_help_shows_its_own_options_first() -> None:
+    """`traintrace-run --help`: traintrace's options, then torchrun's; exit 0."""
+    pytest.importorskip("torch")
+    result = _run("from traintrace.launch import main; main(['--help'])")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: traintrace-run")
+    assert 0 < result.stdout.index("--metrics-port") < result.stdout.index("--nproc-per-node")
+
+
+def test_traintrace_run_help_works_without_torch() -> None:
+    """Without torch, --help still prints traintrace's options and says how to get torchrun's."""
+    result = _run("import sys; sys.modules['torch'] = None\nfrom traintrace.launch import main; main(['--help'])")
+    assert result.returncode == 0, result.stderr
+    assert "--metrics-port" in result.stdout and "pip install 'traintrace[torch]'" in result.stdout
+    result = _run("import sys; sys.modules['torch'] = None\nfrom traintrace.launch import main; main(['x.py'])")
+    assert result.returncode == 2 and "traintrace[torch]" in result.stderr
+
+
+def test_traintrace_run_splits_its_options_from_torchruns() -> None:
+    """Own options anywhere before the script; the script's own arguments are left alone."""
+    from traintrace._run_options import OptionError, split
+
+    options, rest = split(["--standalone", "--metrics-port", "9100", "--nproc-per-node", "2", "train.py",
+                           "--metrics-port", "1", "--help"])
+    assert options.metrics_port == 9100 and not options.help
+    assert rest == ["--standalone", "--nproc-per-node", "2", "train.py", "--metrics-port", "1", "--help"]
+    options, rest = split(["--nnodes=1", "--metrics-port=0", "-m", "pkg.train"])
+    assert options.metrics_port == 0 and rest == ["--nnodes=1", "-m", "pkg.train"]
+    with pytest.raises(OptionError, match="port"):
+        split(["--metrics-port", "99999", "train.py"])

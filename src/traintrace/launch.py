@@ -442,13 +442,26 @@ def start_agent_stream(job_id: str, info: dict[str, Any] | None = None) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The ``traintrace-run`` entry point: torchrun's arguments, torchrun's behaviour."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from . import _run_options
+
     try:
         from torch.distributed import run as torchrun_module
     except ImportError:
-        sys.stderr.write("traintrace-run needs torch: pip install 'traintrace[torch]'\n")
-        raise SystemExit(2) from None
+        torchrun_module = None  # type: ignore[assignment]
     torchrun: Any = torchrun_module
+    try:
+        options, argv = _run_options.split(
+            sys.argv[1:] if argv is None else argv, _run_options.flags_of(torchrun and torchrun.get_args_parser())
+        )
+    except _run_options.OptionError as exc:
+        sys.stderr.write(f"traintrace-run: {exc}\n")
+        raise SystemExit(2) from None
+    if options.help:
+        _run_options.print_help(None if torchrun is None else torchrun.get_args_parser())
+        raise SystemExit(0)
+    if torchrun is None:
+        sys.stderr.write("traintrace-run needs torch: pip install 'traintrace[torch]'\n")
+        raise SystemExit(2)
     args = torchrun.parse_args(argv)
     job_id = choose_job_id(args, os.environ)
     os.environ["TRAINTRACE_JOB_ID"] = job_id
