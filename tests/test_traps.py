@@ -148,3 +148,45 @@ def test_traintrace_run_splits_its_options_from_torchruns() -> None:
     assert options.metrics_port == 0 and rest == ["--nnodes=1", "-m", "pkg.train"]
     with pytest.raises(OptionError, match="port"):
         split(["--metrics-port", "99999", "train.py"])
+
+
+def test_export_chrome_works_without_duckdb(tmp_path: Path) -> None:
+    """With DuckDB unimportable, `export --format chrome` still writes the trace (from the plain reader)."""
+    from collections import Counter
+
+    from tests.cli_jobs import Script, write_job
+
+    script = write_job(tmp_path / "job", Script())
+    out = tmp_path / "trace.json"
+    result = _run("import sys; sys.modules['duckdb'] = None\nfrom traintrace.cli import main\n"
+                  f"sys.exit(main(['export', {str(tmp_path / 'job')!r}, '-o', {str(out)!r}]))")
+    assert result.returncode == 0, result.stderr
+    trace = json.loads(out.read_text())
+    events = trace["traceEvents"]
+    assert set(Counter(e["ph"] for e in events)) == {"M", "X", "i", "C"}
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {f"rank {r} (h)" for r in range(script.ranks)}
+    iterations = [e for e in events if e["ph"] == "X" and e["name"] == "iteration"]
+    assert len(iterations) == script.ranks * (25 + 20) + 1  # 25 + 20 steps per rank, and rank 3's failed one
+    straggler = [e for e in iterations if e["pid"] == 2 and e["args"].get("step") == 3]
+    assert straggler and straggler[0]["dur"] == pytest.approx(script.step_dur(2) / 1000)
+    assert min(e["ts"] for e in events if e["ph"] == "X") == 0.0
+    errors = [e for e in events if e["ph"] == "i" and e["cat"] == "error"]
+    assert len(errors) == 1 and errors[0]["pid"] == 3 and errors[0]["args"]["message"] == script.message
+    saves = [e for e in events if e["ph"] == "X" and e["name"] == "checkpoint_save_sync"]
+    assert len(saves) == script.ranks * 2 + 2 * script.ranks  # two saves before the failure, two after the resume
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+@pytest.mark.parametrize(
+    "args", [["ranks", "--top", "-1"], ["ranks", "--windows", "0"], ["report", "--windows", "0"]]
+)
+def test_nonsense_counts_are_usage_errors(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--top -1 and --windows 0 are rejected before anything is read, with a message naming the option."""
+    from traintrace.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([args[0], str(tmp_path), *args[1:]])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert args[1] in err and "must be at least 1" in err
