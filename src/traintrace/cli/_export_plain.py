@@ -8,6 +8,7 @@ path streams; the events and their fields are the same (docs/analysis.md).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -101,7 +102,7 @@ def export_chrome_plain(
                                "ts": us(ts), "dur": round(dur / 1000.0, 3), "args": attrs})
                 counts["iterations"] += 1
                 loss = attrs.get("loss")
-                if isinstance(loss, int | float) and not isinstance(loss, bool) and loss == loss:
+                if isinstance(loss, int | float) and not isinstance(loss, bool) and math.isfinite(loss):
                     events.append({"name": "loss", "ph": "C", "pid": pid, "ts": us(ts + dur),
                                    "args": {"loss": float(loss)}})
                     counts["loss"] += 1
