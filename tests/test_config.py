@@ -14,7 +14,8 @@ from traintrace._identity import detect
 def test_defaults() -> None:
     """With nothing given: files from every rank, logs at info on rank 0."""
     config = build_config(env={})
-    assert set(config.backends) == {"file", "log"}
+    assert set(config.backends) == {"file", "log", "console"}
+    assert config.backends["console"].enabled is False  # on only when stderr is a terminal
     assert config.backends["file"].verbosity == tt.Verbosity.PROFILING
     assert config.backends["log"].effective_verbosity(0, 4) == tt.Verbosity.INFO
     assert config.backends["log"].effective_verbosity(2, 4) == tt.Verbosity.ERROR

@@ -164,7 +164,9 @@ class LogBackendConfig(BackendConfig):
 
 
 def _default_backends() -> dict[str, BackendConfig]:
-    return {"file": FileBackendConfig(), "log": LogBackendConfig()}
+    from ._console import ConsoleBackendConfig  # on when stderr is a terminal (docs/integrations/console.md)
+
+    return {"file": FileBackendConfig(), "log": LogBackendConfig(), "console": ConsoleBackendConfig()}
 
 
 @dataclass

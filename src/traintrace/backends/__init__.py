@@ -1,5 +1,6 @@
 """Backends: where records go. Write your own by implementing :class:`Backend`."""
 
+from .._console import ConsoleBackend, ConsoleBackendConfig
 from ._base import Backend, BaseBackend, Record, SpanListener
 from ._file import FileBackend
 from ._log import LogBackend
@@ -10,6 +11,8 @@ from .otlp import OtlpLogsConfig, OtlpMetricsConfig, OtlpTracesConfig
 __all__ = [
     "Backend",
     "BaseBackend",
+    "ConsoleBackend",
+    "ConsoleBackendConfig",
     "FileBackend",
     "LogBackend",
     "MemoryBackend",
