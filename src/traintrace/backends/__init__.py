@@ -6,6 +6,8 @@ from ._file import FileBackend
 from ._log import LogBackend
 from ._memory import MemoryBackend
 from ._nvtx import NvtxBackend, NvtxBackendConfig
+from ._scalars import TrackerBackend, TrackerConfig
+from ._tensorboard import TensorBoardBackend, TensorBoardConfig
 from .otlp import OtlpLogsConfig, OtlpMetricsConfig, OtlpTracesConfig
 
 __all__ = [
@@ -23,4 +25,8 @@ __all__ = [
     "OtlpTracesConfig",
     "Record",
     "SpanListener",
+    "TensorBoardBackend",
+    "TensorBoardConfig",
+    "TrackerBackend",
+    "TrackerConfig",
 ]

@@ -1,0 +1,54 @@
+"""TensorBoard backend: what a real training loop wrote, read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests._trackers import STEPS, train
+
+pytest.importorskip("tensorboard")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+
+def _load(folder: Path) -> EventAccumulator:
+    files = list(folder.rglob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    acc = EventAccumulator(str(files[0].parent), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_scalars_text_and_summary_in_tensorboard(tmp_path: Path) -> None:
+    """Interval statistics and loss against the step, checkpoint/validation timings, the error as text,
+    goodput at the end."""
+    truth = train(tmp_path, {"tensorboard": {}})
+    acc = _load(tmp_path / "trk" / "tensorboard")
+    tags = acc.Tags()
+    scalars = set(tags["scalars"])
+    for tag in ("traintrace/step_time_ms", "traintrace/step_time_p90_ms", "traintrace/samples_per_second",
+                "traintrace/iterations_per_second", "loss", "traintrace/checkpoint/checkpoint_save_sync_s",
+                "traintrace/validation/validation_loop_s", "traintrace/goodput", "traintrace/errors"):
+        assert tag in scalars, (tag, sorted(scalars))
+    loss = {e.step: e.value for e in acc.Scalars("loss")}
+    assert loss == pytest.approx(truth.losses, rel=1e-6)
+    assert sorted({e.step for e in acc.Scalars("traintrace/step_time_ms")}) == truth.interval_ends
+    assert all(e.value >= 2.0 for e in acc.Scalars("traintrace/step_time_ms"))  # each step sleeps 2 ms
+    samples = acc.Scalars("traintrace/samples_per_second")
+    assert all(e.value > 0 for e in samples)
+    (save,) = acc.Scalars("traintrace/checkpoint/checkpoint_save_sync_s")
+    assert 0.05 <= save.value <= truth.checkpoint_s  # traintrace's span lies inside our own clock's window
+    assert save.step == 9
+    (val,) = acc.Scalars("traintrace/validation/validation_loop_s")
+    assert 0.03 <= val.value <= truth.validation_s
+    goodput = acc.Scalars("traintrace/goodput")[-1].value
+    assert 0 < goodput < 1
+    completed = acc.Scalars("traintrace/completed_steps")[-1].value
+    assert completed == STEPS
+    (text_tag,) = tags["tensors"]
+    assert text_tag == "traintrace/errors"
+    (event,) = acc.Tensors(text_tag)
+    text = event.tensor_proto.string_val[0].decode()
+    assert "ValueError: bad batch 7" in text and "Traceback" in text
+    assert event.step == 7  # the step it happened in
