@@ -5,6 +5,7 @@ from ._base import Backend, BaseBackend, Record, SpanListener
 from ._file import FileBackend
 from ._log import LogBackend
 from ._memory import MemoryBackend
+from ._mlflow import MlflowBackend, MlflowConfig
 from ._nvtx import NvtxBackend, NvtxBackendConfig
 from ._scalars import TrackerBackend, TrackerConfig
 from ._tensorboard import TensorBoardBackend, TensorBoardConfig
@@ -18,6 +19,8 @@ __all__ = [
     "FileBackend",
     "LogBackend",
     "MemoryBackend",
+    "MlflowBackend",
+    "MlflowConfig",
     "NvtxBackend",
     "NvtxBackendConfig",
     "OtlpLogsConfig",
