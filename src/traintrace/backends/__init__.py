@@ -9,6 +9,7 @@ from ._mlflow import MlflowBackend, MlflowConfig
 from ._nvtx import NvtxBackend, NvtxBackendConfig
 from ._scalars import TrackerBackend, TrackerConfig
 from ._tensorboard import TensorBoardBackend, TensorBoardConfig
+from ._wandb import WandbBackend, WandbConfig
 from .otlp import OtlpLogsConfig, OtlpMetricsConfig, OtlpTracesConfig
 
 __all__ = [
@@ -32,4 +33,6 @@ __all__ = [
     "TensorBoardConfig",
     "TrackerBackend",
     "TrackerConfig",
+    "WandbBackend",
+    "WandbConfig",
 ]

@@ -261,7 +261,7 @@ class TrackerBackend:
     def open(self, header: Record) -> None:
         self._translate(header)
         self._tool_open(header)
-        self._thread = threading.Thread(target=self._run, name=f"traintrace-{self.name}", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"traintrace-{self.name}", daemon=True)
         self._thread.start()
 
     def write(self, records: Sequence[Record]) -> None:
@@ -290,7 +290,7 @@ class TrackerBackend:
             log.warning("traintrace: %s: %d points dropped (the tracker was too slow)", self.name, self.dropped)
 
     # -- tracker thread ------------------------------------------------------------------
-    def _run(self) -> None:
+    def _serve(self) -> None:
         while True:
             point = self._queue.get()
             if point is None:
