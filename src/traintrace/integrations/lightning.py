@@ -26,6 +26,7 @@ from .. import _api
 from .._config import Config, build_config
 from .._names import EventName, SpanName, SpanStatus, Verbosity
 from .._recorder import Recorder, Span, current_span, warn_once
+from ..backends._scalars import framework_logs_metrics
 from ._common import (
     batch_info,
     ensure_recorder,
@@ -297,6 +298,9 @@ class TraintraceCallback(Callback):
         )
         self._rec = rec
         self._configured_here = self._configured_here or here
+        # Lightning's loggers send what the module logs (loss, ...): traintrace's trackers then log only
+        # their own figures (docs/integrations/trackers.md).
+        framework_logs_metrics("lightning", bool(getattr(trainer, "loggers", None)))
         level = rec.max_level
         self._info = level >= _INFO
         self._trace = level >= _ITERATION
