@@ -55,11 +55,12 @@ def _run_with_injection(injection: Path, tmp_path: Path, body: str, backend: str
     script = "import threading\nimport traintrace as tt\n"
     script += (
         f"tt.configure(job_id='nv', backends={{'file': False, 'log': False, 'nvtx': {backend}}})\n"
-        "assert tt.get_recorder()._listeners[0].enabled\n"
+        "assert tt.get_recorder().listeners[0].enabled\n"
     )
     script += textwrap.dedent(body) + "\ntt.close()\n"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "NVTX_"))}
     env.update(NVTX_INJECTION64_PATH=str(injection), TT_NVTX_LOG=str(calls))
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", script],
         check=False,
@@ -181,7 +182,7 @@ def test_verbosity_limits_which_spans_push(injection: Path, tmp_path: Path) -> N
 def test_without_a_profiler_the_backend_is_a_no_op() -> None:
     """With no NVTX tool attached, the listener methods are bare no-ops and training runs."""
     tt.configure(job_id="nv", backends={"file": False, "log": False, "nvtx": {}})
-    (listener,) = tt.get_recorder()._listeners  # type: ignore[union-attr]
+    (listener,) = tt.get_recorder().listeners  # type: ignore[union-attr]
     assert isinstance(listener, NvtxBackend)
     assert listener.enabled is False
     with tt.training_iteration(0):

@@ -8,12 +8,12 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._names import RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
-from ._sanitize import clean_key, convert_mapping
+from ._sanitize import bound_key, convert_mapping
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -31,14 +31,42 @@ _OPEN, _DONE, _HELD = 1, 2, 4
 _CHUNK = 512
 
 
+Out = list[tuple[int, dict[str, Any]]]
+
+
 @dataclass
-class _Route:
+class Route:
+    """One backend as the writer feeds it: its name in the config and the level it runs at."""
+
     backend: Backend
     name: str
     level: int
-    failures: int = 0
     failed_records: int = 0
     warned: bool = False
+
+
+class SpanObserver(Protocol):
+    """A writer-thread hook that sees every span end (``_insight.Insight``).
+
+    All four run on the writer thread; one that raises is logged and the
+    others still run.
+    """
+
+    def hold(self, span: Span, started: bool) -> bool:
+        """True to keep an ended span's record back (released later by ``Pipeline.release_span``)."""
+        ...
+
+    def span_ended(self, span: Span, out: Out) -> None:
+        """A span ended; records to write may be appended to ``out``."""
+        ...
+
+    def flushing(self, out: Out) -> None:
+        """Someone waits in ``flush()``: append what is held back and should be written now."""
+        ...
+
+    def finish(self, out: Out, open_status: str) -> None:
+        """The pipeline closes; spans still open end with ``open_status``."""
+        ...
 
 
 _SAFE_VALUE_TYPES = frozenset({int, bool, type(None)})
@@ -49,7 +77,7 @@ def _name(name: object) -> str:
     """A span/event name as a bounded string (any object a caller passed)."""
     if type(name) is str and len(name) <= 256:
         return name
-    return clean_key(name)
+    return bound_key(name)
 
 
 def _merge(attrs: Any, metrics: dict[str, Any]) -> Any:
@@ -100,8 +128,9 @@ class Pipeline:
         self.dropped = 0
         self._dropped_reported = 0
         self._drop_lock = threading.Lock()
-        self._routes = [_Route(b, name, level) for b, name, level in routes]
-        self._max_route_level = max((r.level for r in self._routes), default=-1)
+        self.routes = [Route(b, name, level) for b, name, level in routes]
+        #: The most verbose level any backend writes (-1: none).
+        self.max_route_level = max((r.level for r in self.routes), default=-1)
         self._wake = threading.Event()
         self._flush_waiters: list[threading.Event] = []
         self._closing: str | None = None
@@ -112,9 +141,8 @@ class Pipeline:
         self._anchor_wall = 0
         self._anchor_mono = 0
         self._refresh_anchor()
-        self.records_written = 0
         #: Writer-thread hooks that see every span end (see ``_insight.IterationStats``).
-        self.observers: list[Any] = []
+        self.observers: list[SpanObserver] = []
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
         self._warned_drops = False
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
@@ -140,6 +168,20 @@ class Pipeline:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def open_spans(self) -> list[Span]:
+        """The spans whose start is written and whose end is not (a snapshot; any thread)."""
+        for _ in range(10):
+            try:
+                return list(self._open.values())
+            except RuntimeError:  # changed size while copying
+                continue
+        return []
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's queued items and drop lock are not this process's."""
+        self.queue.clear()
+        self._drop_lock = threading.Lock()
 
     def flush(self, timeout: float) -> bool:
         if not self._thread.is_alive():
@@ -478,7 +520,7 @@ class Pipeline:
     def _deliver(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
         top = max(level for level, _ in batch)
         everything: list[dict[str, Any]] | None = None
-        for route in self._routes:
+        for route in self.routes:
             if route.level >= top:
                 if everything is None:
                     everything = [record for _, record in batch]
@@ -491,10 +533,8 @@ class Pipeline:
                 route.backend.write(records)
             except Exception as exc:  # noqa: BLE001 - one broken backend must not stop others
                 self._backend_failed(route, exc, len(records))
-        self.records_written += len(batch)
 
-    def _backend_failed(self, route: _Route, exc: Exception, count: int) -> None:
-        route.failures += 1
+    def _backend_failed(self, route: Route, exc: Exception, count: int) -> None:
         route.failed_records += count
         if not route.warned:
             route.warned = True
@@ -506,7 +546,7 @@ class Pipeline:
             )
 
     def _flush_backends(self) -> None:
-        for route in self._routes:
+        for route in self.routes:
             try:
                 route.backend.flush()
             except Exception as exc:  # noqa: BLE001
@@ -527,16 +567,13 @@ class Pipeline:
         record = self._record(RecordKind.CLOSE, now)
         record["records"] = self._seq
         record["dropped"] = self.dropped
-        failed = {r.name: r.failed_records for r in self._routes if r.failed_records}
+        failed = {r.name: r.failed_records for r in self.routes if r.failed_records}
         if failed:
             record["backend_failures"] = failed
         out.append((int(Verbosity.ERROR), record))
         self._deliver(out)
-        for route in self._routes:
+        for route in self.routes:
             try:
                 route.backend.close()
             except Exception as exc:  # noqa: BLE001
                 self._backend_failed(route, exc, 0)
-
-    def wall_ns(self, mono: int) -> int:
-        return self._anchor_wall + (mono - self._anchor_mono)

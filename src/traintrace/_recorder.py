@@ -19,13 +19,16 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from time import perf_counter_ns
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._names import EventName, SpanStatus, Verbosity
 from ._sanitize import clip_text
 
 if TYPE_CHECKING:
-    from ._pipeline import Pipeline
+    from ._config import Config
+    from ._identity import Identity
+    from ._insight import Insight
+    from ._pipeline import Route
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -256,7 +259,7 @@ class Span:
         """Record an event inside this span."""
         rec = self._rec
         if rec is not None:
-            rec._event(name, metrics, _INFO, self.id)
+            rec.record_event(name, metrics, _INFO, self.id)
 
     @property
     def open(self) -> bool:
@@ -300,6 +303,42 @@ class InertSpan(Span):
         return Span(self.name, self.attrs, self.level)(func)
 
 
+class RecordSink(Protocol):
+    """The queue side of a :class:`Recorder`: what it hands items to (``_pipeline.Pipeline``).
+
+    The caller's thread appends to ``queue`` while it holds fewer than
+    ``capacity`` items and calls ``overflow`` otherwise; everything else runs
+    on the writer thread behind it.
+    """
+
+    queue: deque[Any]
+    capacity: int
+    config: Config
+    header: dict[str, Any]
+    dropped: int
+    routes: list[Route]
+
+    def overflow(self, item: Any) -> bool:
+        """The queue is full: wait or drop and count. True if queued."""
+        ...
+
+    def wake(self) -> None:
+        """Have the writer run a cycle now."""
+        ...
+
+    def flush(self, timeout: float) -> bool:
+        """Write what is queued; True when done within ``timeout`` seconds."""
+        ...
+
+    def close(self, timeout: float, open_status: str = ...) -> None:
+        """Write what is queued, end open spans with ``open_status``, close backends."""
+        ...
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's queued items."""
+        ...
+
+
 class Recorder:
     """The low-level API: ``start``/``stop``/``event``/``error``/``close``.
 
@@ -307,7 +346,14 @@ class Recorder:
     configuration; misuse warns once per kind.
     """
 
-    def __init__(self, pipeline: Pipeline, max_level: int, listeners: list[Any]) -> None:
+    #: Who this process is (set by ``configure()``; updated by ``refresh_identity()``).
+    identity: Identity | None = None
+    #: Statistics, sampler and watchdog, when statistics are on (``_insight.attach``).
+    insight: Insight | None = None
+    #: A rank/world-size disagreement with the process group was reported once.
+    identity_conflict_reported: bool = False
+
+    def __init__(self, pipeline: RecordSink, max_level: int, listeners: list[Any]) -> None:
         self._pipeline = pipeline
         self._queue: deque[Any] = pipeline.queue
         self._cap = pipeline.capacity
@@ -319,7 +365,8 @@ class Recorder:
         self.header = pipeline.header
 
     # -- hot path --------------------------------------------------------
-    def _put(self, item: Any) -> None:
+    def put(self, item: Any) -> None:
+        """Queue an item (a Span or an EVENT/ERROR tuple), or hand it to overflow when full."""
         queue = self._queue
         if len(queue) < self._cap:
             queue.append(item)
@@ -334,21 +381,22 @@ class Recorder:
             return
         warn_once("stop_twice", f"span {_label(span.name)} stopped twice; the second stop is ignored")
 
-    def _event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
+    def record_event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
+        """An event in span ``span_id`` (0: none) at ``level``, as given: no current-span lookup."""
         if level > self.max_level or self.closed:
             return
         attrs = as_attrs(metrics)
-        self._put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
+        self.put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
 
     def _span_failed(self, span: Span, exc: BaseException) -> None:
         if isinstance(exc, Exception):
             span.status = SpanStatus.ERROR
-            self._exception(exc, EventName.EXCEPTION, None, span.id)
+            self.record_exception(exc, EventName.EXCEPTION, None, span.id)
         else:
             # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
             span.status = SpanStatus.TERMINATED
 
-    def _exception(self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int) -> bool:
+    def record_exception(self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int) -> bool:
         """Record ``exc`` unless it already was; True if it was recorded now."""
         if _already_recorded(exc, self._recorded_exceptions):
             return False
@@ -356,7 +404,7 @@ class Recorder:
             return False
         info = describe_exception(exc)
         attrs = as_attrs(metrics)
-        self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+        self.put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
         self._pipeline.wake()
         return True
 
@@ -445,7 +493,7 @@ class Recorder:
         """Record a point event, inside the current span if one is open."""
         span = current_span()
         try:
-            self._event(name, metrics, as_level(level), span.id if span is not None else 0)
+            self.record_event(name, metrics, as_level(level), span.id if span is not None else 0)
         except Exception:  # noqa: BLE001 - event() must never fail the caller
             warn_once("bad_event", f"event {_label(name)} has metrics that are not a mapping; ignored")
 
@@ -461,7 +509,7 @@ class Recorder:
         span_id = span.id if span is not None else 0
         try:
             if isinstance(error, BaseException):
-                self._exception(error, name, metrics, span_id)
+                self.record_exception(error, name, metrics, span_id)
                 return
             if self.closed:
                 return
@@ -469,7 +517,7 @@ class Recorder:
             stack = "".join(traceback.format_stack(sys._getframe(1)))
             info = (None, clip_text(message, 65536), clip_text(stack, 65536))
             attrs = dict(metrics) if metrics else None
-            self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+            self.put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
             self._pipeline.wake()
         except Exception:  # noqa: BLE001 - error() must never fail the caller
             warn_once("bad_error", "error() could not record its argument")
@@ -500,6 +548,28 @@ class Recorder:
             _active = None
         self.closed = True
         self._pipeline.close(self.config.close_timeout, open_status=SpanStatus.TERMINATED)
+
+    def wake(self) -> None:
+        """Have the writer run a cycle now (after an error, a hang report)."""
+        self._pipeline.wake()
+
+    @property
+    def listeners(self) -> tuple[Any, ...]:
+        """The backends told of every span start and stop on the caller's thread (NVTX)."""
+        return self._listeners
+
+    def routes(self) -> list[Route]:
+        """The backends this recorder writes to, with their names and levels."""
+        return list(self._pipeline.routes)
+
+    def backend(self, name: str) -> Any:
+        """The backend configured under ``name`` (``"file"``, ``"otlp_traces"``), or None."""
+        return next((route.backend for route in self._pipeline.routes if route.name == name), None)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: this recorder is the parent's; never drain or close its queue here."""
+        self.closed = True
+        self._pipeline.forget_after_fork()
 
     @property
     def dropped(self) -> int:

@@ -45,7 +45,7 @@ class TensorBoardConfig(TrackerConfig):
             from tensorboard.summary.writer.event_file_writer import EventFileWriter  # noqa: F401
         except ImportError:
             raise missing_extra("TensorBoard", "tensorboard") from None
-        from .._api import resolve_path
+        from .._config import resolve_path
 
         folder = resolve_path(self.log_dir.rstrip("/") + "/x", config.log_dir, identity).parent
         return TensorBoardBackend(
