@@ -40,3 +40,25 @@ def test_cli_main_runs_in_a_kernel(tmp_path: Path) -> None:
     assert not errors, errors
     assert "rc 0" in text, text
     assert "goodput" in text.lower(), text
+
+
+def test_analysis_api_in_a_kernel(tmp_path: Path) -> None:
+    """analysis.open in Jupyter: the job renders as an HTML summary, ranks() as a DataFrame table."""
+    pytest.importorskip("pandas")
+    script = write_job(tmp_path / "job", Script())
+    outputs = run_notebook(
+        [
+            f"from traintrace import analysis\njob = analysis.open({str(tmp_path / 'job')!r})\njob",
+            "job.ranks()",
+            "print(job.summary().steps_completed, job.errors().first_error['rank'])",
+        ],
+        tmp_path,
+    )
+    for cell in outputs:
+        assert not [o for o in cell if o.get("output_type") == "error"], cell
+    summary_html = outputs[0][0]["data"]["text/html"]
+    assert "goodput" in summary_html and "<table>" in summary_html
+    ranks_html = outputs[1][0]["data"]["text/html"]
+    assert "straggler" in ranks_html and "<table" in ranks_html
+    printed = "".join(o.get("text", "") for o in outputs[2])
+    assert printed.split()[1] == str(script.fail_rank)
