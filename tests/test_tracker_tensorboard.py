@@ -47,7 +47,7 @@ def test_scalars_text_and_summary_in_tensorboard(tmp_path: Path) -> None:
     completed = acc.Scalars("traintrace/completed_steps")[-1].value
     assert completed == STEPS
     (text_tag,) = tags["tensors"]
-    assert text_tag == "traintrace/errors"
+    assert text_tag == "traintrace/error_text" and text_tag not in scalars  # one kind of data per tag
     (event,) = acc.Tensors(text_tag)
     text = event.tensor_proto.string_val[0].decode()
     assert "ValueError: bad batch 7" in text and "Traceback" in text

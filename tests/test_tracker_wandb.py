@@ -53,9 +53,9 @@ def test_history_summary_and_errors_in_wandb(wandb_home: Path) -> None:
     (save,) = [row for row in history if "traintrace/checkpoint/checkpoint_save_sync_s" in row]
     assert 0.05 <= save["traintrace/checkpoint/checkpoint_save_sync_s"] <= truth.checkpoint_s
     assert save["traintrace/step"] == 9
-    (error,) = [row for row in history if row.get("traintrace/errors_text._type") == "html-file"]
+    (error,) = [row for row in history if row.get("traintrace/error_text._type") == "html-file"]
     assert error["traintrace/step"] == 7
-    page = run_dir / "files" / error["traintrace/errors_text.path"]
+    page = run_dir / "files" / error["traintrace/error_text.path"]
     assert "ValueError: bad batch 7" in page.read_text()
     summary: dict[str, Any] = {}
     for record in records:

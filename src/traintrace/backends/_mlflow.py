@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._config import ConfigError
 from ._base import Record
-from ._scalars import TrackerBackend, TrackerConfig, missing_extra
+from ._scalars import PREFIX, TrackerBackend, TrackerConfig, missing_extra
 
 if TYPE_CHECKING:
     from .._config import Config
@@ -111,7 +111,7 @@ class MlflowBackend(TrackerBackend):
 
     def _tool_text(self, step: int, tag: str, text: str) -> None:
         self._texts += 1
-        self._client.log_text(self.run_id, text, f"{tag}/{self._texts:04d}-step{step}.txt")
+        self._client.log_text(self.run_id, text, f"{PREFIX}errors/{self._texts:04d}-step{step}.txt")
 
     def _tool_summary(self, values: dict[str, float]) -> None:
         self._tool_scalars(self._translate.step, values)

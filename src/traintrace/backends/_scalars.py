@@ -177,7 +177,7 @@ class Translator:
             text = f"{head}\n\n{stack}" if stack else head
             step = self.iteration_step if self.iteration_step is not None else self.step
             return [
-                ("text", step, f"{PREFIX}errors", text),
+                ("text", step, f"{PREFIX}error_text", text),  # not the count's tag: one kind of data per tag
                 ("scalars", step, {f"{PREFIX}errors": float(self.errors)}),
             ]
         if kind == RecordKind.CLOSE:

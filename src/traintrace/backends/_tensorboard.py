@@ -91,11 +91,11 @@ class TensorBoardBackend(TrackerBackend):
         tensor = tensor_pb2.TensorProto(
             dtype=types_pb2.DT_STRING,
             string_val=[("```\n" + text + "\n```").encode("utf-8", "replace")],
-            tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)]),
         )
-        value = summary_pb2.Summary.Value(
-            tag=tag, metadata=metadata.create_summary_metadata(display_name=tag, description=""), tensor=tensor
-        )
+        info = metadata.create_summary_metadata(display_name=tag, description="")
+        info.data_class = summary_pb2.DATA_CLASS_TENSOR  # TensorBoard's fast loader reads only declared classes
+        value = summary_pb2.Summary.Value(tag=tag, metadata=info, tensor=tensor)
         self._event(step, [value])
 
     def _tool_summary(self, values: dict[str, float]) -> None:

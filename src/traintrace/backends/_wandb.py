@@ -97,7 +97,7 @@ class WandbBackend(TrackerBackend):
 
         self._texts += 1
         page = wandb.Html(f"<pre>{html.escape(text)}</pre>", inject=False)
-        self._run.log({tag + "_text": page, STEP: step})
+        self._run.log({tag: page, STEP: step})
         self._run.summary[PREFIX + "last_error"] = text.split("\n", 1)[0]
 
     def _tool_summary(self, values: dict[str, float]) -> None:
