@@ -52,3 +52,43 @@ def test_scalars_text_and_summary_in_tensorboard(tmp_path: Path) -> None:
     text = event.tensor_proto.string_val[0].decode()
     assert "ValueError: bad batch 7" in text and "Traceback" in text
     assert event.step == 7  # the step it happened in
+
+
+def test_a_stuck_tracker_never_blocks_training_or_close(tmp_path: Path) -> None:
+    """A tracker that blocks forever: training goes on (points dropped and counted) and close() returns."""
+    import threading
+
+    import traintrace as tt
+    from traintrace.backends import TrackerBackend
+
+    release = threading.Event()
+
+    class Stuck(TrackerBackend):
+        name = "stuck"
+
+        def _tool_open(self, header: object) -> None:
+            return None
+
+        def _tool_scalars(self, step: int, values: dict[str, float]) -> None:
+            release.wait()  # a tracker server that never answers
+
+        def _tool_text(self, step: int, tag: str, text: str) -> None:
+            release.wait()
+
+        def _tool_summary(self, values: dict[str, float]) -> None:
+            release.wait()
+
+    stuck = Stuck(queue_size=2)
+    tt.configure(job_id="stuck", log_dir=str(tmp_path), log_interval=1, backends={"log": False},
+                 extra_backends=[stuck])
+    with tt.training_loop():
+        for step in range(50):
+            with tt.training_iteration(step) as it:
+                it.add_metrics(loss=1.0)
+    tt.close()
+    try:
+        assert stuck.dropped > 0
+        records = (tmp_path / "stuck" / "rank0.jsonl").read_text()
+        assert records.count('"name":"iteration"') == 50  # the file got everything
+    finally:
+        release.set()

@@ -14,6 +14,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -278,12 +279,17 @@ class TrackerBackend:
         except queue.Full:
             pass
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 10.0) -> None:
         thread = self._thread
         if thread is None:
             return
-        self._queue.put(None)  # blocks only while the queue is full; the thread is draining it
-        thread.join(timeout)
+        started = time.monotonic()
+        try:
+            self._queue.put(None, timeout=timeout)  # waits only while the queue is full and draining
+        except queue.Full:
+            log.warning("traintrace: %s is stuck; %d points not written", self.name, self._queue.qsize())
+            return
+        thread.join(max(timeout - (time.monotonic() - started), 0.1))
         if thread.is_alive():
             log.warning("traintrace: %s did not finish writing within %.0fs", self.name, timeout)
         if self.dropped:
