@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,11 @@ def test_a_stuck_tracker_never_blocks_training_or_close(tmp_path: Path) -> None:
     tt.close()
     try:
         assert stuck.dropped > 0
-        records = (tmp_path / "stuck" / "rank0.jsonl").read_text()
-        assert records.count('"name":"iteration"') == 50  # the file got everything
+        text = (tmp_path / "stuck" / "rank0.jsonl").read_text()
+        assert text.count('"name":"iteration"') == 50  # the file got everything
+        close = json.loads(text.splitlines()[-1])
+        assert close["kind"] == "close"
+        (losses,) = close["backend_losses"].values()  # the tracker's losses are in the file
+        assert losses["queue_full"] == stuck.dropped and losses["abandoned"] >= 1
     finally:
         release.set()

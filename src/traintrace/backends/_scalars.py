@@ -145,6 +145,7 @@ class Translator:
         self.errors = 0
         self.last: dict[str, Any] = {}
         self.iteration_step: int | None = None
+        self.summarised = False
 
     def __call__(self, record: Record) -> list[tuple[Any, ...]]:
         kind = record.get("kind")
@@ -181,7 +182,7 @@ class Translator:
                 ("text", step, f"{PREFIX}error_text", text),  # not the count's tag: one kind of data per tag
                 ("scalars", step, {f"{PREFIX}errors": float(self.errors)}),
             ]
-        if kind == RecordKind.CLOSE:
+        if kind == RecordKind.CLOSE and not self.summarised:
             return [("summary", self.summary())]
         return []
 
@@ -208,6 +209,7 @@ class Translator:
 
     def summary(self) -> dict[str, float]:
         """The run's totals: goodput = time in training steps / the stream's wall time (0..1)."""
+        self.summarised = True
         out: dict[str, float] = {f"{PREFIX}errors": float(self.errors)}
         if self.start_ts is not None and self.last_ts is not None and self.last_ts > self.start_ts:
             wall = (self.last_ts - self.start_ts) / 1e9
@@ -238,6 +240,10 @@ class TrackerBackend:
         self._thread: threading.Thread | None = None
         self.dropped = 0
         self.failures = 0
+        self.abandoned = 0
+        self._closing = False
+        self._settled = False
+        self._deadline = 0.0
 
     # -- what subclasses implement (tracker thread, except _tool_open) -------------------
     def _tool_open(self, header: Record) -> None:
@@ -279,21 +285,40 @@ class TrackerBackend:
         except queue.Full:
             pass
 
-    def close(self, timeout: float = 10.0) -> None:
+    # -- close: traintrace's shared budget (docs/backends.md, "begin_close" and "settle") ---------
+    #: The share of traintrace's close budget this backend asks for (seconds).
+    close_timeout: float = 10.0
+
+    def begin_close(self, deadline: float | None) -> None:
+        """Queue the run's summary and the end; the tracker thread finishes by ``deadline``."""
+        if self._closing:
+            return
+        self._closing = True
+        self._deadline = time.monotonic() + self.close_timeout if deadline is None else deadline
+        for point in (("summary", self._translate.summary()), None):
+            try:
+                self._queue.put(point, timeout=max(self._deadline - time.monotonic(), 0.0))
+            except queue.Full:
+                self.dropped += 1
+
+    def settle(self) -> None:
+        """Wait for the tracker thread until the deadline; what is left is counted as abandoned."""
         thread = self._thread
-        if thread is None:
+        if thread is None or self._settled:
             return
-        started = time.monotonic()
-        try:
-            self._queue.put(None, timeout=timeout)  # waits only while the queue is full and draining
-        except queue.Full:
-            log.warning("traintrace: %s is stuck; %d points not written", self.name, self._queue.qsize())
-            return
-        thread.join(max(timeout - (time.monotonic() - started), 0.1))
+        self._settled = True
+        thread.join(max(self._deadline - time.monotonic(), 0.0))
         if thread.is_alive():
-            log.warning("traintrace: %s did not finish writing within %.0fs", self.name, timeout)
-        if self.dropped:
-            log.warning("traintrace: %s: %d points dropped (the tracker was too slow)", self.name, self.dropped)
+            self.abandoned = self._queue.qsize()
+            log.warning("traintrace: %s did not finish in time; %d points not written", self.name, self.abandoned)
+
+    def losses(self) -> dict[str, int]:
+        """Points lost so far: queue full (tracker too slow), failed (tracker raised), abandoned at close."""
+        return {"queue_full": self.dropped, "failed": self.failures, "abandoned": self.abandoned}
+
+    def close(self) -> None:
+        self.begin_close(None)
+        self.settle()
 
     # -- tracker thread ------------------------------------------------------------------
     def _serve(self) -> None:
