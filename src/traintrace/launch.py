@@ -124,6 +124,7 @@ def start_agent_stream(job_id: str, info: dict[str, Any] | None = None) -> Any:
             file_cfg, path=f"{{job}}/agent{hosts}.jsonl", ranks="all", verbosity_elsewhere=None
         )
     config.backends.pop("log", None)  # torchrun prints its own lines
+    config.backends.pop("console", None)  # the agent has no steps; the ranks print progress
     config.rank, config.world_size = 0, 1
     config.local_rank, config.local_world_size, config.restart_count = 0, 1, 0
     rec = start_stream(config, (), {"role": "agent", "launch": info})
