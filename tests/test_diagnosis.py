@@ -106,6 +106,8 @@ def check_goodput(run: Run, failed: bool = True) -> dict[str, Any]:
     truth = truth_goodput(run, failed)
     print(f"goodput {summary['goodput'] * 100:.2f}% truth {truth * 100:.2f}% wall {summary['wall_s']:.2f} s")
     assert abs(summary["goodput"] - truth) <= 0.01, (summary["goodput"], truth, summary["breakdown_s"])
+    # Most of a short test job is start-up, so one point is loose: the productive time must match too.
+    assert abs(summary["goodput"] - truth) <= 0.05 * truth + 0.002, (summary["goodput"], truth)
     assert sum(summary["breakdown_s"].values()) == pytest.approx(summary["wall_s"], rel=1e-9)
     return summary
 
@@ -140,7 +142,9 @@ def fault_step_of(run: Run, rank: int) -> dict[str, Any]:
         (4, "optimizer", 3, 8, "optimizer_update"),
     ],
 )
-def test_an_exception_on_one_rank(tmp_path: Path, nproc: int, where: str, rank: int, step: int, phase: str) -> None:
+def test_an_exception_on_one_rank(  # noqa: PLR0917 - pytest passes the parameters by position
+    tmp_path: Path, nproc: int, where: str, rank: int, step: int, phase: str
+) -> None:
     """The raising rank, its step and phase are named; the peers' connection errors are consequences."""
     run = launch(tmp_path, nproc, "--fault", where, "--fault-rank", str(rank), "--fault-step", str(step))
     assert run.returncode != 0
