@@ -8,7 +8,8 @@ until its next ``log_interval``).
 ``TT_MODE``: ``kill`` / ``segv`` (rank ``TT_VICTIM`` sends itself SIGKILL / SIGSEGV
 in phase ``TT_PHASE`` of step ``TT_STEP``); ``pause`` (that rank writes
 ``$TT_TRUTH/paused`` with its pid and sleeps there, for a SIGTERM from the
-test); ``run`` (every rank steps slowly until ``$TT_TRUTH/stop`` exists).
+test); ``run`` (every rank steps slowly until ``$TT_TRUTH/stop`` exists, all
+stopping at the same step).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ import torch
 import torch.distributed as dist
 
 import traintrace as tt
+
+
+def _stop_everywhere(path: Path) -> bool:
+    """Every rank stops at the same step: the stop file, as any rank saw it."""
+    flag = torch.tensor([1.0 if path.exists() else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag[0] > 0)
 
 
 def main() -> None:
@@ -52,7 +60,7 @@ def main() -> None:
         weights = torch.zeros(8)
         step = 0
         with tt.training_loop():
-            while mode != "run" or not (truth_dir / "stop").exists():
+            while mode != "run" or not _stop_everywhere(truth_dir / "stop"):
                 with tt.training_iteration(step) as it:
                     enter(step, tt.SpanName.ITERATION)
                     with tt.data_loading():

@@ -8,6 +8,7 @@ rank, the exit code, the signal and that same step and phase.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,7 +48,14 @@ def _launch(tmp_path: Path, nproc: int, launcher: str, **extra: str) -> subproce
     command = [sys.executable, "-m", module, "--standalone", "--nproc-per-node", str(nproc),
                "--monitor-interval", "0.1", str(WORKER)]  # fmt: skip
     return subprocess.Popen(command, cwd=tmp_path, env=_env(tmp_path, **extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    """Kill the launcher and its workers, if a failed test left them running."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _truth(tmp_path: Path, rank: int) -> tuple[int, str]:
@@ -85,7 +93,7 @@ def test_a_rank_killed_mid_step_leaves_its_exact_step_and_phase(tmp_path: Path, 
             os.kill(int((tmp_path / "paused").read_text()), signal.SIGTERM)  # from outside
         output, _ = proc.communicate(timeout=120)
     finally:
-        proc.kill()
+        _end(proc)
     assert proc.returncode != 0, output[-3000:]
     (job,) = (tmp_path / "logs").iterdir()
     truth = _truth(tmp_path, 1)
@@ -122,7 +130,10 @@ def test_a_rank_killed_mid_step_leaves_its_exact_step_and_phase(tmp_path: Path, 
 def test_plain_torchrun_progress_files_give_the_last_step(tmp_path: Path) -> None:
     """Without traintrace-run, the progress files alone hold the killed rank's step and phase."""
     proc = _launch(tmp_path, 2, "torchrun", TT_MODE="kill", TT_VICTIM="0", TT_STEP="25", TT_PHASE="optimizer_update")
-    output, _ = proc.communicate(timeout=120)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        _end(proc)
     assert proc.returncode != 0, output[-3000:]
     (job,) = (tmp_path / "logs").iterdir()
     assert not (job / "agent.jsonl").exists()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,7 +85,8 @@ def test_watch_a_running_torchrun_job(tmp_path: Path) -> None:
                 "TRAINTRACE_BACKENDS_LOG_ENABLED": "0", "OMP_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])})  # fmt: skip
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)]
-    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)  # fmt: skip
 
     def truth_step(rank: int) -> int:
         lines = (tmp_path / f"truth{rank}.txt").read_text().splitlines()
@@ -110,11 +114,17 @@ def test_watch_a_running_torchrun_job(tmp_path: Path) -> None:
         from traintrace.cli import _parser
         from traintrace.cli._watch import run
 
-        assert run(_parser().parse_args(args), out=live) == 0  # returns once every rank has finished
+        codes: list[int] = []
+        watching = threading.Thread(target=lambda: codes.append(run(_parser().parse_args(args), out=live)),
+                                    daemon=True)  # fmt: skip
+        watching.start()
+        watching.join(timeout=120)  # it returns once every rank has finished
+        assert codes == [0], live.getvalue()[-2000:]
         assert job.wait(timeout=60) == 0
         final = live.getvalue().splitlines()
         assert final[-1] == "no rank is running any more"
         assert all("state=finished" in line for line in final[-3:-1]), final[-3:]
     finally:
-        job.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)  # the launcher and its workers
         job.wait()
