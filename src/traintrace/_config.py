@@ -11,6 +11,7 @@ import builtins
 import dataclasses
 import os
 import string
+import sys
 import time
 import types
 import typing
@@ -467,7 +468,7 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {file}: {exc.strerror or exc}") from None
     if file.suffix in (".yaml", ".yml"):
         try:
-            import yaml  # type: ignore[import-untyped]
+            import yaml
         except ImportError:
             raise ConfigError(
                 f"config file {file}: YAML needs PyYAML (pip install 'traintrace[yaml]'), or use TOML"
@@ -476,6 +477,8 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             loaded = yaml.safe_load(data) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {file}: {exc}") from None
+    elif sys.version_info < (3, 11):  # tomllib is 3.11+; the tomli fallback is issue 14's
+        raise ConfigError(f"config file {file}: TOML needs Python 3.11+ (tomllib), or use YAML with PyYAML")
     else:
         import tomllib
 
