@@ -138,6 +138,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _unmarked_test = None if item.get_closest_marker("subprocess") else item.nodeid
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[None]:
+    """A process started while setting up a shared (module or session) fixture, such as a
+    certificate made with openssl once per session, is set-up, not the work of the test that
+    happened to ask for it first."""
+    global _unmarked_test
+    if fixturedef.scope == "function":
+        yield
+        return
+    saved, _unmarked_test = _unmarked_test, None
+    try:
+        yield
+    finally:
+        _unmarked_test = saved
+
+
 @pytest.fixture(autouse=True)
 def _subprocess_tests_are_marked(request: pytest.FixtureRequest) -> Iterator[None]:
     yield

@@ -120,7 +120,6 @@ def _names(receiver: GrpcReceiver | HttpReceiver) -> list[str]:
 EXPECTED = sorted(["training_loop"] + ["iteration"] * 3)
 
 
-@pytest.mark.subprocess
 def test_grpc_over_tls_with_the_certificate_setting(tls_grpc: GrpcReceiver, certs: Certs) -> None:
     """An https endpoint and ``certificate`` (the CA): spans reach a TLS-only gRPC receiver."""
     assert tls_grpc.endpoint.startswith("https://")
@@ -144,7 +143,6 @@ def test_grpc_over_tls_with_the_standard_certificate_variable(
     assert _names(tls_grpc) == EXPECTED
 
 
-@pytest.mark.subprocess
 def test_a_ca_without_https_in_the_url_still_means_tls(tls_grpc: GrpcReceiver, certs: Certs) -> None:
     """With ``certificate`` set, an http:// gRPC URL does not fall back to plain text."""
     _configure(
