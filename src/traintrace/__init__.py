@@ -66,7 +66,7 @@ from ._metrics import (
 from ._monitor import DEFAULT_PHASE_TIMEOUTS
 from ._names import EventName, RecordKind, SpanName, SpanStatus, Verbosity
 from ._peaks import PEAK_BF16_TFLOPS, peak_tflops
-from ._recorder import Recorder, Span, TraintraceWarning, current_span
+from ._recorder import Recorder, Span, TraintraceWarning, current_span, stats
 from ._setup import configure, get_recorder, is_configured
 from ._version import __version__
 from .backends import Backend, BaseBackend, FileBackend, LogBackend, MemoryBackend
@@ -133,6 +133,7 @@ __all__ = [
     "set_step_info",
     "span",
     "start",
+    "stats",
     "stop",
     "test",
     "timed_span",

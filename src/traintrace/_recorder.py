@@ -47,6 +47,8 @@ _get_ident = threading.get_ident
 
 #: The recorder that module-level calls use; None when not configured.
 _active: Recorder | None = None
+#: The recorder configured last (kept after close, for ``stats()``).
+_last: Recorder | None = None
 
 
 class TraintraceWarning(RuntimeWarning):
@@ -179,7 +181,8 @@ class Span:
         queue = rec._queue
         if len(queue) < rec._cap:
             queue.append(self)
-        elif not rec._pipeline.overflow(self):
+        elif not rec._pipeline.overflow(self, 0):
+            # Counted when its stop is dropped too (or at close, if it never stops).
             self.written = _START_DROPPED
         return self
 
@@ -197,7 +200,7 @@ class Span:
             rec._late_stop(self, t1)
             return
         if exc is not None:
-            rec._span_failed(self, exc)
+            rec._span_failed(self, exc, t1)
         self.t1 = t1
         if _current.get() is self:
             # Not a reset token: holding one per queued span doubles the objects the
@@ -209,11 +212,13 @@ class Span:
         if self.written != _START_DROPPED:
             # No room check: the queue exceeds its bound by at most the open spans.
             rec._queue.append(self)
-        elif len(rec._queue) < rec._cap:
-            self.written = 0  # the writer sees it once, ended: one complete record
-            rec._queue.append(self)
         else:
-            rec._pipeline.overflow(self)
+            rec._pipeline.start_resolved()
+            if len(rec._queue) < rec._cap:
+                self.written = 0  # the writer sees it once, ended: one complete record
+                rec._queue.append(self)
+            else:
+                rec._pipeline.overflow(self)
 
     # -- decorator -------------------------------------------------------
     def __call__(self, func: F) -> F:
@@ -318,8 +323,16 @@ class RecordSink(Protocol):
     dropped: int
     routes: list[Route]
 
-    def overflow(self, item: Any) -> bool:
-        """The queue is full: wait or drop and count. True if queued."""
+    def overflow(self, item: Any, lost: int = 1) -> bool:
+        """The queue is full: wait or drop and count ``lost`` records (0 for a span's start). True if queued."""
+        ...
+
+    def start_resolved(self) -> None:
+        """A span whose start was dropped stops (its loss, if any, is counted by ``overflow``)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Records made and lost so far, and each backend's own figures."""
         ...
 
     def wake(self) -> None:
@@ -388,23 +401,30 @@ class Recorder:
         attrs = as_attrs(metrics)
         self.put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
 
-    def _span_failed(self, span: Span, exc: BaseException) -> None:
+    def _span_failed(self, span: Span, exc: BaseException, when: int) -> None:
         if isinstance(exc, Exception):
             span.status = SpanStatus.ERROR
-            self.record_exception(exc, EventName.EXCEPTION, None, span.id)
+            self.record_exception(exc, EventName.EXCEPTION, None, span.id, when)
         else:
             # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
             span.status = SpanStatus.TERMINATED
 
-    def record_exception(self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int) -> bool:
-        """Record ``exc`` unless it already was; True if it was recorded now."""
+    def record_exception(
+        self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int, when: int = 0
+    ) -> bool:
+        """Record ``exc`` unless it already was; True if it was recorded now.
+
+        Its time is ``when`` (a span's end, for an exception leaving it), else now:
+        read before the traceback is formatted, which takes a while.
+        """
+        when = when or perf_counter_ns()
         if _already_recorded(exc, self._recorded_exceptions):
             return False
         if self.closed:
             return False
         info = describe_exception(exc)
         attrs = as_attrs(metrics)
-        self.put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+        self.put((ERROR, name, attrs, span_id, _get_ident(), when, info))
         self._pipeline.wake()
         return True
 
@@ -513,11 +533,12 @@ class Recorder:
                 return
             if self.closed:
                 return
+            when = perf_counter_ns()
             message = "" if error is None else str(error)
             stack = "".join(traceback.format_stack(sys._getframe(1)))
             info = (None, clip_text(message, 65536), clip_text(stack, 65536))
             attrs = dict(metrics) if metrics else None
-            self.put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+            self.put((ERROR, name, attrs, span_id, _get_ident(), when, info))
             self._pipeline.wake()
         except Exception:  # noqa: BLE001 - error() must never fail the caller
             warn_once("bad_error", "error() could not record its argument")
@@ -575,6 +596,10 @@ class Recorder:
     def dropped(self) -> int:
         """Records dropped so far because the queue was full."""
         return self._pipeline.dropped
+
+    def stats(self) -> dict[str, Any]:
+        """What was recorded and lost so far (see :func:`traintrace.stats`)."""
+        return self._pipeline.stats()
 
     def __enter__(self) -> Recorder:
         return self
@@ -643,9 +668,31 @@ def format_full_traceback(exc: BaseException) -> str:
 
 def set_active(recorder: Recorder | None) -> Recorder | None:
     """Install ``recorder`` for module-level calls; return the previous one."""
-    global _active
+    global _active, _last
     previous, _active = _active, recorder
+    if recorder is not None:
+        _last = recorder
     return previous
+
+
+def stats() -> dict[str, Any]:
+    """What the current (or, after ``close()``, the last) recorder recorded and lost.
+
+    ``records``: records made in the stream; ``dropped``: records lost before
+    any backend (queue full, close out of time); ``backend_losses``: what each
+    backend that sends elsewhere lost, by reason (``queue_full``, ``failed``,
+    ``abandoned``; ``failed_exports`` for metrics); ``backends``: each backend's
+    own figures (OTLP: ``exported``, ``dropped``, ``failed``, ``abandoned``,
+    ``queued``). Empty before ``configure()``. The same losses are in the
+    stream's ``dropped`` records and its ``close`` record.
+    """
+    rec = _active or _last
+    if rec is None:
+        return {}
+    try:
+        return rec.stats()
+    except Exception:  # noqa: BLE001 - a report must never fail the caller
+        return {}
 
 
 def get_active() -> Recorder | None:

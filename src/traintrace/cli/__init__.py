@@ -71,6 +71,22 @@ examples:
 }
 
 
+def _at_least(minimum: int) -> Any:
+    """An argparse type: an integer no smaller than ``minimum`` (a clear usage error otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="traintrace",
@@ -104,8 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     p = add("ranks", "stragglers: per-rank step-time median/p90/p99, score against the job median, over time")
-    p.add_argument("--top", type=int, default=5, help="how many of the slowest ranks to show (default 5)")
-    p.add_argument("--windows", type=int, default=10, help="time windows for 'slow since' (default 10)")
+    p.add_argument("--top", type=_at_least(1), default=5, help="how many of the slowest ranks to show (default 5)")
+    p.add_argument("--windows", type=_at_least(1), default=10, help="time windows for 'slow since' (default 10)")
     p.add_argument("--threshold", type=float, default=1.1,
                    help="score (rank median / job median) from which a rank is a straggler (default 1.1)")
     p.add_argument("--all", action="store_true", help="show every rank")
@@ -127,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = add("report", "one self-contained HTML file with charts (works offline)")
     p.add_argument("-o", "--output", default=None, help="file to write (default: <first folder>/report.html)")
-    p.add_argument("--windows", type=int, default=60, help="time buckets in the charts (default 60)")
+    p.add_argument("--windows", type=_at_least(1), default=60, help="time buckets in the charts (default 60)")
     p.add_argument("--json", action="store_true", help="print where it was written as JSON")
 
     p = add("query", "SQL (DuckDB dialect) over the job's records")
@@ -182,6 +198,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         job = Job.open(args.paths, progress=progress, threads=args.threads, memory_limit=args.memory_limit)
     except MissingExtra as exc:
+        if args.command == "export":  # writing JSON does not need DuckDB
+            return _export_without_duckdb(args)
         print(f"traintrace: {exc}", file=sys.stderr)
         return EXIT_MISSING_EXTRA
     except LoadError as exc:
@@ -197,6 +215,28 @@ def _run(args: argparse.Namespace) -> int:
         traceback.print_exc()
         print("traintrace: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _export_without_duckdb(args: argparse.Namespace) -> int:
+    from ._engine import parse_ranks
+    from ._export_plain import export_chrome_plain
+
+    try:
+        ranks = parse_ranks(args.ranks) if args.ranks else None
+    except ValueError:
+        print(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        data = export_chrome_plain(args.paths, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
+    except (OSError, ValueError) as exc:
+        print(f"traintrace: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        _print_json(data)
+    else:
+        print(f"wrote {data['events']['total']:,} trace events to {data['path']} "
+              "(open it in https://ui.perfetto.dev or chrome://tracing)")
+    return EXIT_OK
 
 
 def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
