@@ -502,8 +502,6 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             loaded = yaml.safe_load(data) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {file}: {exc}") from None
-    elif sys.version_info < (3, 11):  # tomllib is 3.11+; the tomli fallback is issue 14's
-        raise ConfigError(f"config file {file}: TOML needs Python 3.11+ (tomllib), or use YAML with PyYAML")
     else:
         toml = _toml_module(file)
         try:
