@@ -218,6 +218,7 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
         tt.configure(job_id="nv", backends={"file": False, "log": False, "nvtx": {}})
 
 
+@pytest.mark.subprocess
 def test_a_span_stopped_on_another_thread_leaves_the_ranges_balanced(injection: Path, tmp_path: Path) -> None:
     """A span started here and stopped by another thread: its range is popped on its own thread, in order.
 
