@@ -30,7 +30,7 @@ ENV = {
     "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT),
     "OMP_NUM_THREADS": "1",
 }
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
 
 
 @dataclass
