@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import faulthandler
 import io
+import json
 import logging
 import os
 import stat
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import traintrace as tt
 from traintrace.backends import MemoryBackend
@@ -169,3 +174,156 @@ def test_path_templates_and_symlinks_cannot_escape(tmp_path: Path) -> None:
         with pytest.raises(tt.ConfigError, match=r"backends\.file\.path"):
             tt.configure(job_id="j", log_dir=str(logs), backends={"file": {"path": template}, "log": False})
     assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "elsewhere").exists()
+
+
+# ---------------------------------------------------------------- secrets (issue 17, item 1)
+
+_SECRET_NAMES = [
+    "pwd",
+    "pass",
+    "auth",
+    "bearer",
+    "jwt",
+    "session_id",
+    "api_key_1",
+    "token2",
+    "password_hash",
+    "db_pass",
+    "authHeader",
+    "HF_TOKEN",
+    "sessionId",
+    "client-secret",
+    "x.api_key",
+]
+_NOT_SECRET = ["tokens_per_second", "num_tokens", "token_count", "author", "passes", "bos_token_ids", "step"]
+
+
+def test_redaction_matches_word_parts_not_a_fixed_list() -> None:
+    """Common secret names the fixed list missed (pwd, pass, auth, bearer, jwt, session_id,
+    api_key_1, token2, password_hash) are secret; counts of tokens and other words are not."""
+    from traintrace._redact import DEFAULT_REDACT_KEYS, Redactor
+
+    redactor = Redactor(DEFAULT_REDACT_KEYS)
+    assert [name for name in _SECRET_NAMES if not redactor.secret(name)] == []
+    assert [name for name in _NOT_SECRET if redactor.secret(name)] == []
+
+
+_words = st.sampled_from(["run", "db", "user", "hf", "wandb", "x", "my", "aws"])
+_secret_words = st.sampled_from(["password", "pwd", "pass", "secret", "token", "api_key", "auth", "jwt", "bearer"])
+_tails = st.sampled_from(["", "_1", "2", "_hash", "_value", "Hash"])
+
+
+@st.composite
+def _secret_key(draw: st.DrawFn) -> str:
+    """A key that names a secret: some words, a secret word, maybe a number or qualifier, in any style."""
+    parts = [*draw(st.lists(_words, max_size=3)), draw(_secret_words)]
+    style = draw(st.sampled_from(["_", "-", ".", "camel", "upper"]))
+    if style == "camel":
+        key = parts[0] + "".join(p.replace("_", " ").title().replace(" ", "") for p in parts[1:])
+    elif style == "upper":
+        key = "_".join(parts).upper()
+    else:
+        key = style.join(parts)
+    return key + draw(_tails)
+
+
+@st.composite
+def _nested_with_secret(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
+    """A mapping holding SECRET under a secret key somewhere: in dicts, lists, lists of lists,
+    under a key longer than 256 characters."""
+    key = draw(_secret_key())
+    if draw(st.booleans()):
+        key = "k" * draw(st.integers(250, 2000)) + "_" + key
+    value: Any = {key: SECRET, "ok": 1}
+    for wrap in draw(st.lists(st.sampled_from(["dict", "list", "tuple"]), max_size=4)):
+        if wrap == "dict":
+            value = {draw(_words): value, "n": 2}
+        elif wrap == "list":
+            value = [1, value]
+        else:
+            value = (value,)
+    top = value if isinstance(value, dict) else {"items": value}
+    return top, key
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_nested_with_secret())
+def test_secrets_never_reach_a_backend_at_any_depth(tmp_path: Path, case: tuple[dict[str, Any], str]) -> None:
+    """Whatever the nesting (lists in lists, tuples, dicts) and however long the key, a secret
+    given to a span, an event or an error is written as '<redacted>' by the real writer."""
+    attrs, _ = case
+    memory = MemoryBackend()
+    tt.configure(
+        job_id="hy",
+        log_dir=str(tmp_path),
+        backends={"file": False, "log": False},
+        extra_backends=[memory],
+        statistics=False,
+    )
+    with tt.span("s", attrs):
+        tt.event("e", attrs)
+        tt.error("failed", attrs)
+    tt.close()
+    written = repr(memory.records)
+    assert SECRET not in written
+    assert "<redacted>" in written
+
+
+def test_manifest_is_redacted_private_and_holds_no_exporter_headers(tmp_path: Path) -> None:
+    """manifest.json: metadata redacted as in the header, OTLP headers' values and an endpoint's
+    credentials never written, mode 0o640 (file_mode) even under umask 0; the registration too."""
+    from traintrace.backends.otlp import OtlpTracesConfig
+
+    old = os.umask(0)
+    try:
+        tt.configure(
+            job_id="man",
+            log_dir=str(tmp_path),
+            backends={
+                "file": {},
+                "log": False,
+                "otlp_traces": OtlpTracesConfig(
+                    enabled=False,
+                    endpoint=f"http://user:{SECRET}@localhost:4318",
+                    headers={"authorization": f"Bearer {SECRET}", "x-tenant": SECRET},
+                ),
+            },
+            metadata={"hf_token": SECRET, "runs": [[{"password": SECRET}]], "lr": 0.1},
+        )
+        tt.close()
+    finally:
+        os.umask(old)
+    folder = tmp_path / "man"
+    manifest = folder / "manifest.json"
+    registration = folder / "ranks" / "rank0.restart0.json"
+    for path in (manifest, registration):
+        assert SECRET not in path.read_text()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    for path in (folder, folder / "ranks"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o750
+    data = json.loads(manifest.read_text())
+    assert data["config"]["metadata"]["lr"] == 0.1
+    assert data["config"]["metadata"]["hf_token"] == "<redacted>"
+    assert sorted(data["config"]["backends"]["otlp_traces"]["headers"]) == ["authorization", "x-tenant"]
+    assert "localhost:4318" in data["config"]["backends"]["otlp_traces"]["endpoint"]
+
+
+@pytest.mark.slow
+def test_launcher_records_no_command_line(tmp_path: Path) -> None:
+    """traintrace-run with secrets in the script's arguments: neither manifest.json nor
+    agent.jsonl nor a rank's stream holds them (docs: no command line is recorded)."""
+    pytest.importorskip("torch")
+    script = tmp_path / "noop.py"
+    script.write_text("import traintrace as tt\ntt.configure()\nwith tt.training_iteration(0):\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update({"TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_BACKENDS_LOG_ENABLED": "0"})
+    env["PYTHONPATH"] = str(Path(tt.__file__).parents[1])
+    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "1", str(script),
+               f"--hf_token={SECRET}", "--password", SECRET]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (job,) = (tmp_path / "logs").iterdir()
+    files = [p for p in job.rglob("*") if p.is_file()]
+    assert {"manifest.json", "agent.jsonl", "rank0.jsonl"} <= {p.name for p in files}
+    for path in files:
+        assert SECRET not in path.read_text(errors="replace"), path

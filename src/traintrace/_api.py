@@ -100,7 +100,8 @@ def _header(identity: Identity, config: Config, extra: Mapping[str, Any]) -> dic
         from ._redact import Redactor
         from ._sanitize import convert_mapping
 
-        header["metadata"] = Redactor(config.redact_keys).apply(convert_mapping(config.metadata))
+        redactor = Redactor(config.redact_keys)
+        header["metadata"] = convert_mapping(config.metadata, redactor.secret if redactor else None)
     header.update(extra)
     return header
 

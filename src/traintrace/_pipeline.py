@@ -68,8 +68,9 @@ def _link_id(link: object) -> int:
         return 0
 
 
-def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """``attrs`` as JSON-safe data; the common case (str keys, plain numbers) passes as is."""
+def clean_attrs(attrs: Mapping[str, Any], redactor: Redactor | None = None) -> dict[str, Any]:
+    """``attrs`` as JSON-safe data, secrets redacted; the common case (str keys, plain numbers)
+    passes as is (with only its top-level keys to check)."""
     if type(attrs) is dict and len(attrs) <= 256:
         for key, value in attrs.items():
             kind = type(value)
@@ -84,8 +85,8 @@ def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
             elif kind not in _SAFE_VALUE_TYPES:
                 break
         else:
-            return attrs
-    return convert_mapping(attrs)
+            return redactor.apply(attrs) if redactor else attrs
+    return convert_mapping(attrs, redactor.secret if redactor else None)
 
 
 class Pipeline:
@@ -247,8 +248,7 @@ class Pipeline:
             waiter.set()
 
     def _clean(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
-        cleaned = clean_attrs(attrs)
-        return self._redactor.apply(cleaned) if self._redactor else cleaned
+        return clean_attrs(attrs, self._redactor)
 
     def _record(self, kind: str, mono: int) -> dict[str, Any]:
         seq = self._seq

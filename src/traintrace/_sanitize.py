@@ -10,7 +10,7 @@ import datetime as _dt
 import enum
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 MAX_STRING: Final = 4096
@@ -21,6 +21,10 @@ MAX_NODES: Final = 4096
 TRUNCATION_MARK: Final = "…[+{} chars]"
 
 _ATOMIC = (str, int, float, bool, type(None))
+
+#: Decides whether a key names a secret (``Redactor.secret``); its value is then not converted.
+Secret = Callable[[str], bool] | None
+REDACTED: Final = "<redacted>"
 
 
 def clip_text(text: str, limit: int = MAX_STRING) -> str:
@@ -76,19 +80,23 @@ def _scalar_from_array(value: Any) -> Any:
 _MISSING: Final = object()
 
 
-def to_jsonable(value: Any) -> Any:
-    """Return a JSON-safe, size-bounded copy of ``value``. Never raises."""
-    return _guarded(value, 0, [MAX_NODES])
+def to_jsonable(value: Any, secret: Secret = None) -> Any:
+    """Return a JSON-safe, size-bounded copy of ``value``. Never raises.
+
+    With ``secret``, the value of every mapping key it names (at any depth, in
+    lists too) is ``"<redacted>"``; the key is judged before it is cut to size.
+    """
+    return _guarded(value, 0, [MAX_NODES], secret)
 
 
-def _guarded(value: Any, depth: int, budget: list[int]) -> Any:
+def _guarded(value: Any, depth: int, budget: list[int], secret: Secret = None) -> Any:
     try:
-        return _convert(value, depth, budget)
+        return _convert(value, depth, budget, secret)
     except Exception:  # noqa: BLE001 - the point is that nothing escapes
         return f"<unconvertible {type(value).__name__}>"
 
 
-def _convert(value: Any, depth: int, budget: list[int]) -> Any:
+def _convert(value: Any, depth: int, budget: list[int], secret: Secret = None) -> Any:
     budget[0] -= 1
     if budget[0] < 0:
         return "<truncated>"
@@ -100,7 +108,7 @@ def _convert(value: Any, depth: int, budget: list[int]) -> Any:
     if kind is float:
         return _float(value)
     if isinstance(value, enum.Enum):
-        return _convert(value.value, depth, budget)
+        return _convert(value.value, depth, budget, secret)
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, int):
@@ -123,9 +131,9 @@ def _convert(value: Any, depth: int, budget: list[int]) -> Any:
     if depth >= MAX_DEPTH:
         return clip_text(f"<too deep: {type(value).__name__}>")
     if isinstance(value, Mapping):
-        return _convert_mapping(value, depth + 1, budget)
+        return _convert_mapping(value, depth + 1, budget, secret)
     if isinstance(value, list | tuple):
-        return [_guarded(item, depth + 1, budget) for item in value[:MAX_ITEMS]]
+        return [_guarded(item, depth + 1, budget, secret) for item in value[:MAX_ITEMS]]
     if isinstance(value, set | frozenset):
         items = [_guarded(item, depth + 1, budget) for item in list(value)[:MAX_ITEMS]]
         return sorted(items, key=_safe_repr)
@@ -139,18 +147,21 @@ def _convert(value: Any, depth: int, budget: list[int]) -> Any:
         except Exception:  # noqa: BLE001
             listed = _MISSING
         if listed is not _MISSING and not hasattr(listed, "tolist"):
-            return _convert(listed, depth, budget)
+            return _convert(listed, depth, budget, secret)
     if isinstance(value, complex):
         return clip_text(_safe_str(value))
     return clip_text(_safe_repr(value))
 
 
-def convert_mapping(value: Mapping[Any, Any]) -> dict[str, Any]:
-    """A mapping as a dict of string keys to JSON-safe values (at most MAX_ITEMS keys)."""
-    return _convert_mapping(value, 0, [MAX_NODES])
+def convert_mapping(value: Mapping[Any, Any], secret: Secret = None) -> dict[str, Any]:
+    """A mapping as a dict of string keys to JSON-safe values (at most MAX_ITEMS keys).
+
+    ``secret``: as for :func:`to_jsonable`.
+    """
+    return _convert_mapping(value, 0, [MAX_NODES], secret)
 
 
-def _convert_mapping(value: Mapping[Any, Any], depth: int, budget: list[int]) -> dict[str, Any]:
+def _convert_mapping(value: Mapping[Any, Any], depth: int, budget: list[int], secret: Secret = None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         items = list(value.items())
@@ -160,5 +171,9 @@ def _convert_mapping(value: Mapping[Any, Any], depth: int, budget: list[int]) ->
         if index >= MAX_ITEMS:
             out["…"] = f"{len(items) - MAX_ITEMS} more keys dropped"
             break
-        out[clean_key(key)] = _guarded(item, depth, budget)
+        if secret is None:
+            out[clean_key(key)] = _guarded(item, depth, budget)
+            continue
+        text = key if isinstance(key, str) else _safe_str(key)
+        out[clip_text(text, MAX_KEY)] = REDACTED if secret(text) else _guarded(item, depth, budget, secret)
     return out
