@@ -327,3 +327,110 @@ def test_launcher_records_no_command_line(tmp_path: Path) -> None:
     assert {"manifest.json", "agent.jsonl", "rank0.jsonl"} <= {p.name for p in files}
     for path in files:
         assert SECRET not in path.read_text(errors="replace"), path
+
+
+# ---------------------------------------------------------------- symlinks (issue 17, item 2)
+
+VICTIM_TEXT = "do not touch\n"
+
+
+def _victim(tmp_path: Path, name: str = "victim.txt") -> Path:
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    victim = outside / name
+    victim.write_text(VICTIM_TEXT)
+    return victim
+
+
+@pytest.mark.usefixtures("no_umask")
+def test_planted_links_are_never_written_through(tmp_path: Path) -> None:
+    """Links planted where traintrace writes (the manifest's and a registration's temporary
+    files under their old predictable names, the fault file) leave their targets untouched, and
+    nothing is created outside log_dir; the manifest and registration are still written."""
+    logs = tmp_path / "logs"
+    job = logs / "planted"
+    (job / "ranks").mkdir(parents=True)
+    victim = _victim(tmp_path)
+    pid = os.getpid()
+    (job / f".manifest.json.{pid}.tmp").symlink_to(victim)
+    (job / "ranks" / f".rank0.restart0.json.{pid}.tmp").symlink_to(victim)
+    created = tmp_path / "outside" / "created.txt"
+    (job / "rank0.jsonl.faults.txt").symlink_to(created)
+    tt.configure(job_id="planted", log_dir=str(logs), backends={"file": {}, "log": False})
+    tt.event("x")
+    tt.close()
+    assert victim.read_text() == VICTIM_TEXT
+    assert not created.exists()
+    assert json.loads((job / "manifest.json").read_text())["job"] == "planted"
+    assert json.loads((job / "ranks" / "rank0.restart0.json").read_text())["rank"] == 0
+    assert read_file(job / "rank0.jsonl").streams[0].closed_cleanly
+
+
+def test_a_stream_or_folder_swapped_for_a_link_mid_run_redirects_nothing(tmp_path: Path) -> None:
+    """The stream file replaced by a link, then its folder replaced by a link: every later write
+    stays out of the links' targets (those writes are refused and counted), and the process
+    never sees an error."""
+    logs = tmp_path / "logs"
+    victim = _victim(tmp_path)
+    elsewhere = tmp_path / "outside" / "folder"
+    elsewhere.mkdir()
+    tt.configure(job_id="swap", log_dir=str(logs), backends={"file": {}, "log": False}, fault_handler=False)
+    job = logs / "swap"
+    stream = job / "rank0.jsonl"
+    tt.event("before")
+    tt.flush()
+    stream.rename(job / "moved.jsonl")
+    stream.symlink_to(victim)
+    tt.event("through_file_link")
+    tt.flush()
+    stream.unlink()
+    job.rename(logs / "swap.moved")
+    job.symlink_to(elsewhere, target_is_directory=True)
+    tt.event("through_folder_link")
+    tt.flush()
+    job.unlink()
+    tt.event("after")
+    tt.close()
+    assert victim.read_text() == VICTIM_TEXT
+    assert list(elsewhere.iterdir()) == []
+    moved = read_file(logs / "swap.moved" / "moved.jsonl").streams[0]
+    assert [r["name"] for r in moved.records if r.get("kind") == "event"] == ["before"]
+    # Once no link is in the way the stream goes on, saying how many records it could not write.
+    later = read_file(job / "rank0.jsonl").streams[0]
+    assert [r["name"] for r in later.records if r.get("kind") == "event"] == ["after"]
+    notes = [r for r in later.records if r.get("kind") == "dropped" and r.get("reason") == "write_error"]
+    assert sum(n["count"] for n in notes) >= 2
+
+
+def test_report_replaces_a_link_instead_of_writing_through_it(tmp_path: Path) -> None:
+    """`traintrace report <dir>` where <dir>/report.html is a link: the link is replaced by the
+    report; its target keeps its contents."""
+    pytest.importorskip("duckdb")
+    from traintrace.cli import main
+
+    logs = tmp_path / "logs"
+    tt.configure(job_id="rep", log_dir=str(logs), backends={"file": {}, "log": False}, fault_handler=False)
+    for step in range(3):
+        with tt.training_iteration(step):
+            pass
+    tt.close()
+    victim = _victim(tmp_path)
+    report = logs / "rep" / "report.html"
+    report.symlink_to(victim)
+    assert main(["report", str(logs / "rep"), "--quiet"]) == 0
+    assert victim.read_text() == VICTIM_TEXT
+    assert not report.is_symlink() and "<html" in report.read_text().lower()
+
+
+@pytest.mark.usefixtures("no_umask")
+def test_every_folder_created_gets_the_folder_mode(tmp_path: Path) -> None:
+    """Under umask 0, every folder traintrace creates (log_dir's missing parents included, and
+    ranks/) gets 0o750 for the default file_mode, never 0o777."""
+    logs = tmp_path / "a" / "b" / "logs"
+    tt.configure(job_id="deep", log_dir=str(logs), backends={"file": {"path": "{job}/x/y/r.jsonl"}, "log": False})
+    tt.close()
+    deep = logs / "deep"
+    created = [tmp_path / "a", tmp_path / "a" / "b", logs, deep, deep / "x", deep / "x" / "y", deep / "ranks"]
+    assert {str(p.relative_to(tmp_path)): oct(stat.S_IMODE(p.stat().st_mode)) for p in created} == {
+        str(p.relative_to(tmp_path)): "0o750" for p in created
+    }

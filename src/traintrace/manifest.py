@@ -48,7 +48,7 @@ def _atomic_write(path: Path, payload: dict[str, Any], *, once: bool, mode: int 
 
     make_dirs(path.parent, dir_mode(mode))
     data = (json.dumps(payload, indent=2, sort_keys=True, default=repr) + "\n").encode("utf-8")
-    fd = open_dir(path.parent)
+    fd = open_dir(path.parent, follow=False)  # the job folder (or ranks/) may not be a link
     try:
         return atomic_write_at(fd, path.name, data, mode, once=once)
     finally:
