@@ -307,23 +307,41 @@ def _install_sigterm() -> None:
         log.debug("traintrace: cannot install a SIGTERM handler here")
 
 
+_terminating = False
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # A handler runs between two bytecodes of the main thread, which may hold any lock
+    # (the queue's, an Event's): nothing here takes one. The writer thread records the
+    # signal and closes the stream; this only sets flags, rings a pipe and sleep-polls.
+    global _terminating
     previous = _previous_sigterm
     rec = get_active()
-    if callable(previous):
+    span = _recorder.current_span()
+    where = (span.id if span is not None else 0, threading.get_ident())
+    if callable(previous) or previous == signal.SIG_IGN:
         # The user's handler decides whether the process ends; spans unwind normally.
         if rec is not None:
-            rec.event(EventName.SIGNAL, {"signal": "SIGTERM"}, level=Verbosity.ERROR)
-            rec.flush(1.0)
-        previous(signum, frame)
+            attrs: dict[str, Any] = {"signal": "SIGTERM"}
+            if not callable(previous):
+                attrs["ignored"] = True
+            cycle = rec._pipeline.signal_event(attrs, *where)
+            rec._pipeline.wait_from_signal(1.0, cycle)
+        if callable(previous):
+            previous(signum, frame)
         return
-    if previous == signal.SIG_IGN:
-        if rec is not None:
-            rec.event(EventName.SIGNAL, {"signal": "SIGTERM", "ignored": True}, level=Verbosity.ERROR)
-            rec.flush(1.0)
-        return
+    if _terminating:
+        return  # a second SIGTERM: the first one's flush goes on, then the process ends
+    _terminating = True
+    closing = rec or _recorder._closing
     if rec is not None:
-        rec.terminate("SIGTERM")
+        rec.closed = True
+        if _recorder._active is rec:
+            set_active(None)
+        rec._pipeline.terminate_from_signal({"reason": "SIGTERM"}, *where)
+    if closing is not None:
+        # Also when close() was under way: its flush finishes before the process ends.
+        closing._pipeline.wait_from_signal(closing.config.close_timeout)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 

@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._names import RecordKind, SpanStatus, Verbosity
+from ._names import EventName, RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
 from ._sanitize import clean_key, convert_mapping
+from ._wakeup import Wakeup
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -103,10 +104,16 @@ class Pipeline:
         self._drop_lock = threading.Lock()
         self._routes = [_Route(b, name, level) for b, name, level in routes]
         self._max_route_level = max((r.level for r in self._routes), default=-1)
-        self._wake = threading.Event()
+        self._wake = Wakeup()
         self._flush_waiters: list[threading.Event] = []
         self._closing: str | None = None
         self._closed = threading.Event()
+        #: Set by the writer (a plain attribute: a signal handler may read it) once the stream is closed.
+        self.finished = False
+        #: Write cycles completed; a signal handler waits for it to move (no lock to take).
+        self.cycles = 0
+        # Signal events asked for by a signal handler: (attrs, span id, thread ident, mono).
+        self._signal_events: list[tuple[dict[str, Any], int, int, int]] = []
         self._seq = 1  # the header is 0
         self._open: dict[int, Span] = {}
         self._threads: dict[int, int] = {}
@@ -141,6 +148,31 @@ class Pipeline:
 
     def wake(self) -> None:
         self._wake.set()
+
+    # -- from a signal handler: no lock taken, nothing that can block -----------
+    def signal_event(self, attrs: dict[str, Any], span_id: int, ident: int) -> int:
+        """Have the writer record a ``signal`` event; returns the cycle count to wait past."""
+        self._signal_events.append((attrs, span_id, ident, time.perf_counter_ns()))
+        cycles = self.cycles
+        self._wake.set()
+        return cycles
+
+    def terminate_from_signal(self, attrs: dict[str, Any], span_id: int, ident: int) -> None:
+        """Record a ``signal`` event, write everything queued, end open spans ``terminated``, close."""
+        self.signal_event(attrs, span_id, ident)
+        if self._closing is None:
+            self._closing = SpanStatus.TERMINATED
+        self._wake.set()
+
+    def wait_from_signal(self, timeout: float, past_cycle: int | None = None) -> bool:
+        """Sleep-poll (no lock) until the stream is closed, or a cycle after ``past_cycle`` ended."""
+        deadline = time.monotonic() + timeout
+        while not self.finished and (past_cycle is None or self.cycles <= past_cycle + 1):
+            if time.monotonic() > deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.002)
+        return True
 
     def flush(self, timeout: float) -> bool:
         if not self._thread.is_alive():
@@ -193,6 +225,7 @@ class Pipeline:
         except BaseException:
             log.exception("traintrace: writer thread failed; telemetry stops here")
         finally:
+            self.finished = True
             self._closed.set()
             for waiter in self._flush_waiters:
                 waiter.set()
@@ -215,6 +248,15 @@ class Pipeline:
             chunks += 1
             if chunks % 16 == 0:
                 time.sleep(0)  # let the training thread have the GIL now and then
+        if self._signal_events:
+            signalled: list[tuple[int, dict[str, Any]]] = []
+            while self._signal_events:
+                attrs, span_id, ident, mono = self._signal_events.pop(0)
+                self.emit_event(
+                    EventName.SIGNAL, attrs, signalled, span_id=span_id, ident=ident, mono=mono, level=_ERROR_LEVEL
+                )
+            self._deliver(signalled)
+            wrote = True
         if waiters and self.observers:
             held: list[tuple[int, dict[str, Any]]] = []
             for observer in self.observers:
@@ -244,6 +286,7 @@ class Pipeline:
             wrote = True
         if wrote or waiters:
             self._flush_backends()
+        self.cycles += 1
         for waiter in waiters:
             waiter.set()
 

@@ -44,6 +44,8 @@ _get_ident = threading.get_ident
 
 #: The recorder that module-level calls use; None when not configured.
 _active: Recorder | None = None
+#: The recorder whose close() started last (a SIGTERM during close waits for it).
+_closing: Recorder | None = None
 
 
 class TraintraceWarning(RuntimeWarning):
@@ -482,9 +484,10 @@ class Recorder:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, end spans still open (status ``abandoned``) and close backends."""
-        global _active
+        global _active, _closing
         if self.closed:
             return
+        _closing = self
         if _active is self:
             _active = None
         self.closed = True
