@@ -517,3 +517,139 @@ def test_logfmt_never_raises(line: str, pairs: dict[str, Any]) -> None:
         logfmt.typed_value(value)
     formatted = logfmt.format_line(pairs)
     assert "\n" not in formatted
+
+
+# ---------------------------------------------------------------- one bad item (issue 17, items 5 and 6)
+
+
+def _file_events(path: Path, name: str = "e") -> list[int]:
+    stream = read_file(path).streams[0]
+    assert not schema_errors(stream.records)
+    return [r["attrs"]["i"] for r in stream.of_kind("event") if r["name"] == name]
+
+
+def _configure_file(tmp_path: Path, **settings: Any) -> Path:
+    backends = {"file": {"path": "bad.jsonl"}, "log": False}
+    tt.configure(job_id="bad", log_dir=str(tmp_path), backends=backends, statistics=False, **settings)
+    return tmp_path / "bad.jsonl"
+
+
+def test_a_link_to_a_span_never_entered_loses_nothing(tmp_path: Path) -> None:
+    """``link=`` to a span that was never entered: that span is written (without a link) and
+    so is every record around it."""
+    path = _configure_file(tmp_path)
+    never = tt.span("never_entered")
+    for i in range(600):
+        tt.event("e", {"i": i})
+        if i == 300:
+            with tt.span("linked", link=never):
+                pass
+    tt.close()
+    assert _file_events(path) == list(range(600))
+    (linked,) = read_file(path).streams[0].spans("linked")
+    assert linked.get("link", 0) == 0
+
+
+def test_a_metric_too_large_to_print_loses_nothing(tmp_path: Path) -> None:
+    """An integer over 4,300 digits (Python refuses to print it) among 600 events: every event
+    is written, the huge value as a note, a merely large one as a float."""
+    path = _configure_file(tmp_path)
+    for i in range(600):
+        attrs: dict[str, Any] = {"i": i}
+        if i == 300:
+            attrs.update(huge=10**5000, large=2**70, nested={"huge": -(10**5000)})
+        tt.event("e", attrs)
+    tt.close()
+    assert _file_events(path) == list(range(600))
+    (big,) = [r for r in read_file(path).streams[0].of_kind("event") if r["attrs"]["i"] == 300]
+    assert big["attrs"]["large"] == float(2**70)
+    assert "integer of" in big["attrs"]["huge"] and "integer of" in big["attrs"]["nested"]["huge"]
+
+
+def test_a_dict_changed_by_another_thread_loses_nothing(tmp_path: Path) -> None:
+    """Another thread keeps adding and removing keys of the dict passed to ``span()`` and
+    ``event()`` while the writer converts them: every one of 10,000 spans and events is written."""
+    path = _configure_file(tmp_path, flush_interval=0.005, blocking=True)
+    shared: dict[str, Any] = {"i": 0, **{f"v{n}": n for n in range(150)}}
+    stop = threading.Event()
+
+    def mutate() -> None:
+        n = 0
+        while not stop.is_set():
+            if (n // 100) % 2:
+                shared.pop(f"k{n % 100}", None)  # the size keeps changing: 151 to 251 keys
+            else:
+                shared[f"k{n % 100}"] = n
+            n += 1
+
+    thread = threading.Thread(target=mutate)
+    thread.start()
+    try:
+        for i in range(10000):
+            shared["i"] = i
+            with tt.span("s", shared):
+                tt.event("e", shared)
+    finally:
+        stop.set()
+        thread.join()
+    tt.close()
+    stream = read_file(path).streams[0]
+    assert len(stream.spans("s")) == 10000
+    assert len([r for r in stream.of_kind("event") if r["name"] == "e"]) == 10000
+    seqs = [r["seq"] for r in stream.records]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
+class _Raises:
+    """A value whose repr raises what it is given (KeyboardInterrupt, SystemExit, GeneratorExit)."""
+
+    def __init__(self, kind: type[BaseException]) -> None:
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        raise self.kind("from __repr__")
+
+    __str__ = __repr__
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit, GeneratorExit, RuntimeError])
+def test_a_repr_raising_a_base_exception_does_not_stop_the_writer(tmp_path: Path, kind: type[BaseException]) -> None:
+    """A value whose ``__repr__`` raises KeyboardInterrupt, SystemExit or GeneratorExit (as a
+    name, a value, a key, a link): the writer keeps writing; every record is there, the bad
+    values replaced by notes."""
+    path = _configure_file(tmp_path)
+    for i in range(600):
+        if i == 300:
+            tt.event(_Raises(kind), {"i": -1})  # type: ignore[arg-type]
+            tt.event("e", {"i": i, "bad": _Raises(kind), _Raises(kind): 1})  # type: ignore[dict-item]
+            with tt.span("linked", link=_Raises(kind)):  # type: ignore[arg-type]
+                pass
+        else:
+            tt.event("e", {"i": i})
+    assert tt.flush(30)
+    tt.close()
+    assert _file_events(path) == list(range(600))
+    assert read_file(path).streams[0].closed_cleanly
+
+
+def test_flush_returns_at_once_after_a_failed_cycle(tmp_path: Path) -> None:
+    """A write cycle that fails (here: its delivery raises once) still releases the flush()
+    waiting on it: flush reports success instead of waiting out its timeout; writing goes on."""
+    path = _configure_file(tmp_path)
+    rec = tt.get_recorder()
+    assert rec is not None
+    pipeline = rec._pipeline
+    real = pipeline._deliver
+    calls = itertools.count()
+
+    def fail_once(batch: list[tuple[int, dict[str, Any]]]) -> None:
+        if next(calls) == 0:
+            raise OSError("injected")
+        real(batch)
+
+    pipeline._deliver = fail_once  # type: ignore[method-assign]
+    tt.event("lost", {"i": -1})
+    assert tt.flush(10) is True
+    tt.event("e", {"i": 0})
+    tt.close()
+    assert _file_events(path) == [0]

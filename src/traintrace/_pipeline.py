@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ._names import EventName, RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
-from ._sanitize import clean_key, convert_mapping
+from ._sanitize import MAX_INT, clean_key, clip_text, convert_mapping
 from ._wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class _Route:
     warned: bool = False
 
 
-_SAFE_VALUE_TYPES = frozenset({int, bool, type(None)})
+_SAFE_VALUE_TYPES = frozenset({bool, type(None)})
 _INFINITIES = (float("inf"), float("-inf"))
 
 
@@ -53,19 +53,31 @@ def _name(name: object) -> str:
     return clean_key(name)
 
 
+def _why(exc: BaseException) -> str:
+    """``Type: message`` of an exception, even one whose ``str`` raises."""
+    try:
+        text = str(exc)
+    except BaseException:  # noqa: BLE001
+        text = "?"
+    return clip_text(f"{type(exc).__name__}: {text}", 512)
+
+
 def _merge(attrs: Any, metrics: dict[str, Any]) -> Any:
     """Attributes given at start with metrics added while open (either may be a user's oddity)."""
     try:
         return {**attrs, **metrics} if attrs else metrics
-    except Exception:  # noqa: BLE001 - attrs that are not a mapping: keep the metrics
+    except BaseException:  # noqa: BLE001 - attrs that are not a mapping: keep the metrics
         return metrics
 
 
 def _link_id(link: object) -> int:
+    """The id a ``link=`` names: a span's (0 if it was never entered), or an int given as one."""
+    if isinstance(link, Span):
+        return link.span_id
     try:
         value: int = int(link)  # type: ignore[call-overload]
         return max(0, value)
-    except Exception:  # noqa: BLE001 - a link that is not an id is dropped
+    except BaseException:  # noqa: BLE001 - a link that is not an id is dropped
         return 0
 
 
@@ -79,6 +91,9 @@ def clean_attrs(attrs: Mapping[str, Any], redactor: Redactor | None = None) -> d
                 break
             if kind is float:
                 if value != value or value in _INFINITIES:  # noqa: PLR0124 - the NaN test
+                    break
+            elif kind is int:
+                if not -MAX_INT < value < MAX_INT:
                     break
             elif kind is str:
                 if len(value) > 4096:
@@ -125,6 +140,7 @@ class Pipeline:
         self.observers: list[Any] = []
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
         self._warned_drops = False
+        self._bad_items = 0
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
@@ -215,12 +231,15 @@ class Pipeline:
                 self._wake.clear()
                 try:
                     self._cycle(drain=False)
-                except Exception:
+                except BaseException:  # even SystemExit from a user's __repr__
                     # A bug here must not end telemetry for the rest of the run.
                     failures += 1
                     if failures == 1:
                         log.exception("traintrace: a write cycle failed; its records may be lost")
-            self._cycle(drain=True)
+            try:
+                self._cycle(drain=True)
+            except BaseException:  # the close record is still written
+                log.exception("traintrace: the final write cycle failed; its records may be lost")
             self._finish(self._closing)
         except BaseException:
             log.exception("traintrace: writer thread failed; telemetry stops here")
@@ -233,6 +252,14 @@ class Pipeline:
     def _cycle(self, drain: bool) -> None:
         """Write what was queued when the cycle began (everything, when ``drain``)."""
         waiters, self._flush_waiters = self._flush_waiters, []
+        try:
+            self._cycle_body(drain, waiters)
+        finally:
+            # Even after a failure: flush() must not wait out its timeout.
+            for waiter in waiters:
+                waiter.set()
+
+    def _cycle_body(self, drain: bool, waiters: list[threading.Event]) -> None:
         self._refresh_anchor()
         wrote = False
         chunks = 0
@@ -287,11 +314,24 @@ class Pipeline:
         if wrote or waiters:
             self._flush_backends()
         self.cycles += 1
-        for waiter in waiters:
-            waiter.set()
 
     def _clean(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
-        return clean_attrs(attrs, self._redactor)
+        try:
+            return clean_attrs(attrs, self._redactor)
+        except BaseException as exc:  # noqa: BLE001 - e.g. a dict another thread changes meanwhile
+            # The record keeps its place; its attributes say why they are missing.
+            return {"<unconvertible>": _why(exc)}
+
+    def _bad_item(self, exc: BaseException, out: list[tuple[int, dict[str, Any]]]) -> None:
+        """An item that could not become a record: a ``dropped`` note in its place says why."""
+        self._bad_items += 1
+        if self._bad_items == 1:
+            log.warning("traintrace: a record could not be converted (%s); a 'dropped' note replaces it", _why(exc))
+        record = self._record(RecordKind.DROPPED, time.perf_counter_ns())
+        record["count"] = 1
+        record["reason"] = "unconvertible"
+        record["error"] = _why(exc)
+        out.append((_ERROR_LEVEL, record))
 
     def _record(self, kind: str, mono: int) -> dict[str, Any]:
         seq = self._seq
@@ -317,6 +357,16 @@ class Pipeline:
         return native
 
     def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]]) -> None:
+        # One iterator for the chunk: after a bad item the loop resumes where it stopped.
+        rounds = iter(range(min(len(queue), _CHUNK)))
+        while True:
+            try:
+                self._convert_items(queue, rounds, out)
+                return
+            except BaseException as exc:  # noqa: BLE001 - a user's value may raise anything
+                self._bad_item(exc, out)
+
+    def _convert_items(self, queue: deque[Any], rounds: Any, out: list[tuple[int, dict[str, Any]]]) -> None:
         popleft = queue.popleft
         append = out.append
         threads = self._threads
@@ -325,7 +375,7 @@ class Pipeline:
         wall0 = self._anchor_wall - self._anchor_mono
         seq = self._seq
         try:
-            for _ in range(min(len(queue), _CHUNK)):
+            for _ in rounds:
                 item = popleft()
                 if item.__class__ is not tuple:
                     span: Span = item
@@ -380,12 +430,11 @@ class Pipeline:
                         open_spans[span.id] = span
                         span.written = _OPEN
                         attrs = span.attrs
-                    seq += 1
                     if span.link is not None:
-                        link = span.link
-                        record["link"] = link.id if isinstance(link, Span) else _link_id(link)
+                        record["link"] = _link_id(span.link)
                     if attrs is not None and (attrs.__class__ is not dict or attrs):
                         record["attrs"] = self._clean(attrs)
+                    seq += 1
                     append((span.level, record))
                     continue
                 tag = item[0]
@@ -404,9 +453,9 @@ class Pipeline:
                         "span": span_id,
                         "tid": tid,
                     }
-                    seq += 1
                     if attrs:
                         record["attrs"] = self._clean(attrs)
+                    seq += 1
                     append((level, record))
                 elif tag == ERROR:
                     _, name, attrs, span_id, ident, mono, info = item
@@ -423,9 +472,9 @@ class Pipeline:
                         record["error_type"] = error_type
                     record["message"] = message
                     record["stack"] = stack
-                    seq += 1
                     if attrs:
                         record["attrs"] = self._clean(attrs)
+                    seq += 1
                     append((_ERROR_LEVEL, record))
         finally:
             self._seq = seq
@@ -474,8 +523,7 @@ class Pipeline:
         record["parent"] = parent.id if parent is not None else 0
         record["tid"] = tid
         if span.link is not None:
-            link = span.link
-            record["link"] = link.id if isinstance(link, Span) else _link_id(link)
+            record["link"] = _link_id(span.link)
         record["dur"] = (span.t1 or span.t0) - span.t0
         record["status"] = span.status
         attrs = span.attrs

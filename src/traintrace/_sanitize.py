@@ -18,6 +18,9 @@ MAX_KEY: Final = 256
 MAX_ITEMS: Final = 256
 MAX_DEPTH: Final = 6
 MAX_NODES: Final = 4096
+#: Integers at least this large (in magnitude) are written as a float (or a note when they overflow one):
+#: JSON readers lose precision beyond 2**63 and Python cannot print one over 4,300 digits.
+MAX_INT: Final = 2**64
 TRUNCATION_MARK: Final = "…[+{} chars]"
 
 _ATOMIC = (str, int, float, bool, type(None))
@@ -43,14 +46,14 @@ def clean_key(key: object) -> str:
 def _safe_str(value: object) -> str:
     try:
         return str(value)
-    except Exception:  # noqa: BLE001 - a user's __str__ may raise anything
+    except BaseException:  # noqa: BLE001 - a user's __str__ may raise anything
         return f"<unprintable {type(value).__name__}>"
 
 
 def _safe_repr(value: object) -> str:
     try:
         return repr(value)
-    except Exception:  # noqa: BLE001 - a user's __repr__ may raise anything
+    except BaseException:  # noqa: BLE001 - a user's __repr__ may raise anything
         return f"<unrepresentable {type(value).__name__}>"
 
 
@@ -62,17 +65,25 @@ def _float(value: float) -> float | str:
     return "Infinity" if value > 0 else "-Infinity"
 
 
+def _big_int(value: int) -> float | str:
+    """An integer too large for JSON readers: a float, or a note when it overflows one."""
+    try:
+        return float(value)
+    except OverflowError:
+        return f"<integer of {value.bit_length()} bits>"
+
+
 def _scalar_from_array(value: Any) -> Any:
     """numpy scalars, 0-d arrays and 0-d/1-element torch tensors, as Python numbers."""
     try:
         size = value.size() if callable(getattr(value, "size", None)) else value.size
         numel = value.numel() if hasattr(value, "numel") else int(size)
-    except Exception:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001
         return _MISSING
     if numel == 1:
         try:
             return value.item()
-        except Exception:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001
             return _MISSING
     return _MISSING
 
@@ -92,7 +103,7 @@ def to_jsonable(value: Any, secret: Secret = None) -> Any:
 def _guarded(value: Any, depth: int, budget: list[int], secret: Secret = None) -> Any:
     try:
         return _convert(value, depth, budget, secret)
-    except Exception:  # noqa: BLE001 - the point is that nothing escapes
+    except BaseException:  # noqa: BLE001 - the point is that nothing escapes
         return f"<unconvertible {type(value).__name__}>"
 
 
@@ -103,8 +114,10 @@ def _convert(value: Any, depth: int, budget: list[int], secret: Secret = None) -
     kind = type(value)
     if kind is str:
         return clip_text(value)
-    if kind is int or kind is bool or value is None:
+    if kind is bool or value is None:
         return value
+    if kind is int:
+        return value if -MAX_INT < value < MAX_INT else _big_int(value)
     if kind is float:
         return _float(value)
     if isinstance(value, enum.Enum):
@@ -112,7 +125,8 @@ def _convert(value: Any, depth: int, budget: list[int], secret: Secret = None) -
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, int):
-        return int(value)
+        number = int(value)
+        return number if -MAX_INT < number < MAX_INT else _big_int(number)
     if isinstance(value, float):
         return _float(float(value))
     if isinstance(value, str):
@@ -144,7 +158,7 @@ def _convert(value: Any, depth: int, budget: list[int], secret: Secret = None) -
     if hasattr(value, "tolist") and hasattr(value, "shape"):
         try:
             listed = value.tolist()
-        except Exception:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001
             listed = _MISSING
         if listed is not _MISSING and not hasattr(listed, "tolist"):
             return _convert(listed, depth, budget, secret)
@@ -165,7 +179,7 @@ def _convert_mapping(value: Mapping[Any, Any], depth: int, budget: list[int], se
     out: dict[str, Any] = {}
     try:
         items = list(value.items())
-    except Exception:  # noqa: BLE001 - a broken mapping becomes a note, not a crash
+    except BaseException:  # noqa: BLE001 - a broken mapping becomes a note, not a crash
         return {"<unreadable>": _safe_repr(type(value))}
     for index, (key, item) in enumerate(items):
         if index >= MAX_ITEMS:
