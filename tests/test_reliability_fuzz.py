@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 import tracemalloc
 import warnings
 from pathlib import Path
@@ -653,3 +654,65 @@ def test_flush_returns_at_once_after_a_failed_cycle(tmp_path: Path) -> None:
     tt.event("e", {"i": 0})
     tt.close()
     assert _file_events(path) == [0]
+
+
+# ---------------------------------------------------------------- values as they were at the call (issue 17, item 8)
+
+_scalars = st.one_of(st.integers(-1000, 1000), st.floats(-1e6, 1e6), st.text(max_size=8), st.booleans())
+_reused_values = st.recursive(
+    _scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@FUZZ
+@given(steps=st.lists(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _reused_values, min_size=1), min_size=2,
+                      max_size=6))
+def test_a_reused_dict_is_written_as_it_was_at_each_call(tmp_path: Path, steps: list[dict[str, Any]]) -> None:
+    """One dict (with lists and dicts inside) reused and changed in place between calls of
+    span(), event(), add_metrics(), error() and record_span(): each record holds the values of
+    its own call (the test's own deep copies), not the last ones."""
+    import copy
+
+    memory = MemoryBackend()
+    tt.configure(job_id="snap", backends={"file": False, "log": False}, extra_backends=[memory], statistics=False,
+                 redact_keys=[])
+    rec = tt.get_recorder()
+    assert rec is not None
+    reused: dict[str, Any] = {}
+    nested: list[Any] = []
+    expected: list[dict[str, Any]] = []
+    for number, values in enumerate(steps):
+        reused.clear()
+        reused.update(values)
+        nested.clear()
+        nested.extend(values.values())
+        reused["step"] = number
+        reused["inner"] = {"nested": nested, "step": number}
+        expected.append(json.loads(json.dumps(copy.deepcopy(reused))))
+        with tt.span("s", reused) as span:
+            tt.event("e", reused)
+            span.add_metrics(reused)
+            span.add_metrics(inner=reused["inner"])
+            tt.error("err", reused)
+        started = time.perf_counter_ns()
+        rec.record_span("r", started, started + 1000, metrics=reused)
+        reused["inner"]["nested"].append("changed")  # mutate in place after the calls
+        reused["step"] = -1
+    tt.close()
+
+    def attrs_of(kinds: tuple[str, ...], name: str) -> list[dict[str, Any]]:
+        return [r["attrs"] for r in memory.records if r.get("kind") in kinds and r.get("name") == name]
+
+    def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+        return all(k in got and json.dumps(got[k], sort_keys=True) == json.dumps(want[k], sort_keys=True) for k in want)
+
+    # A span is one record, or a start (attributes) and an end (metrics added while open).
+    ends = attrs_of(("end",), "s")
+    for kinds, name in ((("span", "start"), "s"), (("event",), "e"), (("error",), "error"), (("span",), "r")):
+        written = attrs_of(kinds, name)
+        assert len(written) == len(expected), (kinds, name)
+        assert all(same(got, want) for got, want in zip(written, expected, strict=True)), (kinds, name)
+    assert all(any(same(end, want) for want in expected) for end in ends)
+

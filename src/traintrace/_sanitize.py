@@ -91,6 +91,36 @@ def _scalar_from_array(value: Any) -> Any:
 _MISSING: Final = object()
 
 
+def _cut_array(value: Any) -> Any:
+    """An array (numpy, torch) cut to what a record keeps *before* it is converted.
+
+    Each axis keeps at most MAX_ITEMS entries and all of them at most MAX_NODES / 2
+    elements, by slicing (a view: nothing is copied), so a 1e8-element array
+    costs the writer 256 conversions, not 1e8 (and gigabytes) while it holds the GIL.
+    """
+    try:
+        shape = [int(n) for n in value.shape]
+    except BaseException:  # noqa: BLE001
+        return value
+    if not shape:
+        return value
+    limits = [min(n, MAX_ITEMS) for n in shape]
+    total = 1
+    for n in limits:
+        total *= n
+    while total > MAX_NODES // 2:  # room left for the lists that hold them
+        axis = limits.index(max(limits))
+        total //= limits[axis]
+        limits[axis] = max(1, limits[axis] // 2)
+        total *= limits[axis]
+    if limits == shape:
+        return value
+    try:
+        return value[tuple(slice(0, n) for n in limits)]
+    except BaseException:  # noqa: BLE001 - not sliceable: convert as it is
+        return value
+
+
 def to_jsonable(value: Any, secret: Secret = None) -> Any:
     """Return a JSON-safe, size-bounded copy of ``value``. Never raises.
 
@@ -157,7 +187,7 @@ def _convert(value: Any, depth: int, budget: list[int], secret: Secret = None) -
             return _convert(scalar, depth, budget)
     if hasattr(value, "tolist") and hasattr(value, "shape"):
         try:
-            listed = value.tolist()
+            listed = _cut_array(value).tolist()
         except BaseException:  # noqa: BLE001
             listed = _MISSING
         if listed is not _MISSING and not hasattr(listed, "tolist"):
