@@ -481,6 +481,8 @@ def close(timeout: float | None = None) -> None:
 
 def _attrs_arg(metrics: Any) -> Any:
     """A snapshot of the caller's metrics (``as_attrs``): later changes to the dict are not written."""
+    if metrics.__class__ is dict:
+        return metrics.copy() or None  # the common case, inlined
     return None if metrics is None else as_attrs(metrics)
 
 

@@ -94,40 +94,19 @@ def as_level(level: object) -> int:
         return _INFO
 
 
-# Containers a caller may reuse and change after the call: copied at call time, at any depth.
-_CONTAINERS = frozenset({dict, list, set, tuple})
-_COPY_DEPTH = 6
-_COPY_ITEMS = 256
-
-
-def _copy_nested(value: Any, depth: int) -> Any:
-    """Plain containers copied (lists cut to the items a record keeps); anything else as is."""
-    kind = type(value)
-    if depth >= _COPY_DEPTH or kind not in _CONTAINERS:
-        return value
-    if kind is dict:
-        return {key: _copy_nested(item, depth + 1) for key, item in value.items()}
-    items = [_copy_nested(item, depth + 1) for item in (value if kind is set else value[: _COPY_ITEMS + 1])]
-    return items if kind is list else tuple(items) if kind is tuple else set(items)
-
-
 def as_attrs(metrics: object) -> dict[str, Any] | None:
     """A caller's metrics as a fresh dict (None if empty or not a mapping, with a warning).
 
-    A snapshot: the values as they are now, so a dict (or a list inside it) the
-    caller reuses and changes later does not change what is written. The common
-    case (scalar values) costs one dict copy and one scan of the value types in C.
-    Other objects (tensors, arrays) are read on the writer thread.
+    A snapshot of the values as they are now (one dict copy, in C), so a dict the
+    caller reuses and changes later does not change what is written. Values that
+    are objects (a nested dict or list, a tensor) are read on the writer thread.
     """
+    if metrics.__class__ is dict:
+        return metrics.copy() or None  # type: ignore[attr-defined]
     if metrics is None:
         return None
     try:
-        copy: dict[str, Any] | None = dict(metrics) if metrics else None  # type: ignore[call-overload]
-        if copy is not None and not _CONTAINERS.isdisjoint(map(type, copy.values())):
-            for key, value in copy.items():
-                if type(value) in _CONTAINERS:
-                    copy[key] = _copy_nested(value, 1)
-        return copy
+        return dict(metrics) if metrics else None  # type: ignore[call-overload]
     except Exception:  # noqa: BLE001 - misuse warns, never raises
         warn_once("bad_metrics", f"metrics of type {type(metrics).__name__} are not a mapping; ignored")
         return None
@@ -275,10 +254,8 @@ class Span:
             current = self.metrics = {}
         try:
             if metrics:
-                current.update(as_attrs(metrics) or ())
+                current.update(metrics)
             if more:
-                if not _CONTAINERS.isdisjoint(map(type, more.values())):
-                    more = as_attrs(more) or {}
                 current.update(more)
         except Exception:  # noqa: BLE001 - misuse warns, never raises
             warn_once("bad_metrics", f"metrics for span {_label(self.name)} are not a mapping; ignored")
