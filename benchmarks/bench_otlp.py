@@ -119,7 +119,7 @@ def case_traintrace(args: argparse.Namespace) -> dict[str, Any]:
     tt.close()
     before = _count(args.count_file)
     rec = configure()
-    backend = next(r.backend for r in rec._pipeline._routes if r.name == "otlp_traces")
+    backend = rec.backend("otlp_traces")
     run = paced(tt.training_iteration, args.rate, args.seconds)
     tt.close(30)
     stats = backend.stats()

@@ -122,14 +122,14 @@ def test_rank_selectors(spec: object, world: int, expected: set[int]) -> None:
 def test_log_from_rank_zero_errors_from_all(tmp_path: Path) -> None:
     """On rank 1 of 2, the default log backend only takes errors."""
     rec = tt.configure(job_id="j", rank=1, world_size=2, log_dir=str(tmp_path))
-    levels = {route.name: route.level for route in rec._pipeline._routes}
+    levels = {route.name: route.level for route in rec.routes()}
     assert levels == {"file": tt.Verbosity.PROFILING, "log": tt.Verbosity.ERROR}
 
 
 def test_backend_disabled_on_other_ranks(tmp_path: Path) -> None:
     """A backend with ranks=0 and no verbosity_elsewhere is absent on rank 1."""
     rec = tt.configure(job_id="j", rank=1, world_size=2, log_dir=str(tmp_path), backends={"file": {"ranks": 0}})
-    assert [route.name for route in rec._pipeline._routes] == ["log"]
+    assert [route.name for route in rec.routes()] == ["log"]
 
 
 def test_path_placeholders(tmp_path: Path) -> None:
@@ -142,7 +142,7 @@ def test_path_placeholders(tmp_path: Path) -> None:
         log_dir=str(tmp_path),
         backends={"log": False, "file": {"path": "{job}/{host}-{rank}-of-{world_size}.jsonl"}},
     )
-    path = rec._pipeline._routes[0].backend.path
+    path = rec.routes()[0].backend.path
     assert path == (tmp_path / "a_b_c" / "node_7-1-of-2.jsonl").resolve()
 
 
@@ -150,7 +150,7 @@ def test_path_placeholders(tmp_path: Path) -> None:
 def test_job_id_cannot_escape_the_log_folder(tmp_path: Path, job: str) -> None:
     """A hostile job id stays inside log_dir."""
     rec = tt.configure(job_id=job, log_dir=str(tmp_path / "logs"), backends={"log": False})
-    path = rec._pipeline._routes[0].backend.path
+    path = rec.routes()[0].backend.path
     assert path.is_relative_to((tmp_path / "logs").resolve())
 
 

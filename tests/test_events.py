@@ -13,8 +13,8 @@ import pytest
 
 import traintrace as tt
 from traintrace import MemoryBackend, Verbosity, events
-from traintrace._api import _start
 from traintrace._config import build_config
+from traintrace._setup import _start
 from traintrace.publisher import get_default_event_publisher
 
 SCHEMA = json.loads(

@@ -15,7 +15,7 @@ from traintrace.backends import FileBackend
 def _run(tmp_path: Path, steps: int = 5, **settings: object) -> Path:
     settings.setdefault("backends", {"log": False})
     rec = tt.configure(job_id="job", log_dir=str(tmp_path), **settings)
-    path = rec._pipeline._routes[0].backend.path
+    path = rec.routes()[0].backend.path
     with tt.application():
         with tt.training_loop():
             for step in range(steps):
@@ -70,9 +70,9 @@ def test_file_permissions(tmp_path: Path) -> None:
 
 def test_write_failure_is_counted_and_reported_after_recovery(tmp_path: Path) -> None:
     """A failing write drops the batch, and a dropped note follows once writes work."""
-    from traintrace._api import _header
     from traintrace._config import Config
     from traintrace._identity import detect
+    from traintrace._setup import _header
 
     backend = FileBackend(tmp_path / "f.jsonl")
     backend.open(_header(detect(), Config(job_id="j"), {}))
@@ -105,7 +105,7 @@ def test_hostile_values_are_valid_json(tmp_path: Path) -> None:
     cyclic: dict = {}
     cyclic["self"] = cyclic
     rec = tt.configure(job_id="j", log_dir=str(tmp_path), backends={"log": False})
-    path = rec._pipeline._routes[0].backend.path
+    path = rec.routes()[0].backend.path
     with tt.span("s") as s:
         s.add_metrics(
             {

@@ -41,7 +41,7 @@ def agent_memory() -> Iterator[MemoryBackend]:
     """An agent stream in memory, with the bridge installed in this process."""
     memory = MemoryBackend()
     launch.install_torchelastic_bridge()
-    tt._api._start(tt._config.build_config(backends=[], job_id="agent"), [memory], {"role": "agent"})
+    tt._setup.start_stream(tt._config.build_config(backends=[], job_id="agent"), [memory], {"role": "agent"})
     yield memory
     tt.close()
 

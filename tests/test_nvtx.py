@@ -55,11 +55,12 @@ def _run_with_injection(injection: Path, tmp_path: Path, body: str, backend: str
     script = "import threading\nimport traintrace as tt\n"
     script += (
         f"tt.configure(job_id='nv', backends={{'file': False, 'log': False, 'nvtx': {backend}}})\n"
-        "assert tt.get_recorder()._listeners[0].enabled\n"
+        "assert tt.get_recorder().listeners[0].enabled\n"
     )
     script += textwrap.dedent(body) + "\ntt.close()\n"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "NVTX_"))}
     env.update(NVTX_INJECTION64_PATH=str(injection), TT_NVTX_LOG=str(calls))
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", script],
         check=False,
@@ -181,7 +182,7 @@ def test_verbosity_limits_which_spans_push(injection: Path, tmp_path: Path) -> N
 def test_without_a_profiler_the_backend_is_a_no_op() -> None:
     """With no NVTX tool attached, the listener methods are bare no-ops and training runs."""
     tt.configure(job_id="nv", backends={"file": False, "log": False, "nvtx": {}})
-    (listener,) = tt.get_recorder()._listeners  # type: ignore[union-attr]
+    (listener,) = tt.get_recorder().listeners  # type: ignore[union-attr]
     assert isinstance(listener, NvtxBackend)
     assert listener.enabled is False
     with tt.training_iteration(0):
@@ -210,3 +211,40 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "nvtx", None)
     with pytest.raises(tt.ConfigError, match=r"traintrace\[nvtx\]"):
         tt.configure(job_id="nv", backends={"file": False, "log": False, "nvtx": {}})
+
+
+def test_a_span_stopped_on_another_thread_leaves_the_ranges_balanced(injection: Path, tmp_path: Path) -> None:
+    """A span started here and stopped by another thread: its range is popped on its own thread, in order.
+
+    Later pops close their own ranges, and the application's range is the last to close.
+    """
+    body = """
+    with tt.application():
+        handle = tt.start("async_save")
+        with tt.span("after_start"):
+            pass
+        stopper = threading.Thread(target=tt.stop, args=(handle,))
+        stopper.start()
+        stopper.join()
+        for step in range(3):
+            with tt.training_iteration(step):
+                with tt.span("io"):
+                    pass
+    """
+    calls = _run_with_injection(injection, tmp_path, body, backend="{'verbosity': 'profiling'}")
+    pushes = [c for c in calls if c[0] == "push"]
+    pops = [c for c in calls if c[0] == "pop"]
+    assert len(pushes) == len(pops) == 9
+    assert {c[2] for c in pushes} == {c[2] for c in pops}  # every pop on the pushing thread
+    assert _balanced(calls)
+    # Replay the stack: each pop closes the range the code expects, the application's last.
+    stack: list[str] = []
+    closed: list[str] = []
+    for call in calls:
+        if call[0] == "push":
+            stack.append(call[3])
+        elif call[0] == "pop":
+            closed.append(stack.pop())
+    assert closed[-1] == "main_function"
+    assert closed.index("async_save") < closed.index("iteration")
+    assert closed.count("io") == 3 and closed.count("iteration") == 3

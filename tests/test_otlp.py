@@ -269,7 +269,7 @@ def test_receiver_killed_mid_run_neither_blocks_nor_raises(grpc_receiver: GrpcRe
             }
         }
     )
-    backend = next(r.backend for r in rec._pipeline._routes if r.name == "otlp_traces")
+    backend = rec.backend("otlp_traces")
     assert backend.fast  # spans encoded by traintrace, sent as bytes through the official exporter
     with tt.training_loop():
         for step in range(400):
@@ -314,7 +314,7 @@ def test_collector_never_reachable_keeps_memory_bounded() -> None:
             }
         }
     )
-    backend = next(r.backend for r in rec._pipeline._routes if r.name == "otlp_traces")
+    backend = rec.backend("otlp_traces")
     most = 0
     for step in range(2000):
         with tt.training_iteration(step):

@@ -124,7 +124,7 @@ def test_grpc_over_tls_with_the_certificate_setting(tls_grpc: GrpcReceiver, cert
     """An https endpoint and ``certificate`` (the CA): spans reach a TLS-only gRPC receiver."""
     assert tls_grpc.endpoint.startswith("https://")
     rec = _configure({"otlp_traces": {"endpoint": tls_grpc.endpoint, "protocol": "grpc", "certificate": str(certs.ca)}})
-    backend = next(r.backend for r in rec._pipeline._routes if r.name == "otlp_traces")
+    backend = rec.backend("otlp_traces")
     assert backend.fast  # our encoder's bytes go through the official exporter's TLS channel
     _run()
     tt.close()
@@ -203,7 +203,7 @@ def test_an_untrusted_server_gets_nothing(
             }
         }
     )
-    backend = next(r.backend for r in rec._pipeline._routes if r.name == "otlp_traces")
+    backend = rec.backend("otlp_traces")
     _run()
     tt.close()
     assert receiver.spans() == []

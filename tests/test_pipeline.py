@@ -87,7 +87,7 @@ def test_failing_backend_does_not_stop_others(tmp_path: Path, caplog: Any) -> No
 def test_flush_interval_writes_without_flush_calls(tmp_path: Path) -> None:
     """Records reach the file within the flush interval without any flush()."""
     rec = tt.configure(job_id="j", log_dir=str(tmp_path), backends={"log": False}, flush_interval=0.05)
-    path = rec._pipeline._routes[0].backend.path
+    path = rec.routes()[0].backend.path
     tt.event("soon")
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and b'"soon"' not in path.read_bytes():

@@ -11,7 +11,7 @@ from traintrace.reader import read_file
 
 def _write_run(tmp_path: Path) -> Path:
     rec = tt.configure(job_id="r", log_dir=str(tmp_path), backends={"log": False})
-    path = Path(rec._pipeline._routes[0].backend.path)
+    path = Path(rec.routes()[0].backend.path)
     with tt.training_loop():
         for step in range(3):
             with tt.training_iteration(step):
@@ -53,7 +53,7 @@ def test_corrupt_binary_and_wrong_schema(tmp_path: Path) -> None:
 def test_open_span_of_a_dead_process(tmp_path: Path) -> None:
     """A start with no end is returned with status open."""
     rec = tt.configure(job_id="r", log_dir=str(tmp_path), backends={"log": False})
-    path = Path(rec._pipeline._routes[0].backend.path)
+    path = Path(rec.routes()[0].backend.path)
     tt.start("checkpoint_save_sync")
     tt.flush()
     result = read_file(path)

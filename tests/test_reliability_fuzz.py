@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import traintrace as tt
 from tests._reliability import schema_errors
-from traintrace._api import resolve_path
+from traintrace._config import resolve_path
 from traintrace._identity import Identity
 from traintrace.backends import MemoryBackend
 from traintrace.reader import MAX_LINE_BYTES, read_file

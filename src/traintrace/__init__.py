@@ -21,7 +21,6 @@ from ._api import (
     checkpoint_save_async,
     checkpoint_save_finalization,
     close,
-    configure,
     data_loader_init,
     data_loading,
     distributed_init,
@@ -29,8 +28,6 @@ from ._api import (
     event,
     flush,
     forward,
-    get_recorder,
-    is_configured,
     model_init,
     optimizer_init,
     optimizer_step,
@@ -68,8 +65,9 @@ from ._metrics import (
 )
 from ._monitor import DEFAULT_PHASE_TIMEOUTS
 from ._names import EventName, RecordKind, SpanName, SpanStatus, Verbosity
-from ._recorder import Recorder, Span, TraintraceWarning, current_span
-from ._stats import PEAK_BF16_TFLOPS, peak_tflops
+from ._peaks import PEAK_BF16_TFLOPS, peak_tflops
+from ._recorder import Recorder, Span, TraintraceWarning, current_span, stats
+from ._setup import configure, get_recorder, is_configured
 from ._version import __version__
 from .backends import Backend, BaseBackend, FileBackend, LogBackend, MemoryBackend
 
@@ -135,6 +133,7 @@ __all__ = [
     "set_step_info",
     "span",
     "start",
+    "stats",
     "stop",
     "test",
     "timed_span",

@@ -10,13 +10,19 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import os
+import string
+import time
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+if TYPE_CHECKING:
+    from .backends._base import Backend
+
+from ._identity import Identity, safe_component
 from ._names import Verbosity
 from ._redact import DEFAULT_REDACT_KEYS
 
@@ -111,6 +117,10 @@ class BackendConfig:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"{where}.enabled: expected true or false, got {self.enabled!r}")
 
+    def create(self, config: Config, identity: Identity, level: int) -> Backend:
+        """The backend this config describes, at ``level``, for the process ``identity`` names."""
+        raise ConfigError(f"backends.{self.type}: {type(self).__name__} has no create(config, identity, level)")
+
 
 @dataclass
 class FileBackendConfig(BackendConfig):
@@ -136,6 +146,12 @@ class FileBackendConfig(BackendConfig):
         if not isinstance(self.file_mode, int) or not 0 <= self.file_mode <= 0o777:
             raise ConfigError(f"{where}.file_mode: expected permission bits like 0o640")
 
+    def create(self, config: Config, identity: Identity, level: int) -> Backend:
+        from .backends._file import FileBackend
+
+        path = resolve_path(self.path, config.log_dir, identity)
+        return FileBackend(path, verbosity=level, file_mode=self.file_mode, fsync_on_close=self.fsync_on_close)
+
 
 @dataclass
 class LogBackendConfig(BackendConfig):
@@ -156,6 +172,51 @@ class LogBackendConfig(BackendConfig):
             raise ConfigError(f"{where}.format: expected 'kv' or 'json', got {self.format!r}")
         if not isinstance(self.logger, str) or not self.logger:
             raise ConfigError(f"{where}.logger: expected a logger name")
+
+    def create(self, config: Config, identity: Identity, level: int) -> Backend:
+        from .backends._log import LogBackend
+
+        return LogBackend(self.logger, format=self.format, verbosity=level)
+
+
+# ---------------------------------------------------------------- path templates
+
+_PLACEHOLDERS = ("job", "rank", "local_rank", "node", "world_size", "restart", "host", "pid", "date", "time")
+
+
+def resolve_path(template: str, log_dir: str | os.PathLike[str], identity: Identity) -> Path:
+    """The file a path template names for ``identity``; raises ConfigError if unsafe."""
+    now = time.localtime()
+    values = {
+        "job": safe_component(identity.job_id),
+        "rank": str(identity.rank),
+        "local_rank": str(identity.local_rank),
+        "node": str(identity.node_rank),
+        "world_size": str(identity.world_size),
+        "restart": str(identity.restart_count),
+        "host": safe_component(identity.host),
+        "pid": str(identity.pid),
+        "date": time.strftime("%Y%m%d", now),
+        "time": time.strftime("%H%M%S", now),
+    }
+    for _, field_name, _, _ in string.Formatter().parse(template):
+        if field_name is not None and field_name not in values:
+            raise ConfigError(
+                f"backends.file.path: unknown placeholder {{{field_name}}} "
+                f"(known: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)})"
+            )
+    try:
+        rendered = template.format(**values)
+    except (ValueError, IndexError) as exc:
+        raise ConfigError(f"backends.file.path: {exc}") from None
+    path = Path(rendered)
+    if path.is_absolute():
+        return path
+    root = Path(log_dir).resolve()
+    full = (root / path).resolve()
+    if not full.is_relative_to(root):
+        raise ConfigError(f"backends.file.path: {template!r} leaves the log folder {root}")
+    return full
 
 
 def _default_backends() -> dict[str, BackendConfig]:
@@ -238,9 +299,58 @@ class Config:
             raise ConfigError("metadata: expected a mapping")
         for key, backend in self.backends.items():
             backend.validate(f"backends.{key}")
-        from ._insight import validate_settings
+        _validate_insight(self)
 
-        validate_settings(self)
+
+def _validate_insight(config: Config) -> None:
+    """Raise ConfigError for a bad training-loop insight setting (docs/insight.md)."""
+    peak = config.peak_tflops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int | float) or peak <= 0):
+        raise ConfigError(f"peak_tflops: expected a positive number, got {peak!r}")
+    for name in ("device_sample_interval", "hang_timeout", "hang_check_interval"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"{name}: expected a number of seconds (0 turns it off), got {value!r}")
+    if not config.hang_check_interval:
+        raise ConfigError("hang_check_interval: must be above 0")
+    value = config.hang_exit_after
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+        raise ConfigError(f"hang_exit_after: expected a positive number of seconds, got {value!r}")
+    code = config.hang_exit_code
+    if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255:
+        raise ConfigError(f"hang_exit_code: expected an exit status from 1 to 255, got {code!r}")
+    if not isinstance(config.statistics, bool):
+        raise ConfigError(f"statistics: expected true or false, got {config.statistics!r}")
+    if config.accelerator is not None and not isinstance(config.accelerator, str):
+        raise ConfigError(f"accelerator: expected a device name, got {config.accelerator!r}")
+    timeouts = config.phase_timeouts
+    if isinstance(timeouts, str):
+        # From the environment: "checkpoint_save_sync=3600,validation_loop=7200".
+        parsed: dict[str, float] = {}
+        for part in timeouts.split(","):
+            if not part.strip():
+                continue
+            name, sep, seconds = part.partition("=")
+            try:
+                parsed[name.strip()] = float(seconds)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise ConfigError(f"phase_timeouts: expected name=seconds pairs, got {part!r}") from None
+        timeouts = config.phase_timeouts = parsed
+    if not isinstance(timeouts, Mapping):
+        raise ConfigError("phase_timeouts: expected a mapping of span name to seconds")
+    for name, seconds in timeouts.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
+            raise ConfigError(
+                f"phase_timeouts.{name}: expected a positive number of seconds, got {seconds!r}"
+            )
+
+
+def disabled(env: Mapping[str, str] | None = None) -> bool:
+    """True when ``TRAINTRACE_DISABLED`` turns recording off (``1``, ``true``, ``yes``)."""
+    value = (os.environ if env is None else env).get(ENV_PREFIX + "DISABLED", "")
+    return value.lower() in ("1", "true", "yes")
 
 
 def _check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from types import TracebackType
 from typing import Any
 
+from ._config import disabled
 from ._identity import Identity, distributed_view
-from ._names import Verbosity
+from ._names import EventName, Verbosity
 from ._recorder import Recorder, Span, get_active, warn_once
 
 log = logging.getLogger("traintrace.lib")
 
 #: The event recorded when the process group's view of the rank differs from the stream's.
-IDENTITY_EVENT = "identity"
+IDENTITY_EVENT = EventName.IDENTITY
 
 
 def refresh_identity() -> Identity | None:
@@ -35,7 +35,7 @@ def refresh_identity() -> Identity | None:
     rec = get_active()
     if rec is None:
         return None
-    current: Identity | None = getattr(rec, "identity", None)
+    current = rec.identity
     try:
         view = distributed_view()
         if view is None or current is None:
@@ -48,7 +48,7 @@ def refresh_identity() -> Identity | None:
         new_rank = current.rank if config.rank is not None or rank >= new_world else rank
         changed = (new_rank, new_world) != (current.rank, current.world_size)
         conflict = (new_rank, new_world) != (rank, world)
-        if not changed and getattr(rec, "_identity_conflict_reported", False):
+        if not changed and rec.identity_conflict_reported:
             return current
         rec.event(
             IDENTITY_EVENT,
@@ -65,7 +65,7 @@ def refresh_identity() -> Identity | None:
             level=Verbosity.ERROR if conflict else Verbosity.INFO,
         )
         if conflict:
-            rec._identity_conflict_reported = True  # type: ignore[attr-defined]
+            rec.identity_conflict_reported = True
             warn_once(
                 "identity_conflict",
                 f"{source} says rank {rank} of {world}, the configuration says rank "
@@ -74,7 +74,7 @@ def refresh_identity() -> Identity | None:
         if not changed:
             return current
         updated = dataclasses.replace(current, rank=new_rank, world_size=new_world)
-        rec.identity = updated  # type: ignore[attr-defined]
+        rec.identity = updated
         from .events import invalidate_identity_cache
 
         invalidate_identity_cache()
@@ -115,14 +115,14 @@ def _files_enabled(rec: Recorder) -> bool:
     config = rec.config
     if not getattr(config, "manifest", True):
         return False
-    if os.environ.get("TRAINTRACE_DISABLED", "").lower() in ("1", "true", "yes"):
+    if disabled():
         return False
     file_cfg = config.backends.get("file")
     return file_cfg is not None and bool(file_cfg.enabled)
 
 
 def _stream_path(rec: Recorder) -> str | None:
-    for route in getattr(rec._pipeline, "_routes", []):
+    for route in rec.routes():
         path = getattr(route.backend, "path", None)
         if path is not None:
             return str(path)

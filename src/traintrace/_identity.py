@@ -48,6 +48,20 @@ class Identity:
     run_id: str | None = None
     launcher: str | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The identity as records spell it (``job``, ``restart``): the header's fields, in its order."""
+        return {
+            "job": self.job_id,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "local_world_size": self.local_world_size,
+            "node_rank": self.node_rank,
+            "restart": self.restart_count,
+            "host": self.host,
+            "pid": self.pid,
+        }
+
 
 @dataclass(frozen=True)
 class _Launcher:

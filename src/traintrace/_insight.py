@@ -8,15 +8,14 @@ docs/insight.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from time import perf_counter_ns
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ._config import ConfigError
 from ._monitor import DEFAULT_PHASE_TIMEOUTS, Sampler, Watchdog
+from ._peaks import peak_tflops
 from ._recorder import Recorder, get_active, warn_once
-from ._stats import IterationStats, peak_tflops
+from ._stats import IterationStats
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -70,64 +69,19 @@ class Insight:
 
 def attach(recorder: Recorder, pipeline: Pipeline, config: Config, identity: Identity) -> Insight | None:
     """Start insight for a new recorder; None when statistics are off or nothing records."""
-    if not config.statistics or not pipeline._routes:
+    if not config.statistics or not pipeline.routes:
         return None
     insight = Insight(recorder, pipeline, config, identity)
     count_flops.reset()
     pipeline.observers.append(insight)
-    recorder.insight = insight  # type: ignore[attr-defined]
+    recorder.insight = insight
     insight.start()
     return insight
 
 
 def _insight(recorder: Recorder | None = None) -> Insight | None:
     rec = recorder or get_active()
-    return getattr(rec, "insight", None) if rec is not None else None
-
-
-def validate_settings(config: Config) -> None:
-    """Raise ConfigError for a bad insight setting (called by ``Config.validate``)."""
-    peak = config.peak_tflops
-    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int | float) or peak <= 0):
-        raise ConfigError(f"peak_tflops: expected a positive number, got {peak!r}")
-    for name in ("device_sample_interval", "hang_timeout", "hang_check_interval"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"{name}: expected a number of seconds (0 turns it off), got {value!r}")
-    if not config.hang_check_interval:
-        raise ConfigError("hang_check_interval: must be above 0")
-    value = config.hang_exit_after
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
-        raise ConfigError(f"hang_exit_after: expected a positive number of seconds, got {value!r}")
-    code = config.hang_exit_code
-    if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255:
-        raise ConfigError(f"hang_exit_code: expected an exit status from 1 to 255, got {code!r}")
-    if not isinstance(config.statistics, bool):
-        raise ConfigError(f"statistics: expected true or false, got {config.statistics!r}")
-    if config.accelerator is not None and not isinstance(config.accelerator, str):
-        raise ConfigError(f"accelerator: expected a device name, got {config.accelerator!r}")
-    timeouts = config.phase_timeouts
-    if isinstance(timeouts, str):
-        # From the environment: "checkpoint_save_sync=3600,validation_loop=7200".
-        parsed: dict[str, float] = {}
-        for part in timeouts.split(","):
-            if not part.strip():
-                continue
-            name, sep, seconds = part.partition("=")
-            try:
-                parsed[name.strip()] = float(seconds)
-            except ValueError:
-                sep = ""
-            if not sep:
-                raise ConfigError(f"phase_timeouts: expected name=seconds pairs, got {part!r}") from None
-        timeouts = config.phase_timeouts = parsed
-    if not isinstance(timeouts, Mapping):
-        raise ConfigError("phase_timeouts: expected a mapping of span name to seconds")
-    for name, seconds in timeouts.items():
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
-            raise ConfigError(
-                f"phase_timeouts.{name}: expected a positive number of seconds, got {seconds!r}"
-            )
+    return rec.insight if rec is not None else None
 
 
 # ---------------------------------------------------------------- public API

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("traintrace.lib")
 
-HANG_SUSPECTED: Final = "hang_suspected"
-HANG_RESOLVED: Final = "hang_resolved"
-HANG_EXIT: Final = "hang_exit"
+HANG_SUSPECTED: Final = EventName.HANG_SUSPECTED
+HANG_RESOLVED: Final = EventName.HANG_RESOLVED
+HANG_EXIT: Final = EventName.HANG_EXIT
 
 #: Default limits of the long phases during which ``hang_timeout`` does not apply.
 DEFAULT_PHASE_TIMEOUTS: Final[dict[str, float]] = {
@@ -77,12 +77,7 @@ class _Periodic:
 
 def open_spans(pipeline: Pipeline) -> list[Span]:
     """The spans the writer has seen start and not end (read from another thread)."""
-    for _ in range(10):
-        try:
-            return list(pipeline._open.values())
-        except RuntimeError:  # changed size while copying
-            continue
-    return []
+    return pipeline.open_spans()
 
 
 # ---------------------------------------------------------------- sampler
@@ -293,7 +288,7 @@ class Sampler(_Periodic):
             gpu.reason = None  # said once
         attrs.update(self._host.sample())
         self.samples += 1
-        recorder._event(EventName.DEVICE_PROPERTIES, attrs, int(Verbosity.INFO), 0)
+        recorder.record_event(EventName.DEVICE_PROPERTIES, attrs, int(Verbosity.INFO), 0)
 
 
 # ---------------------------------------------------------------- watchdog
@@ -338,7 +333,7 @@ class Watchdog(_Periodic):
     ) -> None:
         super().__init__(period)
         self.recorder = recorder
-        self.pipeline: Pipeline = recorder._pipeline
+        self.pipeline: Pipeline = stats.pipeline
         self.stats = stats
         self.timeout_ns = int(timeout * 1e9)
         self.phase_timeouts_ns = {k: int(v * 1e9) for k, v in phase_timeouts.items()}
@@ -447,7 +442,7 @@ class Watchdog(_Periodic):
             "hang_seconds": round((ref - self._suspected_ref) / 1e9, 3),
             "last_step": self.stats.last_step,
         }
-        self.recorder._event(HANG_RESOLVED, attrs, int(Verbosity.ERROR), 0)
+        self.recorder.record_event(HANG_RESOLVED, attrs, int(Verbosity.ERROR), 0)
         log.warning("traintrace: progress resumed after %.1fs", attrs["hang_seconds"])
         self.suspected_at = None
         self.stats.quiet_flush = False
@@ -466,5 +461,5 @@ class Watchdog(_Periodic):
         if recorder.closed:
             return
         item = (ERROR, name, attrs, 0, threading.get_ident(), perf_counter_ns(), (None, message, stack))
-        recorder._put(item)
-        recorder._pipeline.wake()
+        recorder.put(item)
+        recorder.wake()

@@ -73,6 +73,13 @@ class EventName:
     SIGNAL: Final = "signal"
     ERROR: Final = "error"
     EXCEPTION: Final = "exception"
+    #: Error records of the hang watchdog (docs/insight.md): suspected, ended by a forced exit.
+    HANG_SUSPECTED: Final = "hang_suspected"
+    HANG_EXIT: Final = "hang_exit"
+    #: The event when progress resumes after a suspected hang.
+    HANG_RESOLVED: Final = "hang_resolved"
+    #: The event when the process group's rank or world size differs from the configuration's.
+    IDENTITY: Final = "identity"
 
 
 class RecordKind:
@@ -107,3 +114,8 @@ DEFAULT_SPAN_VERBOSITY: Final[dict[str, Verbosity]] = {
     SpanName.ZERO_GRAD: Verbosity.PROFILING,
     SpanName.OPTIMIZER_STEP: Verbosity.PROFILING,
 }
+
+
+def level_of(name: str) -> int:
+    """The default verbosity of a span named ``name`` (``info`` for names not listed above)."""
+    return int(DEFAULT_SPAN_VERBOSITY.get(name, Verbosity.INFO))

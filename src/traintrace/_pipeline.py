@@ -8,12 +8,12 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._names import EventName, RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
-from ._sanitize import MAX_INT, clean_key, clip_text, convert_mapping
+from ._sanitize import MAX_INT, bound_key, clip_text, convert_mapping
 from ._wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -30,17 +30,52 @@ _OPEN, _DONE, _HELD = 1, 2, 4
 
 # How many queued items the writer converts before letting other threads run.
 _CHUNK = 512
+# Seconds of the close budget kept for the close record and the local files.
+_CLOSE_RESERVE = 0.25
+# Seconds close() waits for the writer beyond its budget (the writer keeps to the budget).
+_CLOSE_GRACE = 0.5
+
+
+Out = list[tuple[int, dict[str, Any]]]
 
 
 @dataclass
-class _Route:
+class Route:
+    """One backend as the writer feeds it: its name in the config and the level it runs at."""
+
     backend: Backend
     name: str
     level: int
-    failures: int = 0
     failed_records: int = 0
     warned: bool = False
 
+
+class SpanObserver(Protocol):
+    """A writer-thread hook that sees every span end (``_insight.Insight``).
+
+    All four run on the writer thread; one that raises is logged and the
+    others still run.
+    """
+
+    def hold(self, span: Span, started: bool) -> bool:
+        """True to keep an ended span's record back (released later by ``Pipeline.release_span``)."""
+        ...
+
+    def span_ended(self, span: Span, out: Out) -> None:
+        """A span ended; records to write may be appended to ``out``."""
+        ...
+
+    def flushing(self, out: Out) -> None:
+        """Someone waits in ``flush()``: append what is held back and should be written now."""
+        ...
+
+    def finish(self, out: Out, open_status: str) -> None:
+        """The pipeline closes; spans still open end with ``open_status``."""
+        ...
+
+
+#: A backend's loss reasons that count records, and the reason its ``dropped`` records give.
+_RECORD_LOSSES = {"queue_full": "export_queue_full", "failed": "export_failed", "abandoned": "export_abandoned"}
 
 _SAFE_VALUE_TYPES = frozenset({bool, type(None)})
 _INFINITIES = (float("inf"), float("-inf"))
@@ -50,7 +85,7 @@ def _name(name: object) -> str:
     """A span/event name as a bounded string (any object a caller passed)."""
     if type(name) is str and len(name) <= 256:
         return name
-    return clean_key(name)
+    return bound_key(name)
 
 
 def _why(exc: BaseException) -> str:
@@ -115,13 +150,18 @@ class Pipeline:
         self.capacity = config.queue_size
         self.blocking = config.blocking
         self.dropped = 0
+        #: spans whose start was dropped and that have not stopped yet
+        self._starts_dropped = 0
         self._dropped_reported = 0
         self._drop_lock = threading.Lock()
-        self._routes = [_Route(b, name, level) for b, name, level in routes]
-        self._max_route_level = max((r.level for r in self._routes), default=-1)
+        self.routes = [Route(b, name, level) for b, name, level in routes]
+        #: The most verbose level any backend writes (-1: none).
+        self.max_route_level = max((r.level for r in self.routes), default=-1)
         self._wake = Wakeup()
         self._flush_waiters: list[threading.Event] = []
         self._closing: str | None = None
+        #: time.monotonic() by which close must be done (set by close()); None while running
+        self._deadline: float | None = None
         self._closed = threading.Event()
         #: Set by the writer (a plain attribute: a signal handler may read it) once the stream is closed.
         self.finished = False
@@ -135,18 +175,23 @@ class Pipeline:
         self._anchor_wall = 0
         self._anchor_mono = 0
         self._refresh_anchor()
-        self.records_written = 0
         #: Writer-thread hooks that see every span end (see ``_insight.IterationStats``).
-        self.observers: list[Any] = []
+        self.observers: list[SpanObserver] = []
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
         self._warned_drops = False
         self._bad_items = 0
+        self._losses_reported: dict[str, dict[str, int]] = {}
+        self._close_abandoned = 0
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
     # -- caller side ------------------------------------------------------
-    def overflow(self, item: Any) -> bool:
-        """The queue is full: wait (blocking mode) or drop and count. True if queued."""
+    def overflow(self, item: Any, lost: int = 1) -> bool:
+        """The queue is full: wait (blocking mode) or drop and count. True if queued.
+
+        ``lost`` is the records the drop loses: 0 for a span's start, whose record
+        is still written whole if its stop fits (see :meth:`start_resolved`).
+        """
         self._wake.set()
         if self.blocking and threading.current_thread() is not self._thread:
             deadline = time.monotonic() + 60.0
@@ -159,8 +204,16 @@ class Pipeline:
                 self.queue.append(item)
                 return True
         with self._drop_lock:
-            self.dropped += 1
+            if lost:
+                self.dropped += lost
+            else:
+                self._starts_dropped += 1
         return False
+
+    def start_resolved(self) -> None:
+        """A span whose start was dropped stops (its loss, if any, is counted by ``overflow``)."""
+        with self._drop_lock:
+            self._starts_dropped -= 1
 
     def wake(self) -> None:
         self._wake.set()
@@ -177,6 +230,7 @@ class Pipeline:
         """Record a ``signal`` event, write everything queued, end open spans ``terminated``, close."""
         self.signal_event(attrs, span_id, ident)
         if self._closing is None:
+            self._deadline = time.monotonic() + max(float(self.config.close_timeout), 0.0)
             self._closing = SpanStatus.TERMINATED
         self._wake.set()
 
@@ -190,6 +244,20 @@ class Pipeline:
             time.sleep(0.002)
         return True
 
+    def open_spans(self) -> list[Span]:
+        """The spans whose start is written and whose end is not (a snapshot; any thread)."""
+        for _ in range(10):
+            try:
+                return list(self._open.values())
+            except RuntimeError:  # changed size while copying
+                continue
+        return []
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's queued items and drop lock are not this process's."""
+        self.queue.clear()
+        self._drop_lock = threading.Lock()
+
     def flush(self, timeout: float) -> bool:
         if not self._thread.is_alive():
             return False
@@ -199,10 +267,17 @@ class Pipeline:
         return done.wait(timeout)
 
     def close(self, timeout: float, open_status: str = SpanStatus.ABANDONED) -> None:
+        """Write what is queued and close the backends, all within ``timeout`` seconds.
+
+        What the writer cannot write in time is counted and said in a ``dropped``
+        record (reason ``close_timeout``) before the ``close`` record.
+        """
+        self._deadline = time.monotonic() + max(timeout, 0.0)
         self._closing = open_status
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+            # The writer keeps to the deadline; the grace is for its last few records.
+            self._thread.join(max(timeout, 0.0) + _CLOSE_GRACE)
         if self._thread.is_alive():
             log.warning(
                 "traintrace: the writer did not finish within %.1fs; %d queued records not written",
@@ -266,6 +341,9 @@ class Pipeline:
         queue = self.queue
         budget = len(queue)
         while queue and (drain or budget > 0):
+            if self._deadline is not None and time.monotonic() > self._drain_deadline():
+                self._abandon_queue()  # close() is out of time: say what is not written
+                break
             budget -= _CHUNK
             batch: list[tuple[int, dict[str, Any]]] = []
             self._convert(queue, batch)
@@ -295,21 +373,19 @@ class Pipeline:
                 self._deliver(held)
                 wrote = True
         if self.dropped != self._dropped_reported:
-            with self._drop_lock:
-                count = self.dropped - self._dropped_reported
-                self._dropped_reported = self.dropped
-            record = self._record(RecordKind.DROPPED, time.perf_counter_ns())
-            record["count"] = count
-            record["total"] = self._dropped_reported
-            record["reason"] = "queue_full"
-            if not self._warned_drops:
+            notes: list[tuple[int, dict[str, Any]]] = []
+            self._drop_record(notes)
+            if not self._warned_drops and any(r["reason"] == "queue_full" for _, r in notes):
                 self._warned_drops = True
                 log.warning(
                     "traintrace: the record queue was full; %d records dropped (counted in "
                     "'dropped' records). Set blocking=True or a larger queue_size to keep all.",
-                    count,
+                    notes[-1][1]["count"],
                 )
-            self._deliver([(int(Verbosity.ERROR), record)])
+            if notes:
+                self._deliver(notes)
+                wrote = True
+        if self._report_losses():
             wrote = True
         if wrote or waiters:
             self._flush_backends()
@@ -569,7 +645,7 @@ class Pipeline:
     def _deliver(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
         top = max(level for level, _ in batch)
         everything: list[dict[str, Any]] | None = None
-        for route in self._routes:
+        for route in self.routes:
             if route.level >= top:
                 if everything is None:
                     everything = [record for _, record in batch]
@@ -582,10 +658,8 @@ class Pipeline:
                 route.backend.write(records)
             except Exception as exc:  # noqa: BLE001 - one broken backend must not stop others
                 self._backend_failed(route, exc, len(records))
-        self.records_written += len(batch)
 
-    def _backend_failed(self, route: _Route, exc: Exception, count: int) -> None:
-        route.failures += 1
+    def _backend_failed(self, route: Route, exc: Exception, count: int) -> None:
         route.failed_records += count
         if not route.warned:
             route.warned = True
@@ -597,7 +671,7 @@ class Pipeline:
             )
 
     def _flush_backends(self) -> None:
-        for route in self._routes:
+        for route in self.routes:
             try:
                 route.backend.flush()
             except Exception as exc:  # noqa: BLE001
@@ -614,20 +688,162 @@ class Pipeline:
         for span in list(self._open.values()):
             if span.t1 is None:
                 span.t1 = now  # no longer anyone's parent
-            self._end_record(span, now, open_status, out)
-        record = self._record(RecordKind.CLOSE, now)
+                self._end_record(span, now, open_status, out)
+            else:
+                # It stopped, but its stop did not reach the writer (queue full, or close ran out of time).
+                self._end_record(span, span.t1, span.status, out)
+        with self._drop_lock:
+            never_stopped, self._starts_dropped = self._starts_dropped, 0
+        if never_stopped > 0:
+            # Spans still open at close whose start was dropped: lost whole.
+            self.dropped += never_stopped
+        self._drop_record(out)
+        if out:
+            self._deliver(out)
+            out = []
+        # Backends that send elsewhere finish now, all at once within what is left of the
+        # close budget, so that their losses are known when the close record is written.
+        self._settle_backends()
+        self._report_losses()
+        record = self._record(RecordKind.CLOSE, time.perf_counter_ns())
         record["records"] = self._seq
         record["dropped"] = self.dropped
-        failed = {r.name: r.failed_records for r in self._routes if r.failed_records}
+        failed = {r.name: r.failed_records for r in self.routes if r.failed_records}
         if failed:
             record["backend_failures"] = failed
+        losses = self.backend_losses()
+        if losses:
+            record["backend_losses"] = losses
         out.append((int(Verbosity.ERROR), record))
         self._deliver(out)
-        for route in self._routes:
+        for route in self.routes:
             try:
                 route.backend.close()
             except Exception as exc:  # noqa: BLE001
                 self._backend_failed(route, exc, 0)
 
-    def wall_ns(self, mono: int) -> int:
-        return self._anchor_wall + (mono - self._anchor_mono)
+    # -- close budget and losses (writer thread) --------------------------
+    def _drain_deadline(self) -> float:
+        """When the writer stops writing queued records at close, leaving the backends their share."""
+        if self._deadline is None:
+            return float("inf")
+        left = self._deadline - time.monotonic()
+        wanted = max((float(getattr(r.backend, "close_timeout", 0.0) or 0.0) for r in self.routes), default=0.0)
+        # Queued records come first, but backends that send elsewhere keep up to half the budget.
+        reserve = min(wanted, max(left, 0.0) / 2) + _CLOSE_RESERVE
+        return self._deadline - reserve
+
+    def _abandon_queue(self) -> None:
+        """Close ran out of time: count the records the queued items would have made, and drop them."""
+        lost = 0
+        queue = self.queue
+        while queue:
+            try:
+                item = queue.popleft()
+            except IndexError:
+                break
+            if item.__class__ is tuple or not item.written:
+                lost += 1  # an event, an error, or a span not written at all
+            # A span whose start was written gets its end from _finish (it is still in _open).
+        if lost:
+            self._abandoned_at_close(lost)
+
+    def _abandoned_at_close(self, lost: int) -> None:
+        with self._drop_lock:
+            self.dropped += lost
+        self._close_abandoned += lost
+        log.warning(
+            "traintrace: close ran out of time (close_timeout); %d queued records not written "
+            "(counted in a 'dropped' record, reason close_timeout)",
+            lost,
+        )
+
+    def _drop_record(self, out: list[tuple[int, dict[str, Any]]]) -> None:
+        """A ``dropped`` record for records lost since the last one (queue full, close timeout)."""
+        if self.dropped == self._dropped_reported:
+            return
+        with self._drop_lock:
+            count = self.dropped - self._dropped_reported
+            self._dropped_reported = self.dropped
+        abandoned, self._close_abandoned = self._close_abandoned, 0
+        for reason, n in (("close_timeout", abandoned), ("queue_full", count - abandoned)):
+            if n > 0:
+                record = self._record(RecordKind.DROPPED, time.perf_counter_ns())
+                record["count"] = n
+                record["total"] = self._dropped_reported
+                record["reason"] = reason
+                out.append((_ERROR_LEVEL, record))
+
+    def _settle_backends(self) -> None:
+        """Let every backend with a sender of its own finish sending, in parallel, by the deadline."""
+        settling = [r for r in self.routes if callable(getattr(r.backend, "settle", None))]
+        if not settling:
+            return
+        deadline = None if self._deadline is None else self._deadline - _CLOSE_RESERVE
+        for route in settling:
+            try:
+                route.backend.begin_close(deadline)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001
+                self._backend_failed(route, exc, 0)
+        for route in settling:
+            try:
+                route.backend.settle()  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001
+                self._backend_failed(route, exc, 0)
+
+    def backend_losses(self) -> dict[str, dict[str, int]]:
+        """What each backend that sends elsewhere lost so far, by reason (see ``losses()``)."""
+        out: dict[str, dict[str, int]] = {}
+        for route in self.routes:
+            losses = getattr(route.backend, "losses", None)
+            if losses is None:
+                continue
+            try:
+                counts = {str(k): int(v) for k, v in losses().items() if v}
+            except Exception:  # noqa: BLE001 - a backend's report must not stop the writer
+                continue
+            if counts:
+                out[route.name] = counts
+        return out
+
+    def _report_losses(self) -> bool:
+        """``dropped`` records for the records backends lost since the last report; True if any."""
+        out: list[tuple[int, dict[str, Any]]] = []
+        for name, counts in self.backend_losses().items():
+            seen = self._losses_reported.setdefault(name, {})
+            for why, total in counts.items():
+                if why not in _RECORD_LOSSES:
+                    continue  # not records (a metrics export): in the close record and stats() only
+                count = total - seen.get(why, 0)
+                if count > 0:
+                    seen[why] = total
+                    record = self._record(RecordKind.DROPPED, time.perf_counter_ns())
+                    record["count"] = count
+                    record["total"] = total
+                    record["reason"] = _RECORD_LOSSES[why]
+                    record["backend"] = name
+                    out.append((_ERROR_LEVEL, record))
+        if out:
+            self._deliver(out)
+        return bool(out)
+
+    def stats(self) -> dict[str, Any]:
+        """Records made and lost so far, and each backend's own figures (any thread)."""
+        backends: dict[str, Any] = {}
+        for route in self.routes:
+            own = getattr(route.backend, "stats", None)
+            figures: dict[str, Any] = {}
+            if callable(own):
+                try:
+                    figures = dict(own())
+                except Exception:  # noqa: BLE001
+                    figures = {}
+            if route.failed_records:
+                figures["write_failed"] = route.failed_records
+            backends[route.name] = figures
+        return {
+            "records": self._seq,
+            "dropped": self.dropped,
+            "backends": backends,
+            "backend_losses": self.backend_losses(),
+        }

@@ -19,13 +19,16 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from time import perf_counter_ns
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._names import EventName, SpanStatus, Verbosity
 from ._sanitize import clip_text
 
 if TYPE_CHECKING:
-    from ._pipeline import Pipeline
+    from ._config import Config
+    from ._identity import Identity
+    from ._insight import Insight
+    from ._pipeline import Route
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,6 +47,8 @@ _get_ident = threading.get_ident
 
 #: The recorder that module-level calls use; None when not configured.
 _active: Recorder | None = None
+#: The recorder configured last (kept after close, for ``stats()``).
+_last: Recorder | None = None
 #: The recorder whose close() started last (a SIGTERM during close waits for it).
 _closing: Recorder | None = None
 
@@ -185,7 +190,8 @@ class Span:
         queue = rec._queue
         if len(queue) < rec._cap:
             queue.append(self)
-        elif not rec._pipeline.overflow(self):
+        elif not rec._pipeline.overflow(self, 0):
+            # Counted when its stop is dropped too (or at close, if it never stops).
             self.written = _START_DROPPED
         return self
 
@@ -203,7 +209,7 @@ class Span:
             rec._late_stop(self, t1)
             return
         if exc is not None:
-            rec._span_failed(self, exc)
+            rec._span_failed(self, exc, t1)
         self.t1 = t1
         if _current.get() is self:
             # Not a reset token: holding one per queued span doubles the objects the
@@ -215,11 +221,13 @@ class Span:
         if self.written != _START_DROPPED:
             # No room check: the queue exceeds its bound by at most the open spans.
             rec._queue.append(self)
-        elif len(rec._queue) < rec._cap:
-            self.written = 0  # the writer sees it once, ended: one complete record
-            rec._queue.append(self)
         else:
-            rec._pipeline.overflow(self)
+            rec._pipeline.start_resolved()
+            if len(rec._queue) < rec._cap:
+                self.written = 0  # the writer sees it once, ended: one complete record
+                rec._queue.append(self)
+            else:
+                rec._pipeline.overflow(self)
 
     # -- decorator -------------------------------------------------------
     def __call__(self, func: F) -> F:
@@ -265,7 +273,7 @@ class Span:
         """Record an event inside this span."""
         rec = self._rec
         if rec is not None:
-            rec._event(name, metrics, _INFO, self.id)
+            rec.record_event(name, metrics, _INFO, self.id)
 
     @property
     def open(self) -> bool:
@@ -309,6 +317,62 @@ class InertSpan(Span):
         return Span(self.name, self.attrs, self.level)(func)
 
 
+class RecordSink(Protocol):
+    """The queue side of a :class:`Recorder`: what it hands items to (``_pipeline.Pipeline``).
+
+    The caller's thread appends to ``queue`` while it holds fewer than
+    ``capacity`` items and calls ``overflow`` otherwise; everything else runs
+    on the writer thread behind it.
+    """
+
+    queue: deque[Any]
+    capacity: int
+    config: Config
+    header: dict[str, Any]
+    dropped: int
+    routes: list[Route]
+
+    def overflow(self, item: Any, lost: int = 1) -> bool:
+        """The queue is full: wait or drop and count ``lost`` records (0 for a span's start). True if queued."""
+        ...
+
+    def start_resolved(self) -> None:
+        """A span whose start was dropped stops (its loss, if any, is counted by ``overflow``)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Records made and lost so far, and each backend's own figures."""
+        ...
+
+    def wake(self) -> None:
+        """Have the writer run a cycle now."""
+        ...
+
+    def flush(self, timeout: float) -> bool:
+        """Write what is queued; True when done within ``timeout`` seconds."""
+        ...
+
+    def close(self, timeout: float, open_status: str = ...) -> None:
+        """Write what is queued, end open spans with ``open_status``, close backends."""
+        ...
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop the parent's queued items."""
+        ...
+
+    def signal_event(self, attrs: dict[str, Any], span_id: int, ident: int) -> int:
+        """From a signal handler (no lock): have the writer record a ``signal`` event; the cycle to wait past."""
+        ...
+
+    def terminate_from_signal(self, attrs: dict[str, Any], span_id: int, ident: int) -> None:
+        """From a signal handler (no lock): record the signal, write what is queued, close as ``terminated``."""
+        ...
+
+    def wait_from_signal(self, timeout: float, past_cycle: int | None = None) -> bool:
+        """From a signal handler: sleep-poll until closed (or a cycle after ``past_cycle`` ended)."""
+        ...
+
+
 class Recorder:
     """The low-level API: ``start``/``stop``/``event``/``error``/``close``.
 
@@ -316,7 +380,14 @@ class Recorder:
     configuration; misuse warns once per kind.
     """
 
-    def __init__(self, pipeline: Pipeline, max_level: int, listeners: list[Any]) -> None:
+    #: Who this process is (set by ``configure()``; updated by ``refresh_identity()``).
+    identity: Identity | None = None
+    #: Statistics, sampler and watchdog, when statistics are on (``_insight.attach``).
+    insight: Insight | None = None
+    #: A rank/world-size disagreement with the process group was reported once.
+    identity_conflict_reported: bool = False
+
+    def __init__(self, pipeline: RecordSink, max_level: int, listeners: list[Any]) -> None:
         self._pipeline = pipeline
         self._queue: deque[Any] = pipeline.queue
         self._cap = pipeline.capacity
@@ -328,7 +399,8 @@ class Recorder:
         self.header = pipeline.header
 
     # -- hot path --------------------------------------------------------
-    def _put(self, item: Any) -> None:
+    def put(self, item: Any) -> None:
+        """Queue an item (a Span or an EVENT/ERROR tuple), or hand it to overflow when full."""
         queue = self._queue
         if len(queue) < self._cap:
             queue.append(item)
@@ -343,29 +415,37 @@ class Recorder:
             return
         warn_once("stop_twice", f"span {_label(span.name)} stopped twice; the second stop is ignored")
 
-    def _event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
+    def record_event(self, name: str, metrics: Mapping[str, Any] | None, level: int, span_id: int) -> None:
+        """An event in span ``span_id`` (0: none) at ``level``, as given: no current-span lookup."""
         if level > self.max_level or self.closed:
             return
         attrs = as_attrs(metrics)
-        self._put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
+        self.put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
 
-    def _span_failed(self, span: Span, exc: BaseException) -> None:
+    def _span_failed(self, span: Span, exc: BaseException, when: int) -> None:
         if isinstance(exc, Exception):
             span.status = SpanStatus.ERROR
-            self._exception(exc, EventName.EXCEPTION, None, span.id)
+            self.record_exception(exc, EventName.EXCEPTION, None, span.id, when)
         else:
             # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
             span.status = SpanStatus.TERMINATED
 
-    def _exception(self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int) -> bool:
-        """Record ``exc`` unless it already was; True if it was recorded now."""
+    def record_exception(
+        self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int, when: int = 0
+    ) -> bool:
+        """Record ``exc`` unless it already was; True if it was recorded now.
+
+        Its time is ``when`` (a span's end, for an exception leaving it), else now:
+        read before the traceback is formatted, which takes a while.
+        """
+        when = when or perf_counter_ns()
         if _already_recorded(exc, self._recorded_exceptions):
             return False
         if self.closed:
             return False
         info = describe_exception(exc)
         attrs = as_attrs(metrics)
-        self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+        self.put((ERROR, name, attrs, span_id, _get_ident(), when, info))
         self._pipeline.wake()
         return True
 
@@ -454,7 +534,7 @@ class Recorder:
         """Record a point event, inside the current span if one is open."""
         span = current_span()
         try:
-            self._event(name, metrics, as_level(level), span.id if span is not None else 0)
+            self.record_event(name, metrics, as_level(level), span.id if span is not None else 0)
         except Exception:  # noqa: BLE001 - event() must never fail the caller
             warn_once("bad_event", f"event {_label(name)} has metrics that are not a mapping; ignored")
 
@@ -470,15 +550,16 @@ class Recorder:
         span_id = span.id if span is not None else 0
         try:
             if isinstance(error, BaseException):
-                self._exception(error, name, metrics, span_id)
+                self.record_exception(error, name, metrics, span_id)
                 return
             if self.closed:
                 return
+            when = perf_counter_ns()
             message = "" if error is None else str(error)
             stack = "".join(traceback.format_stack(sys._getframe(1)))
             info = (None, clip_text(message, 65536), clip_text(stack, 65536))
             attrs = as_attrs(metrics)
-            self._put((ERROR, name, attrs, span_id, _get_ident(), perf_counter_ns(), info))
+            self.put((ERROR, name, attrs, span_id, _get_ident(), when, info))
             self._pipeline.wake()
         except Exception:  # noqa: BLE001 - error() must never fail the caller
             warn_once("bad_error", "error() could not record its argument")
@@ -500,6 +581,29 @@ class Recorder:
         self.closed = True
         self._pipeline.close(self.config.close_timeout if timeout is None else timeout)
 
+    def signalled(self, attrs: dict[str, Any], *, terminate: bool) -> None:
+        """Called from a signal handler: takes no lock the interrupted code may hold.
+
+        Without ``terminate``: a ``signal`` event, written before this returns (at
+        most a second). With it: the signal event, everything queued, open spans
+        ended ``terminated`` and the stream closed, by the writer, waited for
+        (``close_timeout``); also when a ``close()`` was already under way.
+        """
+        global _active
+        span = current_span()
+        where = (span.id if span is not None else 0, _get_ident())
+        pipeline = self._pipeline
+        if not terminate:
+            if not self.closed:
+                pipeline.wait_from_signal(1.0, pipeline.signal_event(attrs, *where))
+            return
+        if not self.closed:
+            self.closed = True
+            if _active is self:
+                _active = None
+            pipeline.terminate_from_signal(attrs, *where)
+        pipeline.wait_from_signal(float(self.config.close_timeout) + 1.0)
+
     def terminate(self, reason: str) -> None:
         """Flush and end open spans as ``terminated``: the process is about to die."""
         global _active
@@ -511,10 +615,36 @@ class Recorder:
         self.closed = True
         self._pipeline.close(self.config.close_timeout, open_status=SpanStatus.TERMINATED)
 
+    def wake(self) -> None:
+        """Have the writer run a cycle now (after an error, a hang report)."""
+        self._pipeline.wake()
+
+    @property
+    def listeners(self) -> tuple[Any, ...]:
+        """The backends told of every span start and stop on the caller's thread (NVTX)."""
+        return self._listeners
+
+    def routes(self) -> list[Route]:
+        """The backends this recorder writes to, with their names and levels."""
+        return list(self._pipeline.routes)
+
+    def backend(self, name: str) -> Any:
+        """The backend configured under ``name`` (``"file"``, ``"otlp_traces"``), or None."""
+        return next((route.backend for route in self._pipeline.routes if route.name == name), None)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: this recorder is the parent's; never drain or close its queue here."""
+        self.closed = True
+        self._pipeline.forget_after_fork()
+
     @property
     def dropped(self) -> int:
         """Records dropped so far because the queue was full."""
         return self._pipeline.dropped
+
+    def stats(self) -> dict[str, Any]:
+        """What was recorded and lost so far (see :func:`traintrace.stats`)."""
+        return self._pipeline.stats()
 
     def __enter__(self) -> Recorder:
         return self
@@ -583,9 +713,31 @@ def format_full_traceback(exc: BaseException) -> str:
 
 def set_active(recorder: Recorder | None) -> Recorder | None:
     """Install ``recorder`` for module-level calls; return the previous one."""
-    global _active
+    global _active, _last
     previous, _active = _active, recorder
+    if recorder is not None:
+        _last = recorder
     return previous
+
+
+def stats() -> dict[str, Any]:
+    """What the current (or, after ``close()``, the last) recorder recorded and lost.
+
+    ``records``: records made in the stream; ``dropped``: records lost before
+    any backend (queue full, close out of time); ``backend_losses``: what each
+    backend that sends elsewhere lost, by reason (``queue_full``, ``failed``,
+    ``abandoned``; ``failed_exports`` for metrics); ``backends``: each backend's
+    own figures (OTLP: ``exported``, ``dropped``, ``failed``, ``abandoned``,
+    ``queued``). Empty before ``configure()``. The same losses are in the
+    stream's ``dropped`` records and its ``close`` record.
+    """
+    rec = _active or _last
+    if rec is None:
+        return {}
+    try:
+        return rec.stats()
+    except Exception:  # noqa: BLE001 - a report must never fail the caller
+        return {}
 
 
 def get_active() -> Recorder | None:

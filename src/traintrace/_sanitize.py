@@ -37,8 +37,8 @@ def clip_text(text: str, limit: int = MAX_STRING) -> str:
     return text[:limit] + TRUNCATION_MARK.format(len(text) - limit)
 
 
-def clean_key(key: object) -> str:
-    """A metric key as a bounded string."""
+def bound_key(key: object) -> str:
+    """A metric key as a bounded string (``logfmt.clean_key`` is the log line's key alphabet)."""
     text = key if isinstance(key, str) else _safe_str(key)
     return clip_text(text, MAX_KEY)
 
@@ -216,7 +216,7 @@ def _convert_mapping(value: Mapping[Any, Any], depth: int, budget: list[int], se
             out["…"] = f"{len(items) - MAX_ITEMS} more keys dropped"
             break
         if secret is None:
-            out[clean_key(key)] = _guarded(item, depth, budget)
+            out[bound_key(key)] = _guarded(item, depth, budget)
             continue
         text = key if isinstance(key, str) else _safe_str(key)
         out[clip_text(text, MAX_KEY)] = REDACTED if secret(text) else _guarded(item, depth, budget, secret)

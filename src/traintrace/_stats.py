@@ -14,16 +14,17 @@ when the interval's event is built.
 
 from __future__ import annotations
 
-import math
-import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Final
 
+from ._checkpoint import checkpoint_path, measure_size
+from ._histogram import LogHistogram
 from ._names import EventName, SpanName, SpanStatus, Verbosity
+from ._peaks import peak_for
 from ._recorder import Span
+from ._tensors import detach, is_tensor, resolve_tensors
 
 if TYPE_CHECKING:
     from ._pipeline import Pipeline
@@ -53,178 +54,11 @@ _STEP_KEYS: Final = ("step", "current_iteration", "iteration")
 RESERVED: Final = frozenset(
     {"step", "current_iteration", "iteration", "num_iterations", "batch_size", "tokens", "flops", "skipped"}
 )
-_CHECKPOINT_SIZE_FILES: Final = 100_000
 _COUNTED: Final = frozenset({"tokens", "batch_size"})
 _BATCH: Final = 1024
 _FAILED: Final = frozenset({SpanStatus.ERROR, SpanStatus.TERMINATED})
 _PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
 _DETAILED: Final = frozenset({SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION})
-
-
-# ---------------------------------------------------------------- quantiles
-
-
-class LogHistogram:
-    """Streaming quantiles with bounded memory and bounded relative error.
-
-    Values fall in buckets whose bounds grow by ``gamma``; a quantile is the
-    geometric middle of its bucket, so its relative error is below
-    ``(gamma - 1) / 2`` (0.5% by default). Memory is one counter per occupied
-    bucket: at most ~2,600 between 1 ns and 10^11 ns, whatever the count.
-    """
-
-    __slots__ = ("_buckets", "_inv_log", "count", "gamma", "max", "min")
-
-    def __init__(self, gamma: float = 1.01) -> None:
-        self.gamma = gamma
-        self._inv_log = 1.0 / math.log(gamma)
-        self._buckets: dict[int, int] = {}
-        self.count = 0
-        self.min = math.inf
-        self.max = -math.inf
-
-    def add_many(self, values: list[int]) -> None:
-        """Add a batch of positive values (cheaper per value than :meth:`add`)."""
-        if not values:
-            return
-        buckets = self._buckets
-        inv_log = self._inv_log
-        log = math.log
-        floor = math.floor
-        for value in values:
-            key = floor(log(value) * inv_log) if value > 0 else -(1 << 30)
-            buckets[key] = buckets.get(key, 0) + 1
-        self.count += len(values)
-        low = min(values)
-        high = max(values)
-        self.min = min(self.min, low)
-        self.max = max(self.max, high)
-
-    def add(self, value: float) -> None:
-        key = math.floor(math.log(value) * self._inv_log) if value > 0 else -(1 << 30)
-        buckets = self._buckets
-        buckets[key] = buckets.get(key, 0) + 1
-        self.count += 1
-        self.min = min(self.min, value)
-        self.max = max(self.max, value)
-
-    def quantiles(self, qs: tuple[float, ...]) -> list[float]:
-        """Nearest-rank quantiles (0 < q <= 1) in ``qs`` order: the value ranked ``ceil(q * count)``."""
-        if not self.count:
-            return [math.nan for _ in qs]
-        order = sorted(range(len(qs)), key=lambda i: qs[i])
-        out = [0.0] * len(qs)
-        keys = sorted(self._buckets)
-        seen = 0
-        index = 0
-        for position in order:
-            rank = max(math.ceil(qs[position] * self.count) - 1, 0)
-            while index < len(keys) and seen + self._buckets[keys[index]] <= rank:
-                seen += self._buckets[keys[index]]
-                index += 1
-            key = keys[min(index, len(keys) - 1)]
-            value = 0.0 if key == -(1 << 30) else self.gamma ** (key + 0.5)
-            out[position] = min(max(value, self.min), self.max)
-        return out
-
-    def clear(self) -> None:
-        self._buckets.clear()
-        self.count = 0
-        self.min = math.inf
-        self.max = -math.inf
-
-
-# ---------------------------------------------------------------- tensors
-
-
-def is_tensor(value: object) -> bool:
-    """True for a torch tensor (without importing torch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
-def detach(value: Any) -> Any:
-    """The tensor without its autograd graph, so that holding it keeps no activations."""
-    try:
-        return value.detach()
-    except Exception:  # noqa: BLE001
-        return value
-
-
-def resolve_tensors(values: list[Any], *, cpu_only: bool = False) -> list[Any]:
-    """Python numbers for one-element tensors: one stacked copy per device and dtype.
-
-    Tensors of other shapes become nested lists. With ``cpu_only``, tensors on
-    an accelerator are not read (a hung device would hang the reader) and
-    become ``"<unresolved tensor>"``.
-    """
-    out: list[Any] = [None] * len(values)
-    groups: dict[tuple[str, str], list[int]] = {}
-    for index, value in enumerate(values):
-        try:
-            device = str(value.device)
-            if cpu_only and not device.startswith("cpu"):
-                out[index] = "<unresolved tensor>"
-            elif value.numel() == 1:
-                groups.setdefault((device, str(value.dtype)), []).append(index)
-            else:
-                out[index] = value.detach().cpu().tolist()
-        except Exception:  # noqa: BLE001
-            out[index] = f"<unconvertible {type(value).__name__}>"
-    torch = sys.modules.get("torch")
-    for indices in groups.values():
-        try:
-            assert torch is not None
-            stacked = torch.stack([values[i].detach().reshape(()) for i in indices])
-            numbers = stacked.tolist()
-        except Exception:  # noqa: BLE001 - fall back to one read per tensor
-            numbers = []
-            for i in indices:
-                try:
-                    numbers.append(values[i].item())
-                except Exception:  # noqa: BLE001
-                    numbers.append(f"<unconvertible {type(values[i]).__name__}>")
-        for i, number in zip(indices, numbers, strict=False):
-            out[i] = number
-    return out
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-def measure_size(path: str | os.PathLike[str]) -> int | None:
-    """Bytes in a file, or in all files under a folder (None when it does not exist)."""
-    try:
-        root = Path(path)
-        if root.is_file():
-            return root.stat().st_size
-        if not root.is_dir():
-            return None
-        total = 0
-        for count, (folder, _, files) in enumerate(os.walk(root)):
-            if count > _CHECKPOINT_SIZE_FILES:
-                break
-            for name in files:
-                try:
-                    total += (Path(folder) / name).stat().st_size
-                except OSError:
-                    continue
-        return total
-    except OSError:
-        return None
-
-
-def _checkpoint_path(values: Mapping[str, Any]) -> str | None:
-    path = values.get("checkpoint_path") or values.get("path")
-    if path:
-        return str(os.fspath(path))
-    directory = values.get("checkpoint_directory")
-    filename = values.get("checkpoint_filename")
-    if directory and filename:
-        return str(Path(os.fspath(directory)) / os.fspath(filename))
-    if directory:
-        return str(os.fspath(directory))
-    return None
 
 
 # ---------------------------------------------------------------- statistics
@@ -253,7 +87,7 @@ class IterationStats:
         self.peak_tflops = peak_tflops
         #: (monotonic ns from which it applies, values): defaults for every step.
         self.step_info: tuple[tuple[int, dict[str, Any]], ...] = ()
-        self._max_route_level = max((r.level for r in pipeline._routes), default=-1)
+        self._max_route_level = pipeline.max_route_level
         # counters of the run
         self.completed_steps = 0
         self.skipped_steps = 0
@@ -590,7 +424,7 @@ class IterationStats:
             if self._flops_known and self._flops > 0:
                 tflops = self._flops * per_second / 1e12
                 attrs["tflops"] = tflops
-                peak = info.get("peak_tflops") or self.peak_tflops or _peak_for(self.device_name)
+                peak = info.get("peak_tflops") or self.peak_tflops or peak_for(self.device_name)
                 if peak:
                     attrs["mfu"] = tflops / peak
             self._interval_start = end
@@ -637,7 +471,7 @@ class IterationStats:
             if span.t1 is not None:
                 added["total_time"] = (span.t1 - link.t0) * 1e-9
         if span.status == SpanStatus.OK and values.get("checkpoint_size") is None:
-            path = _checkpoint_path(values)
+            path = checkpoint_path(values)
             if path is not None:
                 size = measure_size(path)
                 if size is not None:
@@ -671,49 +505,3 @@ class IterationStats:
                 batch = self._info_at(span.t0).get("batch_size")
                 if type(batch) is int:
                     self.consumed_samples = self.completed_steps * batch
-
-
-# ---------------------------------------------------------------- peak FLOPS
-
-#: Dense (no sparsity) BF16 tensor-core peak per device, in TFLOPS, from each
-#: vendor's published datasheet. Matched against the device name, longest key
-#: first, case-insensitively. See docs/insight.md for the sources.
-PEAK_BF16_TFLOPS: Final[dict[str, float]] = {
-    "A100": 312.0,
-    "A800": 312.0,
-    "A10G": 70.0,
-    "A10": 125.0,
-    "L4": 121.0,
-    "L40S": 362.0,
-    "H100 PCIe": 756.0,
-    "H100 NVL": 835.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "H200 NVL": 835.0,
-    "H200": 989.0,
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "GB200": 2500.0,
-    "MI250X": 383.0,
-    "MI300X": 1307.0,
-    "MI325X": 1307.0,
-    "TPU v4": 275.0,
-    "TPU v5e": 197.0,
-    "TPU v5p": 459.0,
-    "TPU v6e": 918.0,
-}
-
-
-def _peak_for(name: str | None) -> float | None:
-    if not name:
-        return None
-    text = name.lower()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key.lower() in text:
-            return PEAK_BF16_TFLOPS[key]
-    return None
-
-
-def peak_tflops(accelerator: str) -> float | None:
-    """The dense BF16 peak of a device named like ``"NVIDIA H100 80GB HBM3"``, or None."""
-    return _peak_for(accelerator)

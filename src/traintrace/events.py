@@ -30,19 +30,17 @@ log lines run on a dispatcher thread.
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from threading import get_ident
 from time import perf_counter_ns
 from typing import IO, Any
 
 from . import _recorder
+from ._lifecycle import EventSource, EventType, LifecycleEvent
 from ._names import Verbosity
 from .publisher import ALL, get_default_event_publisher
 
@@ -58,41 +56,6 @@ __all__ = [
 log = logging.getLogger("traintrace.lib")
 
 
-class EventType(str, enum.Enum):
-    """The lifecycle event types. The value is the record's ``name``."""
-
-    JOB_START = "job_start"
-    JOB_END = "job_end"
-    WORKER_START = "worker_start"
-    WORKER_EXIT = "worker_exit"
-    WORKER_FAILURE = "worker_failure"
-    WORKER_RESTART = "worker_restart"
-    RENDEZVOUS_START = "rendezvous_start"
-    RENDEZVOUS_COMPLETE = "rendezvous_complete"
-    RENDEZVOUS_UPDATE = "rendezvous_update"
-    RANKS_ASSIGNED = "ranks_assigned"
-    NODE_JOIN = "node_join"
-    NODE_LEAVE = "node_leave"
-    HANG_SUSPECTED = "hang_suspected"
-    CHECKPOINT_SAVED = "checkpoint_saved"
-    AGENT_EXIT = "agent_exit"
-    ELASTIC_METRIC = "elastic_metric"
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-class EventSource(str, enum.Enum):
-    """Who recorded a lifecycle event: the launcher's agent, or a worker."""
-
-    AGENT = "agent"
-    WORKER = "worker"
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-
-_TYPES: dict[str, EventType] = {member.value: member for member in EventType}
 _NAMES: dict[Any, str] = {member: member.value for member in EventType}
 _NAMES.update({member.value: member.value for member in EventType})
 _SOURCES: dict[Any, str] = {member: member.value for member in EventSource}
@@ -110,76 +73,29 @@ _EVENT_TAG = _recorder.EVENT
 _publisher = get_default_event_publisher()
 
 
-@dataclass(frozen=True)
-class LifecycleEvent:
-    """What a subscriber receives."""
-
-    name: str
-    source: str
-    timestamp_ns: int
-    worker_id: int | str | None = None
-    exit_code: int | None = None
-    data: dict[str, Any] = field(default_factory=dict)
-    identity: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def type(self) -> EventType | str:
-        """The :class:`EventType`, or the name for a custom type."""
-        return _TYPES.get(self.name, self.name)
-
-    @property
-    def timestamp(self) -> float:
-        """Seconds since the epoch."""
-        return self.timestamp_ns / 1e9
-
-    @property
-    def rank(self) -> int | None:
-        value = self.identity.get("rank")
-        return value if isinstance(value, int) else None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "source": self.source, "timestamp_ns": self.timestamp_ns}
-        if self.worker_id is not None:
-            out["worker_id"] = self.worker_id
-        if self.exit_code is not None:
-            out["exit_code"] = self.exit_code
-        out.update(self.identity)
-        if self.data:
-            out["data"] = self.data
-        return out
-
-
 # ---------------------------------------------------------------- identity cache
 
 _cache_rec: Any = object()  # the recorder the cache below was built for
 _cache_attrs: dict[str, Any] = {}
 _cache_full: dict[str, Any] = {}
 _cache_source = "worker"
+#: The identity fields every lifecycle event carries in its attributes.
+_RANK_FIELDS = ("rank", "local_rank", "node_rank", "restart")
 
 
 def _refresh_cache(rec: _recorder.Recorder | None) -> None:
     """Precompute the identity attributes of events recorded through ``rec``."""
     global _cache_rec, _cache_attrs, _cache_full, _cache_source
-    identity = getattr(rec, "identity", None) if rec is not None else None
+    identity = rec.identity if rec is not None else None
     if identity is None:
         from ._identity import detect
 
         identity = detect()
     header = rec.header if rec is not None else {}
     _cache_source = "agent" if header.get("role") == "agent" else "worker"
-    _cache_attrs = {
-        "rank": identity.rank,
-        "local_rank": identity.local_rank,
-        "node_rank": identity.node_rank,
-        "restart": identity.restart_count,
-    }
-    _cache_full = {
-        **_cache_attrs,
-        "world_size": identity.world_size,
-        "job": identity.job_id,
-        "host": identity.host,
-        "pid": identity.pid,
-    }
+    fields = identity.to_dict()
+    _cache_attrs = {key: fields[key] for key in _RANK_FIELDS}
+    _cache_full = {**_cache_attrs, **{key: fields[key] for key in ("world_size", "job", "host", "pid")}}
     _cache_rec = rec
 
 
@@ -234,42 +150,11 @@ def record(
                 if span is not None and span.t1 is not None:
                     span = _recorder.current_span()
                 item = (_EVENT_TAG, name, attrs, span.id if span is not None else 0, get_ident(), mono, level)
-                queue = rec._queue
-                if len(queue) < rec._cap:
-                    queue.append(item)
-                else:
-                    rec._pipeline.overflow(item)
+                rec.put(item)
         if _publisher.listening:
             _publisher.enqueue((name, mono, attrs, _cache_full))
     except Exception:  # noqa: BLE001 - never raise into the caller
         _recorder.warn_once("bad_lifecycle_event", f"events.record({event_type!r}) could not record; ignored")
-
-
-def _build_event(item: tuple[Any, ...]) -> LifecycleEvent:
-    """The subscriber's view of a queued event (on the dispatcher thread)."""
-    name, mono, attrs, full = item
-    wall = time.time_ns() - (perf_counter_ns() - mono)
-    identity = {**full}
-    for key in ("rank", "local_rank", "node_rank", "restart"):
-        if key in attrs:
-            identity[key] = attrs[key]
-    extra = {k: v for k, v in attrs.items() if k not in _RESERVED}
-    identity.update(extra)
-    data = attrs.get("data")
-    return LifecycleEvent(
-        name=name,
-        source=attrs.get("source", "worker"),
-        timestamp_ns=wall,
-        worker_id=attrs.get("worker_id"),
-        exit_code=attrs.get("exit_code"),
-        data=dict(data) if data else {},
-        identity=identity,
-    )
-
-
-_RESERVED = frozenset(
-    {"source", "worker_id", "exit_code", "data", "rank", "local_rank", "node_rank", "restart"}
-)
 
 
 # ---------------------------------------------------------------- logging handler

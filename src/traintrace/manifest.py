@@ -138,15 +138,10 @@ def write_registration(
     folder: Path, identity: Identity, stream: str | None, *, mode: int = 0o640, **extra: Any
 ) -> Path:
     """Record that this rank started (or restarted); returns the registration's path."""
+    fields = identity.to_dict()
+    del fields["job"]
     payload: dict[str, Any] = {
-        "rank": identity.rank,
-        "world_size": identity.world_size,
-        "local_rank": identity.local_rank,
-        "local_world_size": identity.local_world_size,
-        "node_rank": identity.node_rank,
-        "restart": identity.restart_count,
-        "host": identity.host,
-        "pid": identity.pid,
+        **fields,
         "launcher": identity.launcher,
         "registered_ns": time.time_ns(),
         "stream": stream,

@@ -28,10 +28,9 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .events import EventType, LifecycleEvent
+from ._lifecycle import EventType, LifecycleEvent, build_event
 
 __all__ = ["ALL", "EventPublisher", "Subscription", "get_default_event_publisher"]
 
@@ -142,7 +141,6 @@ class EventPublisher:
 
     def drain(self) -> None:
         """Deliver every queued event now, on the calling thread."""
-        from .events import _build_event
 
         pending = self.pending
         while pending:
@@ -154,7 +152,7 @@ class EventPublisher:
                 item[1].set()
                 continue
             try:
-                event = _build_event(item)
+                event = build_event(item)
             except Exception:
                 log.warning("traintrace: could not build a lifecycle event", exc_info=True)
                 continue

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._format import CHECKED_TYPES, SCHEMA, SCHEMA_VERSION
+
 __all__ = ["BadLine", "Stream", "StreamFile", "iter_lines", "read_file"]
 
 #: Lines longer than this are reported as bad without being parsed.
@@ -152,7 +154,7 @@ def read_file(path: str | os.PathLike[str]) -> StreamFile:
             continue
         if record["kind"] == "header":
             version = record.get("schema_version")
-            if record.get("schema") != "traintrace" or version != 1:
+            if record.get("schema") != SCHEMA or version != SCHEMA_VERSION:
                 result.bad_lines.append(
                     BadLine(str(path), number, f"unsupported schema {record.get('schema')!r} v{version}")
                 )
@@ -171,16 +173,8 @@ def read_file(path: str | os.PathLike[str]) -> StreamFile:
     return result
 
 
-#: Fields whose type the reader relies on, and the types they must have.
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "id": (int,),
-    "parent": (int,),
-    "span": (int,),
-    "dur": (int, float),
-    "attrs": (dict,),
-    "name": (str,),
-    "status": (str,),
-}
+#: Fields whose type the reader relies on, and the types they must have (``_format.FIELDS``).
+_FIELD_TYPES = CHECKED_TYPES
 
 
 def _shape_problem(record: object) -> str:

@@ -95,7 +95,10 @@ class NvtxBackend:
     """A span listener: ``span_started`` pushes an NVTX range, ``span_stopped`` pops it.
 
     Both run on the caller's thread, so ranges nest as the code does and
-    Nsight shows them on the thread that ran them. Range names are the span
+    Nsight shows them on the thread that ran them. A stack of ranges is kept
+    per thread: a span stopped on another thread (``stop()`` from a callback)
+    has its range popped by its own thread at that thread's next start or
+    stop (counted in ``unbalanced``), so later pops close their own ranges. Range names are the span
     names (no counters), registered once per name in the domain; the
     iteration number goes in the payload. With no profiler attached, NVTX
     hands out a dummy domain and both methods become a bare call that returns.
@@ -130,6 +133,10 @@ class NvtxBackend:
         self._with_payload: dict[str, Any] = {}
         self._mark_attrs: dict[tuple[str, str], Any] = {}
         self._get_ident = threading.get_ident
+        #: per thread (ident): the ids of the spans whose ranges it pushed, innermost last
+        self._stacks: dict[int, list[int]] = {}
+        #: spans stopped on a thread other than the one that pushed their range
+        self._stopped_elsewhere: set[int] = set()
         self.unbalanced = 0
         if self.enabled:
             self._push = self._domain.push_range
@@ -152,7 +159,13 @@ class NvtxBackend:
                 event.payload = step
             else:
                 event = self._plain.get(name) or self._new(name, False)
+            stack = self._stacks.get(span.tid)
+            if stack is None:
+                stack = self._stacks[span.tid] = []
+            elif self._stopped_elsewhere and stack:
+                self._pop_stopped(stack)
             self._push(event)
+            stack.append(span.id)
         except Exception:  # noqa: BLE001 - a listener must never raise into training
             self.span_started = _nop  # type: ignore[method-assign]
             self.span_stopped = _nop  # type: ignore[method-assign]
@@ -160,14 +173,39 @@ class NvtxBackend:
     def span_stopped(self, span: Any) -> None:
         if span.level > self.verbosity:
             return
+        stack = self._stacks.get(span.tid)
+        if not stack:
+            return
         if span.tid != self._get_ident():
             # NVTX push/pop ranges belong to a thread: another thread cannot pop this one.
+            # Its range is popped by its own thread at that thread's next start or stop.
             self.unbalanced += 1
+            self._stopped_elsewhere.add(span.id)
             return
         try:
-            self._pop()
+            span_id = span.id
+            if stack[-1] == span_id:
+                stack.pop()
+                self._pop()
+                if self._stopped_elsewhere:
+                    self._pop_stopped(stack)
+            elif span_id in stack:
+                # Ranges above it belong to spans stopped elsewhere (or out of order): pop them too.
+                while stack:
+                    top = stack.pop()
+                    self._pop()
+                    self._stopped_elsewhere.discard(top)
+                    if top == span_id:
+                        break
         except Exception:  # noqa: BLE001
             pass
+
+    def _pop_stopped(self, stack: list[int]) -> None:
+        """Pop (on their own thread) the ranges of spans that another thread stopped."""
+        stopped = self._stopped_elsewhere
+        while stack and stack[-1] in stopped:
+            stopped.discard(stack.pop())
+            self._pop()
 
     def _new(self, name: str, with_payload: bool) -> Any:
         cache = self._with_payload if with_payload else self._plain

@@ -7,25 +7,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._engine import Job, compress_ranks
+from .._names import EventName, SpanName
+from ._engine import ITERATION, Job, compress_ranks
 
 NS = 1e9
 
 INIT_SPANS = (
-    "distributed_code_initialization",
-    "data_loader_initialization",
-    "model_initialization",
-    "optimizer_initialization",
+    SpanName.DISTRIBUTED_INIT,
+    SpanName.DATA_LOADER_INIT,
+    SpanName.MODEL_INIT,
+    SpanName.OPTIMIZER_INIT,
 )
 #: Span name -> time category. Iterations, hangs and idle time are derived separately.
 CATEGORY_OF: dict[str, str] = {
     **dict.fromkeys(INIT_SPANS, "initialization"),
-    "checkpoint_load": "checkpoint_load",
-    "checkpoint_save_sync": "checkpoint_save",
-    "checkpoint_save_async": "checkpoint_save",
-    "validation_loop": "validation",
-    "test_loop": "test",
-    "data_loading": "data_loading",
+    SpanName.CHECKPOINT_LOAD: "checkpoint_load",
+    SpanName.CHECKPOINT_SAVE_SYNC: "checkpoint_save",
+    SpanName.CHECKPOINT_SAVE_ASYNC: "checkpoint_save",
+    SpanName.VALIDATION: "validation",
+    SpanName.TEST: "test",
+    SpanName.DATA_LOADING: "data_loading",
 }
 #: Order of categories in tables; ``productive`` first, then badput.
 CATEGORIES = (
@@ -41,8 +42,10 @@ CATEGORIES = (
     "restart_idle",
     "other",
 )
-HANG_NAMES = ("hang_suspected",)
-PROGRESS_EVENTS = ("training_iterations",)
+HANG_NAMES = (EventName.HANG_SUSPECTED,)
+PROGRESS_EVENTS = (EventName.TRAINING_ITERATIONS,)
+#: The compute phases of a step (beside the wait for data).
+COMPUTE_SPANS = (SpanName.FORWARD, SpanName.BACKWARD, SpanName.OPTIMIZER_STEP, SpanName.ZERO_GRAD)
 #: Aliases accepted for progress fields in ``training_iterations`` events.
 FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "consumed_samples": ("consumed_samples", "samples", "total_samples"),
@@ -100,7 +103,7 @@ def summary(job: Job) -> dict[str, Any]:
                sum(coalesce(s.dur, greatest(f.end_ts - s.ts, 0))) / 1e9
         FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE NOT s.is_agent AND {case} IS NOT NULL
-          AND NOT (s.name = 'data_loading' AND EXISTS (
+          AND NOT (s.name = '{SpanName.DATA_LOADING}' AND EXISTS (
               SELECT 1 FROM iterations i WHERE i.stream = s.stream AND i.id = s.parent))
         GROUP BY ALL
     """
@@ -164,7 +167,7 @@ def summary(job: Job) -> dict[str, Any]:
         "training_s": breakdown["productive"] + breakdown["lost_progress"] + breakdown["data_loading"],
         "checkpoint_save_exposed_s": breakdown["checkpoint_save"],
         "checkpoint_save_background_s": _mean_per_rank(
-            job, "SELECT rank, sum(dur) / 1e9 FROM spans_small WHERE name = 'checkpoint_save_finalization' "
+            job, f"SELECT rank, sum(dur) / 1e9 FROM spans_small WHERE name = '{SpanName.CHECKPOINT_SAVE_FINALIZATION}' "
             "AND NOT is_agent GROUP BY ALL", n_ranks),
         "checkpoint_load_s": breakdown["checkpoint_load"],
         "validation_s": breakdown["validation"],
@@ -281,13 +284,13 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         r["score"] = r["median_s"] / job_median if job_median else None
     # Components inside (or beside) the step, when recorded: data loading versus compute.
     components = job.rows(
-        """
+        f"""
         SELECT rank, 'data_loading', median(dur) / 1e9 FROM spans_small
-        WHERE name = 'data_loading' AND dur IS NOT NULL AND NOT is_agent GROUP BY rank
+        WHERE name = '{SpanName.DATA_LOADING}' AND dur IS NOT NULL AND NOT is_agent GROUP BY rank
         UNION ALL
         SELECT rank, 'compute', median(d) / 1e9 FROM (
             SELECT rank, stream, parent, sum(dur) AS d FROM spans_small
-            WHERE name IN ('model_forward', 'model_backward', 'optimizer_update', 'zero_grad')
+            WHERE name IN ({_names(COMPUTE_SPANS)})
               AND dur IS NOT NULL AND NOT is_agent
             GROUP BY ALL)
         GROUP BY rank
@@ -369,10 +372,10 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
     first = all_errors[0] if all_errors else None
     if first is not None and first.get("span"):
         where = job.dicts(
-            """
+            f"""
             SELECT name, try_cast(a.step AS BIGINT) AS step FROM spans_small WHERE stream = $s AND id = $i
             UNION ALL
-            SELECT 'iteration', try_cast(attrs->>'step' AS BIGINT) FROM iterations WHERE stream = $s AND id = $i
+            SELECT '{ITERATION}', try_cast(attrs->>'step' AS BIGINT) FROM iterations WHERE stream = $s AND id = $i
             """,
             {"s": first["stream"], "i": first["span"]},
         )
@@ -445,8 +448,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         if not s["closed"] and silent_s >= hang_after_s:
             hang_suspects.append(s["rank"])
     for row in job.rows(
-        "SELECT DISTINCT stream_rank FROM other WHERE kind = 'error' AND (name IN ('hang_suspected') "
-        "OR error_type IN ('hang_suspected')) AND stream_rank IS NOT NULL"
+        f"SELECT DISTINCT stream_rank FROM other WHERE kind = 'error' AND (name IN ({_names(HANG_NAMES)}) "
+        f"OR error_type IN ({_names(HANG_NAMES)})) AND stream_rank IS NOT NULL"
     ):
         if row[0] not in hang_suspects:
             hang_suspects.append(row[0])

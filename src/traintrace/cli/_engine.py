@@ -15,46 +15,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .._format import SCHEMA, SCHEMA_VERSION, SQL_COLUMNS
+from .._names import EventName, SpanName, SpanStatus
+
 __all__ = ["Job", "LoadError", "MissingExtra", "discover", "import_duckdb"]
 
-#: Record fields read into columns; everything else a record holds is ignored.
-COLUMNS: dict[str, str] = {
-    "kind": "VARCHAR",
-    "ts": "BIGINT",
-    "seq": "BIGINT",
-    "name": "VARCHAR",
-    "id": "BIGINT",
-    "parent": "BIGINT",
-    "tid": "BIGINT",
-    "dur": "BIGINT",
-    "status": "VARCHAR",
-    "span": "BIGINT",
-    "link": "BIGINT",
-    "attrs": "JSON",
-    "error_type": "VARCHAR",
-    "message": "VARCHAR",
-    "stack": "VARCHAR",
-    "thread_name": "VARCHAR",
-    "count": "BIGINT",
-    "reason": "VARCHAR",
-    "schema": "VARCHAR",
-    "schema_version": "BIGINT",
-    "job": "VARCHAR",
-    "job_name": "VARCHAR",
-    "rank": "BIGINT",
-    "world_size": "BIGINT",
-    "restart": "BIGINT",
-    "host": "VARCHAR",
-    "pid": "BIGINT",
-    "source": "VARCHAR",
-    "role": "VARCHAR",
-}
+#: Record fields read into columns (``_format.FIELDS``); everything else a record holds is ignored.
+COLUMNS: dict[str, str] = SQL_COLUMNS
 
 #: Attribute fields the analyses read from the (few) records other than iterations: column ``a``.
 ATTR_FIELDS = (
@@ -74,7 +47,7 @@ CORE_COLUMNS = ("kind", "ts", "seq", "name", "id", "parent", "tid", "dur", "stat
 RARE_KINDS = ("header", "error", "thread", "dropped")
 RARE_FIELDS = tuple(k for k in COLUMNS if k not in CORE_COLUMNS)
 
-ITERATION = "iteration"
+ITERATION = SpanName.ITERATION
 BIG = 9_000_000_000_000_000_000
 
 
@@ -243,7 +216,8 @@ class Job:
                        (rank IS NULL OR coalesce(source, role, '') = 'agent'
                         OR regexp_matches(path, '(^|/)agent[^/]*\\.jsonl$')) AS is_agent,
                        row_number() OVER (ORDER BY path, ts) AS stream
-                FROM rare JOIN files USING (file) WHERE kind = 'header' AND schema = 'traintrace' AND schema_version = 1
+                FROM rare JOIN files USING (file) WHERE kind = 'header'
+                      AND schema = '{SCHEMA}' AND schema_version = {SCHEMA_VERSION}
             )
             WINDOW w AS (PARTITION BY file ORDER BY start_ts)
             """
@@ -336,19 +310,24 @@ class Job:
 
     def _stream_facts(self) -> None:
         """Per stream: did it fail, when did its last checkpoint complete, did a hang detector fire."""
-        hang = "'hang_suspected'"
+        hang = f"'{EventName.HANG_SUSPECTED}'"
+        ok = SpanStatus.OK
+        sync, async_ = SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_ASYNC
+        final = SpanName.CHECKPOINT_SAVE_FINALIZATION
+        failed = f"'{SpanStatus.ERROR}', '{SpanStatus.TERMINATED}'"
+        outer = f"'{SpanName.APPLICATION}', '{SpanName.TRAINING_LOOP}', '{SpanName.ITERATION}'"
         self.con.execute(
             f"""
             CREATE TABLE stream_facts AS
             WITH ck AS (
                 SELECT stream, max(ts + dur) AS ckpt_end FROM spans_small
-                WHERE status = 'ok' AND (name IN ('checkpoint_save_sync', 'checkpoint_save_finalization')
-                      OR (name = 'checkpoint_save_async' AND NOT EXISTS (
-                          SELECT 1 FROM spans_small f WHERE f.name = 'checkpoint_save_finalization')))
+                WHERE status = '{ok}' AND (name IN ('{sync}', '{final}')
+                      OR (name = '{async_}' AND NOT EXISTS (
+                          SELECT 1 FROM spans_small f WHERE f.name = '{final}')))
                 GROUP BY stream
             ), bad AS (
                 SELECT DISTINCT stream FROM spans_small
-                WHERE status IN ('error', 'terminated') AND name IN ('main_function', 'training_loop', 'iteration')
+                WHERE status IN ({failed}) AND name IN ({outer})
             ), hang AS (
                 SELECT stream, min(ts) AS hang_ts FROM other
                 WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream
@@ -409,14 +388,14 @@ class Job:
     def create_query_views(self) -> None:
         """The documented views for ``traintrace query`` (docs/analysis.md)."""
         self.con.execute(
-            """
+            f"""
             CREATE OR REPLACE VIEW records AS
             SELECT x.* EXCLUDE (file), p.path AS file FROM (
             SELECT stream, stream_rank AS rank, stream_restart AS restart, is_agent AS agent,
                    * EXCLUDE (stream, stream_rank, stream_restart, is_agent, a)
             FROM other
             UNION ALL BY NAME
-            SELECT stream, rank, restart, false AS agent, 'span' AS kind, 'iteration' AS name, ts, seq, dur,
+            SELECT stream, rank, restart, false AS agent, 'span' AS kind, '{ITERATION}' AS name, ts, seq, dur,
                    status, attrs, tid, id, parent, file
             FROM iterations WHERE seq IS NOT NULL
             ) x LEFT JOIN files p USING (file);
@@ -425,7 +404,7 @@ class Job:
             SELECT rank, restart, stream, name, id, parent, tid, ts, dur, ts + dur AS end_ts, status, attrs, file
             FROM spans_small WHERE NOT is_agent
             UNION ALL
-            SELECT rank, restart, stream, 'iteration', id, parent, tid, ts, dur, ts + dur, status, attrs, file
+            SELECT rank, restart, stream, '{ITERATION}', id, parent, tid, ts, dur, ts + dur, status, attrs, file
             FROM iterations
             ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW steps AS
@@ -539,11 +518,3 @@ def parse_ranks(text: str) -> list[int]:
         else:
             out.append(int(part))
     return out
-
-
-def iter_chunks(cursor: Any, size: int = 65536) -> Iterator[list[tuple[Any, ...]]]:
-    while True:
-        rows = cursor.fetchmany(size)
-        if not rows:
-            return
-        yield rows

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-from .._api import configure, get_recorder
 from .._config import Config
-from .._names import DEFAULT_SPAN_VERBOSITY, SpanStatus, Verbosity
+from .._names import SpanStatus
 from .._recorder import Recorder, Span, warn_once
+from .._setup import configure, get_recorder
 
 #: Keys that hold token ids in a batch mapping, most common first.
 TOKEN_KEYS = ("input_ids", "tokens", "token_ids")
-
-
-def level_of(name: str) -> int:
-    """The default verbosity of a standard span name."""
-    return int(DEFAULT_SPAN_VERBOSITY.get(name, Verbosity.INFO))
 
 
 def missing_extra(extra: str, package: str, exc: ImportError) -> ImportError:
@@ -101,28 +94,6 @@ def safe_call(fn: Callable[[Any], Any] | None, batch: Any, what: str) -> int | N
         return None
 
 
-def path_size(path: str | os.PathLike[str] | None) -> int | None:
-    """Bytes in a file, or in all files under a folder; None if unreadable."""
-    if path is None:
-        return None
-    try:
-        target = Path(path)
-        if target.is_file():
-            return target.stat().st_size
-        if target.is_dir():
-            total = 0
-            for root, _, files in os.walk(target):
-                for name in files:
-                    try:
-                        total += (Path(root) / name).stat().st_size
-                    except OSError:
-                        pass
-            return total
-    except (OSError, TypeError, ValueError):
-        return None
-    return None
-
-
 def ensure_recorder(
     config: Config | None,
     *,
@@ -142,7 +113,7 @@ def ensure_recorder(
     """
     current = get_recorder()
     if current is not None:
-        identity = getattr(current, "identity", None)
+        identity = current.identity
         if identity is None or (identity.rank == rank and identity.world_size == world_size):
             return current, False
         warn_once(

@@ -23,15 +23,14 @@ from time import perf_counter_ns
 from typing import Any
 
 from .. import _api
+from .._checkpoint import measure_size
 from .._config import Config, build_config
-from .._names import EventName, SpanName, SpanStatus, Verbosity
+from .._names import EventName, SpanName, SpanStatus, Verbosity, level_of
 from .._recorder import Recorder, Span, current_span, warn_once
 from ._common import (
     batch_info,
     ensure_recorder,
-    level_of,
     missing_extra,
-    path_size,
     record_finished,
     safe_call,
 )
@@ -371,7 +370,7 @@ class TraintraceCallback(Callback):
                     rec, phase, _PHASE, self._mark, perf_counter_ns(), self._iter, None, status
                 )
                 if broken is not None and isinstance(exception, Exception):
-                    rec._exception(exception, EventName.EXCEPTION, None, broken.id)
+                    rec.record_exception(exception, EventName.EXCEPTION, None, broken.id)
             if isinstance(exception, Exception):
                 rec.error(exception, name=EventName.EXCEPTION)
         self._close_open(status)
@@ -695,7 +694,7 @@ class TraintraceCallback(Callback):
                         self._stop(span, None, SpanStatus.ERROR)
                     raise
                 if span is not None:
-                    metrics = None if is_async else {"checkpoint_size": path_size(path)}
+                    metrics = None if is_async else {"checkpoint_size": measure_size(path)}
                     self._stop(span, metrics)
                 return result
 
@@ -723,7 +722,7 @@ class TraintraceCallback(Callback):
                         self._stop(span, None, SpanStatus.ERROR)
                     raise
                 if span is not None:
-                    self._stop(span, {"checkpoint_size": path_size(path)})
+                    self._stop(span, {"checkpoint_size": measure_size(path)})
                 return result
 
             return save_checkpoint
@@ -736,7 +735,7 @@ class TraintraceCallback(Callback):
                 span = None
                 if self._info:
                     attrs: dict[str, Any] = {"checkpoint_path": os.fspath(path)}
-                    size = path_size(path)
+                    size = measure_size(path)
                     if size is not None:
                         attrs["checkpoint_size"] = size
                     span = self._start(SpanName.CHECKPOINT_LOAD, attrs, _INFO)

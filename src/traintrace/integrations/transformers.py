@@ -22,10 +22,11 @@ from types import FrameType
 from typing import Any
 
 from .. import _api
+from .._checkpoint import measure_size
 from .._config import Config, build_config
-from .._names import EventName, SpanName, SpanStatus, Verbosity
+from .._names import EventName, SpanName, SpanStatus, Verbosity, level_of
 from .._recorder import Recorder, Span, current_span
-from ._common import batch_info, ensure_recorder, level_of, missing_extra, path_size
+from ._common import batch_info, ensure_recorder, missing_extra
 
 try:
     import transformers
@@ -404,7 +405,7 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
             "current_iteration": int(state.global_step),
             "checkpoint_directory": folder,
         }
-        size = path_size(folder)
+        size = measure_size(folder)
         if size is not None:
             metrics["checkpoint_size"] = size
         span, self._save = self._save, None

@@ -20,6 +20,8 @@ from ..._version import __version__
 log = logging.getLogger("traintrace.lib")
 
 _MASK64 = (1 << 64) - 1
+#: The most encoded bytes of items in one export request: under the 4 MiB a collector takes by default.
+DEFAULT_MAX_BATCH_BYTES = 4_000_000
 _DEFAULT_HTTP = "http://localhost:4318"
 _HTTP_PATHS = {"traces": "/v1/traces", "logs": "/v1/logs", "metrics": "/v1/metrics"}
 
@@ -331,13 +333,47 @@ def call_with_timeout(func: Callable[[], Any], timeout: float, name: str) -> boo
 # ---------------------------------------------------------------- the sender
 
 
+def _text_bytes(value: Any) -> int:
+    kind = type(value)
+    if kind is str:
+        return len(value.encode("utf-8", "surrogatepass")) + 3
+    if kind is tuple or kind is list:
+        return sum(_text_bytes(v) for v in value) + 3
+    return 11
+
+
+def _attrs_bytes(attrs: Any) -> int:
+    if not attrs:
+        return 0
+    return sum(len(key) + 6 + _text_bytes(value) for key, value in attrs.items())
+
+
+def estimated_size(item: Any) -> int:
+    """About the encoded bytes of an SDK span or log record (never much below the real size)."""
+    record = getattr(item, "log_record", item)
+    size = 96 + _attrs_bytes(getattr(record, "attributes", None))
+    body = getattr(record, "body", None)
+    if body is not None:
+        size += _text_bytes(body if type(body) is str else str(body))
+    name = getattr(record, "name", None)
+    if type(name) is str:
+        size += len(name) * 4
+    for event in getattr(record, "events", None) or ():
+        size += 32 + len(event.name) * 4 + _attrs_bytes(event.attributes)
+    return size
+
+
+
 class Sender:
     """Exports batches on its own daemon thread from a bounded queue.
 
-    ``put`` never blocks: what does not fit is dropped and counted. A failed
-    export drops that batch (counted) and backs off, so a dead collector costs
-    bounded memory and no training time. ``close`` waits at most
-    ``close_timeout`` seconds, then abandons what is left (counted).
+    ``put`` never blocks: what does not fit is dropped and counted. A batch
+    holds at most ``batch_size`` items and ``max_batch_bytes`` encoded bytes
+    (``size_of`` tells an item's size). A failed export drops that batch
+    (counted) and backs off, so a dead collector costs bounded memory and no
+    training time. Closing is in steps that share one deadline across all
+    backends: :meth:`begin_close` (send the rest, now), :meth:`settle` (wait
+    until sent or the deadline, then abandon the rest, counted), :meth:`close`.
     """
 
     def __init__(
@@ -351,24 +387,31 @@ class Sender:
         close_timeout: float,
         success: Any,
         prepare: Callable[[list[Any]], Any] | None = None,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        size_of: Callable[[Any], int] | None = None,
     ) -> None:
         self.exporter = exporter
         self.name = name
         self.max_queue = max_queue
         self.batch_size = batch_size
+        self.max_batch_bytes = max_batch_bytes
         self.export_interval = export_interval
         self.close_timeout = close_timeout
         self._success = success
         self._prepare = prepare
+        self._size_of = size_of
         self._items: deque[Any] = deque()
         self._cond = threading.Condition(threading.Lock())
-        self._closing = False
+        self._closing = False  # begin_close: send without waiting for full batches
+        self._stop = False  # close: the thread ends once nothing is queued
         self._flush_requested = False
         self._backoff = 0.0
+        self._deadline: float | None = None
         self.exported = 0
         self.dropped = 0  # queue full
         self.failed = 0  # the collector refused or was unreachable
         self.abandoned = 0  # still queued (or being sent) when close gave up
+        self.batches = 0
         self._in_flight = 0
         self._gave_up = False
         self._warned_at = 0.0
@@ -384,6 +427,9 @@ class Sender:
         if not items:
             return
         with self._cond:
+            if self._gave_up:
+                self.abandoned += len(items)  # closing ran out of time: nothing more goes out
+                return
             room = self.max_queue - len(self._items)
             if room >= len(items):
                 self._items.extend(items)
@@ -391,15 +437,15 @@ class Sender:
                 if room > 0:
                     self._items.extend(items[:room])
                 self.dropped += len(items) - max(room, 0)
-            if len(self._items) >= self.batch_size:
-                self._cond.notify()
+            if self._closing or len(self._items) >= self.batch_size:
+                self._cond.notify_all()
         if self.dropped or self.failed:
             self._maybe_warn()
 
     def request_flush(self) -> None:
         with self._cond:
             self._flush_requested = True
-            self._cond.notify()
+            self._cond.notify_all()
 
     def _maybe_warn(self) -> None:
         lost = self.dropped + self.failed
@@ -419,21 +465,36 @@ class Sender:
     def _take(self) -> list[Any]:
         items = self._items
         count = min(len(items), self.batch_size)
-        return [items.popleft() for _ in range(count)]
+        size_of = self._size_of
+        if size_of is None:
+            return [items.popleft() for _ in range(count)]
+        # Split by encoded size too: a collector refuses requests over its limit (4 MiB by default).
+        batch: list[Any] = []
+        budget = self.max_batch_bytes
+        for _ in range(count):
+            size = size_of(items[0])
+            if batch and size > budget:
+                break
+            batch.append(items.popleft())
+            budget -= size
+        return batch
 
     def _run(self) -> None:
         while True:
             with self._cond:
+                while self._closing and not self._items and not self._stop:
+                    self._cond.wait()
                 if not self._closing and len(self._items) < self.batch_size and not self._flush_requested:
                     self._cond.wait(self.export_interval)
                 self._flush_requested = False
                 batch = self._take()
-                closing = self._closing
+                closing, stop = self._closing, self._stop
+                self._in_flight = len(batch)  # settle() waits for it
             if batch:
                 self._export(batch)
                 if self._backoff and not closing:
                     self._sleep(self._backoff)
-            elif closing:
+            elif stop:
                 return
 
     def _sleep(self, seconds: float) -> None:
@@ -446,7 +507,6 @@ class Sender:
                 self._cond.wait(left)
 
     def _export(self, batch: list[Any]) -> None:
-        self._in_flight = len(batch)
         try:
             result = self.exporter.export(self._prepare(batch) if self._prepare else batch)
         except Exception as exc:
@@ -454,32 +514,74 @@ class Sender:
             result = None
         with self._cond:
             self._in_flight = 0
+            self.batches += 1
             if self._gave_up:
-                return  # close() already counted this batch as abandoned
-        if result == self._success or getattr(result, "name", None) == "SUCCESS":
-            self.exported += len(batch)
-            self._backoff = 0.0
-        else:
-            self.failed += len(batch)
-            self._backoff = min(max(self._backoff * 2, 1.0), 30.0)
+                self._cond.notify_all()
+                return  # close already counted this batch as abandoned
+            if result == self._success or getattr(result, "name", None) == "SUCCESS":
+                self.exported += len(batch)
+                self._backoff = 0.0
+            else:
+                self.failed += len(batch)
+                self._backoff = min(max(self._backoff * 2, 1.0), 30.0)
+            self._cond.notify_all()
+        if self.failed:
             self._maybe_warn()
 
-    def close(self) -> None:
+    # -- closing -----------------------------------------------------------
+    def begin_close(self, deadline: float | None = None) -> None:
+        """Send everything queued now, without waiting between batches; stop by ``deadline``.
+
+        ``deadline`` (``time.monotonic()``) is the pipeline's, shared by every
+        backend; this sender's own ``close_timeout`` applies from now within it.
+        """
+        own = time.monotonic() + self.close_timeout
         with self._cond:
+            if self._deadline is None:
+                self._deadline = own if deadline is None else min(own, deadline)
             self._closing = True
-            self._cond.notify()
-        self._thread.join(self.close_timeout)
-        if self._thread.is_alive():
-            with self._cond:
-                self._gave_up = True
-                self.abandoned += len(self._items) + self._in_flight
-                self._items.clear()
-        call_with_timeout(self.exporter.shutdown, 0.5, f"{self.name}-shutdown")
+            self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Wait until everything queued is sent or the deadline passes; then abandon the rest (counted)."""
+        if self._deadline is None:
+            self.begin_close()
+        deadline = self._deadline or 0.0
+        with self._cond:
+            while (self._items or self._in_flight) and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.05))
+            if self._items or self._in_flight:
+                self._give_up()
+
+    def _give_up(self) -> None:
+        """(Lock held.) Count what is queued or being sent as abandoned; nothing more goes out."""
+        if not self._gave_up:
+            self._gave_up = True
+            self.abandoned += len(self._items) + self._in_flight
+            self._items.clear()
+
+    def close(self) -> None:
+        """Send what is left within the deadline, shut the exporter down, and report the sender's totals."""
+        self.settle()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        deadline = self._deadline or time.monotonic()
+        self._thread.join(max(deadline - time.monotonic(), 0.0))
+        with self._cond:
+            if self._thread.is_alive():
+                self._give_up()
+        call_with_timeout(
+            self.exporter.shutdown, min(max(deadline - time.monotonic(), 0.05), 0.5), f"{self.name}-shutdown"
+        )
         lost = self.dropped + self.failed + self.abandoned
         if lost:
             log.warning(
                 "traintrace: %s exported %d, lost %d (%d queue full, %d export failed, "
-                "%d not sent within close_timeout=%.1fs)",
+                "%d not sent within the close budget of %.1fs)",
                 self.name,
                 self.exported,
                 lost,
@@ -488,6 +590,13 @@ class Sender:
                 self.abandoned,
                 self.close_timeout,
             )
+        else:
+            log.info("traintrace: %s exported %d, lost none", self.name, self.exported)
+
+    def losses(self) -> dict[str, int]:
+        """Items lost so far, by reason (queue_full, failed, abandoned); zeros left out."""
+        out = {"queue_full": self.dropped, "failed": self.failed, "abandoned": self.abandoned}
+        return {reason: count for reason, count in out.items() if count}
 
     def stats(self) -> dict[str, int]:
         return {
@@ -496,4 +605,5 @@ class Sender:
             "failed": self.failed,
             "abandoned": self.abandoned,
             "queued": len(self._items),
+            "batches": self.batches,
         }

@@ -53,6 +53,8 @@ class OtlpConfig(BackendConfig):
     ``grpc``, ``http/protobuf`` or ``console``. ``timeout``: seconds one export
     request may take, retries included. ``close_timeout``: the most seconds
     closing waits for the collector before the rest is dropped and counted.
+    ``max_batch_bytes``: the most encoded bytes of spans or log records in one
+    export request (a collector refuses requests over 4 MiB by default).
     ``certificate``: a PEM file of the CA certificates the collector's TLS
     certificate is checked against (default: the system's, or
     ``OTEL_EXPORTER_OTLP_[SIGNAL_]CERTIFICATE``).
@@ -70,6 +72,7 @@ class OtlpConfig(BackendConfig):
     close_timeout: float = 3.0
     max_queue: int = 65536
     batch_size: int = 2048
+    max_batch_bytes: int = 4_000_000
     export_interval: float = 1.0
 
     signal: ClassVar[str] = ""
@@ -94,7 +97,7 @@ class OtlpConfig(BackendConfig):
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"{where}.{name}: expected a positive number of seconds, got {value!r}")
-        for name in ("max_queue", "batch_size"):
+        for name in ("max_queue", "batch_size", "max_batch_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{where}.{name}: expected a positive integer, got {value!r}")
@@ -127,6 +130,7 @@ class OtlpConfig(BackendConfig):
             "resource_attributes": dict(self.resource_attributes or {}),  # type: ignore[arg-type]
             "max_queue": self.max_queue,
             "batch_size": self.batch_size,
+            "max_batch_bytes": self.max_batch_bytes,
             "export_interval": self.export_interval,
             "close_timeout": self.close_timeout,
         }

@@ -12,9 +12,11 @@ from ..._serialize import dumps
 from .._base import Record
 from .._log import to_line_fields
 from ._common import (
+    DEFAULT_MAX_BATCH_BYTES,
     AttrValue,
     Sender,
     build_resource,
+    estimated_size,
     flatten_attrs,
     make_exporter,
     require_otel,
@@ -49,6 +51,7 @@ class OtlpLogsBackend:
         batch_size: int = 2048,
         export_interval: float = 1.0,
         close_timeout: float = 3.0,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     ) -> None:
         require_otel("otlp_logs")
         self.verbosity = int(verbosity)
@@ -59,6 +62,8 @@ class OtlpLogsBackend:
         self._service_name = service_name
         self._extra = dict(resource_attributes or {})
         self._queue_options = (max_queue, batch_size, export_interval, close_timeout)
+        self.max_batch_bytes = max_batch_bytes
+        self.close_timeout = close_timeout
         self.sender: Sender | None = None
         self._identity: dict[str, Any] = {}
 
@@ -100,6 +105,8 @@ class OtlpLogsBackend:
             export_interval=interval,
             close_timeout=close_timeout,
             success=Result.SUCCESS,
+            max_batch_bytes=self.max_batch_bytes,
+            size_of=estimated_size,
         )
         self.write([header])
 
@@ -157,9 +164,23 @@ class OtlpLogsBackend:
         if self.sender is not None:
             self.sender.request_flush()
 
+    def begin_close(self, deadline: float | None = None) -> None:
+        """Send the rest now, without waiting; stop by ``deadline`` (``time.monotonic()``)."""
+        if self.sender is not None:
+            self.sender.begin_close(deadline)
+
+    def settle(self) -> None:
+        """Wait until all is sent or the deadline passes (the rest counted as abandoned)."""
+        if self.sender is not None:
+            self.sender.settle()
+
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+
+    def losses(self) -> dict[str, int]:
+        """Log records lost so far, by reason: ``queue_full``, ``failed``, ``abandoned``."""
+        return self.sender.losses() if self.sender is not None else {}
 
     def stats(self) -> dict[str, int]:
         return self.sender.stats() if self.sender is not None else {}

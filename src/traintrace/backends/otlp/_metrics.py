@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..._names import RecordKind, SpanName, Verbosity
 from .._base import Record
-from ._common import build_resource, call_with_timeout, make_exporter, require_otel, scope
+from ._common import build_resource, make_exporter, require_otel, scope
+
+log = logging.getLogger("traintrace.lib")
 
 #: Attribute keys of spans and events that become gauges: key -> (instrument, unit).
 GAUGES: dict[str, tuple[str, str]] = {
@@ -58,6 +63,35 @@ class OtlpMetricsBackend:
         self.export_interval = export_interval
         self.close_timeout = close_timeout
         self.provider: Any = None
+        self.exports = 0  # finished, successful or not
+        self.failed_exports = 0
+        self.unfinished_exports = 0  # the final export, when the close budget ran out first
+        self._closing: threading.Thread | None = None
+        self._deadline = 0.0
+        self._count_exports()
+
+    def _count_exports(self) -> None:
+        """Count the exporter's exports and failures (the SDK only logs a failure)."""
+        exporter = self._exporter
+        original = getattr(exporter, "export", None)
+        if original is None:
+            return
+        backend = self
+
+        def export(*args: Any, **kwargs: Any) -> Any:
+            result = None
+            try:
+                result = original(*args, **kwargs)
+                return result
+            finally:
+                backend.exports += 1
+                if getattr(result, "name", None) != "SUCCESS":
+                    backend.failed_exports += 1
+
+        try:
+            exporter.export = export
+        except Exception:  # noqa: BLE001 - an exporter that refuses attributes is not counted
+            log.debug("traintrace: otlp_metrics cannot count the exports of %r", exporter)
 
     def open(self, header: Record) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
@@ -140,11 +174,60 @@ class OtlpMetricsBackend:
     def flush(self) -> None:
         return None
 
+    def begin_close(self, deadline: float | None = None) -> None:
+        """Start the final export and shutdown, to end by ``deadline`` (``time.monotonic()``)."""
+        if self.provider is None or self._closing is not None:
+            return
+        own = time.monotonic() + self.close_timeout
+        self._deadline = own if deadline is None else min(own, deadline)
+        provider = self.provider
+        millis = max(self._deadline - time.monotonic(), 0.05) * 1000.0
+
+        def shutdown() -> None:
+            try:
+                provider.shutdown(timeout_millis=millis)
+            except Exception:
+                log.debug("traintrace: otlp_metrics shutdown failed", exc_info=True)
+
+        self._closing = threading.Thread(target=shutdown, name="traintrace-otlp_metrics-close", daemon=True)
+        self._closing.start()
+
+    def settle(self) -> None:
+        """Wait for the final export until the deadline; one not done by then counts as failed."""
+        if self._closing is None:
+            self.begin_close()
+        if self._closing is None:
+            return
+        self._closing.join(max(self._deadline - time.monotonic(), 0.0))
+        if self._closing.is_alive() and self._deadline:
+            self._deadline = 0.0
+            self.unfinished_exports = 1  # the final export did not finish within the close budget
+
     def close(self) -> None:
         if self.provider is None:
             return
-        provider = self.provider
-        timeout = self.close_timeout
-        call_with_timeout(
-            lambda: provider.shutdown(timeout_millis=timeout * 1000.0), timeout, "otlp_metrics-close"
-        )
+        self.settle()
+        failed = self.failed_exports + self.unfinished_exports
+        if failed:
+            log.warning(
+                "traintrace: otlp_metrics exported %d times, %d exports lost (%d failed, %d not finished "
+                "within the close budget of %.1fs)",
+                self.exports - self.failed_exports,
+                failed,
+                self.failed_exports,
+                self.unfinished_exports,
+                self.close_timeout,
+            )
+        else:
+            log.info("traintrace: otlp_metrics exported %d times, none lost", self.exports)
+
+    def losses(self) -> dict[str, int]:
+        """Metric exports lost (each loses that interval's points; not records)."""
+        failed = self.failed_exports + self.unfinished_exports
+        return {"failed_exports": failed} if failed else {}
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "exports": self.exports - self.failed_exports,
+            "failed_exports": self.failed_exports + self.unfinished_exports,
+        }

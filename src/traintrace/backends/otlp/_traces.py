@@ -8,9 +8,11 @@ from typing import Any
 from ..._names import RecordKind, SpanStatus, Verbosity
 from .._base import Record
 from ._common import (
+    DEFAULT_MAX_BATCH_BYTES,
     AttrValue,
     Sender,
     build_resource,
+    estimated_size,
     exporter_class,
     flatten_attrs,
     is_flat,
@@ -25,6 +27,8 @@ from ._encode import SpanEncoder, resource_message, scope_message, trace_request
 
 #: Finished spans held for events that follow them in the queue, when the writer is backlogged.
 _WINDOW = 4096
+#: Events waiting for a span whose record has not arrived yet (an iteration held for its tensors).
+_MAX_WAITING = 16384
 
 
 class _Pending:
@@ -50,6 +54,19 @@ class _Pending:
         if finished:
             self.end = self.start + record.get("dur", 0)
             self.status = record.get("status", SpanStatus.OK)
+
+
+def _within(pending: _Pending) -> list[tuple[str, int, dict[str, AttrValue]]]:
+    """The span's events, their times kept inside the span.
+
+    They happened in it; a time outside is the wall clock's re-anchoring
+    between the writer's cycles (at most microseconds), not a real difference.
+    """
+    start, end = pending.start, pending.end
+    events = pending.events
+    if all(start <= ts <= end for _, ts, _ in events):
+        return events
+    return [(name, min(max(ts, start), end), attrs) for name, ts, attrs in events]
 
 
 class Encoded:
@@ -137,6 +154,7 @@ class OtlpTracesBackend:
         batch_size: int = 2048,
         export_interval: float = 1.0,
         close_timeout: float = 3.0,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     ) -> None:
         require_otel("otlp_traces")
         self.verbosity = int(verbosity)
@@ -148,12 +166,17 @@ class OtlpTracesBackend:
         self._service_name = service_name
         self._extra = dict(resource_attributes or {})
         self._queue_options = (max_queue, batch_size, export_interval, close_timeout)
+        self.max_batch_bytes = max_batch_bytes
+        self.close_timeout = close_timeout
         self.sender: Sender | None = None
         self.trace_id = 0
         self._salt = 0
         self._open: dict[int, _Pending] = {}
         self._done: dict[int, _Pending | Record] = {}
         self._sent: set[int] = set()
+        #: span id -> (events and errors for it, the open span to fall back to), until its record comes.
+        self._waiting: dict[int, tuple[list[Record], int]] = {}
+        self._waiting_count = 0
         self.unattached = 0
 
     # -- backend protocol -------------------------------------------------
@@ -194,30 +217,48 @@ class OtlpTracesBackend:
             close_timeout=close_timeout,
             success=SpanExportResult.SUCCESS,
             prepare=prepare,
+            max_batch_bytes=self.max_batch_bytes,
+            size_of=len if self.fast else estimated_size,
         )
 
     def write(self, records: Sequence[Record]) -> None:
         done, open_spans = self._done, self._open
+        ended: list[int] = []
         for record in records:
             kind = record["kind"]
             if kind == RecordKind.SPAN:
                 # Kept as the record itself until an event or error needs a _Pending.
                 done[record["id"]] = record
+                if self._waiting:
+                    self._arrived(record["id"])
             elif kind == RecordKind.START:
                 pending = _Pending(record)
                 open_spans[pending.id] = pending
+                if self._waiting:
+                    self._arrived(pending.id)
             elif kind == RecordKind.END:
                 found = open_spans.pop(record["id"], None)
                 if found is None:
                     continue
-                found.end = record["ts"]
+                # Start plus the monotonic duration: the end record's wall time may be
+                # derived from a later clock anchor, a few microseconds apart.
+                dur = record.get("dur")
+                found.end = found.start + dur if type(dur) is int else record["ts"]
                 found.status = record.get("status", SpanStatus.OK)
                 attrs = record.get("attrs")
                 if attrs:
                     flatten_attrs(attrs, found.attrs)
                 done[found.id] = found
+                if self._waiting:
+                    ended.append(found.id)
             elif kind in (RecordKind.EVENT, RecordKind.ERROR):
                 self._attach(record)
+        # Only after the whole batch: a held span's end can come just before the held
+        # span that waiting events belong to (both released together), so an ended
+        # span gets the waiting events only if theirs did not come with it.
+        for span_id in ended:
+            if self._waiting:
+                self._fall_back(span_id)
         if len(done) > 2 * _WINDOW:
             # The writer is backlogged and flush() waits for an empty queue: send all
             # but the newest spans now (their events are at most a window behind).
@@ -225,28 +266,71 @@ class OtlpTracesBackend:
             self._done = dict(held[-_WINDOW:])
             self._send([pending for _, pending in held[:-_WINDOW]])
 
-    def _target(self, record: Record) -> _Pending | None:
-        span_id = record.get("span") or 0
-        if span_id:
-            found = self._done.get(span_id) or self._open.get(span_id)
-            if found is not None:
-                if not isinstance(found, _Pending):
-                    found = self._done[span_id] = _Pending(found, finished=True)
-                return found
-            if span_id in self._sent:
-                return None  # its span is already on its way: too late to add to it
-        # Not a span this backend sees (a finer verbosity): the innermost open span of the thread.
-        tid = record.get("tid")
+    def _found(self, span_id: int) -> _Pending | None:
+        found = self._done.get(span_id) or self._open.get(span_id)
+        if found is not None and not isinstance(found, _Pending):
+            found = self._done[span_id] = _Pending(found, finished=True)
+        return found
+
+    def _innermost(self, tid: Any) -> _Pending | None:
         for pending in reversed(self._open.values()):
             if pending.tid == tid:
                 return pending
         return None
 
     def _attach(self, record: Record) -> None:
-        target = self._target(record)
+        span_id = record.get("span") or 0
+        target = self._found(span_id) if span_id else None
+        if target is None and span_id:
+            if span_id in self._sent:
+                self.unattached += 1  # its span is already on its way: too late to add to it
+                return
+            # Its span's record is still to come (an iteration held back until its tensors
+            # are read), or never comes (a span finer than this backend's verbosity): wait
+            # for it, and fall back to the thread's innermost open span when that one ends.
+            if self._waiting_count < _MAX_WAITING:
+                fallback = self._innermost(record.get("tid"))
+                waiting = self._waiting.get(span_id)
+                if waiting is None:
+                    self._waiting[span_id] = ([record], fallback.id if fallback is not None else 0)
+                else:
+                    waiting[0].append(record)
+                self._waiting_count += 1
+                return
+        if target is None:
+            target = self._innermost(record.get("tid"))
         if target is None:
             self.unattached += 1
             return
+        self._add(target, record)
+
+    def _arrived(self, span_id: int) -> None:
+        """The record of a span with waiting events arrived: they are its own."""
+        waiting = self._waiting.pop(span_id, None)
+        if waiting is None:
+            return
+        target = self._found(span_id)
+        self._waiting_count -= len(waiting[0])
+        for record in waiting[0]:
+            if target is None:
+                self.unattached += 1
+            else:
+                self._add(target, record)
+
+    def _fall_back(self, ended: int) -> None:
+        """Span ``ended`` ends: events whose own span never came go to it (as before they waited)."""
+        for span_id, (records, fallback) in list(self._waiting.items()):
+            if fallback == ended:
+                del self._waiting[span_id]
+                self._waiting_count -= len(records)
+                target = self._found(ended)
+                for record in records:
+                    if target is None:
+                        self.unattached += 1
+                    else:
+                        self._add(target, record)
+
+    def _add(self, target: _Pending, record: Record) -> None:
         attrs: dict[str, AttrValue] = {}
         if record["kind"] == RecordKind.ERROR:
             error_type = record.get("error_type") or record.get("name", "error")
@@ -326,11 +410,12 @@ class OtlpTracesBackend:
 
     def _encode(self, pending: _Pending) -> bytes:
         attrs = pending.attrs
-        error = None
+        # An error recorded in the span (tt.error inside it) makes it ERROR whatever its ending.
+        error = pending.error
         if pending.status != SpanStatus.OK:
             attrs["traintrace.status"] = pending.status
-            if pending.status == SpanStatus.ERROR:
-                error = pending.error or ""
+            if pending.status == SpanStatus.ERROR and error is None:
+                error = ""
         return self._encoder.span(
             pending.id,
             pending.parent,
@@ -338,7 +423,7 @@ class OtlpTracesBackend:
             start=pending.start,
             end=pending.end,
             attrs=attrs,
-            events=pending.events,
+            events=_within(pending),
             link=pending.link,
             error=error,
             tid=pending.tid,
@@ -352,8 +437,8 @@ class OtlpTracesBackend:
         status = self._ok
         if pending.status != SpanStatus.OK:
             attrs["traintrace.status"] = pending.status
-            if pending.status == SpanStatus.ERROR:
-                status = self._Status(self._StatusCode.ERROR, pending.error)
+        if pending.error is not None or pending.status == SpanStatus.ERROR:
+            status = self._Status(self._StatusCode.ERROR, pending.error)
         links: Sequence[Any] = ()
         if pending.link:
             links = (self._Link(context(trace_id, span_id_for(salt, pending.link), False, flags)),)
@@ -365,7 +450,7 @@ class OtlpTracesBackend:
             else None,
             resource=self.resource,
             attributes=attrs,
-            events=[self._Event(name, attrs, ts) for name, ts, attrs in pending.events],
+            events=[self._Event(name, attrs, ts) for name, ts, attrs in _within(pending)],
             links=links,
             kind=self._kind,
             status=status,
@@ -374,11 +459,33 @@ class OtlpTracesBackend:
             instrumentation_scope=self._scope,
         )
 
-    def close(self) -> None:
-        # Spans still open here were never ended; the pipeline ends them before close.
+    def _send_rest(self) -> None:
+        # Spans still open here were never ended; the pipeline ends them before closing.
+        for records, _ in self._waiting.values():
+            self.unattached += len(records)
+        self._waiting.clear()
+        self._waiting_count = 0
         self.flush()
+
+    def begin_close(self, deadline: float | None = None) -> None:
+        """Send the rest now, without waiting; stop by ``deadline`` (``time.monotonic()``)."""
+        self._send_rest()
+        if self.sender is not None:
+            self.sender.begin_close(deadline)
+
+    def settle(self) -> None:
+        """Wait until all is sent or the deadline passes (the rest counted as abandoned)."""
+        if self.sender is not None:
+            self.sender.settle()
+
+    def close(self) -> None:
+        self._send_rest()
         if self.sender is not None:
             self.sender.close()
+
+    def losses(self) -> dict[str, int]:
+        """Spans lost so far, by reason: ``queue_full``, ``failed``, ``abandoned``."""
+        return self.sender.losses() if self.sender is not None else {}
 
     def stats(self) -> dict[str, int]:
         """Exported, dropped (queue full), failed (collector), abandoned (at close), queued."""
