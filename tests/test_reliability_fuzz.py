@@ -341,6 +341,108 @@ def test_out_of_range_intervals_are_config_errors(tmp_path: Path, name: str, val
         tt.configure(log_dir=str(tmp_path), backends={"log": False}, **{name: value})
 
 
+_SECONDS_FIELDS = [
+    "flush_interval",
+    "close_timeout",
+    "hang_timeout",
+    "hang_check_interval",
+    "device_sample_interval",
+    "hang_exit_after",
+    "peak_tflops",
+]
+_bad_seconds = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e-9, 1e300, -1.0, 2**70])
+
+
+@FUZZ
+@given(name=st.sampled_from(_SECONDS_FIELDS), value=_bad_seconds)
+def test_every_interval_and_timeout_refuses_nan_infinity_and_busy_loops(tmp_path: Path, name: str, value: float) -> None:
+    """NaN, infinity, 1e-9 (a busy loop), 1e300 or a negative value for any interval or timeout
+    is a ConfigError naming the field (issue 17, item 9: NaN timeouts raised ValueError,
+    device_sample_interval=inf killed the sampler thread)."""
+    if name == "peak_tflops" and value in (1e-9, 1e300, 2**70):
+        value = -1.0  # any finite positive peak is valid
+    with pytest.raises(tt.ConfigError, match=name):
+        tt.configure(log_dir=str(tmp_path), backends={"log": False}, **{name: value})
+    with pytest.raises(tt.ConfigError, match="phase_timeouts"):
+        tt.configure(log_dir=str(tmp_path), backends={"log": False}, phase_timeouts={"validation": value})
+
+
+@FUZZ
+@given(template=st.text(alphabet=st.sampled_from("ab/{}\x00._-job"), min_size=1, max_size=20))
+def test_path_templates_give_a_stream_or_a_config_error(tmp_path: Path, template: str) -> None:
+    """Any template (NUL characters, unbalanced braces, unknown placeholders) either makes a
+    stream or raises ConfigError naming backends.file.path (not ValueError)."""
+    try:
+        tt.configure(job_id="t", log_dir=str(tmp_path / "logs"), backends={"file": {"path": template}, "log": False})
+    except tt.ConfigError as exc:
+        assert "backends.file" in str(exc)
+    finally:
+        tt.close()
+
+
+def test_a_nul_in_log_dir_and_a_huge_world_are_config_errors(tmp_path: Path) -> None:
+    """A NUL in log_dir, world_size=2**70 (a MemoryError before): ConfigError naming them."""
+    with pytest.raises(tt.ConfigError, match="log_dir"):
+        tt.configure(log_dir=str(tmp_path) + "/a\x00b")
+    with pytest.raises(tt.ConfigError, match="world_size"):
+        tt.configure(log_dir=str(tmp_path), world_size=2**70, rank=0)
+
+
+def test_a_rank_range_far_beyond_the_world_costs_nothing(tmp_path: Path) -> None:
+    """``ranks="0-99999999"`` (minutes and 10 GB before): selects rank 0 at once, using a few
+    kilobytes; a selector also works on a world of the maximum size."""
+    from traintrace._config import MAX_WORLD_SIZE, parse_ranks, rank_selected
+
+    tracemalloc.start()
+    try:
+        tt.configure(job_id="r", log_dir=str(tmp_path), backends={"file": {"ranks": "0-99999999"}, "log": False})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        tt.close()
+    assert peak < 20_000_000
+    assert (tmp_path / "r" / "rank0.jsonl").exists()
+    assert rank_selected("0-99999999", MAX_WORLD_SIZE - 1, MAX_WORLD_SIZE)
+    assert not rank_selected("2-99999999,-1", 1, 10) and rank_selected("-1", 9, 10)
+    assert parse_ranks("5-99999999", 8) == {5, 6, 7}
+
+
+class _NoStr:
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+    __repr__ = __str__
+
+
+@FUZZ
+@given(
+    name=st.one_of(st.text(max_size=10), st.just(_NoStr()), st.lists(st.integers(), max_size=2)),
+    t0=st.one_of(st.integers(-(10**12), 10**12), st.none(), st.text(max_size=3), st.floats()),
+    t1=st.one_of(st.integers(-(10**12), 10**12), st.none(), st.floats(allow_nan=False, allow_infinity=False)),
+    level=st.one_of(st.integers(-5, 50), st.text(max_size=4), st.none()),
+    metrics=st.one_of(st.none(), st.integers(), st.dictionaries(st.text(max_size=4), st.integers(), max_size=3)),
+    status=st.one_of(st.text(max_size=8), st.integers(), st.none()),
+)
+def test_record_span_and_span_never_raise_and_write_valid_records(
+    tmp_path: Path, name: Any, t0: Any, t1: Any, level: Any, metrics: Any, status: Any
+) -> None:
+    """record_span with any name (one whose __str__ raises, a list), times (None, text, t1 before
+    t0), level, metrics (5) and status (an int): never raises, and what it writes validates
+    (dur never negative, status a string); tt.span(["a"]) is a span too."""
+    memory = MemoryBackend()
+    tt.configure(job_id="rs", backends={"file": False, "log": False}, extra_backends=[memory], statistics=False)
+    rec = tt.get_recorder()
+    assert rec is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec.record_span(name, t0, t1, metrics=metrics, level=level, status=status)
+        with tt.span(name, metrics):
+            pass
+    tt.close()
+    assert not schema_errors(memory.records)
+    assert all(r["dur"] >= 0 and isinstance(r["status"], str) for r in memory.records if r.get("kind") == "span")
+
+
 # ---------------------------------------------------------------- reader
 
 RECORD_FIELDS = [

@@ -87,6 +87,18 @@ def _label(name: object) -> str:
         return f"<{type(name).__name__}>"
 
 
+#: perf_counter_ns() readings are never negative and stay far below this.
+_MAX_NS = 2**62
+
+
+def _label_str(name: object) -> str:
+    """``str(name)``, even when the name's ``__str__`` raises."""
+    try:
+        return str(name)
+    except Exception:  # noqa: BLE001
+        return f"<{type(name).__name__}>"
+
+
 def as_level(level: object) -> int:
     """A verbosity level from what a caller passed; INFO (and a warning) if unusable."""
     if type(level) is int:
@@ -481,18 +493,32 @@ class Recorder:
         current span, and costs less than a start and a stop. Returns the span,
         or None when nothing would record it.
         """
-        if int(level) > self.max_level or self.closed:
+        chosen = as_level(level)
+        if chosen > self.max_level or self.closed:
             return None
-        span = Span(str(name), as_attrs(metrics), int(level))
-        span.parent = parent
+        try:
+            begin, end = int(t0), int(t1)
+            if not (0 <= begin < _MAX_NS and 0 <= end < _MAX_NS):
+                raise ValueError("out of range")
+        except Exception:  # noqa: BLE001 - misuse warns, never raises
+            warn_once("bad_times", f"record_span {_label(name)}: t0/t1 are not perf_counter_ns() readings; ignored")
+            return None
+        if end < begin:
+            warn_once("negative_duration", f"record_span {_label(name)}: t1 is before t0; recorded with duration 0")
+            end = begin
+        if status.__class__ is not str:
+            warn_once("bad_status", f"record_span {_label(name)}: status is not a string; recorded as 'ok'")
+            status = SpanStatus.OK
+        span = Span(name if name.__class__ is str else _label_str(name), as_attrs(metrics), chosen)
+        span.parent = parent if isinstance(parent, Span) else None
         span.id = next(_ids)
         span.tid = _get_ident()
         span.metrics = None
         span.status = status
         span.written = 0
         span._rec = self
-        span.t0 = int(t0)
-        span.t1 = int(t1)
+        span.t0 = begin
+        span.t1 = end
         # Seen twice by the writer, like any span: once to write it, once as its end.
         queue = self._queue
         if len(queue) < self._cap:
