@@ -306,6 +306,10 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _configure_lock
+    # Another thread may have held it in configure() at the fork: that thread does not
+    # exist here, so the child would wait for it forever.
+    _configure_lock = threading.RLock()
     _faults.after_fork_in_child()
     rec = get_active()
     if rec is None:
