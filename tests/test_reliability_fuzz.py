@@ -355,7 +355,9 @@ _bad_seconds = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e-9,
 
 @FUZZ
 @given(name=st.sampled_from(_SECONDS_FIELDS), value=_bad_seconds)
-def test_every_interval_and_timeout_refuses_nan_infinity_and_busy_loops(tmp_path: Path, name: str, value: float) -> None:
+def test_every_interval_and_timeout_refuses_nan_infinity_and_busy_loops(
+    tmp_path: Path, name: str, value: float
+) -> None:
     """NaN, infinity, 1e-9 (a busy loop), 1e300 or a negative value for any interval or timeout
     is a ConfigError naming the field (issue 17, item 9: NaN timeouts raised ValueError,
     device_sample_interval=inf killed the sampler thread)."""
@@ -423,7 +425,7 @@ class _NoStr:
     metrics=st.one_of(st.none(), st.integers(), st.dictionaries(st.text(max_size=4), st.integers(), max_size=3)),
     status=st.one_of(st.text(max_size=8), st.integers(), st.none()),
 )
-def test_record_span_and_span_never_raise_and_write_valid_records(
+def test_record_span_and_span_never_raise_and_write_valid_records(  # noqa: PLR0917 - one per strategy
     tmp_path: Path, name: Any, t0: Any, t1: Any, level: Any, metrics: Any, status: Any
 ) -> None:
     """record_span with any name (one whose __str__ raises, a list), times (None, text, t1 before

@@ -434,3 +434,34 @@ def test_every_folder_created_gets_the_folder_mode(tmp_path: Path) -> None:
     assert {str(p.relative_to(tmp_path)): oct(stat.S_IMODE(p.stat().st_mode)) for p in created} == {
         str(p.relative_to(tmp_path)): "0o750" for p in created
     }
+
+
+# ---------------------------------------------------------------- job ids (issue 17, item 13)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.text(min_size=1, max_size=200), b=st.text(min_size=1, max_size=200))
+def test_different_job_ids_never_share_a_folder(a: str, b: str) -> None:
+    """Two different job ids give two different folder names, each one safe path component of
+    at most 128 characters, even when sanitising changes them (``a/b``, ``a\\x00b``, ``a_b``)
+    or they share a 128-character prefix."""
+    from traintrace._identity import safe_component
+
+    for text in (a, b):
+        name = safe_component(text)
+        assert 1 <= len(name) <= 128 and "/" not in name and "\x00" not in name and not name.startswith(".")
+    if a != b:
+        assert safe_component(a) != safe_component(b)
+
+
+def test_colliding_job_ids_get_their_own_folders(tmp_path: Path) -> None:
+    """The ids the review found sharing a folder now write three folders and two long ones;
+    an id that needs no change keeps its name."""
+    long = "x" * 128
+    ids = ["a/b", "a\x00b", "a_b", long + "1", long + "2"]
+    for job in ids:
+        tt.configure(job_id=job, log_dir=str(tmp_path), backends={"file": {}, "log": False}, fault_handler=False)
+        tt.close()
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert len(folders) == len(ids) and "a_b" in folders
+    assert all(len(name) <= 128 for name in folders)
