@@ -80,3 +80,62 @@ def test_cli_on_hostile_files(tmp_path: Path, command: list[str]) -> None:
     if args[0] == "report":
         page = (tmp_path / "r.html").read_text()
         assert "<script>alert(1)</script>" not in page
+
+
+# ---------------------------------------------------------------- issue 17, item 12
+
+
+def _small_job(root: Path, name: str = "small") -> Path:
+    tt.configure(job_id=name, log_dir=str(root), backends={"log": False}, fault_handler=False)
+    with tt.application(), tt.training_loop():
+        for step in range(3):
+            with tt.training_iteration(step):
+                tt.event("progress", {"step": step})
+        tt.error("boom \x1b[2J\x1b]8;;http://evil.example/\x07link\x1b]8;;\x07 \rhidden\x9b31m")
+    tt.close()
+    return root / name
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ranks", "--windows", "0"],
+        ["ranks", "--top", "-3"],
+        ["ranks", "--threshold", "nan"],
+        ["export", "--start", "nan"],
+        ["export", "--end", "inf"],
+        ["summary", "--threads", "-1"],
+        ["summary", "--memory-limit", "abc"],
+        ["query", "select 1", "--limit", "-1"],
+        ["report", "--windows", "0"],
+        ["errors", "--hang-after", "nan"],
+    ],
+)
+def test_bad_arguments_are_usage_errors_not_tracebacks(tmp_path: Path, args: list[str]) -> None:
+    """``--windows 0``, ``--start nan``, ``--threads -1``, ``--memory-limit abc``, ``--limit -1``
+    and their kind: exit 2 with a message naming the option, never a traceback."""
+    from traintrace.cli import EXIT_USAGE
+
+    job = _small_job(tmp_path / "logs")
+    command, rest = args[0], args[1:]
+    positional = [rest.pop(0)] if command == "query" else []
+    done = subprocess.run(
+        [sys.executable, "-m", "traintrace.cli", command, str(job), *positional, *rest],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
+    assert done.returncode == EXIT_USAGE, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and rest[0] in done.stderr
+
+
+def test_terminal_output_escapes_control_characters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An error message holding clear-screen, an OSC-8 link, a carriage return and a C1 CSI is
+    printed by ``errors`` with those characters escaped (``\\x1b``), none of them raw."""
+    from traintrace.cli import main
+
+    job = _small_job(tmp_path / "logs")
+    assert main(["errors", str(job), "--quiet"]) == 0
+    out = capsys.readouterr()
+    for raw in ("\x1b", "\r", "\x07", "\x9b"):
+        assert raw not in out.out and raw not in out.err
+    assert "\\x1b[2J" in out.out and "\\rhidden" in out.out
