@@ -237,8 +237,9 @@ def _memory(text: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit code (see ``EXIT_CODES``)."""
     args = _parser().parse_args(argv)
-    stdout, stderr = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _SafeStream(stdout), _SafeStream(stderr)  # type: ignore[assignment]
+    stdout = sys.stdout
+    # stdout carries record text; stderr our progress line (its own \r) and messages, escaped where printed.
+    sys.stdout = _SafeStream(stdout)  # type: ignore[assignment]
     try:
         return _run(args)
     except BrokenPipeError:
@@ -248,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return EXIT_OK
     finally:
-        sys.stdout, sys.stderr = stdout, stderr
+        sys.stdout = stdout
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -258,17 +259,20 @@ def _run(args: argparse.Namespace) -> int:
     try:
         job = Job.open(args.paths, progress=progress, threads=args.threads, memory_limit=args.memory_limit)
     except MissingExtra as exc:
-        print(f"traintrace: {exc}", file=sys.stderr)
+        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
         return EXIT_MISSING_EXTRA
     except LoadError as exc:
-        print(f"traintrace: {exc}", file=sys.stderr)
+        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.command != "query":
+        # Everything is loaded: the analyses need no file access of DuckDB's (outputs are written by Python).
+        job.restrict_external_access()
     try:
         return _dispatch(args, job, parse_ranks)
     except Exception as exc:  # noqa: BLE001 - turned into an exit code
         duckdb = sys.modules.get("duckdb")
         if args.command == "query" and duckdb is not None and isinstance(exc, duckdb.Error):
-            print(f"traintrace: query failed: {exc}", file=sys.stderr)
+            print(terminal_safe(f"traintrace: query failed: {exc}"), file=sys.stderr)
             return EXIT_USAGE
         traceback.print_exc()
         print("traintrace: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
@@ -294,7 +298,7 @@ def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
         try:
             ranks = parse_ranks(args.ranks) if args.ranks else None
         except ValueError:
-            print(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)", file=sys.stderr)
+            print(terminal_safe(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)"), file=sys.stderr)
             return EXIT_USAGE
         data = export_chrome(job, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
         if args.json:
@@ -324,9 +328,9 @@ def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
             sys.stdout.write(table(names, rows, "l" * len(names)) + "\n")
             more = cursor.fetchone()
             if more is not None:
-                print(f"(first {args.limit} rows shown; --limit N for more)", file=sys.stderr)
+                print(terminal_safe(f"(first {args.limit} rows shown; --limit N for more)"), file=sys.stderr)
         for note in job.notes:
-            print(f"note: {note}", file=sys.stderr)
+            print(terminal_safe(f"note: {note}"), file=sys.stderr)
     return EXIT_OK
 
 
