@@ -13,6 +13,7 @@ import pytest
 
 import traintrace as tt
 from traintrace import _recorder
+from traintrace.backends._scalars import framework_logs
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "src" / "traintrace" / "schema" / "record-v1.schema.json"
 
@@ -57,6 +58,7 @@ def _clean_traintrace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterat
             monkeypatch.delenv(key, raising=False)
     monkeypatch.chdir(tmp_path)
     _recorder._warned.clear()
+    framework_logs.active = False  # set by the Lightning/HF callbacks for the process (trackers' tests)
     yield
     tt.close()
     _recorder._warned.clear()

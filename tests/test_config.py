@@ -14,7 +14,8 @@ from traintrace._identity import detect
 def test_defaults() -> None:
     """With nothing given: files from every rank, logs at info on rank 0."""
     config = build_config(env={})
-    assert set(config.backends) == {"file", "log"}
+    assert set(config.backends) == {"file", "log", "console"}
+    assert config.backends["console"].enabled is False  # on only when stderr is a terminal
     assert config.backends["file"].verbosity == tt.Verbosity.PROFILING
     assert config.backends["log"].effective_verbosity(0, 4) == tt.Verbosity.INFO
     assert config.backends["log"].effective_verbosity(2, 4) == tt.Verbosity.ERROR
@@ -87,8 +88,9 @@ def test_bad_environment_value_names_the_variable(monkeypatch: pytest.MonkeyPatc
         tt.configure()
     monkeypatch.delenv("TRAINTRACE_QUEUE_SIZE")
     monkeypatch.setenv("TRAINTRACE_SHINY", "1")
-    with pytest.raises(tt.ConfigError, match=r"TRAINTRACE_SHINY"):
+    with pytest.warns(tt.TraintraceWarning, match=r"TRAINTRACE_SHINY is not a setting"):
         tt.configure()
+    tt.close()
 
 
 def test_missing_and_broken_config_files(tmp_path: Path) -> None:
@@ -226,3 +228,60 @@ def test_identity_from_torchrun_and_slurm() -> None:
     assert (torchrun.restart_count, torchrun.job_id, torchrun.launcher) == (2, "abc", "torchelastic")
     slurm = detect({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "991", "SLURM_LOCALID": "1"})
     assert (slurm.rank, slurm.world_size, slurm.job_id, slurm.local_rank) == (3, 4, "991", 1)
+
+
+def test_unknown_variable_warns_once_with_the_closest_name() -> None:
+    """A TRAINTRACE_* typo warns (naming the setting it resembles) and recording still starts."""
+    env = {"TRAINTRACE_LOG_INTERVALL": "7", "TRAINTRACE_BACKENDS_FILE_PAHT": "x.jsonl", "TRAINTRACE_JOB_ID": "j"}
+    with pytest.warns(tt.TraintraceWarning) as caught:
+        config = build_config(env=env)
+        build_config(env=env)  # a second configure() does not repeat the warnings
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2, messages
+    assert "TRAINTRACE_BACKENDS_FILE_PAHT" in messages[0] and "TRAINTRACE_BACKENDS_FILE_PATH?" in messages[0]
+    assert "TRAINTRACE_LOG_INTERVALL" in messages[1] and "TRAINTRACE_LOG_INTERVAL?" in messages[1]
+    assert config.job_id == "j" and config.log_interval == 100
+
+
+def test_the_commands_own_variables_are_not_settings_and_not_warned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRAINTRACE_MEMORY_LIMIT (read by the command) leaves configure() working and silent."""
+    import warnings
+
+    monkeypatch.setenv("TRAINTRACE_MEMORY_LIMIT", "4GB")
+    monkeypatch.setenv("TRAINTRACE_VENV", "/tmp/venv")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tt.configure()
+        assert tt.is_configured()
+        tt.close()
+    texts = [str(w.message) for w in caught]
+    assert not any("MEMORY_LIMIT" in t for t in texts), texts
+    assert any("TRAINTRACE_VENV" in t for t in texts), texts
+
+
+def test_toml_on_python_310_uses_tomli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without tomllib (Python 3.10) the TOML file is read with tomli."""
+    import sys
+
+    pytest.importorskip("tomli")
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # what `import tomllib` finds on 3.10
+    file = tmp_path / "tt.toml"
+    file.write_text('job_name = "floor"\n[backends.log]\nenabled = false\n')
+    config = build_config(config_file=file, env={})
+    assert config.job_name == "floor" and config.backends["log"].enabled is False
+    broken = tmp_path / "broken.toml"
+    broken.write_text("job_name = \n")
+    with pytest.raises(tt.ConfigError, match=r"broken\.toml"):
+        build_config(config_file=broken, env={})
+
+
+def test_toml_without_a_reader_names_tomli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.10 without tomli: configure() raises a ConfigError that says to install tomli."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    file = tmp_path / "tt.toml"
+    file.write_text('job_name = "floor"\n')
+    with pytest.raises(tt.ConfigError, match=r"tomli"):
+        tt.configure(config_file=file)

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import string
+import sys
 import time
 import types
 import typing
@@ -220,9 +221,13 @@ class LogBackendConfig(BackendConfig):
     format: str = "kv"
     ranks: str | int | Sequence[int] = "0"
     verbosity_elsewhere: Verbosity | str | int | None = Verbosity.ERROR
+    #: Put an error's whole stack in its log line (off: the stack is in the file; the line says where).
+    stacks: bool = False
 
     def validate(self, where: str) -> None:
         super().validate(where)
+        if not isinstance(self.stacks, bool):
+            raise ConfigError(f"{where}.stacks: expected true or false, got {self.stacks!r}")
         if self.format not in ("kv", "json"):
             raise ConfigError(f"{where}.format: expected 'kv' or 'json', got {self.format!r}")
         if not isinstance(self.logger, str) or not self.logger:
@@ -231,7 +236,7 @@ class LogBackendConfig(BackendConfig):
     def create(self, config: Config, identity: Identity, level: int) -> Backend:
         from .backends._log import LogBackend
 
-        return LogBackend(self.logger, format=self.format, verbosity=level)
+        return LogBackend(self.logger, format=self.format, verbosity=level, stacks=self.stacks)
 
 
 # ---------------------------------------------------------------- path templates
@@ -283,7 +288,9 @@ def resolve_path(template: str, log_dir: str | os.PathLike[str], identity: Ident
 
 
 def _default_backends() -> dict[str, BackendConfig]:
-    return {"file": FileBackendConfig(), "log": LogBackendConfig()}
+    from ._console import ConsoleBackendConfig  # on when stderr is a terminal (docs/integrations/console.md)
+
+    return {"file": FileBackendConfig(), "log": LogBackendConfig(), "console": ConsoleBackendConfig()}
 
 
 @dataclass
@@ -516,6 +523,25 @@ def _apply_backends(config: Config, value: Any, where: str) -> None:
     raise ConfigError(f"{where}: expected a mapping or a list of backend configs")
 
 
+def _toml_module(file: Path) -> Any:
+    """``tomllib`` (Python 3.11+), else ``tomli``; a ConfigError when neither exists."""
+    try:
+        import tomllib  # type: ignore[import-not-found,unused-ignore]
+
+        return tomllib
+    except ImportError:
+        pass
+    try:
+        import tomli  # type: ignore[import-not-found,unused-ignore]
+
+        return tomli
+    except ImportError:
+        raise ConfigError(
+            f"config file {file}: TOML on Python {sys.version_info[0]}.{sys.version_info[1]} needs tomli "
+            "(pip install 'traintrace[toml]'), or use YAML with PyYAML"
+        ) from None
+
+
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a TOML (or, with PyYAML installed, YAML) configuration file."""
     file = Path(path)
@@ -535,15 +561,31 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file {file}: {exc}") from None
     else:
-        import tomllib
-
+        toml = _toml_module(file)
         try:
-            loaded = tomllib.loads(data.decode("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            loaded = toml.loads(data.decode("utf-8"))
+        except (toml.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {file}: {exc}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {file}: expected a table of settings at the top")
     return loaded.get("traintrace", loaded) if isinstance(loaded.get("traintrace"), dict) else loaded
+
+
+#: ``TRAINTRACE_*`` variables that are not settings of the library: read by
+#: ``configure()`` itself or by the ``traintrace`` command (docs/configuration.md).
+OWN_VARIABLES = frozenset({"config", "disabled", "memory_limit"})
+
+
+def _unknown_variable(key: str, candidates: Sequence[str]) -> None:
+    """One warning per variable, naming the closest setting; never an error."""
+    import difflib
+
+    from ._recorder import warn_once
+
+    name = key[len(ENV_PREFIX) :].lower()
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    hint = f"; did you mean {ENV_PREFIX}{close[0].upper()}?" if close else ""
+    warn_once(f"env:{key}", f"{key} is not a setting; ignored{hint} (docs/configuration.md)")
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
@@ -551,9 +593,10 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 
     ``TRAINTRACE_JOB_ID=x`` sets ``job_id``; ``TRAINTRACE_BACKENDS_FILE_PATH=p``
     sets ``backends.file.path``; ``TRAINTRACE_BACKENDS_LOG_ENABLED=0`` turns the
-    log backend off.
+    log backend off. A variable that names no setting is ignored with one
+    warning that names the closest setting (a typo must not stop recording).
     """
-    top = {f.name for f in dataclasses.fields(Config)}
+    top = {f.name for f in dataclasses.fields(Config)} - {"backends", "metadata"}
     out: dict[str, Any] = {}
     backends: dict[str, dict[str, Any]] = {}
     for key, value in env.items():
@@ -564,14 +607,22 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             rest = name[len("backends_") :]
             for kind in sorted(BackendConfig.registry, key=len, reverse=True):
                 if rest.startswith(kind + "_"):
-                    backends.setdefault(kind, {})[rest[len(kind) + 1 :]] = value
+                    fields = _fields(BackendConfig.registry[kind])
+                    field_name = rest[len(kind) + 1 :]
+                    if field_name in fields:
+                        backends.setdefault(kind, {})[field_name] = value
+                    else:
+                        _unknown_variable(key, [f"backends_{kind}_{f}" for f in fields])
                     break
             else:
-                raise ConfigError(f"{key}: unknown backend (known: {sorted(BackendConfig.registry)})")
-        elif name in top and name not in ("backends", "metadata"):
+                _unknown_variable(
+                    key,
+                    [f"backends_{kind}_{f}" for kind, cls in BackendConfig.registry.items() for f in _fields(cls)],
+                )
+        elif name in top:
             out[name] = value
-        elif name not in ("config", "disabled"):
-            raise ConfigError(f"{key}: unknown setting (known: {', '.join(sorted(top))})")
+        elif name not in OWN_VARIABLES:
+            _unknown_variable(key, sorted(top))
     if backends:
         out["backends"] = backends
     return out

@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from . import events
@@ -123,6 +124,7 @@ def start_agent_stream(job_id: str, info: dict[str, Any] | None = None) -> Any:
             file_cfg, path=f"{{job}}/agent{hosts}.jsonl", ranks="all", verbosity_elsewhere=None
         )
     config.backends.pop("log", None)  # torchrun prints its own lines
+    config.backends.pop("console", None)  # the agent has no steps; the ranks print progress
     config.rank, config.world_size = 0, 1
     config.local_rank, config.local_world_size, config.restart_count = 0, 1, 0
     rec = start_stream(config, (), {"role": "agent", "launch": info})
@@ -139,13 +141,34 @@ def start_agent_stream(job_id: str, info: dict[str, Any] | None = None) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The ``traintrace-run`` entry point: torchrun's arguments, torchrun's behaviour."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from . import _run_options
+
     try:
         from torch.distributed import run as torchrun_module
     except ImportError:
-        sys.stderr.write("traintrace-run needs torch: pip install 'traintrace[torch]'\n")
-        raise SystemExit(2) from None
+        torchrun_module = None  # type: ignore[assignment]
     torchrun: Any = torchrun_module
+    try:
+        options, argv = _run_options.split(
+            sys.argv[1:] if argv is None else argv, _run_options.flags_of(torchrun and torchrun.get_args_parser())
+        )
+    except _run_options.OptionError as exc:
+        sys.stderr.write(f"traintrace-run: {exc}\n")
+        raise SystemExit(2) from None
+    if options.help:
+        _run_options.print_help(None if torchrun is None else torchrun.get_args_parser())
+        raise SystemExit(0)
+    if torchrun is None:
+        sys.stderr.write("traintrace-run needs torch: pip install 'traintrace[torch]'\n")
+        raise SystemExit(2)
+    if options.metrics_port is not None:
+        from . import _prometheus
+
+        try:
+            _prometheus.require()
+        except ImportError as exc:
+            sys.stderr.write(f"traintrace-run: {exc}\n")
+            raise SystemExit(2) from None
     args = torchrun.parse_args(argv)
     job_id = choose_job_id(args, os.environ)
     os.environ["TRAINTRACE_JOB_ID"] = job_id
@@ -161,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rec = start_agent_stream(job_id, info)
     except Exception as exc:  # noqa: BLE001 - the job runs even if its telemetry cannot
         log.warning("traintrace: the agent stream could not start (%s); launching anyway", exc)
+    metrics = _serve_metrics(options, job_id, rec)
     started = time.monotonic()
     events.record(EventType.JOB_START, data=info, source=_AGENT)
     exit_code = 1
@@ -185,6 +209,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         get_default_event_publisher().flush(2.0)
         if rec is not None:
             rec.close()
+        if metrics is not None:
+            metrics.close()
+
+
+def _serve_metrics(options: Any, job_id: str, rec: Any) -> Any:
+    """Start the Prometheus endpoint for this node's ranks (``--metrics-port``), or None."""
+    if options.metrics_port is None:
+        return None
+    from ._config import build_config
+    from ._prometheus import MetricsServer
+
+    folder = Path(build_config(job_id=job_id).log_dir) / safe_component(job_id)
+    host = rec.identity.host if rec is not None else None
+    try:
+        server = MetricsServer(folder, options.metrics_port, options.metrics_host, host=host)
+    except OSError as exc:
+        log.warning("traintrace: cannot serve metrics on port %s (%s); launching anyway", options.metrics_port, exc)
+        return None
+    sys.stderr.write(f"traintrace-run: Prometheus metrics at http://{options.metrics_host or '0.0.0.0'}:"
+                     f"{server.port}/metrics\n")
+    return server
 
 
 if __name__ == "__main__":

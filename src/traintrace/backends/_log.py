@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,13 +48,31 @@ def to_line_fields(record: Record, identity: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_MESSAGE_CHARS = 300
+
+
+def _without_stack(record: Record) -> Record:
+    """An error record for a log line: the stack's innermost frame instead of the stack."""
+    out = {key: value for key, value in record.items() if key != "stack"}
+    frames = re.findall(r'File "([^"]+)", line (\d+)', str(record.get("stack") or ""))
+    if frames:
+        file, line = frames[-1]
+        out["at"] = f"{file.rsplit('/', 1)[-1]}:{line}"
+    message = out.get("message")
+    if isinstance(message, str) and len(message) > _MESSAGE_CHARS:
+        out["message"] = message[:_MESSAGE_CHARS] + "…"
+    return out
+
+
 class LogBackend:
     """Emits every record as one log line on the writer thread.
 
     The line format is :mod:`traintrace.logfmt` (``format="kv"``) or one JSON
     object (``format="json"``). Errors log at ERROR, drops at WARNING, the rest
     at INFO. Each line carries ``job`` and ``rank``, as log lines are often read
-    without the stream's header.
+    without the stream's header. An error's stack is left to the file (an
+    exception the user catches must not print kilobytes): the line names the
+    innermost frame as ``at=file:line``, unless ``stacks=True``.
     """
 
     def __init__(
@@ -62,10 +81,12 @@ class LogBackend:
         *,
         format: str = "kv",  # noqa: A002 - the natural name for the setting
         verbosity: int = Verbosity.INFO,
+        stacks: bool = False,
     ) -> None:
         self.logger = logging.getLogger(logger) if isinstance(logger, str) else logger
         self.format = format
         self.verbosity = int(verbosity)
+        self.stacks = stacks
         self._identity: dict[str, Any] = {}
 
     def open(self, header: Record) -> None:
@@ -77,10 +98,11 @@ class LogBackend:
         if not logger.isEnabledFor(logging.ERROR):
             return
         info_enabled = logger.isEnabledFor(logging.INFO)
-        for record in records:
-            level = _LEVELS.get(record.get("kind", ""), logging.INFO)
+        for original in records:
+            level = _LEVELS.get(original.get("kind", ""), logging.INFO)
             if level == logging.INFO and not info_enabled:
                 continue
+            record = _without_stack(original) if "stack" in original and not self.stacks else original
             if self.format == "json":
                 line = dumps(dict(record)).decode("utf-8", "replace")
             else:

@@ -259,6 +259,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         job = Job.open(args.paths, progress=progress, threads=args.threads, memory_limit=args.memory_limit)
     except MissingExtra as exc:
+        if args.command == "export":  # writing JSON does not need DuckDB
+            return _export_without_duckdb(args)
         print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
         return EXIT_MISSING_EXTRA
     except LoadError as exc:
@@ -277,6 +279,28 @@ def _run(args: argparse.Namespace) -> int:
         traceback.print_exc()
         print("traintrace: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _export_without_duckdb(args: argparse.Namespace) -> int:
+    from ._engine import parse_ranks
+    from ._export_plain import export_chrome_plain
+
+    try:
+        ranks = parse_ranks(args.ranks) if args.ranks else None
+    except ValueError:
+        print(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        data = export_chrome_plain(args.paths, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
+    except (OSError, ValueError) as exc:
+        print(f"traintrace: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        _print_json(data)
+    else:
+        print(f"wrote {data['events']['total']:,} trace events to {data['path']} "
+              "(open it in https://ui.perfetto.dev or chrome://tracing)")
+    return EXIT_OK
 
 
 def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:

@@ -174,7 +174,12 @@ class Job:
             config["threads"] = self.threads
         con = duckdb.connect(":memory:", config=config)
         # Progress is tracked (query_progress) but never printed by DuckDB itself: ours goes to stderr.
-        con.execute("SET enable_progress_bar = true; SET enable_progress_bar_print = false")
+        # Off unless shown: in a Jupyter kernel DuckDB refuses the setting without ipywidgets.
+        try:
+            shown = "true" if self.progress else "false"
+            con.execute(f"SET enable_progress_bar = {shown}; SET enable_progress_bar_print = false")
+        except duckdb.Error:
+            self.progress = False
         return con
 
     def _load(self) -> None:
@@ -453,7 +458,7 @@ class Job:
             FROM spans_small WHERE NOT is_agent
             UNION ALL
             SELECT rank, restart, stream, '{ITERATION}', id, parent, tid, ts, dur, ts + dur, status, attrs, file
-            FROM iterations
+            FROM iterations WHERE seq IS NOT NULL  -- start/end pairs are in spans_small already
             ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW steps AS
             SELECT x.* EXCLUDE (file), p.path AS file FROM (

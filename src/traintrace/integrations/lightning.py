@@ -27,6 +27,7 @@ from .._checkpoint import measure_size
 from .._config import Config, build_config
 from .._names import EventName, SpanName, SpanStatus, Verbosity, level_of
 from .._recorder import Recorder, Span, current_span, warn_once
+from ..backends._scalars import framework_logs_metrics
 from ._common import (
     batch_info,
     ensure_recorder,
@@ -296,6 +297,9 @@ class TraintraceCallback(Callback):
         )
         self._rec = rec
         self._configured_here = self._configured_here or here
+        # Lightning's loggers send what the module logs (loss, ...): traintrace's trackers then log only
+        # their own figures (docs/integrations/trackers.md).
+        framework_logs_metrics("lightning", bool(getattr(trainer, "loggers", None)))
         level = rec.max_level
         self._info = level >= _INFO
         self._trace = level >= _ITERATION

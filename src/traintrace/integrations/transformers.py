@@ -26,6 +26,7 @@ from .._checkpoint import measure_size
 from .._config import Config, build_config
 from .._names import EventName, SpanName, SpanStatus, Verbosity, level_of
 from .._recorder import Recorder, Span, current_span
+from ..backends._scalars import framework_logs_metrics
 from ._common import batch_info, ensure_recorder, missing_extra
 
 try:
@@ -254,6 +255,11 @@ class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._ensure(args)
+        # The Trainer's report_to integrations send its logs (loss, learning rate, ...): traintrace's
+        # trackers then log only their own figures (docs/integrations/trackers.md).
+        report_to = getattr(args, "report_to", None) or []
+        report_to = [report_to] if isinstance(report_to, str) else list(report_to)
+        framework_logs_metrics("transformers", any(r not in ("none", None) for r in report_to))
         if self._trainer is None:
             self._attach(_find_trainer())
         if not self._info:
