@@ -66,7 +66,10 @@ class FileBackend:
     def open(self, header: Record) -> None:
         self._header = header
         self._open_file()
-        self._write_bytes(dumps(dict(header)) + b"\n")
+        if not self._write_bytes(dumps(dict(header)) + b"\n"):
+            # Disk full at the start: the next write that works starts with the header,
+            # so the records after it are not orphans.
+            self._reopened = True
 
     def _open_file(self) -> None:
         if self._folder is None:
