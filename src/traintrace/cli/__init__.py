@@ -206,10 +206,11 @@ def _count(minimum: int, maximum: int | None = None) -> Any:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            top = f" to {maximum}" if maximum is not None else " or more"
-            raise argparse.ArgumentTypeError(f"expected {minimum}{top}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
 
     return parse
