@@ -70,6 +70,7 @@ from ._recorder import Recorder, Span, TraintraceWarning, current_span, stats
 from ._setup import configure, get_recorder, is_configured
 from ._version import __version__
 from .backends import Backend, BaseBackend, FileBackend, LogBackend, MemoryBackend
+from .progress import Progress, read_progress, stream_state
 
 __all__ = [
     "DEFAULT_PHASE_TIMEOUTS",
@@ -92,6 +93,7 @@ __all__ = [
     "LogBackend",
     "LogBackendConfig",
     "MemoryBackend",
+    "Progress",
     "RecordKind",
     "Recorder",
     "Span",
@@ -128,6 +130,7 @@ __all__ = [
     "optimizer_init",
     "optimizer_step",
     "peak_tflops",
+    "read_progress",
     "refresh_identity",
     "running",
     "set_step_info",
@@ -135,6 +138,7 @@ __all__ = [
     "start",
     "stats",
     "stop",
+    "stream_state",
     "test",
     "timed_span",
     "training",
