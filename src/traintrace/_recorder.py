@@ -703,6 +703,8 @@ class Recorder:
                 _active = None
             pipeline.terminate_from_signal(attrs, *where)
         pipeline.wait_from_signal(float(self.config.close_timeout) + 1.0)
+        # The progress file says how the process ended (stores into a mapped page: no lock).
+        _progress_finish(self, _STATE_TERMINATED)
 
     def terminate(self, reason: str) -> None:
         """Flush and end open spans as ``terminated``: the process is about to die."""
