@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -15,7 +17,8 @@ import traintrace as tt
 from traintrace import _recorder
 from traintrace.backends._scalars import framework_logs
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "src" / "traintrace" / "schema" / "record-v1.schema.json"
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA_PATH = ROOT / "src" / "traintrace" / "schema" / "record-v1.schema.json"
 
 
 @cache
@@ -32,12 +35,132 @@ def validate_record(record: dict[str, Any]) -> None:
     assert not errors, f"{record} violates the schema: {errors[0].message}"
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every line of a JSONL file, parsed and validated against the schema."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+#: ``read_jsonl`` validates every record up to this many, then a deterministic sample.
+CHECK_ALL_FIRST = 300
+#: After the first ``CHECK_ALL_FIRST``: every this-many-th record (a prime, so that it does not
+#: beat in step with a loop's period) is validated too.
+CHECK_EVERY = 97
+
+
+def _shape(record: dict[str, Any]) -> tuple[object, ...]:
+    """What makes two records different for the schema: kind, name, fields, attribute types."""
+    attrs = record.get("attrs")
+    attr_types = frozenset((k, type(v).__name__) for k, v in attrs.items()) if isinstance(attrs, dict) else None
+    return (record.get("kind"), record.get("name"), frozenset(record), attr_types)
+
+
+def validate_records(records: list[dict[str, Any]]) -> None:
+    """Validate a sample of ``records``: all of the first ``CHECK_ALL_FIRST``, the first record of
+    every distinct shape (kind, name, fields, attribute types), the last, and every ``CHECK_EVERY``-th.
+
+    A stream of 20,000 identical iteration spans costs what 500 records do; every kind of record
+    in it is still checked. The schema's own tests use ``validate_all_records``.
+    """
+    seen: set[tuple[object, ...]] = set()
+    last = len(records) - 1
+    for i, record in enumerate(records):
+        shape = _shape(record)
+        if i < CHECK_ALL_FIRST or i == last or i % CHECK_EVERY == 0 or shape not in seen:
+            seen.add(shape)
+            validate_record(record)
+
+
+def validate_all_records(records: list[dict[str, Any]]) -> None:
+    """Validate every one of ``records`` (for the tests whose subject is the schema)."""
     for record in records:
         validate_record(record)
+
+
+def read_jsonl(path: Path, *, check: str = "sample") -> list[dict[str, Any]]:
+    """Every line of a JSONL file, parsed and validated against the schema.
+
+    ``check="sample"`` validates as ``validate_records`` does; ``check="all"`` every record.
+    """
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if check == "all":
+        validate_all_records(records)
+    else:
+        assert check == "sample", check
+        validate_records(records)
     return records
+
+
+# Every test that starts a process carries @pytest.mark.subprocess, so that
+# ``pytest -m "not subprocess"`` is the fast inner loop. An audit hook notices a process
+# started by an unmarked test, and the test fails at teardown saying so.
+_SPAWN_EVENTS = frozenset(
+    {
+        "subprocess.Popen",
+        "os.fork",
+        "os.forkpty",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.exec",
+        "os.system",
+        "pty.spawn",
+        "_posixsubprocess.fork_exec",
+    }
+)
+_unmarked_test: str | None = None
+_spawned_by: dict[str, str] = {}
+
+
+def _notice_spawn(event: str, args: tuple[Any, ...]) -> None:
+    if event in _SPAWN_EVENTS and _unmarked_test is not None and os.getpid() == _pytest_pid:
+        _spawned_by.setdefault(_unmarked_test, event)
+
+
+_pytest_pid = os.getpid()
+sys.addaudithook(_notice_spawn)
+
+
+def _watch_fork_exec() -> None:
+    """multiprocessing's spawn and forkserver start a process through ``_posixsubprocess`` with no
+    audit event: wrap it so that they are noticed too."""
+    try:
+        import _posixsubprocess
+    except ImportError:  # not POSIX
+        return
+    fork_exec = _posixsubprocess.fork_exec
+
+    def watched_fork_exec(*args: Any, **kwargs: Any) -> Any:
+        _notice_spawn("_posixsubprocess.fork_exec", args)
+        return fork_exec(*args, **kwargs)
+
+    _posixsubprocess.fork_exec = watched_fork_exec
+
+
+_watch_fork_exec()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _unmarked_test
+    _unmarked_test = None if item.get_closest_marker("subprocess") else item.nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[None]:
+    """A process started while setting up a shared (module or session) fixture, such as a
+    certificate made with openssl once per session, is set-up, not the work of the test that
+    happened to ask for it first."""
+    global _unmarked_test
+    if fixturedef.scope == "function":
+        yield
+        return
+    saved, _unmarked_test = _unmarked_test, None
+    try:
+        yield
+    finally:
+        _unmarked_test = saved
+
+
+@pytest.fixture(autouse=True)
+def _subprocess_tests_are_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    event = _spawned_by.pop(request.node.nodeid, None)
+    if event is not None:
+        pytest.fail(f"{request.node.nodeid} starts a process ({event}) but is not marked @pytest.mark.subprocess")
 
 
 @pytest.fixture(autouse=True)
@@ -71,3 +194,18 @@ def memory(tmp_path: Path) -> Iterator[tt.MemoryBackend]:
     tt.configure(job_id="test", log_dir=str(tmp_path / "logs"), backends={"log": False}, extra_backends=[backend])
     yield backend
     tt.close()
+
+
+@pytest.fixture(scope="session")
+def cpu_example_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job folder of one run of ``examples/train_cpu.py --epochs 2``, shared by the tests that
+    only read it (mark them ``@pytest.mark.xdist_group("cpu_example")`` so they share one worker)."""
+    logs = tmp_path_factory.mktemp("cpu_example")
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_cpu.py"), "--log-dir", str(logs), "--epochs", "2"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+    )
+    return logs / "demo"

@@ -144,6 +144,7 @@ def test_nothing_is_written_when_disabled_for_this_rank(tmp_path: Path) -> None:
     assert not any(tmp_path.rglob("*.jsonl"))
 
 
+@pytest.mark.subprocess
 def test_import_is_light() -> None:
     """Importing traintrace imports no optional dependency."""
     import subprocess

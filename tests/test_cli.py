@@ -66,6 +66,7 @@ def faults_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return logs / "faults"
 
 
+@pytest.mark.subprocess
 def test_errors_names_the_failing_rank_step_and_cause(faults_job: Path) -> None:
     """The first error is rank 3's exception, raised in the iteration of step 25, with its stack."""
     e = cli_json("errors", str(faults_job), "--hang-after", "0.5")
@@ -87,6 +88,7 @@ def test_errors_names_the_failing_rank_step_and_cause(faults_job: Path) -> None:
     assert "raised in span iteration (step 25)" in text
 
 
+@pytest.mark.subprocess
 def test_ranks_finds_both_stragglers_and_where_they_are_slow(faults_job: Path) -> None:
     """Rank 1 is slow in compute, rank 2 in data loading; healthy rank 0 is not a straggler."""
     r = cli_json("ranks", str(faults_job))
@@ -100,6 +102,7 @@ def test_ranks_finds_both_stragglers_and_where_they_are_slow(faults_job: Path) -
     assert "stragglers:" in text and "data_loading" in text
 
 
+@pytest.mark.subprocess
 def test_summary_of_the_faulty_job(faults_job: Path) -> None:
     """Two streams failed; the steps after the last checkpoint of rank 3 and 4 count as lost progress."""
     s = cli_json("summary", str(faults_job))
@@ -120,14 +123,12 @@ def test_summary_of_the_faulty_job(faults_job: Path) -> None:
     assert all(x["s"] < 0.5 for x in saves[1:])
 
 
-def test_example_run_summary_matches_an_independent_reading(tmp_path: Path) -> None:
+@pytest.mark.subprocess
+@pytest.mark.xdist_group("cpu_example")
+def test_example_run_summary_matches_an_independent_reading(cpu_example_job: Path) -> None:
     """The CPU example: steps, checkpoints and goodput agree with a plain read of its file."""
     pytest.importorskip("torch")
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_cpu.py"), "--log-dir", str(tmp_path), "--epochs", "2"],
-        check=True, capture_output=True, timeout=300, env=ENV,
-    )
-    folder = tmp_path / "demo"
+    folder = cpu_example_job
     s = cli_json("summary", str(folder))
     stream = read_file(folder / "rank0.jsonl").streams[0]
     spans = stream.spans()
@@ -147,6 +148,7 @@ def test_example_run_summary_matches_an_independent_reading(tmp_path: Path) -> N
     assert "GOODPUT" in text and "checkpoint save (exposed)" in text
 
 
+@pytest.mark.subprocess
 def test_query_views(tmp_path: Path) -> None:
     """SQL over the documented views answers what the subcommands do not."""
     write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
@@ -165,6 +167,7 @@ def test_query_views(tmp_path: Path) -> None:
     assert table.splitlines()[0].strip() == "one"
 
 
+@pytest.mark.subprocess
 def test_exit_codes(tmp_path: Path) -> None:
     """0 on success, 2 for usage and rejected SQL, 3 when there is nothing to read."""
     (tmp_path / "empty").mkdir()
@@ -181,6 +184,7 @@ def test_exit_codes(tmp_path: Path) -> None:
     assert main(["summary", str(tmp_path / "job"), "--quiet"]) == EXIT_OK
 
 
+@pytest.mark.subprocess
 def test_help_has_examples_and_exit_codes() -> None:
     """Every subcommand's --help shows examples and the exit codes."""
     for command in ("summary", "ranks", "errors", "export", "report", "query"):
@@ -189,6 +193,7 @@ def test_help_has_examples_and_exit_codes() -> None:
     assert "exit codes:" in cli("--help").stdout
 
 
+@pytest.mark.subprocess
 def test_progress_stays_off_stderr_when_not_a_terminal(tmp_path: Path) -> None:
     """Piped output: stdout has the answer, stderr stays empty (no progress, no notes for a clean job)."""
     write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
@@ -197,6 +202,7 @@ def test_progress_stays_off_stderr_when_not_a_terminal(tmp_path: Path) -> None:
     assert result.stdout.startswith("job scripted")
 
 
+@pytest.mark.subprocess
 def test_files_given_one_by_one(tmp_path: Path) -> None:
     """A list of files works like the folder; the ranks not given are reported missing."""
     script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
@@ -204,6 +210,7 @@ def test_files_given_one_by_one(tmp_path: Path) -> None:
     assert s["ranks_seen"] == 2 and s["ranks_missing"] == "1,3"
 
 
+@pytest.mark.subprocess
 def test_torchrun_job_where_one_rank_raises(tmp_path: Path) -> None:
     """Under torchrun a raising rank makes the agent stop the others: the root cause is still that rank."""
     pytest.importorskip("torch")
@@ -253,6 +260,7 @@ def test_progress_on_a_terminal_then_cleared(tmp_path: Path, monkeypatch: pytest
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.subprocess
 def test_missing_duckdb_names_the_extra(tmp_path: Path) -> None:
     """Without DuckDB the command exits 4 and says which extra to install."""
     shadow = tmp_path / "shadow"

@@ -98,6 +98,7 @@ def test_report_is_self_contained_and_escapes_record_text(report: Path) -> None:
     assert "\\u003cscript\\u003e" in page
 
 
+@pytest.mark.subprocess
 @needs_chromium
 def test_report_renders_in_headless_chromium(report: Path, tmp_path: Path) -> None:
     """The page loads with no console output or script error, draws its six charts, and is not blank."""

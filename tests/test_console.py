@@ -52,6 +52,7 @@ def _run_on_terminal(logs: Path, env: dict[str, str] | None = None) -> str:
     return b"".join(chunks).decode("utf-8", "replace").replace("\r\n", "\n")
 
 
+@pytest.mark.subprocess
 def test_one_line_per_interval_on_a_terminal(tmp_path: Path) -> None:
     """Three intervals of ten steps: three lines with step, ms/step (p90), samples/s, MFU, loss, ETA."""
     shown = _run_on_terminal(tmp_path / "logs")
@@ -71,6 +72,7 @@ def test_one_line_per_interval_on_a_terminal(tmp_path: Path) -> None:
         assert not re.search(r"\d\.\d{5,}", line), line  # rounded for people
 
 
+@pytest.mark.subprocess
 def test_off_by_a_setting_and_off_without_a_terminal(tmp_path: Path) -> None:
     """TRAINTRACE_BACKENDS_CONSOLE_ENABLED=0 silences it; so does a stderr that is not a terminal."""
     shown = _run_on_terminal(tmp_path / "a", {"TRAINTRACE_BACKENDS_CONSOLE_ENABLED": "0"})

@@ -14,6 +14,8 @@ pytest.importorskip("torch")
 import traintrace as tt
 from traintrace.reader import read_file
 
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).parent.parent
 
 

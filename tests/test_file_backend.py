@@ -29,7 +29,7 @@ def test_default_layout_and_valid_records(tmp_path: Path) -> None:
     """rank0.jsonl under <log_dir>/<job>/, every line valid against the schema."""
     path = _run(tmp_path)
     assert path == (tmp_path / "job" / "rank0.jsonl").resolve()
-    records = read_jsonl(path)
+    records = read_jsonl(path, check="all")
     assert records[0]["kind"] == "header"
     assert records[-1]["kind"] == "close"
     assert len([r for r in records if r.get("name") == "iteration"]) == 5
@@ -126,7 +126,7 @@ def test_hostile_values_are_valid_json(tmp_path: Path) -> None:
             }
         )
     tt.close()
-    records = read_jsonl(Path(path))
+    records = read_jsonl(Path(path), check="all")
     attrs = next(r for r in records if r.get("name") == "s")["attrs"]
     assert attrs["nan"] == "NaN" and attrs["inf"] == "Infinity"
     assert attrs["colour"] == "red" and attrs["path"] == "/tmp/x"

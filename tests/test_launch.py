@@ -167,6 +167,7 @@ def _events(stream: Stream, name: str) -> list[dict[str, Any]]:
     return [r for r in stream.records if r.get("kind") == "event" and r.get("name") == name]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_clean_run(tmp_path: Path) -> None:
     """Every rank's file has its identity; the agent stream has the workers' lifecycle."""
@@ -204,6 +205,7 @@ def test_clean_run(tmp_path: Path) -> None:
     assert info.missing_ranks() == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_rank_raises_at_a_known_step(tmp_path: Path) -> None:
     """The failing rank's file has the error and stack; the agent has the failure; rank 0 shows step 3."""
@@ -227,6 +229,7 @@ def test_rank_raises_at_a_known_step(tmp_path: Path) -> None:
     assert 1 in end["attrs"]["data"]["failed_ranks"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_max_restarts_one(tmp_path: Path) -> None:
     """The second attempt's streams say restart 1 and resume at the checkpointed step."""
@@ -251,6 +254,7 @@ def test_max_restarts_one(tmp_path: Path) -> None:
     assert info.ranks(restart=1) == [0, 1]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_rank_killed_with_sigkill(tmp_path: Path) -> None:
     """A SIGKILLed rank's file reads cleanly up to its last flush; the agent names the signal."""

@@ -158,6 +158,7 @@ HARD_MODE = textwrap.dedent(
 )
 
 
+@pytest.mark.subprocess
 def test_hard_mode_exits_with_its_code(tmp_path: Path) -> None:
     """In hard mode a hang that lasts ends the process with the configured code."""
     script = tmp_path / "hang.py"

@@ -28,6 +28,7 @@ def run_notebook(cells: list[str], cwd: Path) -> list[dict]:
     return [cell.outputs for cell in notebook.cells[1:]]
 
 
+@pytest.mark.subprocess
 def test_cli_main_runs_in_a_kernel(tmp_path: Path) -> None:
     """`traintrace.cli.main([...])` in Jupyter returns 0 and prints the summary (no ipywidgets needed)."""
     write_job(tmp_path / "job", Script(ranks=2, steps=12, fail_rank=None, fail_step=None, straggler=None))
@@ -42,6 +43,7 @@ def test_cli_main_runs_in_a_kernel(tmp_path: Path) -> None:
     assert "goodput" in text.lower(), text
 
 
+@pytest.mark.subprocess
 def test_analysis_api_in_a_kernel(tmp_path: Path) -> None:
     """analysis.open in Jupyter: the job renders as an HTML summary, ranks() as a DataFrame table."""
     pytest.importorskip("pandas")

@@ -104,6 +104,7 @@ def _balanced(calls: list[list[str]]) -> bool:
     return all(value == 0 for value in depth.values())
 
 
+@pytest.mark.subprocess
 def test_ranges_are_named_coloured_and_carry_the_step(injection: Path, tmp_path: Path) -> None:
     """Each span pushes one range named by the span (no counter), coloured by phase, step as payload."""
     calls = _run_with_injection(injection, tmp_path, TRAINING)
@@ -130,6 +131,7 @@ def test_ranges_are_named_coloured_and_carry_the_step(injection: Path, tmp_path:
     assert all(int(c[7]) == 3 for c in forward)  # nested: loop > iteration > forward
 
 
+@pytest.mark.subprocess
 def test_ranges_stay_balanced_when_spans_exit_by_exception(injection: Path, tmp_path: Path) -> None:
     """An exception unwinding two spans pops both ranges; every thread ends at depth 0."""
     calls = _run_with_injection(injection, tmp_path, TRAINING)
@@ -138,6 +140,7 @@ def test_ranges_stay_balanced_when_spans_exit_by_exception(injection: Path, tmp_
     assert pops[-1][3] == "0"
 
 
+@pytest.mark.subprocess
 def test_events_and_errors_become_marks(injection: Path, tmp_path: Path) -> None:
     """Events and errors are marked in the domain, errors in red with the exception type."""
     calls = _run_with_injection(injection, tmp_path, TRAINING)
@@ -147,6 +150,7 @@ def test_events_and_errors_become_marks(injection: Path, tmp_path: Path) -> None
     assert error[3] == "error: OSError" and int(error[4], 16) == 0xFF0000
 
 
+@pytest.mark.subprocess
 def test_threads_keep_their_own_ranges(injection: Path, tmp_path: Path) -> None:
     """Spans in several threads push and pop on those threads, balanced on each."""
     body = """
@@ -168,6 +172,7 @@ def test_threads_keep_their_own_ranges(injection: Path, tmp_path: Path) -> None:
     assert _balanced(calls)
 
 
+@pytest.mark.subprocess
 def test_verbosity_limits_which_spans_push(injection: Path, tmp_path: Path) -> None:
     """At verbosity tracing, profiling spans (forward, backward) push no range; marks can be off."""
     calls = _run_with_injection(
@@ -213,6 +218,7 @@ def test_missing_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
         tt.configure(job_id="nv", backends={"file": False, "log": False, "nvtx": {}})
 
 
+@pytest.mark.subprocess
 def test_a_span_stopped_on_another_thread_leaves_the_ranges_balanced(injection: Path, tmp_path: Path) -> None:
     """A span started here and stopped by another thread: its range is popped on its own thread, in order.
 

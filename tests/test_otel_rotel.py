@@ -163,6 +163,7 @@ def _attrs(message: Any) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.subprocess
 def test_a_realistic_job_through_rotel_arrives_whole(collector: tuple[str, GrpcReceiver], tmp_path: Path) -> None:
     pytest.importorskip("torch")
     endpoint, receiver = collector

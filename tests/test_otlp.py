@@ -330,6 +330,7 @@ def test_collector_never_reachable_keeps_memory_bounded() -> None:
     assert stats["failed"] + stats["dropped"] + stats["abandoned"] == 2000
 
 
+@pytest.mark.subprocess
 def test_console_protocol_prints_spans(tmp_path: Path) -> None:
     """protocol=console writes spans to stdout with the SDK's console exporter."""
     import subprocess
@@ -465,6 +466,7 @@ def test_a_backlogged_writer_still_sends_and_counts_late_events() -> None:
     assert [e.name for e in last.events] == ["fresh"]
 
 
+@pytest.mark.subprocess
 def test_process_exit_is_bounded_when_the_collector_is_unreachable(tmp_path: Path) -> None:
     """A job whose collector never answers still exits (through atexit) within its close timeouts."""
     import subprocess

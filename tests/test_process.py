@@ -14,6 +14,8 @@ import pytest
 
 from tests.conftest import read_jsonl
 
+pytestmark = pytest.mark.subprocess
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

@@ -79,6 +79,7 @@ CASES = {
 }
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("signame", list(CASES))
 def test_a_rank_killed_mid_step_leaves_its_exact_step_and_phase(tmp_path: Path, signame: str) -> None:
@@ -126,6 +127,7 @@ def test_a_rank_killed_mid_step_leaves_its_exact_step_and_phase(tmp_path: Path, 
     assert {r.rank: r.state for r in rows}[1] == expected
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_plain_torchrun_progress_files_give_the_last_step(tmp_path: Path) -> None:
     """Without traintrace-run, the progress files alone hold the killed rank's step and phase."""

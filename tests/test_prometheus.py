@@ -36,6 +36,7 @@ def _scrape(port: int) -> dict[tuple[str, str], float]:
     return out
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_metrics_endpoint_during_a_torchrun_job(tmp_path: Path) -> None:
     """While both ranks wait after ten steps: step 9, step time, throughput, last progress between the
@@ -81,6 +82,7 @@ def test_metrics_endpoint_during_a_torchrun_job(tmp_path: Path) -> None:
             proc.wait()
 
 
+@pytest.mark.subprocess
 def test_missing_extra_is_named(tmp_path: Path) -> None:
     """Without prometheus-client, --metrics-port stops before launching and names the extra."""
     code = ("import sys; sys.modules['prometheus_client'] = None\nfrom traintrace.launch import main\n"

@@ -14,6 +14,8 @@ import pytest
 
 import traintrace as tt
 
+pytestmark = pytest.mark.subprocess
+
 pytest.importorskip("duckdb")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -225,6 +225,7 @@ print(json.dumps({"pid": os.getpid(), "seen": len(seen)}))
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("fork_mode", ["own_stream", "quiet"])
 def test_forked_dataloader_workers_never_deadlock(tmp_path: Path, fork_mode: str) -> None:
     """A real torch DataLoader with 2 forked workers per epoch for 3 epochs while another

@@ -63,6 +63,7 @@ def _steps(stream_records: list[dict[str, object]]) -> list[int]:
     ]
 
 
+@pytest.mark.subprocess
 def test_sigkill_at_random_points_keeps_everything_flushed(tmp_path: Path) -> None:
     """SIGKILL at many random points: every record up to the last flush reads back, no gaps,
     at most the final line cut (and reported); a restart appends to the same file and starts
@@ -174,6 +175,7 @@ def _statuses(path: Path) -> dict[str, str]:
     return {s["name"]: s["status"] for s in stream.spans() if s["name"] in ("main_function", "training_loop")}
 
 
+@pytest.mark.subprocess
 def test_sigterm_default_flushes_ends_spans_terminated_and_dies_by_the_signal(tmp_path: Path) -> None:
     """No handler of the user's: open spans end 'terminated', the stream closes, and the exit
     status is death by SIGTERM, as without traintrace."""
@@ -188,6 +190,7 @@ def test_sigterm_default_flushes_ends_spans_terminated_and_dies_by_the_signal(tm
     assert not schema_errors(stream.records)
 
 
+@pytest.mark.subprocess
 def test_sigterm_with_user_handler_that_exits_keeps_its_exit_status(tmp_path: Path) -> None:
     """A handler installed before configure() that calls sys.exit(143): it still runs, the
     status is 143, and the spans it unwinds end 'terminated'."""
@@ -200,6 +203,7 @@ def test_sigterm_with_user_handler_that_exits_keeps_its_exit_status(tmp_path: Pa
     assert any(r["name"] == "signal" for r in stream.of_kind("event"))
 
 
+@pytest.mark.subprocess
 def test_sigterm_with_user_handler_that_continues(tmp_path: Path) -> None:
     """A handler that asks the loop to stop: the program finishes its own way (status 0)."""
     handler = "signal.signal(signal.SIGTERM, lambda s, f: globals().update(stop_now=True))"
@@ -211,6 +215,7 @@ def test_sigterm_with_user_handler_that_continues(tmp_path: Path) -> None:
     assert any(r["name"] == "signal" for r in stream.of_kind("event"))
 
 
+@pytest.mark.subprocess
 def test_sigterm_ignored_stays_ignored(tmp_path: Path) -> None:
     """SIG_IGN before configure(): the signal is recorded and otherwise ignored."""
     body = TERM.replace("HANDLER", "signal.signal(signal.SIGTERM, signal.SIG_IGN)").replace(
@@ -250,6 +255,7 @@ with tt.application(), tt.training_loop():
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("how", "code", "status"),
     [("exception", 1, "error"), ("exit", 3, "terminated"), ("os_exit_after_close", 7, None)],
@@ -278,6 +284,7 @@ def test_exception_exit_and_os_exit(tmp_path: Path, how: str, code: int, status:
         assert [s["status"] for s in stream.spans()] == ["ok", "ok"]
 
 
+@pytest.mark.subprocess
 def test_segfault_stacks_go_to_the_fault_file(tmp_path: Path) -> None:
     """A segmentation fault: records up to the last flush are there, the open spans show as
     open, and the Python stacks are in ``<stream>.faults.txt``, which the reader picks up."""
@@ -294,6 +301,7 @@ def test_segfault_stacks_go_to_the_fault_file(tmp_path: Path) -> None:
     assert 'File "' in result.faults and "end.py" in result.faults
 
 
+@pytest.mark.subprocess
 def test_fault_file_is_removed_after_a_clean_run(tmp_path: Path) -> None:
     """A run that ends normally leaves no fault file behind."""
     script = write_script(tmp_path, "end.py", ENDINGS)

@@ -17,6 +17,7 @@ import pytest
 from tests._reliability import ROOT, child_env
 
 
+@pytest.mark.subprocess
 @pytest.mark.soak
 @pytest.mark.timeout(0)
 def test_soak(tmp_path: Path) -> None:

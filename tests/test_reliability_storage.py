@@ -101,6 +101,7 @@ print(json.dumps({"warnings": warnings, "full_warnings": full_warnings, "ro_warn
 """
 
 
+@pytest.mark.subprocess
 @needs_namespace
 def test_full_disk_then_read_only_folder_then_recovery(tmp_path: Path) -> None:
     """Disk full, then (after a rotation) a read-only folder: training goes on, one warning per

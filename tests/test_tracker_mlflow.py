@@ -42,6 +42,7 @@ def test_metrics_artifacts_and_run_in_mlflow(tmp_path: Path, monkeypatch: pytest
     assert "ValueError: bad batch 7" in text and "Traceback" in text
 
 
+@pytest.mark.subprocess
 def test_an_active_run_is_used_and_left_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With mlflow.start_run() before configure(), traintrace logs into that run and does not end it."""
     import mlflow

@@ -37,6 +37,7 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.subprocess
 def test_history_summary_and_errors_in_wandb(wandb_home: Path) -> None:
     """History rows against traintrace/step, the error as HTML at its step, goodput in the summary."""
     truth = train(wandb_home / "logs", {"wandb": {"mode": "offline", "dir": str(wandb_home / "runs"),
@@ -69,6 +70,7 @@ def test_history_summary_and_errors_in_wandb(wandb_home: Path) -> None:
     assert any(r["type"] == "exit" for r in records)  # the run traintrace started was finished
 
 
+@pytest.mark.subprocess
 def test_a_run_already_started_is_used_and_left_to_its_owner(wandb_home: Path) -> None:
     """wandb.init() before configure(): traintrace logs into that run, charts only its own figures against
     traintrace/step, and does not finish it."""

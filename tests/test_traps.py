@@ -92,6 +92,7 @@ print("done")
 """
 
 
+@pytest.mark.subprocess
 def test_a_caught_exception_is_quiet_on_stderr_and_whole_in_the_file(tmp_path: Path) -> None:
     """An exception the user catches inside a span: one short line on stderr; the stack stays in the file."""
     logs = tmp_path / "logs"
@@ -118,6 +119,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.subprocess
 def test_traintrace_run_help_shows_its_own_options_first() -> None:
     """`traintrace-run --help`: traintrace's options, then torchrun's; exit 0."""
     pytest.importorskip("torch")
@@ -127,6 +129,7 @@ def test_traintrace_run_help_shows_its_own_options_first() -> None:
     assert 0 < result.stdout.index("--metrics-port") < result.stdout.index("--nproc-per-node")
 
 
+@pytest.mark.subprocess
 def test_traintrace_run_help_works_without_torch() -> None:
     """Without torch, --help still prints traintrace's options and says how to get torchrun's."""
     result = _run("import sys; sys.modules['torch'] = None\nfrom traintrace.launch import main; main(['--help'])")
@@ -150,6 +153,7 @@ def test_traintrace_run_splits_its_options_from_torchruns() -> None:
         split(["--metrics-port", "99999", "train.py"])
 
 
+@pytest.mark.subprocess
 def test_export_chrome_works_without_duckdb(tmp_path: Path) -> None:
     """With DuckDB unimportable, `export --format chrome` still writes the trace (from the plain reader)."""
     from collections import Counter

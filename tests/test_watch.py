@@ -75,6 +75,7 @@ def test_hang_and_straggler_suspicion() -> None:
     assert "\x1b[33m" in text and "rank 3: boom" in text
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_watch_a_running_torchrun_job(tmp_path: Path) -> None:
     """On a job still running, ``watch --once`` shows each rank's step; ``watch`` ends when the job does."""

@@ -553,7 +553,7 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {file}: {exc.strerror or exc}") from None
     if file.suffix in (".yaml", ".yml"):
         try:
-            import yaml  # type: ignore[import-untyped]
+            import yaml
         except ImportError:
             raise ConfigError(
                 f"config file {file}: YAML needs PyYAML (pip install 'traintrace[yaml]'), or use TOML"

@@ -225,7 +225,7 @@ class MetricsServer:
 
         self.files = NodeFiles(folder, host)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(self.files))  # type: ignore[arg-type]
+        self.registry.register(_Collector(self.files))
         started: Any = start_http_server(port, addr=addr or "0.0.0.0", registry=self.registry)
         self._server: Any = started[0] if isinstance(started, tuple) else None
         self.port = int(self._server.server_address[1]) if self._server is not None else port

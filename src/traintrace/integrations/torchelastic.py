@@ -171,7 +171,7 @@ _MONITOR_METRICS = ("_monitor_workers.success", "_monitor_workers.duration.ms")
 def _metric_handler_class() -> type:
     from torch.distributed.elastic.metrics.api import MetricHandler
 
-    class TraintraceMetricHandler(MetricHandler):  # type: ignore[misc]
+    class TraintraceMetricHandler(MetricHandler):
         """Records torchelastic metrics as ``elastic_metric`` events (repeats only on change)."""
 
         def __init__(self) -> None:

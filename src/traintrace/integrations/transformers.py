@@ -58,7 +58,7 @@ def _find_trainer(depth: int = 8) -> Any:
     return None
 
 
-class TraintraceTrainerCallback(TrainerCallback):  # type: ignore[misc]
+class TraintraceTrainerCallback(TrainerCallback):
     """Records a Hugging Face ``Trainer`` run with traintrace.
 
     When traintrace is not configured yet, the callback configures it with

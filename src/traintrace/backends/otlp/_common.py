@@ -162,7 +162,7 @@ def build_resource(header: Mapping[str, Any], service_name: str | None, extra: M
     """The SDK Resource: SDK defaults < ours < configured < ``OTEL_*`` variables."""
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
-    ours = Resource.create(resource_attributes(header, service_name, extra))  # type: ignore[arg-type]
+    ours = Resource.create(resource_attributes(header, service_name, extra))
     return ours.merge(OTELResourceDetector().detect())
 
 

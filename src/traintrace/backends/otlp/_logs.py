@@ -73,7 +73,7 @@ class OtlpLogsBackend:
         try:
             from opentelemetry.sdk._logs.export import LogRecordExportResult as Result
         except ImportError:  # older SDKs
-            from opentelemetry.sdk._logs.export import LogExportResult as Result  # type: ignore[attr-defined,no-redef,assignment]
+            from opentelemetry.sdk._logs.export import LogExportResult as Result  # type: ignore[assignment]
         from opentelemetry.trace import TraceFlags
 
         try:

@@ -377,7 +377,7 @@ class OtlpTracesBackend:
         else:
             for span in spans:
                 pending = span if type(span) is _Pending else _Pending(span, finished=True)  # type: ignore[arg-type]
-                sent.add(pending.id)  # type: ignore[union-attr]
+                sent.add(pending.id)
                 append(self._convert(pending))
         self.sender.put(out)
 
