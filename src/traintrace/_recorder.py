@@ -140,7 +140,7 @@ def as_attrs(metrics: object) -> dict[str, Any] | None:
     are objects (a nested dict or list, a tensor) are read on the writer thread.
     """
     if metrics.__class__ is dict:
-        return metrics.copy() or None  # type: ignore[attr-defined]
+        return metrics.copy() or None
     if metrics is None:
         return None
     try:

@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stdout = sys.stdout
     if args.command != "watch":  # watch draws the screen itself, with its own escape codes
         # stdout carries record text; stderr our progress line (its own \r) and messages, escaped where printed.
-        sys.stdout = _SafeStream(stdout)  # type: ignore[assignment]
+        sys.stdout = _SafeStream(stdout)
     try:
         if args.command == "watch":
             from ._watch import run as watch
