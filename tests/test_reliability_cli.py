@@ -98,6 +98,7 @@ def _small_job(root: Path, name: str = "small") -> Path:
     return root / name
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "args",
     [
@@ -148,6 +149,7 @@ def _limited_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 
 
+@pytest.mark.subprocess
 def test_hostile_job_folder_names_headers_and_numbers(tmp_path: Path) -> None:
     """A file literally named ``rank*.jsonl`` (read once, not as a glob), a headerless file, a
     span lasting 9e18 ns and one 1e308, a header claiming world_size 1e9, and a TMPDIR with a

@@ -361,6 +361,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.subprocess
 def test_fork_while_another_thread_configures_never_deadlocks_the_child(tmp_path: Path) -> None:
     """A thread keeps calling configure() while the main thread forks 12 children that each
     configure their own recorder: none deadlocks on the lock the other thread held at the fork

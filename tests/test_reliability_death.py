@@ -330,6 +330,7 @@ while True:
 """
 
 
+@pytest.mark.subprocess
 def test_sigterm_with_a_full_queue_never_hangs(tmp_path: Path) -> None:
     """SIGTERM while the training thread keeps hitting a full queue (the handler used to re-enter
     the lock that thread held): every one of 16 children dies by SIGTERM within 20 s, with a
@@ -382,6 +383,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("when", ["twice", "during_close"])
 def test_a_second_sigterm_or_one_during_close_keeps_the_first_flush(tmp_path: Path, when: str) -> None:
     """Two SIGTERMs 5 ms apart (a scheduler's cancel plus torchrun's forwarding), or one while

@@ -308,6 +308,7 @@ def test_manifest_is_redacted_private_and_holds_no_exporter_headers(tmp_path: Pa
     assert "localhost:4318" in data["config"]["backends"]["otlp_traces"]["endpoint"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_launcher_records_no_command_line(tmp_path: Path) -> None:
     """traintrace-run with secrets in the script's arguments: neither manifest.json nor

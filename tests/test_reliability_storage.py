@@ -267,6 +267,7 @@ print("done")
 """
 
 
+@pytest.mark.subprocess
 def test_disk_full_at_start_writes_the_header_once_space_returns(tmp_path: Path) -> None:
     """The header cannot be written at configure() (no byte fits); once writing works again the
     file starts with the header, a write_error note counts what was lost, and the records after
