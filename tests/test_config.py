@@ -8,7 +8,7 @@ import pytest
 
 import traintrace as tt
 from traintrace._config import build_config, env_overrides, parse_ranks
-from traintrace._identity import detect
+from traintrace._identity import detect, safe_component
 
 
 def test_defaults() -> None:
@@ -145,7 +145,10 @@ def test_path_placeholders(tmp_path: Path) -> None:
         backends={"log": False, "file": {"path": "{job}/{host}-{rank}-of-{world_size}.jsonl"}},
     )
     path = rec.routes()[0].backend.path
-    assert path == (tmp_path / "a_b_c" / "node_7-1-of-2.jsonl").resolve()
+    # Values that had to change carry a short hash of the original (issue 17: no collisions).
+    job, host = safe_component("a/b c"), safe_component("node 7")
+    assert job.startswith("a_b_c-") and host.startswith("node_7-")
+    assert path == (tmp_path / job / f"{host}-1-of-2.jsonl").resolve()
 
 
 @pytest.mark.parametrize("job", ["../../etc", "..", "../x"])

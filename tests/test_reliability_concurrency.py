@@ -318,3 +318,55 @@ def test_configure_and_close_racing_with_recording_threads(tmp_path: Path) -> No
         stream = result.streams[0]
         assert stream.closed_cleanly and stream.gaps() == [], path
         assert not schema_errors(stream.records[:50])
+
+
+FORK_DURING_CONFIGURE = """
+import os, signal, sys, threading, time, warnings
+warnings.simplefilter("ignore")
+import traintrace as tt
+
+log_dir = sys.argv[1]
+stop = threading.Event()
+
+def reconfigure():
+    while not stop.is_set():
+        tt.configure(job_id="busy", log_dir=log_dir, backends={"file": False, "log": False}, statistics=False,
+                     handle_sigterm=False, fault_handler=False)
+
+thread = threading.Thread(target=reconfigure, daemon=True)
+thread.start()
+time.sleep(0.2)
+hung = 0
+for child in range(12):
+    pid = os.fork()
+    if pid == 0:
+        tt.configure(job_id="child", log_dir=log_dir, backends={"file": False, "log": False}, statistics=False,
+                     handle_sigterm=False, fault_handler=False)
+        tt.close()
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+stop.set()
+print("hung", hung, flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.subprocess
+def test_fork_while_another_thread_configures_never_deadlocks_the_child(tmp_path: Path) -> None:
+    """A thread keeps calling configure() while the main thread forks 12 children that each
+    configure their own recorder: none deadlocks on the lock the other thread held at the fork
+    (issue 17, item 10: 30 of 30 did)."""
+    script = write_script(tmp_path, "forkconf.py", FORK_DURING_CONFIGURE)
+    result = run_script(script, str(tmp_path / "logs"), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["hung", "0"]

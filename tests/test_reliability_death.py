@@ -308,3 +308,104 @@ def test_fault_file_is_removed_after_a_clean_run(tmp_path: Path) -> None:
     assert run_script(script, str(tmp_path / "logs"), "exit").returncode == 3
     assert not list((tmp_path / "logs").rglob("*.faults.txt"))
     assert (tmp_path / "logs" / "end.jsonl").exists()
+
+
+# ---------------------------------------------------------------- SIGTERM hardening (issue 17, items 3 and 4)
+
+FULL_QUEUE = """
+import sys, time, traintrace as tt
+from traintrace.backends import BaseBackend
+
+class Slow(BaseBackend):
+    def write(self, records):
+        time.sleep(0.02)
+
+tt.configure(job_id="full", log_dir=sys.argv[1], backends={"file": {"path": "full.jsonl"}, "log": False},
+             extra_backends=[Slow()], queue_size=16, statistics=False, fault_handler=False)
+print("ready", flush=True)
+step = 0
+while True:
+    tt.event("e", {"step": step})   # the queue is always full: every call takes the overflow path
+    step += 1
+"""
+
+
+@pytest.mark.subprocess
+def test_sigterm_with_a_full_queue_never_hangs(tmp_path: Path) -> None:
+    """SIGTERM while the training thread keeps hitting a full queue (the handler used to re-enter
+    the lock that thread held): every one of 16 children dies by SIGTERM within 20 s, with a
+    closed stream that records the signal."""
+    script = write_script(tmp_path, "full.py", FULL_QUEUE)
+    rng = random.Random(17)
+    hung = 0
+    for attempt in range(16):
+        logs = tmp_path / f"logs{attempt}"
+        child = subprocess.Popen(
+            [sys.executable, str(script), str(logs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=child_env(),
+        )
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.02, 0.2))
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            hung += 1
+            child.kill()
+            child.communicate()
+            continue
+        assert child.returncode == -signal.SIGTERM
+        stream = read_file(logs / "full.jsonl").streams[0]
+        assert stream.closed_cleanly
+        assert any(r["name"] == "signal" for r in stream.of_kind("event"))
+    assert hung == 0
+
+
+BURST = """
+import sys, time, traintrace as tt
+from traintrace.backends import BaseBackend
+
+class Slow(BaseBackend):
+    # A slow second sink: the final flush takes about a second.
+    def write(self, records):
+        time.sleep(0.06)
+
+tt.configure(job_id="burst", log_dir=sys.argv[1], backends={"file": {"path": "burst.jsonl"}, "log": False},
+             extra_backends=[Slow()], flush_interval=30, statistics=False, fault_handler=False)
+for step in range(8000):
+    tt.event("e", {"step": step})
+print("ready", flush=True)
+if sys.argv[2] == "close":
+    tt.close()
+    print("closed", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("when", ["twice", "during_close"])
+def test_a_second_sigterm_or_one_during_close_keeps_the_first_flush(tmp_path: Path, when: str) -> None:
+    """Two SIGTERMs 5 ms apart (a scheduler's cancel plus torchrun's forwarding), or one while
+    close() is flushing: all 8,000 queued records and the close record are written, then the
+    process dies by SIGTERM (or, after a completed close, by the signal as usual)."""
+    script = write_script(tmp_path, "burst.py", BURST)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "logs"), "close" if when == "during_close" else "run"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "ready"
+    if when == "during_close":
+        time.sleep(0.05)  # close() has started its flush (about a second long)
+        child.send_signal(signal.SIGTERM)
+    else:
+        child.send_signal(signal.SIGTERM)
+        time.sleep(0.005)
+        child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGTERM, err
+    stream = read_file(tmp_path / "logs" / "burst.jsonl").streams[0]
+    steps = [r["attrs"]["step"] for r in stream.of_kind("event") if r["name"] == "e"]
+    assert steps == list(range(8000))
+    assert stream.closed_cleanly

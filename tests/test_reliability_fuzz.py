@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import threading
+import time
 import tracemalloc
 import warnings
 from pathlib import Path
@@ -340,6 +341,110 @@ def test_out_of_range_intervals_are_config_errors(tmp_path: Path, name: str, val
         tt.configure(log_dir=str(tmp_path), backends={"log": False}, **{name: value})
 
 
+_SECONDS_FIELDS = [
+    "flush_interval",
+    "close_timeout",
+    "hang_timeout",
+    "hang_check_interval",
+    "device_sample_interval",
+    "hang_exit_after",
+    "peak_tflops",
+]
+_bad_seconds = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e-9, 1e300, -1.0, 2**70])
+
+
+@FUZZ
+@given(name=st.sampled_from(_SECONDS_FIELDS), value=_bad_seconds)
+def test_every_interval_and_timeout_refuses_nan_infinity_and_busy_loops(
+    tmp_path: Path, name: str, value: float
+) -> None:
+    """NaN, infinity, 1e-9 (a busy loop), 1e300 or a negative value for any interval or timeout
+    is a ConfigError naming the field (issue 17, item 9: NaN timeouts raised ValueError,
+    device_sample_interval=inf killed the sampler thread)."""
+    if name == "peak_tflops" and value in (1e-9, 1e300, 2**70):
+        value = -1.0  # any finite positive peak is valid
+    with pytest.raises(tt.ConfigError, match=name):
+        tt.configure(log_dir=str(tmp_path), backends={"log": False}, **{name: value})
+    with pytest.raises(tt.ConfigError, match="phase_timeouts"):
+        tt.configure(log_dir=str(tmp_path), backends={"log": False}, phase_timeouts={"validation": value})
+
+
+@FUZZ
+@given(template=st.text(alphabet=st.sampled_from("ab/{}\x00._-job"), min_size=1, max_size=20))
+def test_path_templates_give_a_stream_or_a_config_error(tmp_path: Path, template: str) -> None:
+    """Any template (NUL characters, unbalanced braces, unknown placeholders) either makes a
+    stream or raises ConfigError naming backends.file.path (not ValueError)."""
+    try:
+        tt.configure(job_id="t", log_dir=str(tmp_path / "logs"), backends={"file": {"path": template}, "log": False})
+    except tt.ConfigError as exc:
+        assert "backends.file" in str(exc)
+    finally:
+        tt.close()
+
+
+def test_a_nul_in_log_dir_and_a_huge_world_are_config_errors(tmp_path: Path) -> None:
+    """A NUL in log_dir, world_size=2**70 (a MemoryError before): ConfigError naming them."""
+    with pytest.raises(tt.ConfigError, match="log_dir"):
+        tt.configure(log_dir=str(tmp_path) + "/a\x00b")
+    with pytest.raises(tt.ConfigError, match="world_size"):
+        tt.configure(log_dir=str(tmp_path), world_size=2**70, rank=0)
+
+
+def test_a_rank_range_far_beyond_the_world_costs_nothing(tmp_path: Path) -> None:
+    """``ranks="0-99999999"`` (minutes and 10 GB before): selects rank 0 at once, using a few
+    kilobytes; a selector also works on a world of the maximum size."""
+    from traintrace._config import MAX_WORLD_SIZE, parse_ranks, rank_selected
+
+    tracemalloc.start()
+    try:
+        tt.configure(job_id="r", log_dir=str(tmp_path), backends={"file": {"ranks": "0-99999999"}, "log": False})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        tt.close()
+    assert peak < 20_000_000
+    assert (tmp_path / "r" / "rank0.jsonl").exists()
+    assert rank_selected("0-99999999", MAX_WORLD_SIZE - 1, MAX_WORLD_SIZE)
+    assert not rank_selected("2-99999999,-1", 1, 10) and rank_selected("-1", 9, 10)
+    assert parse_ranks("5-99999999", 8) == {5, 6, 7}
+
+
+class _NoStr:
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+    __repr__ = __str__
+
+
+@FUZZ
+@given(
+    name=st.one_of(st.text(max_size=10), st.just(_NoStr()), st.lists(st.integers(), max_size=2)),
+    t0=st.one_of(st.integers(-(10**12), 10**12), st.none(), st.text(max_size=3), st.floats()),
+    t1=st.one_of(st.integers(-(10**12), 10**12), st.none(), st.floats(allow_nan=False, allow_infinity=False)),
+    level=st.one_of(st.integers(-5, 50), st.text(max_size=4), st.none()),
+    metrics=st.one_of(st.none(), st.integers(), st.dictionaries(st.text(max_size=4), st.integers(), max_size=3)),
+    status=st.one_of(st.text(max_size=8), st.integers(), st.none()),
+)
+def test_record_span_and_span_never_raise_and_write_valid_records(  # noqa: PLR0917 - one per strategy
+    tmp_path: Path, name: Any, t0: Any, t1: Any, level: Any, metrics: Any, status: Any
+) -> None:
+    """record_span with any name (one whose __str__ raises, a list), times (None, text, t1 before
+    t0), level, metrics (5) and status (an int): never raises, and what it writes validates
+    (dur never negative, status a string); tt.span(["a"]) is a span too."""
+    memory = MemoryBackend()
+    tt.configure(job_id="rs", backends={"file": False, "log": False}, extra_backends=[memory], statistics=False)
+    rec = tt.get_recorder()
+    assert rec is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rec.record_span(name, t0, t1, metrics=metrics, level=level, status=status)
+        with tt.span(name, metrics):
+            pass
+    tt.close()
+    assert not schema_errors(memory.records)
+    assert all(r["dur"] >= 0 and isinstance(r["status"], str) for r in memory.records if r.get("kind") == "span")
+
+
 # ---------------------------------------------------------------- reader
 
 RECORD_FIELDS = [
@@ -517,3 +622,193 @@ def test_logfmt_never_raises(line: str, pairs: dict[str, Any]) -> None:
         logfmt.typed_value(value)
     formatted = logfmt.format_line(pairs)
     assert "\n" not in formatted
+
+
+# ---------------------------------------------------------------- one bad item (issue 17, items 5 and 6)
+
+
+def _file_events(path: Path, name: str = "e") -> list[int]:
+    stream = read_file(path).streams[0]
+    assert not schema_errors(stream.records)
+    return [r["attrs"]["i"] for r in stream.of_kind("event") if r["name"] == name]
+
+
+def _configure_file(tmp_path: Path, **settings: Any) -> Path:
+    backends = {"file": {"path": "bad.jsonl"}, "log": False}
+    tt.configure(job_id="bad", log_dir=str(tmp_path), backends=backends, statistics=False, **settings)
+    return tmp_path / "bad.jsonl"
+
+
+def test_a_link_to_a_span_never_entered_loses_nothing(tmp_path: Path) -> None:
+    """``link=`` to a span that was never entered: that span is written (without a link) and
+    so is every record around it."""
+    path = _configure_file(tmp_path)
+    never = tt.span("never_entered")
+    for i in range(600):
+        tt.event("e", {"i": i})
+        if i == 300:
+            with tt.span("linked", link=never):
+                pass
+    tt.close()
+    assert _file_events(path) == list(range(600))
+    (linked,) = read_file(path).streams[0].spans("linked")
+    assert linked.get("link", 0) == 0
+
+
+def test_a_metric_too_large_to_print_loses_nothing(tmp_path: Path) -> None:
+    """An integer over 4,300 digits (Python refuses to print it) among 600 events: every event
+    is written, the huge value as a note, a merely large one as a float."""
+    path = _configure_file(tmp_path)
+    for i in range(600):
+        attrs: dict[str, Any] = {"i": i}
+        if i == 300:
+            attrs.update(huge=10**5000, large=2**70, nested={"huge": -(10**5000)})
+        tt.event("e", attrs)
+    tt.close()
+    assert _file_events(path) == list(range(600))
+    (big,) = [r for r in read_file(path).streams[0].of_kind("event") if r["attrs"]["i"] == 300]
+    assert big["attrs"]["large"] == float(2**70)
+    assert "integer of" in big["attrs"]["huge"] and "integer of" in big["attrs"]["nested"]["huge"]
+
+
+def test_a_dict_changed_by_another_thread_loses_nothing(tmp_path: Path) -> None:
+    """Another thread keeps adding and removing keys of the dict passed to ``span()`` and
+    ``event()`` while the writer converts them: every one of 10,000 spans and events is written."""
+    path = _configure_file(tmp_path, flush_interval=0.005, blocking=True)
+    shared: dict[str, Any] = {"i": 0, **{f"v{n}": n for n in range(150)}}
+    stop = threading.Event()
+
+    def mutate() -> None:
+        n = 0
+        while not stop.is_set():
+            if (n // 100) % 2:
+                shared.pop(f"k{n % 100}", None)  # the size keeps changing: 151 to 251 keys
+            else:
+                shared[f"k{n % 100}"] = n
+            n += 1
+
+    thread = threading.Thread(target=mutate)
+    thread.start()
+    try:
+        for i in range(10000):
+            shared["i"] = i
+            with tt.span("s", shared):
+                tt.event("e", shared)
+    finally:
+        stop.set()
+        thread.join()
+    tt.close()
+    stream = read_file(path).streams[0]
+    assert len(stream.spans("s")) == 10000
+    assert len([r for r in stream.of_kind("event") if r["name"] == "e"]) == 10000
+    seqs = [r["seq"] for r in stream.records]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
+class _Raises:
+    """A value whose repr raises what it is given (KeyboardInterrupt, SystemExit, GeneratorExit)."""
+
+    def __init__(self, kind: type[BaseException]) -> None:
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        raise self.kind("from __repr__")
+
+    __str__ = __repr__
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit, GeneratorExit, RuntimeError])
+def test_a_repr_raising_a_base_exception_does_not_stop_the_writer(tmp_path: Path, kind: type[BaseException]) -> None:
+    """A value whose ``__repr__`` raises KeyboardInterrupt, SystemExit or GeneratorExit (as a
+    name, a value, a key, a link): the writer keeps writing; every record is there, the bad
+    values replaced by notes."""
+    path = _configure_file(tmp_path)
+    for i in range(600):
+        if i == 300:
+            tt.event(_Raises(kind), {"i": -1})  # type: ignore[arg-type]
+            tt.event("e", {"i": i, "bad": _Raises(kind), _Raises(kind): 1})  # type: ignore[dict-item]
+            with tt.span("linked", link=_Raises(kind)):  # type: ignore[arg-type]
+                pass
+        else:
+            tt.event("e", {"i": i})
+    assert tt.flush(30)
+    tt.close()
+    assert _file_events(path) == list(range(600))
+    assert read_file(path).streams[0].closed_cleanly
+
+
+def test_flush_returns_at_once_after_a_failed_cycle(tmp_path: Path) -> None:
+    """A write cycle that fails (here: its delivery raises once) still releases the flush()
+    waiting on it: flush reports success instead of waiting out its timeout; writing goes on."""
+    path = _configure_file(tmp_path)
+    rec = tt.get_recorder()
+    assert rec is not None
+    pipeline = rec._pipeline
+    real = pipeline._deliver
+    calls = itertools.count()
+
+    def fail_once(batch: list[tuple[int, dict[str, Any]]]) -> None:
+        if next(calls) == 0:
+            raise OSError("injected")
+        real(batch)
+
+    pipeline._deliver = fail_once  # type: ignore[method-assign]
+    tt.event("lost", {"i": -1})
+    assert tt.flush(10) is True
+    tt.event("e", {"i": 0})
+    tt.close()
+    assert _file_events(path) == [0]
+
+
+# ---------------------------------------------------------------- values as they were at the call (issue 17, item 8)
+
+_scalars = st.one_of(st.integers(-1000, 1000), st.floats(-1e6, 1e6), st.text(max_size=8), st.booleans())
+_reused_values = st.recursive(
+    _scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@FUZZ
+@given(steps=st.lists(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _reused_values, min_size=1), min_size=2,
+                      max_size=6))
+def test_a_reused_dict_is_written_as_it_was_at_each_call(tmp_path: Path, steps: list[dict[str, Any]]) -> None:
+    """One dict reused between calls of span(), event(), add_metrics(), error() and
+    record_span(), its values replaced after each call: each record holds the values of its own
+    call (the test's own copies), not the last ones (``step = 4`` five times, before)."""
+    memory = MemoryBackend()
+    tt.configure(job_id="snap", backends={"file": False, "log": False}, extra_backends=[memory], statistics=False,
+                 redact_keys=[])
+    rec = tt.get_recorder()
+    assert rec is not None
+    reused: dict[str, Any] = {}
+    expected: list[dict[str, Any]] = []
+    for number, values in enumerate(steps):
+        reused.update(values)
+        reused["step"] = number
+        expected.append(json.loads(json.dumps(reused)))
+        with tt.span("s", reused) as span:
+            tt.event("e", reused)
+            span.add_metrics(reused)
+            tt.error("err", reused)
+        started = time.perf_counter_ns()
+        rec.record_span("r", started, started + 1000, metrics=reused)
+        for key in list(reused):  # the caller moves on: every value replaced
+            reused[key] = "changed"
+    tt.close()
+
+    def attrs_of(kinds: tuple[str, ...], name: str) -> list[dict[str, Any]]:
+        return [r["attrs"] for r in memory.records if r.get("kind") in kinds and r.get("name") == name]
+
+    def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+        return all(k in got and json.dumps(got[k], sort_keys=True) == json.dumps(want[k], sort_keys=True) for k in want)
+
+    # A span is one record, or a start (attributes) and an end (metrics added while open).
+    ends = attrs_of(("end",), "s")
+    for kinds, name in ((("span", "start"), "s"), (("event",), "e"), (("error",), "error"), (("span",), "r")):
+        written = attrs_of(kinds, name)
+        assert len(written) == len(expected), (kinds, name)
+        assert all(same(got, want) for got, want in zip(written, expected, strict=True)), (kinds, name)
+    assert all(any(same(end, want) for want in expected) for end in ends)
+

@@ -244,3 +244,42 @@ def test_slow_sink_training_continues_drops_counted_once_warned(
     assert stream.records[-1]["dropped"] == dropped
     assert len(written) + dropped == produced
     assert stream.gaps() == []
+
+
+HEADER_RETRY = r"""
+import resource, signal, sys
+import traintrace as tt
+from traintrace.reader import read_file
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG instead
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))   # no byte fits: as a full disk at the start
+tt.configure(job_id="hdr", log_dir=sys.argv[1], backends={"file": {"path": "h.jsonl"}, "log": False},
+             fault_handler=False, manifest=False)
+for step in range(5):
+    tt.event("lost", {"step": step})
+tt.flush()
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))   # space returns
+for step in range(5):
+    tt.event("kept", {"step": step})
+tt.close()
+print("done")
+"""
+
+
+@pytest.mark.subprocess
+def test_disk_full_at_start_writes_the_header_once_space_returns(tmp_path: Path) -> None:
+    """The header cannot be written at configure() (no byte fits); once writing works again the
+    file starts with the header, a write_error note counts what was lost, and the records after
+    it belong to the stream (none is an orphan)."""
+    script = write_script(tmp_path, "hdr.py", HEADER_RETRY)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=child_env(), check=False)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]
+    result = read_file(tmp_path / "h.jsonl")
+    assert len(result.streams) == 1 and not result.orphans and not result.bad_lines
+    stream = result.streams[0]
+    assert stream.header["job"] == "hdr" and stream.closed_cleanly
+    assert [r["attrs"]["step"] for r in stream.of_kind("event") if r["name"] == "kept"] == list(range(5))
+    notes = [r for r in stream.records if r.get("kind") == "dropped" and r.get("reason") == "write_error"]
+    assert notes and notes[0]["count"] >= 5

@@ -6,6 +6,7 @@ import json
 import math
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,3 +87,29 @@ def test_objects_that_break_repr() -> None:
             raise RuntimeError("no")
 
     assert to_jsonable(Bad()) == "<unrepresentable Bad>"
+
+
+def test_huge_arrays_are_cut_before_they_are_converted() -> None:
+    """A 10-million-element numpy array and torch tensor (views that take no memory) become at
+    most 256 items, and converting them allocates a few kilobytes, not the hundreds of
+    megabytes a full ``tolist()`` would (issue 17, item 7)."""
+    import tracemalloc
+
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    values = {
+        "np1": np.broadcast_to(np.float64(1.5), (10_000_000,)),
+        "np2": np.broadcast_to(np.int64(2), (5_000, 2_000)),
+        "t1": torch.zeros(1).expand(10_000_000),
+    }
+    tracemalloc.start()
+    try:
+        converted = {key: to_jsonable(value) for key, value in values.items()}
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5_000_000
+    assert converted["np1"] == [1.5] * MAX_ITEMS
+    assert converted["t1"] == [0.0] * MAX_ITEMS
+    rows = converted["np2"]
+    assert 1 <= len(rows) <= MAX_ITEMS and all(row and set(row) == {2} for row in rows)

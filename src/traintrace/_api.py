@@ -96,8 +96,10 @@ def close(timeout: float | None = None) -> None:
 
 
 def _attrs_arg(metrics: Any) -> Any:
-    """A dict as is (written as given); anything else made a dict, or None if it cannot be."""
-    return metrics if metrics is None or type(metrics) is dict else as_attrs(metrics)
+    """A snapshot of the caller's metrics (``as_attrs``): later changes to the dict are not written."""
+    if metrics.__class__ is dict:
+        return metrics.copy() or None  # the common case, inlined
+    return None if metrics is None else as_attrs(metrics)
 
 
 
@@ -228,7 +230,7 @@ def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Ma
 
 def checkpoint_save_finalization(async_save: Span | None = None, metrics: Mapping[str, Any] | None = None) -> Span:
     """The background part of an asynchronous save, linked to its blocking part."""
-    return Span(SpanName.CHECKPOINT_SAVE_FINALIZATION, metrics, int(Verbosity.INFO), async_save)
+    return Span(SpanName.CHECKPOINT_SAVE_FINALIZATION, _attrs_arg(metrics), int(Verbosity.INFO), async_save)
 
 
 def timed_span(name: str, metrics: Mapping[str, Any] | None = None) -> Span:

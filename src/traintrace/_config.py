@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import math
 import os
 import string
 import sys
@@ -34,38 +35,86 @@ class ConfigError(ValueError):
     """Raised by ``configure()`` for a bad setting; the message names the field."""
 
 
-def parse_ranks(spec: object, world_size: int) -> frozenset[int]:
-    """The ranks a selector names.
+#: The largest world size accepted (and so the most ranks a selector can name).
+MAX_WORLD_SIZE = 1 << 20
+_MAX_SELECTOR = 4096
 
-    ``"all"``, ``"none"``, ``"last"``, an int (negative counts from the end),
-    ``"0,2,5"``, ``"0-3"``, or a sequence of ints.
-    """
+
+def _selector_parts(spec: object) -> list[str] | None:
+    """A selector's parts (``None``: all ranks); raises ValueError/TypeError if it is not one."""
     if isinstance(spec, bool):
         raise ValueError(f"not a rank selector: {spec!r}")
     if isinstance(spec, int):
-        parts: list[str] = [str(spec)]
-    elif isinstance(spec, str):
+        return [str(spec)]
+    if isinstance(spec, str):
+        if len(spec) > _MAX_SELECTOR:
+            raise ValueError(f"rank selector longer than {_MAX_SELECTOR} characters")
         text = spec.strip().lower()
         if text in ("all", "*", ""):
-            return frozenset(range(world_size))
+            return None
         if text == "none":
-            return frozenset()
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-    elif isinstance(spec, Sequence):
-        parts = [str(int(p)) for p in spec]
-    else:
-        raise ValueError(f"not a rank selector: {spec!r}")
+            return []
+        return [p.strip() for p in text.split(",") if p.strip()]
+    if isinstance(spec, Sequence):
+        if len(spec) > _MAX_SELECTOR:
+            raise ValueError(f"rank selector with more than {_MAX_SELECTOR} ranks")
+        return [str(int(p)) for p in spec]
+    raise ValueError(f"not a rank selector: {spec!r}")
+
+
+def _part_bounds(part: str, world_size: int) -> tuple[int, int]:
+    """The inclusive rank range one part names (may be empty: low > high)."""
+    if part == "last":
+        return world_size - 1, world_size - 1
+    if "-" in part[1:]:
+        low, high = part.split("-", 1) if not part.startswith("-") else (part, "")
+        return int(low), int(high)
+    value = int(part)
+    value = value + world_size if value < 0 else value
+    return value, value
+
+
+def rank_selected(spec: object, rank: int, world_size: int) -> bool:
+    """Whether the selector ``spec`` names ``rank``, without listing every rank it names."""
+    parts = _selector_parts(spec)
+    if parts is None:
+        return 0 <= rank < world_size
+    for part in parts:
+        low, high = _part_bounds(part, world_size)
+        if low <= rank <= high:
+            return True
+    return False
+
+
+def parse_ranks(spec: object, world_size: int) -> frozenset[int]:
+    """The ranks below ``world_size`` a selector names.
+
+    ``"all"``, ``"none"``, ``"last"``, an int (negative counts from the end),
+    ``"0,2,5"``, ``"0-3"``, or a sequence of ints. Ranges are cut at the world
+    size, so ``"0-99999999"`` costs what the world has, not 1e8 entries.
+    """
+    parts = _selector_parts(spec)
+    if parts is None:
+        return frozenset(range(world_size))
     ranks: set[int] = set()
     for part in parts:
-        if part == "last":
-            ranks.add(world_size - 1)
-        elif "-" in part[1:]:
-            low, high = part.split("-", 1) if not part.startswith("-") else (part, "")
-            ranks.update(range(int(low), int(high) + 1))
-        else:
-            value = int(part)
-            ranks.add(value + world_size if value < 0 else value)
+        low, high = _part_bounds(part, world_size)
+        ranks.update(range(max(low, 0), min(high, world_size - 1) + 1))
     return frozenset(ranks)
+
+
+def _seconds(name: str, value: object, *, low: float, high: float, zero_off: bool = False) -> None:
+    """ConfigError unless ``value`` is a finite number of seconds in [low, high] (or 0 when ``zero_off``)."""
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    if ok and (low <= value <= high or (zero_off and value == 0)):  # type: ignore[operator]
+        return
+    off = " (0 turns it off)" if zero_off else ""
+    raise ConfigError(f"{name}: expected a number of seconds from {low:g} to {high:g}{off}, got {value!r}")
+
+
+#: Intervals: at least a millisecond (no busy loop), at most a day; timeouts: at most 30 days.
+_DAY = 86400.0
+_MONTH = 30 * _DAY
 
 
 @dataclass
@@ -94,7 +143,7 @@ class BackendConfig:
         """The level this backend runs at on ``rank``, or None where it is off."""
         if not self.enabled:
             return None
-        if rank in parse_ranks(self.ranks, world_size):
+        if rank_selected(self.ranks, rank, world_size):
             return Verbosity.parse(self.verbosity)
         if self.verbosity_elsewhere is None:
             return None
@@ -112,7 +161,7 @@ class BackendConfig:
             except ValueError as exc:
                 raise ConfigError(f"{where}.verbosity_elsewhere: {exc}") from None
         try:
-            parse_ranks(self.ranks, 1)
+            rank_selected(self.ranks, 0, 1)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"{where}.ranks: {exc} (use 'all', 'none', 'last', 3, -1, '0,2', '0-3')") from None
         if not isinstance(self.enabled, bool):
@@ -144,6 +193,12 @@ class FileBackendConfig(BackendConfig):
         super().validate(where)
         if not isinstance(self.path, str) or not self.path.strip():
             raise ConfigError(f"{where}.path: expected a non-empty path template")
+        if "\x00" in self.path:
+            raise ConfigError(f"{where}.path: a NUL character cannot be in a path")
+        try:
+            list(string.Formatter().parse(self.path))
+        except ValueError as exc:
+            raise ConfigError(f"{where}.path: {exc} (write {{{{ and }}}} for a literal brace)") from None
         if not isinstance(self.file_mode, int) or not 0 <= self.file_mode <= 0o777:
             raise ConfigError(f"{where}.file_mode: expected permission bits like 0o640")
 
@@ -204,7 +259,11 @@ def resolve_path(template: str, log_dir: str | os.PathLike[str], identity: Ident
         "date": time.strftime("%Y%m%d", now),
         "time": time.strftime("%H%M%S", now),
     }
-    for _, field_name, _, _ in string.Formatter().parse(template):
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(template)]
+    except ValueError as exc:
+        raise ConfigError(f"backends.file.path: {exc}") from None
+    for field_name in fields:
         if field_name is not None and field_name not in values:
             raise ConfigError(
                 f"backends.file.path: unknown placeholder {{{field_name}}} "
@@ -214,7 +273,11 @@ def resolve_path(template: str, log_dir: str | os.PathLike[str], identity: Ident
         rendered = template.format(**values)
     except (ValueError, IndexError) as exc:
         raise ConfigError(f"backends.file.path: {exc}") from None
+    if "\x00" in rendered or "\x00" in os.fspath(log_dir):
+        raise ConfigError("backends.file.path: a NUL character cannot be in a path")
     path = Path(rendered)
+    if rendered.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
+        raise ConfigError(f"backends.file.path: {template!r} names a folder, not a file")
     if path.is_absolute():
         return path
     root = Path(log_dir).resolve()
@@ -277,18 +340,16 @@ class Config:
         for name in ("rank", "world_size", "local_rank", "local_world_size", "node_rank"):
             _check_int(name, getattr(self, name), minimum=0, optional=True)
         _check_int("restart_count", self.restart_count, minimum=0, optional=True)
-        if self.world_size is not None and self.world_size < 1:
-            raise ConfigError("world_size: must be at least 1")
+        if self.world_size is not None and not 1 <= self.world_size <= MAX_WORLD_SIZE:
+            raise ConfigError(f"world_size: must be from 1 to {MAX_WORLD_SIZE}, got {self.world_size}")
+        if self.local_world_size is not None and self.local_world_size > MAX_WORLD_SIZE:
+            raise ConfigError(f"local_world_size: must be at most {MAX_WORLD_SIZE}")
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise ConfigError(f"rank: {self.rank} is not below world_size {self.world_size}")
         _check_int("queue_size", self.queue_size, minimum=16)
         _check_int("log_interval", self.log_interval, minimum=1)
-        for name in ("flush_interval", "close_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86400:
-                raise ConfigError(
-                    f"{name}: expected a positive number of seconds (at most a day), got {value!r}"
-                )
+        _seconds("flush_interval", self.flush_interval, low=0.001, high=_DAY)
+        _seconds("close_timeout", self.close_timeout, low=0.001, high=_DAY)
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
         if not isinstance(self.redact_keys, list | tuple) or not all(
@@ -304,6 +365,8 @@ class Config:
                 raise ConfigError(f"{name}: expected a non-empty string, got {value!r}")
         if not isinstance(self.log_dir, str | os.PathLike):
             raise ConfigError(f"log_dir: expected a path, got {self.log_dir!r}")
+        if "\x00" in os.fspath(self.log_dir):
+            raise ConfigError("log_dir: a NUL character cannot be in a path")
         if not isinstance(self.metadata, dict):
             raise ConfigError("metadata: expected a mapping")
         for key, backend in self.backends.items():
@@ -314,17 +377,15 @@ class Config:
 def _validate_insight(config: Config) -> None:
     """Raise ConfigError for a bad training-loop insight setting (docs/insight.md)."""
     peak = config.peak_tflops
-    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, int | float) or peak <= 0):
+    if peak is not None and (
+        isinstance(peak, bool) or not isinstance(peak, int | float) or not math.isfinite(peak) or peak <= 0
+    ):
         raise ConfigError(f"peak_tflops: expected a positive number, got {peak!r}")
-    for name in ("device_sample_interval", "hang_timeout", "hang_check_interval"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"{name}: expected a number of seconds (0 turns it off), got {value!r}")
-    if not config.hang_check_interval:
-        raise ConfigError("hang_check_interval: must be above 0")
-    value = config.hang_exit_after
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
-        raise ConfigError(f"hang_exit_after: expected a positive number of seconds, got {value!r}")
+    _seconds("device_sample_interval", config.device_sample_interval, low=0.01, high=_DAY, zero_off=True)
+    _seconds("hang_timeout", config.hang_timeout, low=0.001, high=_MONTH, zero_off=True)
+    _seconds("hang_check_interval", config.hang_check_interval, low=0.01, high=_DAY)
+    if config.hang_exit_after is not None:
+        _seconds("hang_exit_after", config.hang_exit_after, low=0.001, high=_MONTH)
     code = config.hang_exit_code
     if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255:
         raise ConfigError(f"hang_exit_code: expected an exit status from 1 to 255, got {code!r}")
@@ -350,10 +411,7 @@ def _validate_insight(config: Config) -> None:
     if not isinstance(timeouts, Mapping):
         raise ConfigError("phase_timeouts: expected a mapping of span name to seconds")
     for name, seconds in timeouts.items():
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds <= 0:
-            raise ConfigError(
-                f"phase_timeouts.{name}: expected a positive number of seconds, got {seconds!r}"
-            )
+        _seconds(f"phase_timeouts.{name}", seconds, low=0.001, high=_MONTH)
 
 
 def disabled(env: Mapping[str, str] | None = None) -> bool:

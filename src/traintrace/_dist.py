@@ -142,7 +142,8 @@ def register(rec: Recorder, identity: Identity) -> None:
             return  # traintrace-run writes the manifest with the workers' configuration
         if header.get("parent_pid") is not None:
             return  # a forked child's own stream: the rank is its parent's, registered already
-        write_registration(folder, identity, _stream_path(rec))
+        mode = getattr(rec.config.backends.get("file"), "file_mode", 0o640)
+        write_registration(folder, identity, _stream_path(rec), mode=mode)
         if identity.rank == 0:
             write_manifest(folder, rec.config, identity, created_by="rank0")
     except Exception as exc:  # noqa: BLE001 - bookkeeping must not stop the job

@@ -21,6 +21,8 @@ import logging
 import os
 from pathlib import Path
 
+from ._safefs import open_dir, open_nofollow
+
 log = logging.getLogger("traintrace.lib")
 
 #: Suffix added to a stream's path for its fault file.
@@ -42,9 +44,14 @@ def enable(stream_path: Path, file_mode: int) -> None:
         return
     release()
     target = faults_path(stream_path)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
     try:
-        fd = os.open(target, flags, file_mode)
+        # Next to the stream, never through a link planted at its name.
+        folder = open_dir(target.parent)
+        try:
+            fd = open_nofollow(target.name, flags, file_mode, folder)
+        finally:
+            os.close(folder)
     except OSError as exc:
         log.debug("traintrace: no fault file %s: %s", target, exc)
         return

@@ -20,6 +20,7 @@ last a generated one.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
@@ -140,9 +141,18 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
 
 
 def safe_component(text: str, limit: int = 128) -> str:
-    """``text`` made safe as one path component: no separators, no leading dot."""
-    cleaned = _UNSAFE.sub("_", text)[:limit].lstrip(".")
-    return cleaned or "_"
+    """``text`` made safe as one path component: no separators, no leading dot.
+
+    When that changed it (characters replaced, a leading dot removed, a cut at
+    ``limit``), a short hash of the original is added, so ids that differ only
+    there (``a/b``, ``a\x00b``, ``a_b``; long ids sharing a prefix) keep
+    different folders: ``a/b`` -> ``a_b-<8 hex digits>``.
+    """
+    cleaned = _UNSAFE.sub("_", text).lstrip(".")
+    if cleaned == text and 0 < len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{cleaned[: max(limit - 9, 1)] or '_'}-{digest}"
 
 
 def expand_slurm_counts(spec: str) -> list[int]:

@@ -121,4 +121,7 @@ DEFAULT_SPAN_VERBOSITY: Final[dict[str, Verbosity]] = {
 
 def level_of(name: str) -> int:
     """The default verbosity of a span named ``name`` (``info`` for names not listed above)."""
-    return int(DEFAULT_SPAN_VERBOSITY.get(name, Verbosity.INFO))
+    try:
+        return int(DEFAULT_SPAN_VERBOSITY.get(name, Verbosity.INFO))
+    except TypeError:  # a name that is not hashable (a list): misuse, recorded at info
+        return int(Verbosity.INFO)

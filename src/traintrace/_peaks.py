@@ -34,7 +34,7 @@ PEAK_BF16_TFLOPS: Final[dict[str, float]] = {
 
 
 def peak_for(name: str | None) -> float | None:
-    if not name:
+    if not name or not isinstance(name, str):
         return None
     text = name.lower()
     for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):

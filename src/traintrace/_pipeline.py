@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._names import RecordKind, SpanStatus, Verbosity
+from ._names import EventName, RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
-from ._sanitize import bound_key, convert_mapping
+from ._sanitize import MAX_INT, bound_key, clip_text, convert_mapping
+from ._wakeup import Wakeup
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -76,7 +77,7 @@ class SpanObserver(Protocol):
 #: A backend's loss reasons that count records, and the reason its ``dropped`` records give.
 _RECORD_LOSSES = {"queue_full": "export_queue_full", "failed": "export_failed", "abandoned": "export_abandoned"}
 
-_SAFE_VALUE_TYPES = frozenset({int, bool, type(None)})
+_SAFE_VALUE_TYPES = frozenset({bool, type(None)})
 _INFINITIES = (float("inf"), float("-inf"))
 
 
@@ -87,24 +88,37 @@ def _name(name: object) -> str:
     return bound_key(name)
 
 
+def _why(exc: BaseException) -> str:
+    """``Type: message`` of an exception, even one whose ``str`` raises."""
+    try:
+        text = str(exc)
+    except BaseException:  # noqa: BLE001
+        text = "?"
+    return clip_text(f"{type(exc).__name__}: {text}", 512)
+
+
 def _merge(attrs: Any, metrics: dict[str, Any]) -> Any:
     """Attributes given at start with metrics added while open (either may be a user's oddity)."""
     try:
         return {**attrs, **metrics} if attrs else metrics
-    except Exception:  # noqa: BLE001 - attrs that are not a mapping: keep the metrics
+    except BaseException:  # noqa: BLE001 - attrs that are not a mapping: keep the metrics
         return metrics
 
 
 def _link_id(link: object) -> int:
+    """The id a ``link=`` names: a span's (0 if it was never entered), or an int given as one."""
+    if isinstance(link, Span):
+        return link.span_id
     try:
         value: int = int(link)  # type: ignore[call-overload]
         return max(0, value)
-    except Exception:  # noqa: BLE001 - a link that is not an id is dropped
+    except BaseException:  # noqa: BLE001 - a link that is not an id is dropped
         return 0
 
 
-def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    """``attrs`` as JSON-safe data; the common case (str keys, plain numbers) passes as is."""
+def clean_attrs(attrs: Mapping[str, Any], redactor: Redactor | None = None) -> dict[str, Any]:
+    """``attrs`` as JSON-safe data, secrets redacted; the common case (str keys, plain numbers)
+    passes as is (with only its top-level keys to check)."""
     if type(attrs) is dict and len(attrs) <= 256:
         for key, value in attrs.items():
             kind = type(value)
@@ -113,14 +127,17 @@ def clean_attrs(attrs: Mapping[str, Any]) -> dict[str, Any]:
             if kind is float:
                 if value != value or value in _INFINITIES:  # noqa: PLR0124 - the NaN test
                     break
+            elif kind is int:
+                if not -MAX_INT < value < MAX_INT:
+                    break
             elif kind is str:
                 if len(value) > 4096:
                     break
             elif kind not in _SAFE_VALUE_TYPES:
                 break
         else:
-            return attrs
-    return convert_mapping(attrs)
+            return redactor.apply(attrs) if redactor else attrs
+    return convert_mapping(attrs, redactor.secret if redactor else None)
 
 
 class Pipeline:
@@ -140,12 +157,18 @@ class Pipeline:
         self.routes = [Route(b, name, level) for b, name, level in routes]
         #: The most verbose level any backend writes (-1: none).
         self.max_route_level = max((r.level for r in self.routes), default=-1)
-        self._wake = threading.Event()
+        self._wake = Wakeup()
         self._flush_waiters: list[threading.Event] = []
         self._closing: str | None = None
         #: time.monotonic() by which close must be done (set by close()); None while running
         self._deadline: float | None = None
         self._closed = threading.Event()
+        #: Set by the writer (a plain attribute: a signal handler may read it) once the stream is closed.
+        self.finished = False
+        #: Write cycles completed; a signal handler waits for it to move (no lock to take).
+        self.cycles = 0
+        # Signal events asked for by a signal handler: (attrs, span id, thread ident, mono).
+        self._signal_events: list[tuple[dict[str, Any], int, int, int]] = []
         self._seq = 1  # the header is 0
         self._open: dict[int, Span] = {}
         self._threads: dict[int, int] = {}
@@ -156,6 +179,7 @@ class Pipeline:
         self.observers: list[SpanObserver] = []
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
         self._warned_drops = False
+        self._bad_items = 0
         self._losses_reported: dict[str, dict[str, int]] = {}
         self._close_abandoned = 0
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
@@ -193,6 +217,32 @@ class Pipeline:
 
     def wake(self) -> None:
         self._wake.set()
+
+    # -- from a signal handler: no lock taken, nothing that can block -----------
+    def signal_event(self, attrs: dict[str, Any], span_id: int, ident: int) -> int:
+        """Have the writer record a ``signal`` event; returns the cycle count to wait past."""
+        self._signal_events.append((attrs, span_id, ident, time.perf_counter_ns()))
+        cycles = self.cycles
+        self._wake.set()
+        return cycles
+
+    def terminate_from_signal(self, attrs: dict[str, Any], span_id: int, ident: int) -> None:
+        """Record a ``signal`` event, write everything queued, end open spans ``terminated``, close."""
+        self.signal_event(attrs, span_id, ident)
+        if self._closing is None:
+            self._deadline = time.monotonic() + max(float(self.config.close_timeout), 0.0)
+            self._closing = SpanStatus.TERMINATED
+        self._wake.set()
+
+    def wait_from_signal(self, timeout: float, past_cycle: int | None = None) -> bool:
+        """Sleep-poll (no lock) until the stream is closed, or a cycle after ``past_cycle`` ended."""
+        deadline = time.monotonic() + timeout
+        while not self.finished and (past_cycle is None or self.cycles <= past_cycle + 1):
+            if time.monotonic() > deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.002)
+        return True
 
     def open_spans(self) -> list[Span]:
         """The spans whose start is written and whose end is not (a snapshot; any thread)."""
@@ -256,16 +306,20 @@ class Pipeline:
                 self._wake.clear()
                 try:
                     self._cycle(drain=False)
-                except Exception:
+                except BaseException:  # even SystemExit from a user's __repr__
                     # A bug here must not end telemetry for the rest of the run.
                     failures += 1
                     if failures == 1:
                         log.exception("traintrace: a write cycle failed; its records may be lost")
-            self._cycle(drain=True)
+            try:
+                self._cycle(drain=True)
+            except BaseException:  # the close record is still written
+                log.exception("traintrace: the final write cycle failed; its records may be lost")
             self._finish(self._closing)
         except BaseException:
             log.exception("traintrace: writer thread failed; telemetry stops here")
         finally:
+            self.finished = True
             self._closed.set()
             for waiter in self._flush_waiters:
                 waiter.set()
@@ -273,6 +327,14 @@ class Pipeline:
     def _cycle(self, drain: bool) -> None:
         """Write what was queued when the cycle began (everything, when ``drain``)."""
         waiters, self._flush_waiters = self._flush_waiters, []
+        try:
+            self._cycle_body(drain, waiters)
+        finally:
+            # Even after a failure: flush() must not wait out its timeout.
+            for waiter in waiters:
+                waiter.set()
+
+    def _cycle_body(self, drain: bool, waiters: list[threading.Event]) -> None:
         self._refresh_anchor()
         wrote = False
         chunks = 0
@@ -291,6 +353,15 @@ class Pipeline:
             chunks += 1
             if chunks % 16 == 0:
                 time.sleep(0)  # let the training thread have the GIL now and then
+        if self._signal_events:
+            signalled: list[tuple[int, dict[str, Any]]] = []
+            while self._signal_events:
+                attrs, span_id, ident, mono = self._signal_events.pop(0)
+                self.emit_event(
+                    EventName.SIGNAL, attrs, signalled, span_id=span_id, ident=ident, mono=mono, level=_ERROR_LEVEL
+                )
+            self._deliver(signalled)
+            wrote = True
         if waiters and self.observers:
             held: list[tuple[int, dict[str, Any]]] = []
             for observer in self.observers:
@@ -318,12 +389,25 @@ class Pipeline:
             wrote = True
         if wrote or waiters:
             self._flush_backends()
-        for waiter in waiters:
-            waiter.set()
+        self.cycles += 1
 
     def _clean(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
-        cleaned = clean_attrs(attrs)
-        return self._redactor.apply(cleaned) if self._redactor else cleaned
+        try:
+            return clean_attrs(attrs, self._redactor)
+        except BaseException as exc:  # noqa: BLE001 - e.g. a dict another thread changes meanwhile
+            # The record keeps its place; its attributes say why they are missing.
+            return {"<unconvertible>": _why(exc)}
+
+    def _bad_item(self, exc: BaseException, out: list[tuple[int, dict[str, Any]]]) -> None:
+        """An item that could not become a record: a ``dropped`` note in its place says why."""
+        self._bad_items += 1
+        if self._bad_items == 1:
+            log.warning("traintrace: a record could not be converted (%s); a 'dropped' note replaces it", _why(exc))
+        record = self._record(RecordKind.DROPPED, time.perf_counter_ns())
+        record["count"] = 1
+        record["reason"] = "unconvertible"
+        record["error"] = _why(exc)
+        out.append((_ERROR_LEVEL, record))
 
     def _record(self, kind: str, mono: int) -> dict[str, Any]:
         seq = self._seq
@@ -349,6 +433,16 @@ class Pipeline:
         return native
 
     def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]]) -> None:
+        # One iterator for the chunk: after a bad item the loop resumes where it stopped.
+        rounds = iter(range(min(len(queue), _CHUNK)))
+        while True:
+            try:
+                self._convert_items(queue, rounds, out)
+                return
+            except BaseException as exc:  # noqa: BLE001 - a user's value may raise anything
+                self._bad_item(exc, out)
+
+    def _convert_items(self, queue: deque[Any], rounds: Any, out: list[tuple[int, dict[str, Any]]]) -> None:
         popleft = queue.popleft
         append = out.append
         threads = self._threads
@@ -357,7 +451,7 @@ class Pipeline:
         wall0 = self._anchor_wall - self._anchor_mono
         seq = self._seq
         try:
-            for _ in range(min(len(queue), _CHUNK)):
+            for _ in rounds:
                 item = popleft()
                 if item.__class__ is not tuple:
                     span: Span = item
@@ -412,12 +506,11 @@ class Pipeline:
                         open_spans[span.id] = span
                         span.written = _OPEN
                         attrs = span.attrs
-                    seq += 1
                     if span.link is not None:
-                        link = span.link
-                        record["link"] = link.id if isinstance(link, Span) else _link_id(link)
+                        record["link"] = _link_id(span.link)
                     if attrs is not None and (attrs.__class__ is not dict or attrs):
                         record["attrs"] = self._clean(attrs)
+                    seq += 1
                     append((span.level, record))
                     continue
                 tag = item[0]
@@ -436,9 +529,9 @@ class Pipeline:
                         "span": span_id,
                         "tid": tid,
                     }
-                    seq += 1
                     if attrs:
                         record["attrs"] = self._clean(attrs)
+                    seq += 1
                     append((level, record))
                 elif tag == ERROR:
                     _, name, attrs, span_id, ident, mono, info = item
@@ -455,9 +548,9 @@ class Pipeline:
                         record["error_type"] = error_type
                     record["message"] = message
                     record["stack"] = stack
-                    seq += 1
                     if attrs:
                         record["attrs"] = self._clean(attrs)
+                    seq += 1
                     append((_ERROR_LEVEL, record))
         finally:
             self._seq = seq
@@ -506,8 +599,7 @@ class Pipeline:
         record["parent"] = parent.id if parent is not None else 0
         record["tid"] = tid
         if span.link is not None:
-            link = span.link
-            record["link"] = link.id if isinstance(link, Span) else _link_id(link)
+            record["link"] = _link_id(span.link)
         record["dur"] = (span.t1 or span.t0) - span.t0
         record["status"] = span.status
         attrs = span.attrs

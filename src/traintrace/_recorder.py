@@ -70,6 +70,8 @@ _get_ident = threading.get_ident
 _active: Recorder | None = None
 #: The recorder configured last (kept after close, for ``stats()``).
 _last: Recorder | None = None
+#: The recorder whose close() started last (a SIGTERM during close waits for it).
+_closing: Recorder | None = None
 
 
 class TraintraceWarning(RuntimeWarning):
@@ -106,6 +108,18 @@ def _label(name: object) -> str:
         return f"<{type(name).__name__}>"
 
 
+#: perf_counter_ns() readings are never negative and stay far below this.
+_MAX_NS = 2**62
+
+
+def _label_str(name: object) -> str:
+    """``str(name)``, even when the name's ``__str__`` raises."""
+    try:
+        return str(name)
+    except Exception:  # noqa: BLE001
+        return f"<{type(name).__name__}>"
+
+
 def as_level(level: object) -> int:
     """A verbosity level from what a caller passed; INFO (and a warning) if unusable."""
     if type(level) is int:
@@ -119,7 +133,14 @@ def as_level(level: object) -> int:
 
 
 def as_attrs(metrics: object) -> dict[str, Any] | None:
-    """A caller's metrics as a fresh dict (None if empty or not a mapping, with a warning)."""
+    """A caller's metrics as a fresh dict (None if empty or not a mapping, with a warning).
+
+    A snapshot of the values as they are now (one dict copy, in C), so a dict the
+    caller reuses and changes later does not change what is written. Values that
+    are objects (a nested dict or list, a tensor) are read on the writer thread.
+    """
+    if metrics.__class__ is dict:
+        return metrics.copy() or None
     if metrics is None:
         return None
     try:
@@ -412,6 +433,18 @@ class RecordSink(Protocol):
         """In a forked child: drop the parent's queued items."""
         ...
 
+    def signal_event(self, attrs: dict[str, Any], span_id: int, ident: int) -> int:
+        """From a signal handler (no lock): have the writer record a ``signal`` event; the cycle to wait past."""
+        ...
+
+    def terminate_from_signal(self, attrs: dict[str, Any], span_id: int, ident: int) -> None:
+        """From a signal handler (no lock): record the signal, write what is queued, close as ``terminated``."""
+        ...
+
+    def wait_from_signal(self, timeout: float, past_cycle: int | None = None) -> bool:
+        """From a signal handler: sleep-poll until closed (or a cycle after ``past_cycle`` ended)."""
+        ...
+
 
 class Recorder:
     """The low-level API: ``start``/``stop``/``event``/``error``/``close``.
@@ -533,18 +566,32 @@ class Recorder:
         current span, and costs less than a start and a stop. Returns the span,
         or None when nothing would record it.
         """
-        if int(level) > self.max_level or self.closed:
+        chosen = as_level(level)
+        if chosen > self.max_level or self.closed:
             return None
-        span = Span(str(name), dict(metrics) if metrics else None, int(level))
-        span.parent = parent
+        try:
+            begin, end = int(t0), int(t1)
+            if not (0 <= begin < _MAX_NS and 0 <= end < _MAX_NS):
+                raise ValueError("out of range")
+        except Exception:  # noqa: BLE001 - misuse warns, never raises
+            warn_once("bad_times", f"record_span {_label(name)}: t0/t1 are not perf_counter_ns() readings; ignored")
+            return None
+        if end < begin:
+            warn_once("negative_duration", f"record_span {_label(name)}: t1 is before t0; recorded with duration 0")
+            end = begin
+        if status.__class__ is not str:
+            warn_once("bad_status", f"record_span {_label(name)}: status is not a string; recorded as 'ok'")
+            status = SpanStatus.OK
+        span = Span(name if name.__class__ is str else _label_str(name), as_attrs(metrics), chosen)
+        span.parent = parent if isinstance(parent, Span) else None
         span.id = next(_ids)
         span.tid = _get_ident()
         span.metrics = None
         span.status = status
         span.written = 0
         span._rec = self
-        span.t0 = int(t0)
-        span.t1 = int(t1)
+        span.t0 = begin
+        span.t1 = end
         # Seen twice by the writer, like any span: once to write it, once as its end.
         queue = self._queue
         if len(queue) < self._cap:
@@ -610,7 +657,7 @@ class Recorder:
             message = "" if error is None else str(error)
             stack = "".join(traceback.format_stack(sys._getframe(1)))
             info = (None, clip_text(message, 65536), clip_text(stack, 65536))
-            attrs = dict(metrics) if metrics else None
+            attrs = as_attrs(metrics)
             self.put((ERROR, name, attrs, span_id, _get_ident(), when, info))
             self._pipeline.wake()
         except Exception:  # noqa: BLE001 - error() must never fail the caller
@@ -624,14 +671,40 @@ class Recorder:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, end spans still open (status ``abandoned``) and close backends."""
-        global _active
+        global _active, _closing
         if self.closed:
             return
+        _closing = self
         if _active is self:
             _active = None
         self.closed = True
         self._pipeline.close(self.config.close_timeout if timeout is None else timeout)
         _progress_finish(self, _STATE_CLOSED)
+
+    def signalled(self, attrs: dict[str, Any], *, terminate: bool) -> None:
+        """Called from a signal handler: takes no lock the interrupted code may hold.
+
+        Without ``terminate``: a ``signal`` event, written before this returns (at
+        most a second). With it: the signal event, everything queued, open spans
+        ended ``terminated`` and the stream closed, by the writer, waited for
+        (``close_timeout``); also when a ``close()`` was already under way.
+        """
+        global _active
+        span = current_span()
+        where = (span.id if span is not None else 0, _get_ident())
+        pipeline = self._pipeline
+        if not terminate:
+            if not self.closed:
+                pipeline.wait_from_signal(1.0, pipeline.signal_event(attrs, *where))
+            return
+        if not self.closed:
+            self.closed = True
+            if _active is self:
+                _active = None
+            pipeline.terminate_from_signal(attrs, *where)
+        pipeline.wait_from_signal(float(self.config.close_timeout) + 1.0)
+        # The progress file says how the process ended (stores into a mapped page: no lock).
+        _progress_finish(self, _STATE_TERMINATED)
 
     def terminate(self, reason: str) -> None:
         """Flush and end open spans as ``terminated``: the process is about to die."""

@@ -88,7 +88,8 @@ def _header(identity: Identity, config: Config, extra: Mapping[str, Any]) -> dic
         from ._redact import Redactor
         from ._sanitize import convert_mapping
 
-        header["metadata"] = Redactor(config.redact_keys).apply(convert_mapping(config.metadata))
+        redactor = Redactor(config.redact_keys)
+        header["metadata"] = convert_mapping(config.metadata, redactor.secret if redactor else None)
     header.update(extra)
     return header
 
@@ -249,23 +250,33 @@ def _install_sigterm() -> None:
         log.debug("traintrace: cannot install a SIGTERM handler here")
 
 
+_terminating = False
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # A handler runs between two bytecodes of the main thread, which may hold any lock
+    # (the queue's, an Event's): nothing here takes one. The writer thread records the
+    # signal and closes the stream; this only sets flags, rings a pipe and sleep-polls.
+    global _terminating
     previous = _previous_sigterm
     rec = get_active()
-    if callable(previous):
+    if callable(previous) or previous == signal.SIG_IGN:
         # The user's handler decides whether the process ends; spans unwind normally.
         if rec is not None:
-            rec.event(EventName.SIGNAL, {"signal": "SIGTERM"}, level=Verbosity.ERROR)
-            rec.flush(1.0)
-        previous(signum, frame)
+            attrs: dict[str, Any] = {"signal": "SIGTERM"}
+            if not callable(previous):
+                attrs["ignored"] = True
+            rec.signalled(attrs, terminate=False)
+        if callable(previous):
+            previous(signum, frame)
         return
-    if previous == signal.SIG_IGN:
-        if rec is not None:
-            rec.event(EventName.SIGNAL, {"signal": "SIGTERM", "ignored": True}, level=Verbosity.ERROR)
-            rec.flush(1.0)
-        return
-    if rec is not None:
-        rec.terminate("SIGTERM")
+    if _terminating:
+        return  # a second SIGTERM: the first one's flush goes on, then the process ends
+    _terminating = True
+    # Also when close() was under way: its flush finishes before the process ends.
+    closing = rec or _recorder._closing
+    if closing is not None:
+        closing.signalled({"reason": "SIGTERM"}, terminate=True)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
@@ -296,6 +307,10 @@ def _at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
+    global _configure_lock
+    # Another thread may have held it in configure() at the fork: that thread does not
+    # exist here, so the child would wait for it forever.
+    _configure_lock = threading.RLock()
     _faults.after_fork_in_child()
     rec = get_active()
     if rec is None:

@@ -81,8 +81,8 @@ def choose_job_id(args: Any, env: Mapping[str, str]) -> str:
 
 
 def _launch_info(args: Any, argv: Sequence[str]) -> dict[str, Any]:
+    # Not the command line: it carries secrets (--hf_token=...) and is never recorded.
     info: dict[str, Any] = {
-        "argv": list(argv),
         "nnodes": str(args.nnodes),
         "nproc_per_node": str(args.nproc_per_node),
         "max_restarts": int(args.max_restarts),

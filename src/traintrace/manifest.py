@@ -16,7 +16,6 @@ never started: :func:`read_job`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -39,33 +38,58 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_SCHEMA = "traintrace-manifest"
 
 
-def _atomic_write(path: Path, payload: dict[str, Any], *, once: bool) -> bool:
-    """Write JSON to ``path`` completely or not at all; with ``once``, never replace it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=repr) + "\n", encoding="utf-8")
+def _atomic_write(path: Path, payload: dict[str, Any], *, once: bool, mode: int = 0o640) -> bool:
+    """Write JSON to ``path`` completely or not at all; with ``once``, never replace it.
+
+    Folders are created with :func:`dir_mode` of ``mode``; nothing is written
+    through a link planted in the folder (``_safefs.atomic_write_at``).
+    """
+    from ._safefs import atomic_write_at, dir_mode, make_dirs, open_dir
+
+    make_dirs(path.parent, dir_mode(mode))
+    data = (json.dumps(payload, indent=2, sort_keys=True, default=repr) + "\n").encode("utf-8")
+    fd = open_dir(path.parent, follow=False)  # the job folder (or ranks/) may not be a link
     try:
-        if once:
-            try:
-                os.link(tmp, path)  # fails if another process got there first
-            except FileExistsError:
-                return False
-            return True
-        tmp.replace(path)
-        return True
+        return atomic_write_at(fd, path.name, data, mode, once=once)
     finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        os.close(fd)
+
+
+def _file_mode(config: Config) -> int:
+    """The stream files' permissions, for the manifest and registrations too (default 0o640)."""
+    mode = getattr(config.backends.get("file"), "file_mode", 0o640)
+    return mode if isinstance(mode, int) and 0 <= mode <= 0o777 else 0o640
+
+
+def _strip_userinfo(url: object) -> object:
+    """``https://user:secret@host`` without its credentials."""
+    if isinstance(url, str) and "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        host, sep, path = rest.partition("/")
+        if "@" in host:
+            return f"{scheme}://<redacted>@{host.rsplit('@', 1)[1]}{sep}{path}"
+    return url
 
 
 def _config_dict(config: Config) -> dict[str, Any]:
+    """The configuration as the manifest shows it: secrets redacted, exporter headers never written."""
+    from ._redact import REDACTED, Redactor
     from ._sanitize import convert_mapping
 
     data = dataclasses.asdict(config)
-    data["backends"] = {
-        name: {"type": type(cfg).type, **dataclasses.asdict(cfg)} for name, cfg in config.backends.items()
-    }
-    return convert_mapping(data)
+    backends: dict[str, Any] = {}
+    for name, cfg in config.backends.items():
+        fields = dataclasses.asdict(cfg)
+        if fields.get("headers"):
+            # Exporter headers carry tokens (authorization: Bearer ...): their names only.
+            given = fields["headers"]
+            fields["headers"] = {str(k): REDACTED for k in given} if isinstance(given, Mapping) else REDACTED
+        if "endpoint" in fields:
+            fields["endpoint"] = _strip_userinfo(fields["endpoint"])
+        backends[name] = {"type": type(cfg).type, **fields}
+    data["backends"] = backends
+    redactor = Redactor(config.redact_keys if isinstance(config.redact_keys, list | tuple) else ())
+    return convert_mapping(data, redactor.secret if redactor else None)
 
 
 def job_dir(config: Config, identity: Identity) -> Path:
@@ -107,10 +131,12 @@ def write_manifest(
         world = launch.get("world_size")
         if isinstance(world, int):
             payload["world_size"] = world
-    return _atomic_write(folder / MANIFEST_NAME, payload, once=True)
+    return _atomic_write(folder / MANIFEST_NAME, payload, once=True, mode=_file_mode(config))
 
 
-def write_registration(folder: Path, identity: Identity, stream: str | None, **extra: Any) -> Path:
+def write_registration(
+    folder: Path, identity: Identity, stream: str | None, *, mode: int = 0o640, **extra: Any
+) -> Path:
     """Record that this rank started (or restarted); returns the registration's path."""
     fields = identity.to_dict()
     del fields["job"]
@@ -122,7 +148,7 @@ def write_registration(folder: Path, identity: Identity, stream: str | None, **e
         **extra,
     }
     path = folder / "ranks" / f"rank{identity.rank}.restart{identity.restart_count}.json"
-    _atomic_write(path, payload, once=False)
+    _atomic_write(path, payload, once=False, mode=mode)
     return path
 
 

@@ -5,26 +5,20 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .._names import RecordKind, Verbosity
+from .._safefs import dir_mode, make_dirs, open_dir, open_nofollow
 from .._serialize import dumps, dumps_lines
 from ._base import Record
 
+__all__ = ["FileBackend", "dir_mode"]
+
 log = logging.getLogger("traintrace.lib")
-
-
-def dir_mode(file_mode: int) -> int:
-    """Permissions for folders the backend creates: who may read a file may list its folder."""
-    mode = 0o700
-    if file_mode & 0o040:
-        mode |= 0o050
-    if file_mode & 0o004:
-        mode |= 0o005
-    return mode
 
 
 class FileBackend:
@@ -37,6 +31,11 @@ class FileBackend:
     how many records were lost and their sequence numbers. A file deleted or
     renamed (log rotation) while open is noticed at the next write: the path is
     reopened and the header written again.
+
+    The file is never opened through a symlink: its folder is resolved when
+    the stream starts, and a link planted later at the stream's name or in
+    place of that folder is refused (those writes fail and are counted, as on
+    a full disk). Folders it creates get :func:`dir_mode` of ``file_mode``.
     """
 
     def __init__(
@@ -52,6 +51,7 @@ class FileBackend:
         self.file_mode = file_mode
         self.fsync_on_close = fsync_on_close
         self._fd = -1
+        self._folder: Path | None = None
         self._header: Record | None = None
         self._need_newline = False
         self._lost = 0
@@ -66,20 +66,36 @@ class FileBackend:
     def open(self, header: Record) -> None:
         self._header = header
         self._open_file()
-        self._write_bytes(dumps(dict(header)) + b"\n")
+        if not self._write_bytes(dumps(dict(header)) + b"\n"):
+            # Disk full at the start: the next write that works starts with the header,
+            # so the records after it are not orphans.
+            self._reopened = True
 
     def _open_file(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=dir_mode(self.file_mode))
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-        self._fd = os.open(self.path, flags, self.file_mode)
-        info = os.fstat(self._fd)
-        self._identity = (info.st_dev, info.st_ino)
-        size = info.st_size
-        if size > 0:
-            # A process killed mid-line left no newline; start ours on a fresh line.
-            with self.path.open("rb") as reader:
-                reader.seek(size - 1)
-                self._need_newline = reader.read(1) != b"\n"
+        if self._folder is None:
+            make_dirs(self.path.parent, dir_mode(self.file_mode))
+            # The operator's path may pass through links; what it leads to now is fixed for the run.
+            self._folder = Path(os.path.realpath(self.path.parent))
+        else:
+            make_dirs(self._folder, dir_mode(self.file_mode))
+        # A folder swapped for a link since the start is refused (ELOOP), never entered.
+        folder = open_dir(self._folder, follow=False)
+        try:
+            name = self.path.name
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            self._fd = open_nofollow(name, flags, self.file_mode, folder)
+            info = os.fstat(self._fd)
+            self._identity = (info.st_dev, info.st_ino)
+            size = info.st_size
+            if size > 0:
+                # A process killed mid-line left no newline; start ours on a fresh line.
+                reader = open_nofollow(name, os.O_RDONLY, 0, folder)
+                try:
+                    self._need_newline = os.pread(reader, 1, size - 1) != b"\n"
+                finally:
+                    os.close(reader)
+        finally:
+            os.close(folder)
 
     def _check_replaced(self) -> None:
         """Reopen when the file was deleted, renamed (log rotation) or replaced.
@@ -89,7 +105,10 @@ class FileBackend:
         if self._fd < 0:
             return
         try:
-            info = self.path.stat()
+            folder = self._folder or self.path.parent
+            if not stat.S_ISDIR(folder.lstat().st_mode):
+                raise NotADirectoryError(str(folder))
+            info = (folder / self.path.name).lstat()
             same = (info.st_dev, info.st_ino) == self._identity
         except OSError:
             same = False

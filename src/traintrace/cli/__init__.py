@@ -15,9 +15,11 @@ of every figure: docs/analysis.md.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -72,22 +74,6 @@ examples:
 }
 
 
-def _at_least(minimum: int) -> Any:
-    """An argparse type: an integer no smaller than ``minimum`` (a clear usage error otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="traintrace",
@@ -111,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("paths", nargs="+" if name != "query" else 1, metavar="PATH",
                        help="a job folder (searched recursively for *.jsonl) or files")
         p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
-        p.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: all cores)")
-        p.add_argument("--memory-limit", default=None,
+        p.add_argument("--threads", type=_count(1, 1024), default=None, help="DuckDB threads (default: all cores)")
+        p.add_argument("--memory-limit", default=None, type=_memory,
                        help="DuckDB memory limit (default 1500MB, or $TRAINTRACE_MEMORY_LIMIT); "
                        "beyond it DuckDB spills to a temporary folder")
         return p
@@ -121,15 +107,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     p = add("ranks", "stragglers: per-rank step-time median/p90/p99, score against the job median, over time")
-    p.add_argument("--top", type=_at_least(1), default=5, help="how many of the slowest ranks to show (default 5)")
-    p.add_argument("--windows", type=_at_least(1), default=10, help="time windows for 'slow since' (default 10)")
-    p.add_argument("--threshold", type=float, default=1.1,
+    p.add_argument("--top", type=_count(1), default=5, help="how many of the slowest ranks to show (default 5)")
+    p.add_argument("--windows", type=_count(1, 100_000), default=10, help="time windows for 'slow since' (default 10)")
+    p.add_argument("--threshold", type=_finite, default=1.1,
                    help="score (rank median / job median) from which a rank is a straggler (default 1.1)")
     p.add_argument("--all", action="store_true", help="show every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     p = add("errors", "failures: first error (root cause), grouped errors, each rank's last record and open spans")
-    p.add_argument("--hang-after", type=float, default=60.0,
+    p.add_argument("--hang-after", type=_finite, default=60.0,
                    help="a rank that stopped writing this many seconds before the others is a hang suspect")
     p.add_argument("--no-stack", action="store_true", help="do not print the first error's stack")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -138,19 +124,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["chrome"], default="chrome", help="output format (chrome)")
     p.add_argument("-o", "--output", default="trace.json", help="file to write (default trace.json)")
     p.add_argument("--ranks", default=None, help="ranks to keep, e.g. 0-3,17")
-    p.add_argument("--start", type=float, default=None, help="seconds after the job start to begin at")
-    p.add_argument("--end", type=float, default=None, help="seconds after the job start to end at")
+    p.add_argument("--start", type=_finite, default=None, help="seconds after the job start to begin at")
+    p.add_argument("--end", type=_finite, default=None, help="seconds after the job start to end at")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
 
     p = add("report", "one self-contained HTML file with charts (works offline)")
     p.add_argument("-o", "--output", default=None, help="file to write (default: <first folder>/report.html)")
-    p.add_argument("--windows", type=_at_least(1), default=60, help="time buckets in the charts (default 60)")
+    p.add_argument("--windows", type=_count(1, 100_000), default=60, help="time buckets in the charts (default 60)")
     p.add_argument("--json", action="store_true", help="print where it was written as JSON")
 
     p = add("query", "SQL (DuckDB dialect) over the job's records")
     p.add_argument("sql", help="the query; views: records, spans, steps, events, errors, streams")
     p.add_argument("--json", action="store_true", help="print rows as a JSON list of objects")
-    p.add_argument("--limit", type=int, default=1000, help="most rows to print in a table (default 1000)")
+    p.add_argument("--limit", type=_count(0), default=1000, help="most rows to print in a table (default 1000)")
 
     from ._watch import add_parser as add_watch
 
@@ -183,9 +169,84 @@ def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(_jsonable(data), indent=2) + "\n")
 
 
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with control characters shown as ``\\x1b`` (escape sequences, ``\\r``, bidi overrides).
+
+    Record text reaches the terminal through tables and messages; raw, a name
+    could clear the screen, hide lines behind ``\\r`` or plant an OSC-8 link.
+    """
+    return _CONTROL.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 256 else f"\\u{code:04x}"
+
+
+class _SafeStream(io.TextIOBase):
+    """A text stream that escapes control characters on their way to ``target``."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def write(self, text: str) -> int:
+        self._target.write(terminal_safe(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def isatty(self) -> bool:
+        return bool(self._target.isatty())
+
+    def fileno(self) -> int:
+        return int(self._target.fileno())
+
+
+def _count(minimum: int, maximum: int | None = None) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+_MEMORY = re.compile(r"\s*\d+(\.\d+)?\s*(b|kb|mb|gb|tb|kib|mib|gib|tib)?\s*", re.IGNORECASE)
+
+
+def _memory(text: str) -> str:
+    if not _MEMORY.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected a size such as 1500MB or 4GiB, got {text!r}")
+    return text.strip()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit code (see ``EXIT_CODES``)."""
     args = _parser().parse_args(argv)
+    stdout = sys.stdout
+    if args.command != "watch":  # watch draws the screen itself, with its own escape codes
+        # stdout carries record text; stderr our progress line (its own \r) and messages, escaped where printed.
+        sys.stdout = _SafeStream(stdout)
     try:
         if args.command == "watch":
             from ._watch import run as watch
@@ -194,10 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except BrokenPipeError:
         try:
-            sys.stdout = Path(os.devnull).open("w")  # noqa: SIM115 - silence the interpreter's own flush
+            stdout = Path(os.devnull).open("w")  # noqa: SIM115 - silence the interpreter's own flush
         except OSError:
             pass
         return EXIT_OK
+    finally:
+        sys.stdout = stdout
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -209,17 +272,20 @@ def _run(args: argparse.Namespace) -> int:
     except MissingExtra as exc:
         if args.command == "export":  # writing JSON does not need DuckDB
             return _export_without_duckdb(args)
-        print(f"traintrace: {exc}", file=sys.stderr)
+        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
         return EXIT_MISSING_EXTRA
     except LoadError as exc:
-        print(f"traintrace: {exc}", file=sys.stderr)
+        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.command != "query":
+        # Everything is loaded: the analyses need no file access of DuckDB's (outputs are written by Python).
+        job.restrict_external_access()
     try:
         return _dispatch(args, job, parse_ranks)
     except Exception as exc:  # noqa: BLE001 - turned into an exit code
         duckdb = sys.modules.get("duckdb")
         if args.command == "query" and duckdb is not None and isinstance(exc, duckdb.Error):
-            print(f"traintrace: query failed: {exc}", file=sys.stderr)
+            print(terminal_safe(f"traintrace: query failed: {exc}"), file=sys.stderr)
             return EXIT_USAGE
         traceback.print_exc()
         print("traintrace: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
@@ -267,7 +333,7 @@ def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
         try:
             ranks = parse_ranks(args.ranks) if args.ranks else None
         except ValueError:
-            print(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)", file=sys.stderr)
+            print(terminal_safe(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)"), file=sys.stderr)
             return EXIT_USAGE
         data = export_chrome(job, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
         if args.json:
@@ -297,9 +363,9 @@ def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
             sys.stdout.write(table(names, rows, "l" * len(names)) + "\n")
             more = cursor.fetchone()
             if more is not None:
-                print(f"(first {args.limit} rows shown; --limit N for more)", file=sys.stderr)
+                print(terminal_safe(f"(first {args.limit} rows shown; --limit N for more)"), file=sys.stderr)
         for note in job.notes:
-            print(f"note: {note}", file=sys.stderr)
+            print(terminal_safe(f"note: {note}"), file=sys.stderr)
     return EXIT_OK
 
 

@@ -60,6 +60,17 @@ class LoadError(RuntimeError):
     """No traintrace records could be read from the given paths."""
 
 
+#: The most ranks a job can have (as ``traintrace.configure`` accepts).
+MAX_WORLD_SIZE = 1 << 20
+#: Ten years in nanoseconds: a longer duration is a corrupt record.
+_MAX_DUR = 10 * 365 * 86400 * 10**9
+
+
+def sql_string(text: str) -> str:
+    """``text`` as a SQL string literal (quotes doubled: a TMPDIR may hold one)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
 def import_duckdb() -> ModuleType:
     try:
         import duckdb
@@ -192,13 +203,24 @@ class Job:
             CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{spec}'))
             FROM raw WHERE rare IS NOT NULL
         """
+        reads = self._names_to_read()
         with self._progress_while("reading"):
             # A file is named by the hash of its path in the big tables (8 bytes, not the path per row).
             con.execute(
-                "CREATE TABLE files AS SELECT DISTINCT hash(p) AS file, p AS path FROM unnest($paths) t(p)",
-                {"paths": [str(f.path) for f in self.files]},
+                "CREATE TABLE files AS SELECT DISTINCT hash(r) AS file, p AS path "
+                "FROM (SELECT unnest($reads) AS r, unnest($paths) AS p)",
+                {"reads": reads, "paths": [str(f.path) for f in self.files]},
             )
-            con.execute(sql, {"files": [str(f.path) for f in self.files]})
+            con.execute(sql, {"files": reads})
+            # A duration beyond ten years (9e18 from a bad record_span, say) would overflow ts + dur.
+            bad = con.execute(
+                "DELETE FROM raw WHERE (dur IS NULL AND kind IN ('span', 'end')) "
+                f"OR dur < 0 OR dur > {_MAX_DUR}"
+            ).fetchone()
+            if bad and bad[0]:
+                self.notes.append(
+                    f"{bad[0]} spans without a possible duration (none, negative, over ten years) ignored"
+                )
             con.execute(rare_sql)
             self.record_count = int(con.execute("SELECT count(*) FROM raw").fetchone()[0])
             self._build_tables()
@@ -206,6 +228,30 @@ class Job:
             raise LoadError("no traintrace records in " + ", ".join(f.path for f in self.files))
         self.load_seconds = time.perf_counter() - started
         self._collect_notes()
+
+    def _names_to_read(self) -> list[str]:
+        """The paths DuckDB reads: a file whose name has glob characters (``rank*.jsonl``) is
+        read through a link with a plain name, so it is read once, not as a pattern."""
+        reads: list[str] = []
+        for index, check in enumerate(self.files):
+            path = str(Path(check.path).resolve())
+            if any(ch in path for ch in "*?[]{}"):
+                link = Path(self._tmp.name) / f"file{index}.jsonl"
+                link.symlink_to(path)
+                path = str(link)
+            reads.append(path)
+        return reads
+
+    @property
+    def scratch(self) -> str:
+        """The job's private temporary folder (DuckDB spills there; export writes its pieces there)."""
+        return str(self._tmp.name)
+
+    def restrict_external_access(self) -> None:
+        """From now on no query may read or write files outside :attr:`scratch`, nor load extensions."""
+        folder = sql_string(self.scratch.rstrip("/") + "/")
+        self.con.execute(f"SET allowed_directories = [{folder}]")
+        self.con.execute("SET enable_external_access = false")
 
     def _build_tables(self) -> None:
         con = self.con
@@ -440,6 +486,8 @@ class Job:
     def missing_ranks(self) -> list[int]:
         row = self.con.execute("SELECT max(world_size) FROM headers WHERE NOT is_agent").fetchone()
         world = max(int(row[0]) if row and row[0] is not None else 0, self.manifest_world_size)
+        # A header claiming more ranks than any job has (1e9) is corrupt: never list them all.
+        world = min(world, MAX_WORLD_SIZE)
         rows = self.con.execute("SELECT DISTINCT rank FROM headers WHERE NOT is_agent").fetchall()
         seen = {int(r[0]) for r in rows}
         return [r for r in range(world) if r not in seen]
@@ -603,6 +651,8 @@ def parse_ranks(text: str) -> list[int]:
             continue
         if "-" in part:
             lo, hi = part.split("-", 1)
+            if int(hi) - int(lo) > MAX_WORLD_SIZE:
+                raise ValueError(f"{part}: more than {MAX_WORLD_SIZE} ranks")
             out.extend(range(int(lo), int(hi) + 1))
         else:
             out.append(int(part))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ._analysis import FIELD_ALIASES, job_bounds, prepare
-from ._engine import Job
+from ._engine import Job, sql_string
 
 #: pid of the launcher (agent) track: after every rank.
 AGENT_PID = 1_000_000
@@ -93,11 +93,11 @@ def export_chrome(
     counts: dict[str, int] = {}
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="traintrace-export-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="traintrace-export-", dir=job.scratch) as tmp:
         pieces = []
         for key, sql in parts.items():
             piece = Path(tmp) / f"{key}.txt"
-            row = job.con.execute(f"COPY ({sql}) TO '{piece}' ({_RAW_LINES})").fetchone()
+            row = job.con.execute(f"COPY ({sql}) TO {sql_string(str(piece))} ({_RAW_LINES})").fetchone()
             counts[key] = int(row[0]) if row else 0
             pieces.append(piece)
         meta = _metadata(job, ranks)

@@ -115,6 +115,9 @@ def write_report(job: Job, out: str | os.PathLike[str], windows: int = 60) -> Pa
     head, tail = template.split("__DATA__", 1)
     page = head.replace("__TITLE__", html.escape(data["title"])) + _safe_json(data) + tail
     path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    from .._safefs import make_dirs, write_new_file
+
+    make_dirs(path.parent, 0o750)
+    # Through a new file and a rename: a link at ``out`` is replaced, never written through.
+    write_new_file(path, page.encode("utf-8"), 0o640)
     return path
