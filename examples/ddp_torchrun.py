@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import traintrace as tt
+from traintrace.integrations.ddp import record_collectives
 
 
 def make_data(samples: int, seed: int) -> TensorDataset:
@@ -66,6 +67,7 @@ def main() -> None:
         with tt.model_init():
             torch.manual_seed(0)
             model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+            record_collectives(model)  # each gradient all-reduce becomes a `collective` span
         with tt.optimizer_init():
             optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
         loss_fn = nn.MSELoss()
@@ -94,7 +96,8 @@ def main() -> None:
                     total = torch.zeros(2)
                     for x, y in val:
                         total += torch.tensor([loss_fn(model(x), y).item() * len(x), len(x)])
-                    dist.all_reduce(total)
+                    with tt.collective(op="all_reduce"):
+                        dist.all_reduce(total)
                     v.add_metrics(loss=(total[0] / total[1]).item())
                 if rank == 0:
                     path = checkpoints / f"epoch{epoch}.pt"
@@ -108,7 +111,8 @@ def main() -> None:
                     ) as save:
                         torch.save(model.module.state_dict(), path)
                         save.add_metrics(checkpoint_size=path.stat().st_size)
-                dist.barrier()
+                with tt.collective(op="barrier"):
+                    dist.barrier()
         dist.destroy_process_group()
     tt.close()
     if rank == 0:

@@ -88,14 +88,16 @@ def test_errors_names_the_failing_rank_step_and_cause(faults_job: Path) -> None:
 
 
 def test_ranks_finds_both_stragglers_and_where_they_are_slow(faults_job: Path) -> None:
-    """Rank 1 is slow in compute, rank 2 in data loading; healthy rank 0 is not a straggler."""
+    """Rank 1 is slow in compute, rank 2 in data loading, rank 0 in its checkpoint saves; 3 and 4 are not."""
     r = cli_json("ranks", str(faults_job))
     by_rank = {x["rank"]: x for x in r["ranks"]}
-    assert set(r["stragglers"]) == {1, 2}
+    assert set(r["stragglers"]) == {0, 1, 2}
     assert by_rank[1]["slow_in"] == "compute"
     assert by_rank[2]["slow_in"] == "data_loading"
+    assert by_rank[0]["slow_in"] == "checkpoint_save"
     assert by_rank[1]["score"] > 1.5
-    assert not by_rank[0]["straggler"]
+    assert by_rank[1]["slow_since_step"] == 0 and by_rank[2]["slow_since_step"] == 0
+    assert not by_rank[3]["straggler"] and not by_rank[4]["straggler"]
     text = cli("ranks", str(faults_job), "--all").stdout
     assert "stragglers:" in text and "data_loading" in text
 
@@ -194,7 +196,8 @@ def test_progress_stays_off_stderr_when_not_a_terminal(tmp_path: Path) -> None:
     write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
     result = cli("summary", str(tmp_path / "job"))
     assert result.stderr == ""
-    assert result.stdout.startswith("job scripted")
+    assert result.stdout.startswith("VERDICT: healthy")
+    assert "\njob scripted" in result.stdout
 
 
 def test_files_given_one_by_one(tmp_path: Path) -> None:

@@ -208,3 +208,49 @@ def test_a_job_that_died_before_its_first_step(tmp_path: Path) -> None:
     assert s["goodput"] == 0 and s["step_time"] is None and s["ranks_missing"] == "1"
     assert _analysis.ranks(job)["stragglers"] == []
     assert _analysis.errors(job)["first_error"]["error_type"] == "ImportError"
+
+
+def test_a_peer_error_before_the_cause_is_a_consequence(tmp_path: Path) -> None:
+    """A peer's "connection reset" written before the failing rank's own exception is not the culprit."""
+    import json
+
+    script = write_job(tmp_path / "job", Script(fail_rank=3, fail_step=25, straggler=None))
+    for path in script.files.values():  # no restart: the job died
+        text = path.read_text()
+        second = text.find('"kind":"header"', 10)
+        path.write_text(text[: text.rfind("\n", 0, second) + 1])
+    rank3 = script.files[3].read_text().splitlines()
+    cause = next(json.loads(line) for line in rank3 if '"kind":"error"' in line)
+    peer = {"seq": 998, "kind": "error", "ts": cause["ts"] - 10**6, "name": "exception", "span": 0, "tid": 7,
+            "error_type": "RuntimeError", "message": "[gloo] Connection reset by peer", "stack": "Traceback"}
+    with script.files[0].open("a") as handle:
+        handle.write(json.dumps(peer) + "\n")
+    e = _analysis.errors(_open(tmp_path / "job"), hang_after_s=3600)
+    assert e["culprit"]["rank"] == 3 and e["culprit"]["step"] == 25 and e["rule"] == "first exception"
+    assert e["first_error"]["rank"] == 3 and not e["first_error"]["consequence"]
+    assert [g["consequence"] for g in e["groups"]] == [False, True]
+    assert e["verdict"].startswith("rank 3 raised RuntimeError")
+    s = _analysis.summary(_open(tmp_path / "job"))
+    assert s["status"] == "failed" and s["verdict"] == e["verdict"]
+    assert sum(s["breakdown_s"].values()) == pytest.approx(s["wall_s"], rel=1e-9)
+
+
+def test_a_resolved_hang_is_not_hang_time(tmp_path: Path) -> None:
+    """hang_suspected followed by hang_resolved: the steps after it stay productive; the job is healthy."""
+    import json
+
+    script = write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None, straggler=None))
+    lines = script.files[2].read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if '"step":22,' in line)
+    step = json.loads(lines[at])
+    report = {"seq": 997, "kind": "error", "ts": step["ts"] + 10**6, "name": "hang_suspected", "span": 0, "tid": 7,
+              "message": "no progress for 5.0s", "stack": "Thread 7", "attrs": {"last_step": 21}}
+    resumed = {"seq": 998, "kind": "event", "ts": step["ts"] + 2 * 10**6, "name": "hang_resolved", "span": 0,
+               "tid": 7, "attrs": {"hang_seconds": 5.0}}
+    lines[at + 1 : at + 1] = [json.dumps(report) + "\n", json.dumps(resumed) + "\n"]
+    script.files[2].write_text("".join(lines))
+    truth = expected(script)
+    s = _analysis.summary(_open(tmp_path / "job"))
+    assert s["breakdown_s"]["hang"] == 0
+    assert s["goodput"] == pytest.approx(truth["goodput"], rel=1e-9)
+    assert s["status"] == "healthy" and "resolved" in s["verdict"]

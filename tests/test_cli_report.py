@@ -109,6 +109,11 @@ def test_report_renders_in_headless_chromium(report: Path, tmp_path: Path) -> No
     assert 'data-errors="' not in dom.stdout.split(">", 2)[1]  # set on <html> by window.onerror
     assert "pwned" not in dom.stdout.split("<title>")[1].split("</title>")[0]
     assert "&lt;script&gt;document.title" in dom.stdout  # shown as text
+    # The verdict comes first, above the cards: who failed, where, and that the restart finished.
+    assert dom.stdout.index('id="verdict"') < dom.stdout.index('id="cards"')
+    verdict = dom.stdout.split('id="verdict">', 1)[1].split("</p>", 1)[0]
+    assert verdict.startswith("restart 0 failed: rank 3 raised RuntimeError") and "at step 25" in verdict
+    assert "failed: rank 3" in dom.stdout.split('id="cards"', 1)[1]
     shot = tmp_path / "shot.png"
     result = _chromium(tmp_path / "profile2", "--window-size=1200,1600", f"--screenshot={shot}", report.as_uri())
     assert result.returncode == 0 and shot.exists(), result.stderr[-2000:]

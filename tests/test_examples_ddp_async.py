@@ -52,6 +52,11 @@ def test_torchrun_ddp_example_writes_one_stream_per_rank(tmp_path: Path) -> None
                 assert ids[span["parent"]]["name"] == tt.SpanName.ITERATION
             if span["name"] == tt.SpanName.ITERATION:
                 assert span["parent"] == loop["id"]
+        # The DDP hook: one all-reduce per step, inside backward, ended when the reduced bucket was ready.
+        collectives = [s for s in spans if s["name"] == tt.SpanName.COLLECTIVE]
+        in_backward = [s for s in collectives if ids[s["parent"]]["name"] == tt.SpanName.BACKWARD]
+        assert len(in_backward) == 32 and all(s["attrs"]["op"] == "all_reduce" for s in in_backward)
+        assert len(collectives) == 32 + 2 + 2  # and the validation all-reduce and the barrier, each epoch
 
 
 def test_async_checkpoint_example_links_background_writes(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from ._api import (
     checkpoint_save_async,
     checkpoint_save_finalization,
     close,
+    collective,
     data_loader_init,
     data_loading,
     distributed_init,
@@ -70,6 +71,7 @@ from ._recorder import Recorder, Span, TraintraceWarning, current_span, stats
 from ._setup import configure, get_recorder, is_configured
 from ._version import __version__
 from .backends import Backend, BaseBackend, FileBackend, LogBackend, MemoryBackend
+from .progress import Progress, read_progress, stream_state
 
 __all__ = [
     "DEFAULT_PHASE_TIMEOUTS",
@@ -92,6 +94,7 @@ __all__ = [
     "LogBackend",
     "LogBackendConfig",
     "MemoryBackend",
+    "Progress",
     "RecordKind",
     "Recorder",
     "Span",
@@ -110,6 +113,7 @@ __all__ = [
     "checkpoint_save_async",
     "checkpoint_save_finalization",
     "close",
+    "collective",
     "configure",
     "count_flops",
     "counters",
@@ -128,6 +132,7 @@ __all__ = [
     "optimizer_init",
     "optimizer_step",
     "peak_tflops",
+    "read_progress",
     "refresh_identity",
     "running",
     "set_step_info",
@@ -135,6 +140,7 @@ __all__ = [
     "start",
     "stats",
     "stop",
+    "stream_state",
     "test",
     "timed_span",
     "training",

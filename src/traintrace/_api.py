@@ -195,6 +195,11 @@ test = _helper(SpanName.TEST, "A test pass.")
 checkpoint_save = _helper(SpanName.CHECKPOINT_SAVE_SYNC, "A checkpoint save that blocks training.")
 checkpoint_save_async = _helper(SpanName.CHECKPOINT_SAVE_ASYNC, "The blocking part of an asynchronous checkpoint save.")
 checkpoint_load = _helper(SpanName.CHECKPOINT_LOAD, "Loading a checkpoint.")
+collective = _helper(
+    SpanName.COLLECTIVE,
+    "Communication with the other ranks (all-reduce, barrier, broadcast): time waiting for peers. "
+    "``traintrace ranks`` subtracts it to find the rank slow in its own work.",
+)
 
 _ITERATION_LEVEL = level_of(SpanName.ITERATION)
 

@@ -269,6 +269,8 @@ class Config:
     redact_keys: list[str] = field(default_factory=lambda: list(DEFAULT_REDACT_KEYS))
     #: On a fatal signal (segfault, abort), Python stacks go to ``<stream>.faults.txt``.
     fault_handler: bool = True
+    #: Keep ``rankN.progress`` beside the stream: step and phase, kept through a kill (docs/format.md).
+    progress_file: bool = True
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
@@ -293,7 +295,7 @@ class Config:
             isinstance(k, str) for k in self.redact_keys
         ):
             raise ConfigError(f"redact_keys: expected a list of key names, got {self.redact_keys!r}")
-        for name in ("blocking", "handle_sigterm", "manifest", "fault_handler"):
+        for name in ("blocking", "handle_sigterm", "manifest", "fault_handler", "progress_file"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false")
         for name in ("job_id", "job_name", "host"):

@@ -62,6 +62,8 @@ class SpanName:
     CHECKPOINT_SAVE_ASYNC: Final = "checkpoint_save_async"
     CHECKPOINT_SAVE_FINALIZATION: Final = "checkpoint_save_finalization"
     CHECKPOINT_LOAD: Final = "checkpoint_load"
+    #: Communication between ranks (all-reduce, barrier, ...): time waiting for the others.
+    COLLECTIVE: Final = "collective"
 
 
 class EventName:
@@ -113,6 +115,7 @@ DEFAULT_SPAN_VERBOSITY: Final[dict[str, Verbosity]] = {
     SpanName.BACKWARD: Verbosity.PROFILING,
     SpanName.ZERO_GRAD: Verbosity.PROFILING,
     SpanName.OPTIMIZER_STEP: Verbosity.PROFILING,
+    SpanName.COLLECTIVE: Verbosity.PROFILING,
 }
 
 

@@ -22,6 +22,28 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._names import EventName, SpanStatus, Verbosity
+from ._progress import COLLECTIVE_CODE as _COLLECTIVE
+from ._progress import ITERATION_CODE as _ITERATION
+from ._progress import PHASE_CODES as _PHASES
+from ._progress import (
+    S_COLLECTIVE,
+    S_COLLECTIVE_T0,
+    S_COUNTER,
+    S_ITERATIONS,
+    S_LAST_STEP_NS,
+    S_PHASE,
+    S_PHASE_T0,
+    S_STEP,
+    S_STEP_DONE,
+    S_STEP_T0,
+    S_STEPS_DONE,
+    S_UPDATED,
+)
+from ._progress import STATE_CLOSED as _STATE_CLOSED
+from ._progress import STATE_TERMINATED as _STATE_TERMINATED
+from ._progress import adopt as _progress_adopt
+from ._progress import failed as _progress_failed
+from ._progress import finish as _progress_finish
 from ._sanitize import clip_text
 
 if TYPE_CHECKING:
@@ -177,7 +199,29 @@ class Span:
         if rec._listeners:
             for listener in rec._listeners:
                 listener.span_started(self)
-        self.t0 = perf_counter_ns()
+        self.t0 = t0 = perf_counter_ns()
+        prog = rec._progress
+        if prog is not None and (self.tid == rec._progress_tid or _progress_adopt(rec, self)):
+            # The progress file (_progress.py): a few int64 stores into the mapped page.
+            try:
+                # "in" and [] rather than .get(): no bound method made (3.11 does not specialise it).
+                name = self.name
+                if name in _PHASES:
+                    code = _PHASES[name]
+                    if code == _ITERATION:
+                        attrs = self.attrs
+                        step = attrs.get("step") if attrs.__class__ is dict else None
+                        prog[S_STEP] = step if step.__class__ is int else -1
+                        prog[S_STEP_T0] = t0
+                        prog[S_ITERATIONS] += 1
+                    elif code == _COLLECTIVE:
+                        prog[S_COLLECTIVE] += 1
+                        prog[S_COLLECTIVE_T0] = t0
+                    prog[S_PHASE] = code
+                    prog[S_PHASE_T0] = t0
+                    prog[S_COUNTER] = next(rec._progress_seq)
+            except Exception:  # noqa: BLE001 - never raise into training
+                _progress_failed(rec, self, t0)
         queue = rec._queue
         if len(queue) < rec._cap:
             queue.append(self)
@@ -209,6 +253,27 @@ class Span:
         if rec._listeners:
             for listener in rec._listeners:
                 listener.span_stopped(self)
+        prog = rec._progress
+        if prog is not None and self.tid == rec._progress_tid:
+            try:
+                name = self.name
+                if name in _PHASES:
+                    code = _PHASES[name]
+                    if code == _ITERATION:
+                        prog[S_STEP_DONE] = prog[S_STEP]
+                        prog[S_STEPS_DONE] += 1
+                        prog[S_LAST_STEP_NS] = t1 - self.t0
+                    elif code == _COLLECTIVE and prog[S_COLLECTIVE] > 0:
+                        prog[S_COLLECTIVE] -= 1
+                    # Back in the enclosing standard phase (0: none).
+                    parent = self.parent
+                    while parent is not None and parent.name not in _PHASES:
+                        parent = parent.parent
+                    prog[S_PHASE] = 0 if parent is None else _PHASES[parent.name]
+                    prog[S_UPDATED] = t1
+                    prog[S_COUNTER] = next(rec._progress_seq)
+            except Exception:  # noqa: BLE001 - never raise into training
+                _progress_failed(rec)
         if self.written != _START_DROPPED:
             # No room check: the queue exceeds its bound by at most the open spans.
             rec._queue.append(self)
@@ -376,6 +441,12 @@ class Recorder:
         self._recorded_exceptions: deque[int] = deque(maxlen=64)
         self.config = pipeline.config
         self.header = pipeline.header
+        # The progress file's int64 view and the thread that updates it (_progress.py).
+        self._progress: memoryview | None = None
+        self._progress_file: Any = None
+        self._progress_tid = 0
+        self._progress_seq = itertools.count(1)
+        self._progress_error = False
 
     # -- hot path --------------------------------------------------------
     def put(self, item: Any) -> None:
@@ -404,6 +475,8 @@ class Recorder:
     def _span_failed(self, span: Span, exc: BaseException, when: int) -> None:
         if isinstance(exc, Exception):
             span.status = SpanStatus.ERROR
+            if span.parent is None:
+                self._progress_error = True  # out of the outermost span: the program fails
             self.record_exception(exc, EventName.EXCEPTION, None, span.id, when)
         else:
             # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
@@ -424,6 +497,8 @@ class Recorder:
             return False
         info = describe_exception(exc)
         attrs = as_attrs(metrics)
+        if attrs and attrs.get("unhandled") is True:
+            self._progress_error = True
         self.put((ERROR, name, attrs, span_id, _get_ident(), when, info))
         self._pipeline.wake()
         return True
@@ -558,6 +633,7 @@ class Recorder:
             _active = None
         self.closed = True
         self._pipeline.close(self.config.close_timeout if timeout is None else timeout)
+        _progress_finish(self, _STATE_CLOSED)
 
     def terminate(self, reason: str) -> None:
         """Flush and end open spans as ``terminated``: the process is about to die."""
@@ -569,6 +645,7 @@ class Recorder:
             _active = None
         self.closed = True
         self._pipeline.close(self.config.close_timeout, open_status=SpanStatus.TERMINATED)
+        _progress_finish(self, _STATE_TERMINATED)
 
     def wake(self) -> None:
         """Have the writer run a cycle now (after an error, a hang report)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from . import _faults, _recorder
+from . import _faults, _progress, _recorder
 from ._config import Config, ConfigError, FileBackendConfig, build_config, disabled, resolve_path
 from ._dist import after_start
 from ._format import SCHEMA, SCHEMA_VERSION
@@ -168,6 +168,7 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
     pipeline = Pipeline(config, header, routes)
     recorder = Recorder(pipeline, max_level, listeners)
     recorder.identity = identity
+    _progress.attach(recorder, config, identity)
     from ._insight import attach
 
     attach(recorder, pipeline, config, identity)

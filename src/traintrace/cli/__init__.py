@@ -6,6 +6,7 @@
     traintrace export traintrace_logs/myjob -o trace.json   # Perfetto / chrome://tracing
     traintrace report traintrace_logs/myjob -o report.html  # one offline HTML file
     traintrace query traintrace_logs/myjob "SELECT rank, count(*) FROM steps GROUP BY rank"
+    traintrace watch traintrace_logs/myjob          # a running job, live (no extra needed)
 
 Needs the analysis extra: ``pip install 'traintrace[analysis]'``. Definitions
 of every figure: docs/analysis.md.
@@ -150,6 +151,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("sql", help="the query; views: records, spans, steps, events, errors, streams")
     p.add_argument("--json", action="store_true", help="print rows as a JSON list of objects")
     p.add_argument("--limit", type=int, default=1000, help="most rows to print in a table (default 1000)")
+
+    from ._watch import add_parser as add_watch
+
+    add_watch(sub, EXIT_CODES)
     return parser
 
 
@@ -182,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit code (see ``EXIT_CODES``)."""
     args = _parser().parse_args(argv)
     try:
+        if args.command == "watch":
+            from ._watch import run as watch
+
+            return watch(args)
         return _run(args)
     except BrokenPipeError:
         try:

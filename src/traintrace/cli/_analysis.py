@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._names import EventName, SpanName
+from ._diagnosis import HANG_ERRORS, _secondary, diagnose
 from ._engine import ITERATION, Job, compress_ranks
 
 NS = 1e9
@@ -45,7 +46,6 @@ CATEGORIES = (
 HANG_NAMES = (EventName.HANG_SUSPECTED,)
 PROGRESS_EVENTS = (EventName.TRAINING_ITERATIONS,)
 #: The compute phases of a step (beside the wait for data).
-COMPUTE_SPANS = (SpanName.FORWARD, SpanName.BACKWARD, SpanName.OPTIMIZER_STEP, SpanName.ZERO_GRAD)
 #: Aliases accepted for progress fields in ``training_iterations`` events.
 FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "consumed_samples": ("consumed_samples", "samples", "total_samples"),
@@ -91,8 +91,12 @@ def summary(job: Job) -> dict[str, Any]:
     # Per-rank seconds by category, then the job figure is the mean over ranks (ranks run in lockstep).
     per_rank: dict[int, dict[str, float]] = {r: dict.fromkeys(CATEGORIES, 0.0) for r in ranks}
     step_counts: dict[int, dict[bool, int]] = {}
+    # Time after a hang began is hang time, never also lost progress: iterations are clipped there.
     for rank, lost, seconds, count in job.rows(
-        "SELECT rank, lost, sum(dur) / 1e9, count(*) FROM iterations GROUP BY ALL"
+        f"""
+        SELECT i.rank, i.lost, sum({_clipped("i.ts", "i.dur")}) / 1e9, count(*)
+        FROM iterations i JOIN stream_facts f USING (stream) GROUP BY ALL
+        """
     ):
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
@@ -100,7 +104,7 @@ def summary(job: Job) -> dict[str, Any]:
     case = _category_case("s.name")
     spans_sql = f"""
         SELECT s.rank, {case} AS cat,
-               sum(coalesce(s.dur, greatest(f.end_ts - s.ts, 0))) / 1e9
+               sum({_clipped("s.ts", "coalesce(s.dur, greatest(f.end_ts - s.ts, 0))")}) / 1e9
         FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE NOT s.is_agent AND {case} IS NOT NULL
           AND NOT (s.name = '{SpanName.DATA_LOADING}' AND EXISTS (
@@ -111,13 +115,8 @@ def summary(job: Job) -> dict[str, Any]:
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank][cat] += seconds
     for rank, seconds in job.rows(
-        """
-        SELECT f.rank, sum(f.end_ts - greatest(f.hang_ts_progress, f.start_ts)) / 1e9 FROM (
-            SELECT f.*, (SELECT max(i.ts + i.dur) FROM iterations i
-                         WHERE i.stream = f.stream AND i.ts + i.dur <= f.hang_ts) AS hang_ts_progress
-            FROM stream_facts f WHERE f.hang_ts IS NOT NULL AND NOT f.is_agent) f
-        GROUP BY ALL
-        """
+        "SELECT rank, sum(end_ts - hang_from) / 1e9 FROM stream_facts "
+        "WHERE hang_from IS NOT NULL AND NOT is_agent GROUP BY ALL"
     ):
         per_rank[rank]["hang"] += seconds
     covered = dict(
@@ -160,7 +159,8 @@ def summary(job: Job) -> dict[str, Any]:
             samples_source = "sum of iteration batch_size over all ranks (includes redone steps)"
     productive_s = breakdown["productive"]
     failures = job.one(
-        "SELECT count(*) FILTER (failed AND NOT is_agent), count(DISTINCT restart) FROM stream_facts"
+        "SELECT count(*) FILTER (failed AND NOT is_agent), count(DISTINCT restart), "
+        "count(*) FILTER (running AND NOT is_agent) FROM stream_facts"
     )
     phases = {
         "initialization_s": breakdown["initialization"],
@@ -174,7 +174,10 @@ def summary(job: Job) -> dict[str, Any]:
         "test_s": breakdown["test"],
         "idle_between_restarts_s": breakdown["restart_idle"],
     }
+    verdict = diagnose(job)
     result: dict[str, Any] = {
+        "verdict": verdict["verdict"],
+        "status": verdict["status"],
         "job": meta[0] if meta else None,
         "job_name": meta[1] if meta else None,
         "files": len(job.files),
@@ -186,6 +189,7 @@ def summary(job: Job) -> dict[str, Any]:
         "streams": int(meta[3]) if meta and meta[3] is not None else 0,
         "restarts": int(meta[4]) if meta and meta[4] is not None else 0,
         "failed_streams": int(failures[0]) if failures else 0,
+        "running_streams": int(failures[2]) if failures else 0,
         "start_ns": start,
         "end_ns": end,
         "wall_s": wall / NS,
@@ -211,6 +215,12 @@ def summary(job: Job) -> dict[str, Any]:
     return result
 
 
+def _clipped(ts: str, dur: str) -> str:
+    """A duration cut where the stream's hang began (``f`` is the stream's row of stream_facts)."""
+    return f"CASE WHEN f.hang_from IS NOT NULL AND {ts} + {dur} > f.hang_from THEN greatest(f.hang_from - {ts}, 0) " \
+        f"ELSE {dur} END"
+
+
 def _count_medians(step_counts: dict[int, dict[bool, int]]) -> tuple[Any, ...]:
     """(median iterations, median productive, median lost, max lost) over ranks, as DuckDB's median would."""
     if not step_counts:
@@ -224,7 +234,9 @@ def _count_medians(step_counts: dict[int, dict[bool, int]]) -> tuple[Any, ...]:
     runs = [c[True] + c[False] for c in step_counts.values()]
     ok = [c[False] for c in step_counts.values()]
     lost = [c[True] for c in step_counts.values()]
-    return (median(runs), median(ok), median(lost), max(lost))
+    # Ranks of one job run the same steps: the job completed a step when a rank did (a rank killed mid-step
+    # has one fewer iteration record, which is not a step fewer for the job).
+    return (max(runs), max(ok), median(lost), max(lost))
 
 
 def _rate(samples: int | None, seconds: float, source: str | None) -> float | None:
@@ -279,68 +291,75 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     if not rows:
         return {"ranks": [], "top": [], "stragglers": [], "job_median_s": None, "windows": [],
                 "notes": [*job.notes, "no iteration spans: nothing to compare"]}
-    job_median = sorted(r["median_s"] for r in rows)[len(rows) // 2]
+    job_median = _median([r["median_s"] for r in rows])
+    steps = {r["rank"]: r["median_s"] for r in rows}
     for r in rows:
-        r["score"] = r["median_s"] / job_median if job_median else None
-    # Components inside (or beside) the step, when recorded: data loading versus compute.
-    components = job.rows(
-        f"""
-        SELECT rank, 'data_loading', median(dur) / 1e9 FROM spans_small
-        WHERE name = '{SpanName.DATA_LOADING}' AND dur IS NOT NULL AND NOT is_agent GROUP BY rank
-        UNION ALL
-        SELECT rank, 'compute', median(d) / 1e9 FROM (
-            SELECT rank, stream, parent, sum(dur) AS d FROM spans_small
-            WHERE name IN ({_names(COMPUTE_SPANS)})
-              AND dur IS NOT NULL AND NOT is_agent
-            GROUP BY ALL)
-        GROUP BY rank
-        """
-    )
+        ref = _reference(steps, r["rank"])
+        r["score"] = r["median_s"] / ref if ref else None
+    # The parts of a rank's time that are its own work (docs/analysis.md, "ranks"): collectives equalise step
+    # times in data-parallel jobs, so the slow rank is the one with the most time outside them.
+    _step_parts(job)
     parts: dict[int, dict[str, float]] = {}
-    for rank, part, value in components:
-        parts.setdefault(rank, {})[part] = value
-    part_median: dict[str, float] = {}
-    for part in ("data_loading", "compute"):
-        values = sorted(p[part] for p in parts.values() if part in p)
-        if values:
-            part_median[part] = values[len(values) // 2]
+    for rank, part, value in job.rows(
+        f"""
+        SELECT rank, 'compute', median(dur - coll) / 1e9 FROM step_parts GROUP BY rank
+        UNION ALL SELECT rank, 'collective', median(coll) / 1e9 FROM step_parts WHERE has_coll GROUP BY rank
+        UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9 FROM loading_parts GROUP BY rank
+        UNION ALL SELECT rank, 'checkpoint_save', median(dur) / 1e9 FROM spans_small
+            WHERE name IN ('{SpanName.CHECKPOINT_SAVE_SYNC}', '{SpanName.CHECKPOINT_SAVE_ASYNC}')
+              AND dur IS NOT NULL AND NOT is_agent
+            GROUP BY rank
+        """
+    ):
+        parts.setdefault(int(rank), {})[part] = float(value)
+    # A part is slow when it is `threshold` times the other ranks' median and the excess matters: at least
+    # MIN_EXCESS of the job's median step time (a 10 us zero_grad twice as slow is not a straggler).
+    floor = MIN_EXCESS * (job_median or 0.0)
     for r in rows:
         mine = parts.get(r["rank"], {})
-        for part, med in part_median.items():
+        excess: dict[str, float] = {}
+        for part in SLOW_PARTS:
+            values = {k: v[part] for k, v in parts.items() if part in v}
+            ref = _reference(values, r["rank"]) if part in mine else None
             r[f"{part}_median_s"] = mine.get(part)
-            r[f"{part}_score"] = mine[part] / med if part in mine and med else None
-        scores = {part: r.get(f"{part}_score") or 0.0 for part in part_median}
-        worst = max([r["score"] or 0.0, *scores.values()])
-        r["straggler"] = worst >= threshold
-        if r["straggler"]:
-            slow = {k: v for k, v in scores.items() if v >= threshold}
-            r["slow_in"] = max(slow, key=lambda k: slow[k]) if slow else "step"
-    # Windows: median step time per rank per time window, relative to the job median of that window.
+            r[f"{part}_score"] = mine[part] / ref if ref else None
+            if ref and mine[part] / ref >= threshold and mine[part] - ref >= floor:
+                excess[part] = mine[part] - ref
+        if "collective" in mine:
+            r["collective_median_s"] = mine["collective"]
+        r["straggler"] = bool(excess)
+        if excess:
+            r["slow_in"] = max(excess, key=lambda k: excess[k])
+            r["excess_s"] = excess[r["slow_in"]]
+            r.update(_onset(job, r["rank"], r["slow_in"], threshold, floor))
+    # Windows: each rank's median step time outside collectives per time window, relative to the other
+    # ranks' median in that window.
     grid = job.rows(
         f"""
-        SELECT rank, least((ts - {start}) // {width}, {windows - 1}) AS w, quantile_cont(dur, 0.5) / 1e9
-        FROM iterations WHERE status = 'ok' GROUP BY ALL
+        SELECT rank, least((ts - {start}) // {width}, {windows - 1}) AS w, quantile_cont(dur - coll, 0.5) / 1e9
+        FROM step_parts GROUP BY ALL
         """
     )
-    by_window: dict[int, list[float]] = {}
-    for _, w, value in grid:
-        by_window.setdefault(int(w), []).append(value)
-    window_median = {w: sorted(v)[len(v) // 2] for w, v in by_window.items()}
-    heat: dict[int, dict[int, float]] = {}
+    by_window: dict[int, dict[int, float]] = {}
     for rank, w, value in grid:
-        base = window_median[int(w)]
-        heat.setdefault(int(rank), {})[int(w)] = value / base if base else 1.0
+        by_window.setdefault(int(w), {})[int(rank)] = float(value)
+    heat: dict[int, dict[int, float]] = {}
+    for w, values in by_window.items():
+        for rank, value in values.items():
+            base = _reference(values, rank)
+            heat.setdefault(rank, {})[w] = value / base if base else 1.0
     for r in rows:
         cells = heat.get(r["rank"], {})
         slow_windows = [w for w in sorted(cells) if cells[w] >= threshold]
-        if slow_windows:
+        if slow_windows and r["straggler"]:
             r["slow_since_window"] = slow_windows[0]
-            r["slow_since_s"] = slow_windows[0] * width / NS
+            r.setdefault("slow_since_s", slow_windows[0] * width / NS)
             r["slow_windows"] = len(slow_windows)
-    def badness(r: dict[str, Any]) -> float:
-        return max([r["score"] or 0.0, *(r.get(f"{p}_score") or 0.0 for p in part_median)])
 
-    ordered = sorted(rows, key=lambda r: -badness(r))
+    def badness(r: dict[str, Any]) -> tuple[float, float]:
+        return (r.get("excess_s") or 0.0, max([r["score"] or 0.0, *(r.get(f"{p}_score") or 0.0 for p in SLOW_PARTS)]))
+
+    ordered = sorted(rows, key=badness, reverse=True)
     stragglers = [r["rank"] for r in ordered if r["straggler"]][:top]
     return {
         "job_median_s": job_median,
@@ -356,7 +375,121 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     }
 
 
+#: The parts of a rank's time compared across ranks; ``compute`` is the step's time outside collectives.
+SLOW_PARTS = ("compute", "data_loading", "checkpoint_save")
+#: A slow part must exceed the other ranks' median by at least this share of the job's median step time.
+MIN_EXCESS = 0.05
+#: The share of the steps from the onset on that must be slow.
+ONSET_SHARE = 0.7
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    n = len(ordered)
+    if not n:
+        return 0.0
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def _reference(values: dict[int, float], rank: int) -> float | None:
+    """The median of the other ranks' values: with two ranks, the other rank (no upper-median trap)."""
+    others = [v for k, v in values.items() if k != rank]
+    return _median(others) if others else None
+
+
+def _step_parts(job: Job) -> None:
+    """Per step: its duration and the time spent in collectives inside it; per data-loading span: its ordinal."""
+    job.con.execute(
+        f"""
+        CREATE TEMP TABLE IF NOT EXISTS step_parts AS
+        WITH it AS (
+            SELECT stream, rank, restart, ts, dur, try_cast(attrs->>'step' AS BIGINT) AS step,
+                   row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
+            FROM iterations WHERE status = 'ok'
+        ), col AS (
+            SELECT stream, ts, dur FROM spans_small
+            WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
+        ), inside AS (
+            SELECT c.stream, i.ts AS its, sum(least(c.ts + c.dur, i.ts + i.dur) - c.ts) AS coll
+            FROM col c ASOF JOIN it i ON c.stream = i.stream AND c.ts >= i.ts
+            WHERE c.ts < i.ts + i.dur GROUP BY ALL
+        )
+        SELECT it.rank, it.restart, it.k, it.step, it.ts, it.dur, coalesce(inside.coll, 0) AS coll,
+               inside.coll IS NOT NULL AS has_coll
+        FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts;
+        CREATE TEMP TABLE IF NOT EXISTS loading_parts AS
+        SELECT rank, restart, ts, dur, row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
+        FROM spans_small WHERE name = '{SpanName.DATA_LOADING}' AND dur IS NOT NULL AND NOT is_agent;
+        """
+    )
+
+
+def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> dict[str, Any]:
+    """From which step (and when) ``part`` became slow on ``rank`` (docs/analysis.md, "ranks").
+
+    Each step is slow when its value is ``threshold`` times the other ranks' median for the same step and
+    exceeds it by ``floor`` seconds. The onset is the change point that classifies the most steps right
+    (fast before it, slow from it on), so a few noisy steps on either side do not move it.
+    """
+    table, value = {"compute": ("step_parts", "dur - coll"), "data_loading": ("loading_parts", "dur")}.get(
+        part, (None, None))
+    if table is None:
+        return {}
+    step_col = "step" if table == "step_parts" else "NULL::BIGINT"
+    rows = job.rows(
+        f"""
+        SELECT restart, k, max({value}) FILTER (rank = $r), median({value}) FILTER (rank <> $r),
+               max(ts) FILTER (rank = $r), max({step_col}) FILTER (rank = $r)
+        FROM {table} GROUP BY restart, k HAVING count(*) FILTER (rank = $r) > 0
+        ORDER BY restart, k
+        """,
+        {"r": rank},
+    )
+    floor_ns = floor * NS
+    flags = [bool(mine is not None and ref and mine / ref >= threshold and mine - ref >= floor_ns)
+             for _, _, mine, ref, _, _ in rows]
+    n = len(flags)
+    if not n:
+        return {}
+    best, best_at, right = -1, 0, sum(flags)  # right: steps classified right with the change at i (all slow)
+    for i in range(n):
+        if right > best:
+            best, best_at = right, i
+        right += 1 if not flags[i] else -1  # step i moves to the fast side
+    if sum(flags[best_at:]) < ONSET_SHARE * (n - best_at):
+        return {}
+    restart, k, _, _, ts, step = rows[best_at]
+    start = job_bounds(job)[0]
+    return {"slow_since_step": int(step) if step is not None else int(k) - 1,
+            "slow_since_ns": int(ts), "slow_since_s": (int(ts) - start) / NS, "slow_since_restart": int(restart)}
+
+
 # ---------------------------------------------------------------- errors
+
+
+def _enclosing(job: Job, stream: int, span: int) -> tuple[str | None, int | None]:
+    """The span an error was raised in, and the step of the iteration enclosing it (not the innermost span)."""
+    rows = {
+        int(r[0]): (r[1], r[2], r[3])
+        for r in job.rows(
+            "SELECT id, parent, name, try_cast(attrs->>'step' AS BIGINT) FROM spans_small WHERE stream = $s "
+            f"UNION ALL SELECT id, parent, '{ITERATION}', try_cast(attrs->>'step' AS BIGINT) FROM iterations "
+            "WHERE stream = $s",
+            {"s": stream},
+        )
+        if r[0] is not None
+    }
+    name = rows[span][1] if span in rows else None
+    node: int | None = span
+    seen: set[int] = set()
+    while node is not None and node in rows and node not in seen:
+        seen.add(node)
+        parent, kind, step = rows[node]
+        if kind == ITERATION and step is not None:
+            return name, int(step)
+        node = parent
+    return name, None
+
 
 
 def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
@@ -369,31 +502,32 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         FROM other WHERE kind = 'error' ORDER BY ts, rank
         """
     )
-    first = all_errors[0] if all_errors else None
+    verdict = diagnose(job)
+    # The first error is the first cause: peers' consequences (connection closed, timeouts) and hang reports
+    # come after it in importance, whatever their time.
+    for e in all_errors:
+        e["consequence"] = e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS or _secondary(e)
+    causes = [e for e in all_errors if not e["consequence"]]
+    first = causes[0] if causes else (all_errors[0] if all_errors else None)
     if first is not None and first.get("span"):
-        where = job.dicts(
-            f"""
-            SELECT name, try_cast(a.step AS BIGINT) AS step FROM spans_small WHERE stream = $s AND id = $i
-            UNION ALL
-            SELECT '{ITERATION}', try_cast(attrs->>'step' AS BIGINT) FROM iterations WHERE stream = $s AND id = $i
-            """,
-            {"s": first["stream"], "i": first["span"]},
-        )
-        if where:
-            first["in_span"] = where[0]["name"]
-            first["step"] = where[0]["step"]
+        where = _enclosing(job, first["stream"], first["span"])
+        first["in_span"] = where[0]
+        first["step"] = where[1]
+    culprit = verdict["culprit"]
+    if first is not None and culprit and culprit["error"] and culprit["error"]["ts"] == first["ts"]:
+        first["step"] = culprit["step"]  # outside an iteration: the step it was preparing or saving after
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     for e in all_errors:
         key = (e["name"] or "", e["error_type"] or "", e["message"] or "")
         g = groups.setdefault(
             key,
             {"name": e["name"], "error_type": e["error_type"], "message": e["message"], "count": 0,
-             "ranks": [], "first_ts": e["ts"], "stack": e["stack"]},
+             "ranks": [], "first_ts": e["ts"], "stack": e["stack"], "consequence": e["consequence"]},
         )
         g["count"] += 1
         if e["rank"] is not None and e["rank"] not in g["ranks"]:
             g["ranks"].append(e["rank"])
-    grouped = sorted(groups.values(), key=lambda g: g["first_ts"])
+    grouped = sorted(groups.values(), key=lambda g: (g["consequence"], g["first_ts"]))
     for g in grouped:
         g["ranks"] = compress_ranks(g["ranks"]) if g["ranks"] else "agent"
     # Each rank's last stream: how it ended, its last record, the spans it still had open.
@@ -459,6 +593,11 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         "ORDER BY ts LIMIT 1000"
     )
     return {
+        "verdict": verdict["verdict"],
+        "status": verdict["status"],
+        "culprit": verdict["culprit"],
+        "rule": verdict.get("rule"),
+        "rank_states": verdict["ranks"],
         "first_error": first,
         "error_count": len(all_errors),
         "groups": grouped,

@@ -23,6 +23,7 @@ from typing import Any
 
 from .._format import SCHEMA, SCHEMA_VERSION, SQL_COLUMNS
 from .._names import EventName, SpanName, SpanStatus
+from ..progress import read_job_progress, stream_state
 
 __all__ = ["Job", "LoadError", "MissingExtra", "discover", "import_duckdb"]
 
@@ -129,6 +130,7 @@ class Job:
     record_count: int = 0
     _tmp: Any = None
     manifest_world_size: int = 0
+    _progress_cache: dict[int, Any] | None = None
 
     @classmethod
     def open(
@@ -314,13 +316,20 @@ class Job:
 
 
     def _stream_facts(self) -> None:
-        """Per stream: did it fail, when did its last checkpoint complete, did a hang detector fire."""
+        """Per stream: did it fail, is it still running, the job's last completed checkpoint, any hang.
+
+        A checkpoint protects every rank's progress (docs/analysis.md): when only some ranks save (the
+        replicated model saved by rank 0), the latest save of any of them counts for all ranks of that
+        restart; when every rank saves (its shard; a save started counts), each rank's own latest completed
+        save counts for it.
+        """
         hang = f"'{EventName.HANG_SUSPECTED}'"
         ok = SpanStatus.OK
         sync, async_ = SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_ASYNC
         final = SpanName.CHECKPOINT_SAVE_FINALIZATION
         failed = f"'{SpanStatus.ERROR}', '{SpanStatus.TERMINATED}'"
         outer = f"'{SpanName.APPLICATION}', '{SpanName.TRAINING_LOOP}', '{SpanName.ITERATION}'"
+        self._running_streams()
         self.con.execute(
             f"""
             CREATE TABLE stream_facts AS
@@ -330,19 +339,84 @@ class Job:
                       OR (name = '{async_}' AND NOT EXISTS (
                           SELECT 1 FROM spans_small f WHERE f.name = '{final}')))
                 GROUP BY stream
+            ), saving AS (
+                SELECT DISTINCT stream FROM spans_small
+                WHERE name IN ('{sync}', '{async_}', '{final}')
+            ), attempt AS (
+                SELECT s.restart, count(*) AS ranks, count(v.stream) AS savers, max(ck.ckpt_end) AS any_end
+                FROM streams s LEFT JOIN ck USING (stream) LEFT JOIN saving v USING (stream)
+                WHERE NOT s.is_agent GROUP BY s.restart
             ), bad AS (
                 SELECT DISTINCT stream FROM spans_small
                 WHERE status IN ({failed}) AND name IN ({outer})
             ), hang AS (
-                SELECT stream, min(ts) AS hang_ts FROM other
-                WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream
+                -- A hang that ended (hang_resolved after the last report) is time in whatever it happened in.
+                SELECT h.stream, h.hang_ts FROM (
+                    SELECT stream, min(ts) AS hang_ts, max(ts) AS last_ts FROM other
+                    WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream) h
+                WHERE NOT EXISTS (SELECT 1 FROM other o WHERE o.stream = h.stream AND o.kind = 'event'
+                                  AND o.name = '{EventName.HANG_RESOLVED}' AND o.ts >= h.last_ts)
             )
             SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
-                   (NOT s.closed OR bad.stream IS NOT NULL) AS failed, ck.ckpt_end, hang.hang_ts, h.lo, h.hi
+                   (NOT s.closed AND r.stream IS NULL) OR bad.stream IS NOT NULL AS failed,
+                   r.stream IS NOT NULL AND NOT s.closed AS running,
+                   CASE WHEN a.savers = a.ranks THEN ck.ckpt_end ELSE a.any_end END AS ckpt_end,
+                   hang.hang_ts, h.lo, h.hi
             FROM streams s JOIN headers h USING (stream)
+            LEFT JOIN attempt a ON a.restart = s.restart AND NOT s.is_agent
             LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN hang USING (stream)
+            LEFT JOIN running_streams r USING (stream)
             """
         )
+        # Where each hang began: the end of the stream's last iteration before its hang_suspected record.
+        self.con.execute(
+            f"""
+            ALTER TABLE stream_facts ADD COLUMN hang_from BIGINT;
+            UPDATE stream_facts f SET hang_from = greatest(coalesce((
+                SELECT max(r.ts + r.dur) FROM raw r WHERE r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
+                  AND r.kind = 'span' AND r.name = '{ITERATION}' AND r.ts + r.dur <= f.hang_ts), 0), (
+                SELECT max(s.ts + s.dur) FROM spans_small s WHERE s.stream = f.stream AND s.name = '{ITERATION}'
+                  AND NOT s.open AND s.ts + s.dur <= f.hang_ts), f.start_ts)
+            WHERE f.hang_ts IS NOT NULL
+            """
+        )
+
+    def _running_streams(self) -> None:
+        """The streams whose process is still running (docs/analysis.md, "Running jobs")."""
+        rows = self.con.execute(
+            """
+            SELECT s.stream, s.path, s.rank, s.restart, s.host, s.pid, s.start_ts, s.closed, s.errors,
+                   s.end_ts, s.next_start IS NULL AS last
+            FROM streams s WHERE NOT s.is_agent
+            """
+        ).fetchall()
+        progress = self.progress_files()
+        running: list[int] = []
+        now = time.time_ns()
+        for stream, _path, rank, restart, host, pid, start_ts, closed, errors, end_ts, last in rows:
+            if closed or not last:
+                continue
+            p = progress.get(rank)
+            if p is not None and getattr(p, "restart", restart) != restart:
+                p = None
+            # "Wrote recently" is the stream's last record, not the file's time (a copied file is new);
+            # a record from the future (beyond clock skew) is a made-up job, never a running one.
+            last_write = end_ts if end_ts <= now + RECENT_S * 1e9 else 0
+            header = {"pid": pid, "host": host, "ts": start_ts}
+            if _stream_state(p, bool(errors), header, last_write, now) == "running":
+                running.append(int(stream))
+        self.con.execute("CREATE TABLE running_streams AS SELECT unnest($s::BIGINT[]) AS stream", {"s": running})
+
+    def progress_files(self) -> dict[int, Any]:
+        """rank -> the rank's progress file (``traintrace.progress``), for the folders of the job's files."""
+        if self._progress_cache is None:
+            self._progress_cache = {}
+            folders = sorted({str(Path(f.path).parent) for f in self.files})
+            try:
+                self._progress_cache = dict(read_job_progress(folders))
+            except Exception:  # noqa: BLE001 - a progress file is a hint, never a failure
+                self._progress_cache = {}
+        return self._progress_cache
 
     def _collect_notes(self) -> None:
         for check in self.files:
@@ -478,6 +552,16 @@ class _Progress:
         if self.shown:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
+
+
+#: A stream that wrote this recently, on a host whose processes cannot be checked, is running.
+RECENT_S = 60.0
+
+
+def _stream_state(progress: Any, errors: bool, header: dict[str, Any], last_write_ns: int, now_ns: int) -> str:
+    """running / finished / failed / dead for a stream without a close record."""
+    return stream_state(progress, closed=False, failed=errors, header=header, last_write_ns=last_write_ns or None,
+                        now_ns=now_ns, recent_s=RECENT_S)
 
 
 def _manifest_world_size(paths: Sequence[str | os.PathLike[str]]) -> int:

@@ -75,7 +75,7 @@ def notes(items: Sequence[str]) -> str:
 
 
 def render_summary(s: dict[str, Any]) -> str:
-    out = []
+    out = [f"VERDICT: {s['verdict']}", ""]
     title = s["job"] or "?"
     if s.get("job_name"):
         title += f" ({s['job_name']})"
@@ -144,7 +144,8 @@ def render_summary(s: dict[str, Any]) -> str:
 def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
     if not r["ranks"]:
         return notes(r["notes"])
-    out = [f"job median step time {seconds(r['job_median_s'])}; straggler threshold: score >= {r['threshold']}"]
+    out = [f"job median step time {seconds(r['job_median_s'])}; a rank is a straggler when a part of its time "
+           f"(outside collectives, data loading, checkpoint saves) is >= {r['threshold']} x the other ranks' median"]
     if r["stragglers"]:
         out.append("stragglers: " + ", ".join(str(x) for x in r["stragglers"]))
     else:
@@ -155,14 +156,19 @@ def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
     has_parts = any("compute_median_s" in x for x in chosen)
     headers = ["rank", "steps", "median", "p90", "p99", "score", "slow since"]
     if has_parts:
-        headers[6:6] = ["data load", "compute", "slow in"]
+        headers[6:6] = ["data load", "outside coll.", "in coll.", "checkpoint", "slow in"]
     rows = []
     for x in chosen:
-        since = f"{seconds(x['slow_since_s'])} in" if "slow_since_s" in x else "-"
+        since = "-"
+        if "slow_since_step" in x:
+            since = f"step {x['slow_since_step']} ({seconds(x['slow_since_s'])} in)"
+        elif "slow_since_s" in x:
+            since = f"{seconds(x['slow_since_s'])} in"
         row = [x["rank"], number(x["steps"]), seconds(x["median_s"]), seconds(x["p90_s"]), seconds(x["p99_s"]),
                f"{x['score']:.2f}" if x["score"] is not None else "-", since]
         if has_parts:
             row[6:6] = [seconds(x.get("data_loading_median_s")), seconds(x.get("compute_median_s")),
+                        seconds(x.get("collective_median_s")), seconds(x.get("checkpoint_save_median_s")),
                         x.get("slow_in", "-")]
         rows.append(row)
     label = "all ranks" if show_all else f"top {len(chosen)} slowest ranks (--all for every rank)"
@@ -172,27 +178,55 @@ def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
     return text + ("\n" + notes(r["notes"]) if r["notes"] else "")
 
 
+def render_verdict(e: dict[str, Any], show_stack: bool = True) -> list[str]:
+    """The verdict sentence, the culprit, and what every rank was doing."""
+    out = [f"VERDICT: {e['verdict']}"]
+    culprit = e.get("culprit")
+    if culprit is not None:
+        out.append("")
+        out.append(f"CULPRIT: rank {culprit['rank']}, restart {culprit['restart']}: {culprit['cause']}")
+        out.append(f"  step {culprit['step'] if culprit['step'] is not None else '-'}, phase "
+                   f"{culprit['phase'] or '-'}{', inside a collective' if culprit['in_collective'] else ''}"
+                   f" (rule: {e.get('rule')}; from {', '.join(culprit['source']) or 'stream'})")
+        stack = ((culprit.get("error") or {}).get("stack") or (culprit.get("hang") or {}).get("stack")
+                 or culprit.get("fault_stacks"))
+        if show_stack and stack:
+            out.append("  " + "\n  ".join(stack.rstrip().splitlines()))
+    if e.get("rank_states"):
+        out.append("")
+        rows = [
+            (r["rank"], r["state"], r["step"], r["phase"], "yes" if r["in_collective"] else "-",
+             "" if r["exit_code"] is None else r["exit_code"], _short(r["cause"], 70))
+            for r in e["rank_states"]
+        ]
+        out.append(table(("rank", "state", "step", "phase", "in collective", "exit", "cause"), rows, "rlrllrl"))
+    return out
+
+
 def render_errors(e: dict[str, Any], show_stack: bool = True) -> str:
-    out = []
+    out = [*render_verdict(e, show_stack), ""]
     first = e["first_error"]
     if first is None:
         out.append("no errors recorded")
     else:
         who = "agent" if first["agent"] else f"rank {first['rank']}"
-        out.append(f"FIRST ERROR (likely root cause): {who}, restart {first['restart']}, at {when(first['ts'])}")
+        label = "consequence" if first.get("consequence") else "likely root cause"
+        out.append(f"FIRST ERROR ({label}): {who}, restart {first['restart']}, at {when(first['ts'])}")
         kind = first["error_type"] or first["name"]
         out.append(f"  {kind}: {first['message']}")
         if first.get("in_span"):
             step = f" (step {first['step']})" if first.get("step") is not None else ""
             out.append(f"  raised in span {first['in_span']}{step}")
-        if show_stack and first.get("stack"):
+        culprit_stack = ((e.get("culprit") or {}).get("error") or {}).get("stack")
+        if show_stack and first.get("stack") and first["stack"] != culprit_stack:
             out.append("  " + "\n  ".join(first["stack"].rstrip().splitlines()))
         out.append("")
         out.append(table(
-            ("error", "count", "ranks", "first at"),
-            [(f"{g['error_type'] or g['name']}: {_short(g['message'])}", g["count"], g["ranks"], when(g["first_ts"]))
+            ("error", "count", "ranks", "first at", "kind"),
+            [(f"{g['error_type'] or g['name']}: {_short(g['message'])}", g["count"], g["ranks"], when(g["first_ts"]),
+              "consequence" if g.get("consequence") else "cause")
              for g in e["groups"]],
-            "lrll",
+            "lrlll",
         ))
     out.append("")
     grouped: dict[tuple[Any, ...], list[int]] = {}

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .. import events
+from .. import _progress, events
 from ..events import EventSource, EventType
 
 __all__ = ["DESTINATION", "TorchEventHandler", "install_torchelastic_bridge"]
@@ -282,6 +282,7 @@ def _record_failures(agent: Any, worker_group: Any, result: Any) -> None:
         error_data = failure.error_file_data
         if isinstance(error_data, dict) and error_data.get("message") not in (None, "", "<NONE>"):
             data["error"] = error_data["message"]
+        data.update(_progress.dead_worker_fields(int(global_rank), failure.pid))  # its last step and phase
         events.record(
             EventType.WORKER_FAILURE,
             failure.local_rank,

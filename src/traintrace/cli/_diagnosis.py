@@ -1,0 +1,483 @@
+"""The verdict: which rank caused a failure, at which step, in which phase, and why.
+
+The rules are in docs/analysis.md ("errors: the culprit"); keep the two in step.
+Each rank's state is read from its stream (errors, signals, the spans a failure
+left open or ended), the launcher's ``worker_failure`` events (exit code,
+signal) and, where present, its progress file (the exact step and phase when
+the last records were lost).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._faults import FAULTS_SUFFIX
+from .._names import EventName, SpanName
+from ..events import EventType
+from ._engine import Job
+
+#: Messages of errors that are the consequence of another rank's failure, not a cause.
+SECONDARY = re.compile(
+    r"connection (?:closed|reset|refused|aborted)|closed by peer|reset by peer|broken pipe|timed? ?out|timeout"
+    r"|gloo|nccl|socket|remote (?:worker|process)|peer|watchdog|ProcessGroup|unreachable|store",
+    re.IGNORECASE,
+)
+HANG_ERRORS = (EventName.HANG_SUSPECTED, EventName.HANG_EXIT)
+#: Span names that say where a rank is, innermost wins; containers only when nothing finer is open.
+CONTAINERS = (SpanName.APPLICATION, SpanName.TRAINING_LOOP)
+COLLECTIVE = SpanName.COLLECTIVE
+ITERATION = SpanName.ITERATION
+#: How phases read in a sentence.
+PHASE_LABELS = {
+    SpanName.DATA_LOADING: "data loading",
+    SpanName.FORWARD: "forward",
+    SpanName.BACKWARD: "backward",
+    SpanName.OPTIMIZER_STEP: "the optimizer step",
+    SpanName.ZERO_GRAD: "zero_grad",
+    SpanName.CHECKPOINT_SAVE_SYNC: "a checkpoint save",
+    SpanName.CHECKPOINT_SAVE_ASYNC: "a checkpoint save",
+    SpanName.CHECKPOINT_SAVE_FINALIZATION: "a background checkpoint save",
+    SpanName.CHECKPOINT_LOAD: "a checkpoint load",
+    SpanName.VALIDATION: "validation",
+    SpanName.TEST: "test",
+    SpanName.ITERATION: "a step (between phases)",
+    SpanName.TRAINING_LOOP: "the training loop (between steps)",
+    SpanName.APPLICATION: "the program (outside the training loop)",
+    SpanName.DISTRIBUTED_INIT: "distributed initialisation",
+    SpanName.MODEL_INIT: "model initialisation",
+    SpanName.OPTIMIZER_INIT: "optimizer initialisation",
+    SpanName.DATA_LOADER_INIT: "data loader initialisation",
+    SpanName.COLLECTIVE: "a collective",
+}
+#: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
+#: this much clock skew between hosts is tolerated.
+SKEW_NS = 50_000_000
+
+
+@dataclass
+class RankState:
+    """One rank's last moments in one attempt (restart)."""
+
+    rank: int
+    restart: int
+    stream: int
+    state: str = "closed"  # closed | error | killed | terminated | hung | running | ended
+    step: int | None = None
+    phase: str | None = None
+    in_collective: bool = False
+    collective: str | None = None
+    stopped_ns: int | None = None
+    last_progress_ns: int | None = None
+    error: dict[str, Any] | None = None
+    consequence: dict[str, Any] | None = None
+    hang: dict[str, Any] | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    source: list[str] = field(default_factory=list)
+    #: Python stacks faulthandler wrote on a fatal signal (``<stream>.faults.txt``), for a crashed rank.
+    fault_stacks: str | None = None
+
+    def doing(self) -> str:
+        """What the rank was doing, as a phrase: "waiting in a collective in backward at step 7"."""
+        where = PHASE_LABELS.get(self.phase or "", self.phase or "an unknown phase")
+        if self.in_collective:
+            op = f" ({self.collective})" if self.collective and self.collective != "all_reduce" else ""
+            what = f"waiting in a collective{op}" + ("" if self.phase in (None, ITERATION) else f" in {where}")
+        else:
+            what = f"in {where}"
+        return what + ("" if self.step is None else f" at step {self.step}")
+
+
+def diagnose(job: Job) -> dict[str, Any]:
+    """The job's verdict and each rank's state in the attempt it is about (docs/analysis.md)."""
+    facts = job.dicts(
+        """
+        SELECT f.stream, f.rank, f.restart, f.start_ts, f.end_ts, f.closed, f.failed, f.running, f.hang_ts,
+               f.hang_from, s.errors, s.path, s.next_start IS NULL AS last_in_file
+        FROM stream_facts f JOIN streams s USING (stream) WHERE NOT f.is_agent ORDER BY f.restart, f.rank
+        """
+    )
+    if not facts:
+        return {"status": "empty", "verdict": "no rank wrote any record", "culprit": None, "ranks": []}
+    restarts = sorted({f["restart"] for f in facts})
+    attempts = {r: [f for f in facts if f["restart"] == r] for r in restarts}
+    failed = [r for r in restarts if any(f["failed"] for f in attempts[r])]
+    last = restarts[-1]
+    known = _Facts(job)
+    if any(f["running"] for f in attempts[last]) and not any(f["failed"] for f in attempts[last]):
+        states = [_rank_state(job, f, known) for f in attempts[last]]
+        if any(s.hang is not None for s in states):
+            behind = min(states, key=_hang_key)
+            out = _result("running", "running, without progress: " + _sentence(behind, states), behind, states,
+                          last, failed)
+            out["rule"] = "hang: the rank behind"
+            return out
+        return _result("running", _running_sentence(states, failed), None, states, last, failed)
+    if not failed:
+        steps = job.one("SELECT max(try_cast(attrs->>'step' AS BIGINT)) FROM iterations WHERE status = 'ok'")
+        done = f"; last step {steps[0]}" if steps and steps[0] is not None else ""
+        note = f" (a hang was suspected on {len(known.resolved)} rank(s) and resolved)" if known.resolved else ""
+        ranks = len({f["rank"] for f in facts})
+        states = [_rank_state(job, f, known) for f in attempts[last]]
+        return _result("healthy", f"healthy: {ranks} rank(s) finished{done}{note}", None, states, last, failed)
+    about = failed[-1]
+    states = [_rank_state(job, f, known) for f in attempts[about]]
+    culprit, rule = _culprit(states)
+    sentence = _sentence(culprit, states)
+    if about != last:
+        sentence = f"restart {about} failed: {sentence}; restart {last} " + (
+            "is running" if any(f["running"] for f in attempts[last]) else
+            "failed too" if about in failed and last in failed else "finished")
+    out = _result("failed", sentence, culprit, states, about, failed)
+    out["rule"] = rule
+    return out
+
+
+def _result(  # noqa: PLR0917 - a private constructor of the answer
+    status: str, verdict: str, culprit: RankState | None, states: list[RankState], restart: int, failed: list[int]
+) -> dict[str, Any]:
+    return {
+        "status": status,
+        "verdict": verdict,
+        "restart": restart,
+        "failed_restarts": failed,
+        "culprit": None if culprit is None else _public(culprit),
+        "ranks": [_public(s) for s in states],
+    }
+
+
+def _public(state: RankState) -> dict[str, Any]:
+    out = asdict(state)
+    out["doing"] = state.doing()
+    out["cause"] = _cause(state)
+    return out
+
+
+# ---------------------------------------------------------------- one rank
+
+
+class _Facts:
+    """What the rank states are read from, each fetched in one query for all streams."""
+
+    def __init__(self, job: Job) -> None:
+        self.failures = _launcher_failures(job)
+        self.errors: dict[int, list[dict[str, Any]]] = {}
+        for e in job.dicts(
+            "SELECT stream, ts, name, error_type, message, stack, span, attrs FROM other "
+            "WHERE kind = 'error' AND NOT is_agent ORDER BY ts, seq"
+        ):
+            self.errors.setdefault(e["stream"], []).append(e)
+        self.signals: dict[int, list[tuple[int, Any]]] = {}
+        for stream, ts, attrs in job.rows(
+            f"SELECT stream, ts, attrs FROM other WHERE kind = 'event' AND name = '{EventName.SIGNAL}' "
+            "AND NOT is_agent ORDER BY ts"
+        ):
+            self.signals.setdefault(stream, []).append((ts, attrs))
+        self.resolved: dict[int, int] = dict(job.rows(
+            f"SELECT stream, max(ts) FROM other WHERE kind = 'event' AND name = '{EventName.HANG_RESOLVED}' "
+            "AND NOT is_agent GROUP BY stream"
+        ))
+        self.last_ok: dict[int, tuple[Any, Any]] = {
+            row[0]: (row[1], row[2])
+            for row in job.rows(
+                "SELECT stream, max(ts + dur), arg_max(try_cast(attrs->>'step' AS BIGINT), ts) FROM iterations "
+                "WHERE status = 'ok' GROUP BY stream"
+            )
+        }
+
+
+def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
+    """(rank, restart) -> exit code and signal from the launcher's worker_failure events."""
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for attrs_text, ts in job.rows(
+        f"SELECT attrs, ts FROM other WHERE is_agent AND kind = 'event' AND name = '{EventType.WORKER_FAILURE.value}' "
+        "ORDER BY ts"
+    ):
+        try:
+            attrs = json.loads(attrs_text) if isinstance(attrs_text, str) else dict(attrs_text or {})
+        except ValueError:
+            continue
+        rank, restart = attrs.get("rank"), attrs.get("restart", 0)
+        if not isinstance(rank, int):
+            continue
+        raw = attrs.get("data")
+        data: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        code = attrs.get("exit_code")
+        out[(rank, int(restart or 0))] = {
+            "exit_code": code if isinstance(code, int) else None,
+            "signal": data.get("signal"),
+            "ts": ts,
+        }
+    return out
+
+
+def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
+    stream = f["stream"]
+    st = RankState(rank=int(f["rank"]), restart=int(f["restart"]), stream=int(stream))
+    errors = facts.errors.get(stream, [])
+    hangs = [e for e in errors if e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS]
+    real = [e for e in errors if e not in hangs]
+    resolved = facts.resolved.get(stream)
+    if hangs and resolved is not None and resolved >= hangs[-1]["ts"]:
+        hangs = []  # progress resumed after the last hang report
+    primary = [e for e in real if not _secondary(e)]
+    secondary = [e for e in real if _secondary(e)]
+    signals = facts.signals.get(stream, [])
+    st.last_progress_ns, last_done_step = facts.last_ok.get(stream, (None, None))
+    fail = facts.failures.get((st.rank, st.restart))
+    if fail:
+        st.exit_code, st.signal = fail["exit_code"], fail["signal"]
+        st.source.append("launcher")
+    if primary:
+        st.state, st.error = "error", _error_info(primary[0])
+        st.stopped_ns = primary[0]["ts"]
+    elif (st.signal and st.signal != "SIGTERM") or (
+        st.exit_code is not None and st.exit_code < 0 and st.exit_code != -15
+    ):
+        st.state = "killed"
+    elif signals:
+        st.state = "terminated"
+        sig = _attrs(signals[0][1])
+        st.signal = st.signal or str(sig.get("signal") or sig.get("reason") or "SIGTERM")
+    elif hangs:
+        st.state = "hung"
+    elif f["running"]:
+        st.state = "running"
+    elif not f["closed"]:
+        st.state = "ended"
+    elif secondary or f["failed"]:
+        st.state = "error"
+    if st.state in ("killed", "ended") and f["last_in_file"]:
+        st.fault_stacks = _fault_stacks(str(f["path"]))
+    if secondary:
+        st.consequence = _error_info(secondary[0])
+    if hangs:
+        st.hang = {"ts": hangs[0]["ts"], "message": hangs[0]["message"], "stack": hangs[0]["stack"],
+                   "from_ns": f["hang_from"]}
+    # When the rank stopped: its first error or signal, else the end of its stream.
+    marks = [e["ts"] for e in real[:1]] + [signals[0][0] for _ in signals[:1]]
+    if st.stopped_ns is None:
+        st.stopped_ns = min(marks) if marks else f["end_ts"]
+    # Where it was: at the hang if it hung first, else when it stopped.
+    at = hangs[0]["ts"] if hangs and hangs[0]["ts"] <= st.stopped_ns else st.stopped_ns
+    _locate(job, st, at, primary[0]["span"] if primary else None)
+    if st.step is None and last_done_step is not None:
+        st.step = int(last_done_step) + 1  # outside an iteration: the step it was preparing or saving after
+    _from_progress(job, st, f, bool(errors))
+    return st
+
+
+def _locate(job: Job, st: RankState, at: int, error_span: int | None) -> None:
+    """Step, phase and collective from the spans a failure left open (or ended with it) at time ``at``."""
+    spans = job.dicts(
+        """
+        SELECT id, parent, name, ts, dur, status, open, attrs FROM spans_small
+        WHERE stream = $s AND ts <= $at AND (open OR status NOT IN ('ok') OR ts + dur >= $at)
+        ORDER BY ts, id
+        """,
+        {"s": st.stream, "at": at},
+    )
+    by_id = {s["id"]: s for s in spans}
+    chain: list[dict[str, Any]] = []
+    if error_span and error_span in by_id:
+        node: dict[str, Any] | None = by_id[error_span]
+        while node is not None and node not in chain:
+            chain.append(node)
+            node = by_id.get(node["parent"])
+        chain.reverse()
+    else:
+        chain = sorted(spans, key=lambda s: (s["ts"], s["id"]))
+    for span in chain:
+        name = span["name"]
+        if name == COLLECTIVE:
+            st.in_collective = True
+            st.collective = str(_attrs(span["attrs"]).get("op") or "collective")
+            continue
+        if name == ITERATION:
+            step = _attrs(span["attrs"]).get("step")
+            if isinstance(step, int):
+                st.step = step
+        if name not in CONTAINERS or st.phase in (None, *CONTAINERS):
+            if st.in_collective and st.phase is not None and name not in CONTAINERS:
+                st.in_collective = False  # a phase opened after the collective ended
+            st.phase = name
+    if chain:
+        st.source.append("stream")
+
+
+def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool) -> None:
+    """A rank that died without writing its last records: the progress file knows its exact step and phase."""
+    progress = job.progress_files().get(st.rank)
+    if progress is None or getattr(progress, "restart", st.restart) != st.restart:
+        return
+    if st.state not in ("killed", "ended", "terminated", "running") or st.hang is not None:
+        return  # an exception or a hang report says where the rank was; the file says where it ended up
+    updated = int(getattr(progress, "updated_ns", 0) or 0)
+    if updated < (f["end_ts"] or 0):
+        return
+    step, phase = getattr(progress, "step", None), getattr(progress, "phase", None)
+    done = getattr(progress, "step_done", None)
+    if isinstance(step, int):
+        # Its last iteration completed: outside an iteration, the step it was preparing or saving after.
+        st.step = step + 1 if done == step else step
+    if isinstance(phase, str) and phase:
+        st.in_collective = bool(getattr(progress, "in_collective", False)) or phase == COLLECTIVE
+        if phase != COLLECTIVE:
+            st.phase = phase
+    if st.state in ("killed", "ended"):
+        st.stopped_ns = max(st.stopped_ns or 0, updated)
+    st.source.append("progress file")
+
+
+def _fault_stacks(stream_path: str, limit: int = 65536) -> str | None:
+    """What faulthandler wrote beside the stream when the process crashed (docs/reliability.md)."""
+    path = Path(stream_path)
+    try:
+        text = path.with_name(path.name + FAULTS_SUFFIX).read_text(errors="replace")[:limit]
+    except OSError:
+        return None
+    return text if text.strip() else None
+
+
+def _attrs(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return {}
+        return parsed if isinstance(parsed, dict) else {}
+    return {}
+
+
+def _secondary(error: dict[str, Any]) -> bool:
+    text = f"{error.get('error_type') or ''}: {error.get('message') or ''}"
+    return bool(SECONDARY.search(text))
+
+
+def _error_info(error: dict[str, Any]) -> dict[str, Any]:
+    return {"ts": error["ts"], "error_type": error["error_type"] or error["name"], "message": error["message"],
+            "stack": error["stack"]}
+
+
+# ---------------------------------------------------------------- the culprit
+
+
+def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
+    """The rank that caused the failure, and the rule that named it (docs/analysis.md)."""
+    raised = [s for s in states if s.state == "error" and s.error is not None]
+    if raised:
+        return min(raised, key=lambda s: (s.error["ts"] if s.error else 0, s.rank)), "first exception"
+    # A rank that died (a signal, or its stream just stopped) before any other rank saw trouble.
+    died = [s for s in states if s.state in ("killed", "terminated", "ended")]
+    for s in sorted(died, key=lambda s: (s.stopped_ns or 0, s.rank)):
+        others = [o for o in states if o is not s]
+        trouble = [_first_trouble(o) for o in others]
+        if all(t is None or (s.stopped_ns or 0) <= t + SKEW_NS for t in trouble):
+            return s, "died first"
+    hung = [s for s in states if s.hang is not None or s.state == "hung"]
+    if hung:
+        return min(states, key=_hang_key), "hang: the rank behind"
+    return None, "unknown"
+
+
+def _first_trouble(s: RankState) -> int | None:
+    marks = [t for t in (s.consequence and s.consequence["ts"], s.hang and s.hang["ts"], s.stopped_ns
+                         if s.state != "closed" else None) if t]
+    return min(marks) if marks else None
+
+
+def _hang_key(s: RankState) -> tuple[float, int, float, int]:
+    """Lowest step first, then not inside a collective, then the earliest last progress."""
+    step = float(s.step) if s.step is not None else float("inf")
+    return step, int(s.in_collective), float(s.last_progress_ns or 0), s.rank
+
+
+def _cause(s: RankState) -> str:
+    if s.hang is not None and s.state != "error":
+        then = {"terminated": f"; then terminated by {s.signal or 'SIGTERM'}", "killed": "; then killed"}
+        return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
+    if s.state == "error" and s.error is not None:
+        return f"raised {s.error['error_type']}: {_first_line(s.error['message'])}"
+    if s.state == "killed":
+        sig = s.signal or (f"signal {-s.exit_code}" if s.exit_code is not None and s.exit_code < 0 else "a signal")
+        return f"killed by {sig}" + ("" if s.exit_code is None else f" (exit code {s.exit_code})")
+    if s.state == "terminated":
+        return f"terminated by {s.signal or 'SIGTERM'}"
+    if s.hang is not None:
+        return "stopped making progress (hang)"
+    if s.state == "ended":
+        return "its stream ended without a close record (killed, or crashed)"
+    if s.consequence is not None:
+        return f"failed as a consequence: {s.consequence['error_type']}: {_first_line(s.consequence['message'])}"
+    return s.state
+
+
+#: Wrappers that hide the informative part of communication errors (torch futures nest the cause).
+_NOISE = (re.compile(r"(?:Got the following error when running the callback: \w+: )+"),
+          re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] "))
+
+
+def _first_line(text: str | None, limit: int = 160) -> str:
+    for noise in _NOISE:
+        text = noise.sub("", text or "")
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
+    if culprit is None:
+        first = min((s for s in states if _first_trouble(s) is not None), key=lambda s: _first_trouble(s) or 0,
+                    default=None)
+        if first is None:
+            return "failed, cause unknown: no rank recorded an error, a signal or a hang"
+        return (f"failed, cause unclear: the first sign is on rank {first.rank}, which {_cause(first)} "
+                f"{first.doing()}")
+    if culprit.state == "error" and culprit.error is not None:
+        head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
+    elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
+        head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
+    elif culprit.hang is not None or culprit.state == "hung":
+        at = "" if culprit.step is None else f" at step {culprit.step}"
+        phase = PHASE_LABELS.get(culprit.phase or "", culprit.phase or "an unknown phase")
+        if culprit.in_collective:
+            inside = "" if culprit.phase in (None, ITERATION) else f" in {phase}"
+            head = f"rank {culprit.rank} hung inside a collective{inside}{at}"
+        else:
+            head = f"rank {culprit.rank} hung in {phase}{at}, not in a collective"
+    else:
+        head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
+    others = [s for s in states if s is not culprit]
+    if not others:
+        return head
+    groups: dict[str, list[int]] = {}
+    for s in others:
+        groups.setdefault(s.doing(), []).append(s.rank)
+    parts = [f"{_ranks_phrase(ranks)} {'was' if len(ranks) == 1 else 'were'} {doing}"
+             for doing, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))]
+    return head + "; " + "; ".join(parts)
+
+
+def _ranks_phrase(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) <= 4:
+        return "ranks " + ", ".join(str(r) for r in ranks[:-1]) + f" and {ranks[-1]}"
+    from ._engine import compress_ranks
+
+    return f"ranks {compress_ranks(ranks)}"
+
+
+def _running_sentence(states: list[RankState], failed: list[int]) -> str:
+    steps = [s.step for s in states if s.step is not None]
+    at = f", at step {max(steps)}" if steps else ""
+    hung = [s.rank for s in states if s.hang is not None]
+    extra = f"; a hang is suspected on {_ranks_phrase(hung)}" if hung else ""
+    earlier = f" (after {len(failed)} failed attempt(s))" if failed else ""
+    return f"running: {len(states)} rank(s) still writing{at}{earlier}{extra}"

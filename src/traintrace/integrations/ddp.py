@@ -1,0 +1,77 @@
+"""PyTorch DDP: record each gradient all-reduce as a ``collective`` span.
+
+    from traintrace.integrations.ddp import record_collectives
+    model = DistributedDataParallel(module)
+    record_collectives(model)          # before the first backward
+
+DDP runs its all-reduce from inside ``backward()``, where a context manager
+cannot reach. This registers a DDP communication hook
+(``register_comm_hook``) that opens a ``collective`` span when a gradient
+bucket is handed to the process group and ends it in the callback of the
+all-reduce's future, when the reduced bucket is ready: nothing waits for it.
+The span's time is time spent communicating or waiting for slower peers, which
+``traintrace ranks`` subtracts to find the rank that is slow in its own work,
+and a span still open when a job hangs says that the rank is inside a
+collective (``traintrace errors``).
+
+The hook wraps DDP's default all-reduce (or the ``hook`` given, e.g. a
+compression hook), so training computes exactly what it did without it.
+"""
+
+import contextvars
+from collections.abc import Callable
+from typing import Any
+
+from .._names import SpanName, SpanStatus, level_of
+from .._setup import get_recorder
+from ._common import missing_extra
+
+__all__ = ["record_collectives"]
+
+_LEVEL = level_of(SpanName.COLLECTIVE)
+
+
+def record_collectives(model: Any, state: Any = None, hook: Callable[[Any, Any], Any] | None = None) -> None:
+    """Register a communication hook on the DDP ``model`` that records its all-reduces.
+
+    ``state`` and ``hook`` are what you would pass to ``model.register_comm_hook``
+    (default: DDP's own all-reduce over the model's process group). Call it once,
+    before the first backward pass; DDP accepts one hook per model.
+    """
+    try:
+        import torch
+        from torch.distributed import GradBucket  # type: ignore[attr-defined]
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    except ImportError as exc:  # pragma: no cover - torch is the caller's
+        raise missing_extra("torch", "torch", exc) from None
+    inner: Callable[[Any, Any], Any] = hook or default_hooks.allreduce_hook
+
+    # DDP checks the hook's annotations against these very classes (no string annotations here).
+    def traced(hook_state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        rec = get_recorder()
+        if rec is None or rec.max_level < _LEVEL:
+            plain: torch.futures.Future[torch.Tensor] = inner(hook_state, bucket)
+            return plain
+        try:
+            size = int(bucket.buffer().numel() * bucket.buffer().element_size())
+        except Exception:  # noqa: BLE001 - the size is a detail
+            size = None
+        # A copied context: the span is opened without becoming the training thread's current span.
+        span = contextvars.copy_context().run(
+            rec.start, SpanName.COLLECTIVE, {"op": "all_reduce", "bytes": size}, level=_LEVEL
+        )
+        future = inner(hook_state, bucket)
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            try:
+                value = fut.value()
+            except BaseException:
+                rec.stop(span, status=SpanStatus.ERROR)
+                raise
+            rec.stop(span)
+            return value
+
+        chained: torch.futures.Future[torch.Tensor] = future.then(done)
+        return chained
+
+    model.register_comm_hook(state, traced)

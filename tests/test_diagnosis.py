@@ -1,0 +1,280 @@
+"""Diagnosis on real faulty jobs: traintrace-run (torchrun, gloo on CPU) with a fault injected into one rank.
+
+Each scenario runs ``tests/diag_worker.py``, a small DDP training script using the documented API, under
+``traintrace-run``, and checks what ``traintrace errors`` and ``summary`` say against a truth the worker
+wrote itself, without traintrace (its own JSON lines of step, checkpoint and fault times): the culprit rank,
+its step, its phase and its cause, and goodput within one point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("duckdb")
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "diag_worker.py"
+ENV = {
+    **{k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "OTEL_"))},
+    "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT),
+    "OMP_NUM_THREADS": "1",
+}
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Run:
+    folder: Path
+    truth: Path
+    returncode: int
+    output: str
+
+    def cli(self, *args: str, ranks_only: bool = False) -> dict[str, Any]:
+        paths = [str(p) for p in sorted(self.folder.glob("rank*.jsonl"))] if ranks_only else [str(self.folder)]
+        result = subprocess.run(
+            [sys.executable, "-m", "traintrace.cli", *args, *paths, "--json"], check=False, capture_output=True,
+            text=True, timeout=120, env=ENV,
+        )
+        assert result.returncode == 0, result.stderr
+        data: dict[str, Any] = json.loads(result.stdout)
+        return data
+
+    def marks(self) -> dict[int, list[dict[str, Any]]]:
+        out = {}
+        for path in sorted(self.truth.glob("rank*.jsonl")):
+            out[int(path.stem[4:])] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return out
+
+
+def launch(tmp_path: Path, nproc: int, *args: str, env: dict[str, str] | None = None,
+           during: Any = None, timeout: float = 150) -> Run:
+    """Run the worker under traintrace-run; ``during(process, truth)`` runs while it does."""
+    truth = tmp_path / "truth"
+    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", str(nproc),
+               "--max-restarts", "0", str(WORKER), str(truth), *args]
+    full_env = {**ENV, "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "job", **(env or {})}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=full_env, start_new_session=True)
+    try:
+        if during is not None:
+            during(process, truth)
+        output, _ = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return Run(tmp_path / "logs" / "job", truth, process.returncode, output)
+
+
+def truth_goodput(run: Run, failed: bool) -> float:
+    """Productive step time per rank (steps protected by the last completed checkpoint when the job failed),
+    over the ranks' wall time, from the worker's own marks."""
+    marks = run.marks()
+    every = [m for ms in marks.values() for m in ms]
+    start = min(m["ts"] for m in every if m["event"] == "process_start")
+    end = max(m["ts"] for m in every)
+    saved = [m["ts"] for m in every if m["event"] == "checkpoint_end"]
+    protected = max(saved) if failed and saved else (0 if failed else end)
+    productive = 0
+    for ms in marks.values():
+        starts = {m["step"]: m["ts"] for m in ms if m["event"] == "step_start"}
+        for m in ms:
+            if m["event"] == "step_end" and m["ts"] <= protected:
+                productive += m["ts"] - starts[m["step"]]
+    return productive / len(marks) / (end - start)
+
+
+def check_goodput(run: Run, failed: bool = True) -> dict[str, Any]:
+    """Goodput over the ranks' streams within one point of the truth; the categories add up to the wall time."""
+    summary = run.cli("summary", ranks_only=True)
+    truth = truth_goodput(run, failed)
+    assert abs(summary["goodput"] - truth) <= 0.01, (summary["goodput"], truth, summary["breakdown_s"])
+    assert sum(summary["breakdown_s"].values()) == pytest.approx(summary["wall_s"], rel=1e-9)
+    return summary
+
+
+def check_culprit(run: Run, rank: int, step: int, phase: str, cause: str) -> dict[str, Any]:
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert culprit is not None, (errors["verdict"], run.output[-3000:])
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (rank, step, phase), errors["verdict"]
+    assert cause in culprit["cause"], culprit["cause"]
+    assert errors["verdict"].startswith(f"rank {rank} "), errors["verdict"]
+    assert errors["status"] == "failed"
+    # One line says what every other rank was doing.
+    for other in errors["rank_states"]:
+        if other["rank"] != rank:
+            assert str(other["rank"]) in errors["verdict"].split(";", 1)[1]
+    return errors
+
+
+def fault_step_of(run: Run, rank: int) -> dict[str, Any]:
+    faults = [m for m in run.marks()[rank] if m["event"] == "fault"]
+    assert faults, "the worker did not inject its fault"
+    return faults[0]
+
+
+@pytest.mark.parametrize(
+    ("where", "rank", "step", "phase"),
+    [
+        ("data", 1, 7, "data_loading"),
+        ("forward", 2, 9, "model_forward"),
+        ("backward", 1, 7, "model_backward"),
+        ("optimizer", 0, 8, "optimizer_update"),
+    ],
+)
+def test_an_exception_on_one_rank(tmp_path: Path, where: str, rank: int, step: int, phase: str) -> None:
+    """The raising rank, its step and phase are named; the peers' connection errors are consequences."""
+    run = launch(tmp_path, 3, "--fault", where, "--fault-rank", str(rank), "--fault-step", str(step))
+    assert run.returncode != 0
+    fault = fault_step_of(run, rank)
+    errors = check_culprit(run, rank, fault["step"], phase, "RuntimeError: injected failure")
+    assert errors["first_error"]["rank"] == rank and errors["first_error"]["step"] == step
+    assert all(g["consequence"] for g in errors["groups"][1:])
+    check_goodput(run)
+
+
+def test_an_exception_in_a_checkpoint_save(tmp_path: Path) -> None:
+    """Rank 0 fails while saving after step 9: the step it was saving (10), in checkpoint_save_sync."""
+    run = launch(tmp_path, 3, "--fault", "checkpoint", "--fault-rank", "0", "--fault-step", "10")
+    check_culprit(run, 0, 10, "checkpoint_save_sync", "OSError")
+    summary = check_goodput(run)
+    assert summary["steps_completed"] == 5  # the checkpoint after step 4 protects steps 0-4 on every rank
+
+
+def test_two_ranks_exception_in_forward(tmp_path: Path) -> None:
+    """A 2-rank job: the same answer."""
+    run = launch(tmp_path, 2, "--fault", "forward", "--fault-rank", "1", "--fault-step", "6")
+    errors = check_culprit(run, 1, 6, "model_forward", "RuntimeError")
+    assert "rank 0 was waiting in a collective" in errors["verdict"]
+    check_goodput(run)
+
+
+@pytest.mark.parametrize(("fault", "sig"), [("sigkill", "SIGKILL"), ("sigsegv", "SIGSEGV")])
+def test_a_rank_killed_by_a_signal(tmp_path: Path, fault: str, sig: str) -> None:
+    """The killed rank is named from the launcher's signal and its stream's end, not a survivor's error."""
+    run = launch(tmp_path, 3, "--fault", fault, "--fault-rank", "1", "--fault-step", "8")
+    errors = check_culprit(run, 1, 8, "model_forward", f"killed by {sig}")
+    assert errors["culprit"]["state"] == "killed"
+    if sig == "SIGSEGV":  # faulthandler's Python stack of the crash, read beside the stream
+        assert "diag_worker.py" in errors["culprit"]["fault_stacks"]
+    check_goodput(run)
+
+
+def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:
+    """Rank 0 killed inside its save after step 14: the save before (after step 9) is the last completed one."""
+    run = launch(tmp_path, 3, "--fault", "kill_in_checkpoint", "--fault-rank", "0", "--fault-step", "15")
+    check_culprit(run, 0, 15, "checkpoint_save_sync", "killed by SIGKILL")
+    summary = check_goodput(run)
+    assert summary["steps_completed"] == 10
+
+
+def test_sigterm_from_outside(tmp_path: Path) -> None:
+    """SIGTERM sent by another process to one rank: that rank, not the ranks the launcher stopped after."""
+
+    def send_sigterm(process: subprocess.Popen[str], truth: Path) -> None:
+        pid_file = truth / "sigterm.pid"
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.02)
+        time.sleep(0.05)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+    run = launch(tmp_path, 3, "--fault", "sigterm", "--fault-rank", "2", "--fault-step", "6",
+                 env={"TRAINTRACE_HANG_TIMEOUT": "60"}, during=send_sigterm)
+    errors = check_culprit(run, 2, 6, "model_forward", "SIGTERM")
+    assert errors["culprit"]["state"] == "terminated"
+    check_goodput(run)
+
+
+def test_a_rank_hung_in_compute(tmp_path: Path) -> None:
+    """Rank 1 sleeps in forward; the others wait in the all-reduce until gloo times out: rank 1 is named."""
+    run = launch(tmp_path, 3, "--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6")
+    errors = check_culprit(run, 1, 6, "model_forward", "hang")
+    assert not errors["culprit"]["in_collective"]
+    others = [r for r in errors["rank_states"] if r["rank"] != 1]
+    assert all(r["in_collective"] and r["step"] == 6 for r in others), others
+    assert "Thread" in (errors["culprit"]["hang"]["stack"] or "") or "File" in errors["culprit"]["hang"]["stack"]
+    summary = check_goodput(run)
+    assert summary["breakdown_s"]["hang"] > 0
+
+
+def test_a_rank_hung_in_a_collective(tmp_path: Path) -> None:
+    """Rank 0 waits in an all-reduce its partner never joins; the others wait for rank 0 one step later."""
+    run = launch(tmp_path, 3, "--fault", "hang_collective", "--fault-rank", "0", "--fault-step", "6")
+    errors = check_culprit(run, 0, 6, "iteration", "hang")
+    assert errors["culprit"]["in_collective"]
+    assert "inside a collective" in errors["verdict"]
+    check_goodput(run)
+
+
+def test_a_healthy_run(tmp_path: Path) -> None:
+    """No fault: healthy, every step completed, goodput as the worker measured it."""
+    run = launch(tmp_path, 3)
+    assert run.returncode == 0, run.output[-3000:]
+    errors = run.cli("errors")
+    assert errors["status"] == "healthy" and errors["verdict"].startswith("healthy")
+    assert errors["culprit"] is None
+    summary = check_goodput(run, failed=False)
+    assert summary["steps_completed"] == 24 and summary["steps_lost"] == 0
+
+
+def test_a_running_job_is_running(tmp_path: Path) -> None:
+    """While the job runs, its ranks are running, not failed; nothing is lost."""
+    seen: dict[str, Any] = {}
+
+    def look(process: subprocess.Popen[str], truth: Path) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            marks = list(truth.glob("rank*.jsonl"))
+            if len(marks) == 3 and all('"step": 10' in p.read_text() for p in marks):
+                break
+            time.sleep(0.1)
+        run = Run(tmp_path / "logs" / "job", truth, 0, "")
+        seen["errors"] = run.cli("errors")
+        seen["summary"] = run.cli("summary")
+        os.killpg(process.pid, signal.SIGTERM)
+
+    launch(tmp_path, 3, "--steps", "100000", during=look)
+    assert seen["errors"]["status"] == "running", seen["errors"]["verdict"]
+    assert seen["errors"]["verdict"].startswith("running")
+    assert seen["summary"]["failed_streams"] == 0 and seen["summary"]["steps_lost"] == 0
+
+
+@pytest.mark.parametrize(
+    ("nproc", "fault", "rank", "part"),
+    [(3, "slow_compute", 2, "compute"), (3, "slow_data", 1, "data_loading"), (2, "slow_compute", 1, "compute")],
+)
+def test_a_straggler_in_data_parallel_training(tmp_path: Path, nproc: int, fault: str, rank: int, part: str) -> None:
+    """One rank slower in forward (or data loading) from step 8 on: the all-reduce makes every rank's step as
+    long, yet ``ranks`` names it, the part it is slow in, and the step it became slow at; with 2 ranks too."""
+    run = launch(tmp_path, nproc, "--fault", fault, "--fault-rank", str(rank), "--fault-step", "8",
+                 "--steps", "30")
+    assert run.returncode == 0, run.output[-3000:]
+    marks = run.marks()
+    durations = {r: [b["ts"] - a["ts"] for a, b in zip(
+        [m for m in ms if m["event"] == "step_start"], [m for m in ms if m["event"] == "step_end"], strict=True)]
+        for r, ms in marks.items()}
+    late = {r: sorted(d[10:])[len(d[10:]) // 2] for r, d in durations.items()}
+    if part == "compute":  # the premise: collectives equalise the step times the worker measured itself
+        assert max(late.values()) < 1.3 * min(late.values()), late
+    result = run.cli("ranks")
+    assert result["stragglers"] == [rank], result["ranks"]
+    slow = next(r for r in result["ranks"] if r["rank"] == rank)
+    assert slow["slow_in"] == part
+    assert slow["slow_since_step"] == 8
+    start = next(m["ts"] for m in marks[rank] if m["event"] == "step_start" and m["step"] == 8)
+    assert abs(slow["slow_since_ns"] - start) < 0.2e9  # the step's start, as the worker saw it
+    errors = run.cli("errors")
+    assert errors["status"] == "healthy"

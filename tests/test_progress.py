@@ -1,0 +1,269 @@
+"""The per-rank progress file: what the training thread stores, and the reader."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import traintrace as tt
+from traintrace import _progress
+from traintrace.progress import (
+    DEAD,
+    FAILED,
+    FINISHED,
+    RUNNING,
+    Progress,
+    find_progress_files,
+    parse_progress,
+    read_job_progress,
+    read_progress,
+    stream_state,
+)
+
+
+def _progress_now() -> Progress:
+    rec = tt.get_recorder()
+    assert rec is not None and rec._progress_file is not None
+    found = read_progress(rec._progress_file.path)
+    assert found is not None
+    return found
+
+
+def test_steps_and_phases_follow_the_training_thread(tmp_path: Path) -> None:
+    tt.configure(log_dir=str(tmp_path), job_id="j")
+    path = tmp_path / "j" / "rank0.progress"
+    assert path.exists()
+    first = _progress_now()
+    assert (first.rank, first.pid, first.state, first.step, first.phase) == (0, os.getpid(), "running", None, None)
+    seen = []
+    with tt.training_loop():
+        assert _progress_now().phase == tt.SpanName.TRAINING_LOOP
+        for step in (10, 11, 12):
+            with tt.training_iteration(step):
+                p = _progress_now()
+                seen.append((p.step, p.phase))
+                with tt.forward():
+                    p = _progress_now()
+                    seen.append((p.step, p.phase))
+                    with tt.span("my_custom_span"):  # not standard: the phase stays
+                        assert _progress_now().phase == tt.SpanName.FORWARD
+                assert _progress_now().phase == tt.SpanName.ITERATION
+                with tt.span(tt.SpanName.COLLECTIVE):
+                    p = _progress_now()
+                    assert p.in_collective and p.phase == "collective" and p.collective_started_ns
+                assert not _progress_now().in_collective
+            done = _progress_now()
+            assert (done.step, done.step_done, done.phase) == (step, step, tt.SpanName.TRAINING_LOOP)
+            assert done.last_step_ns is not None and done.last_step_ns > 0
+    assert seen == [(10, "iteration"), (10, "model_forward"), (11, "iteration"), (11, "model_forward"),
+                    (12, "iteration"), (12, "model_forward")]  # fmt: skip
+    last = _progress_now()
+    assert last.iterations == 3 and last.steps_done == 3 and last.phase is None
+    assert last.counter > first.counter
+    assert last.updated_ns >= first.updated_ns
+    assert abs(last.updated_ns - time.time_ns()) < 60e9
+    tt.close()
+    closed = read_progress(path)
+    assert closed is not None and closed.state == "closed" and closed.step == 12
+    assert stream_state(closed) == FINISHED
+
+
+def test_iteration_without_a_step_counts_from_zero_and_tensors_do_not_hide_it(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    tt.configure(log_dir=str(tmp_path), job_id="j", log_interval=1000)
+    for _ in range(4):
+        with tt.training_iteration() as it:
+            it.add_metrics(loss=torch.tensor(1.5))
+    assert _progress_now().step == 3
+    with tt.training_iteration(41, {"loss": torch.tensor(2.0)}):
+        assert _progress_now().step == 41
+
+
+def test_other_threads_do_not_move_the_phase(tmp_path: Path) -> None:
+    tt.configure(log_dir=str(tmp_path), job_id="j")
+    with tt.training_iteration(5), tt.backward():
+        worker = threading.Thread(target=lambda: tt.checkpoint_save_finalization().__enter__())
+        worker.start()
+        worker.join()
+        assert _progress_now().phase == tt.SpanName.BACKWARD
+
+
+def test_opt_out_by_setting_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tt.configure(log_dir=str(tmp_path), job_id="a", progress_file=False)
+    with tt.training_iteration(1):
+        pass
+    tt.close()
+    assert not (tmp_path / "a" / "rank0.progress").exists()
+    monkeypatch.setenv("TRAINTRACE_PROGRESS_FILE", "0")
+    tt.configure(log_dir=str(tmp_path), job_id="b")
+    tt.close()
+    assert (tmp_path / "b" / "rank0.jsonl").exists()
+    assert not (tmp_path / "b" / "rank0.progress").exists()
+
+
+def test_cannot_create_warns_once_and_recording_continues(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "j" / "rank0.progress").mkdir(parents=True)  # a folder where the file should go
+    _progress._warned = False
+    with caplog.at_level(logging.WARNING, logger="traintrace.lib"):
+        tt.configure(log_dir=str(tmp_path), job_id="j")
+        with tt.training_iteration(1):
+            pass
+        tt.close()
+    warnings = [r for r in caplog.records if "progress file" in r.getMessage()]
+    assert len(warnings) == 1
+    kinds = [line for line in (tmp_path / "j" / "rank0.jsonl").read_text().splitlines() if '"iteration"' in line]
+    assert kinds
+
+
+def test_a_step_that_is_no_int64_does_not_raise(tmp_path: Path) -> None:
+    tt.configure(log_dir=str(tmp_path), job_id="j")
+    with tt.training_iteration(1 << 70):
+        pass
+    with tt.training_iteration("seven"):  # type: ignore[arg-type]
+        assert _progress_now().step == 1  # not an int: the ordinal
+
+
+def test_training_on_another_thread_adopts_it_at_its_first_iteration(tmp_path: Path) -> None:
+    tt.configure(log_dir=str(tmp_path), job_id="j")
+    seen: list[tuple[int | None, str | None]] = []
+
+    def train() -> None:
+        for step in range(3):
+            with tt.training_iteration(step), tt.forward():
+                seen.append((_progress_now().step, _progress_now().phase))
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    worker.join()
+    assert seen == [(0, "model_forward"), (1, "model_forward"), (2, "model_forward")]
+    with tt.training_iteration(50):  # the configuring thread no longer moves it
+        assert _progress_now().step == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_write_the_parents_file(tmp_path: Path) -> None:
+    tt.configure(log_dir=str(tmp_path), job_id="j")
+    path = tmp_path / "j" / "rank0.progress"
+    with tt.training_iteration(3), tt.forward():
+        before = path.read_bytes()
+        pid = os.fork()
+        if pid == 0:  # the child runs spans of its own, and ends its parent's
+            try:
+                with tt.training_iteration(99), tt.backward():
+                    pass
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert path.read_bytes() == before
+        assert _progress_now().step == 3
+
+
+def test_stream_state_rules() -> None:
+    now = time.time_ns()
+    base = Progress(rank=0, pid=1 << 40, restart=0, step=3, phase="model_forward", phase_started_ns=now,
+                    updated_ns=now, in_collective=False, state="running", counter=9, host="elsewhere",
+                    created_ns=now)  # fmt: skip
+    here = Progress(**{**base.__dict__, "host": "me"})
+    assert stream_state(base, closed=True) == FINISHED
+    assert stream_state(base, closed=True, failed=True) == FAILED
+    assert stream_state(Progress(**{**base.__dict__, "state": "error"})) == FAILED
+    assert stream_state(Progress(**{**base.__dict__, "state": "closed"})) == FINISHED
+    # Another host: recent progress means running.
+    assert stream_state(base, this_host="me", now_ns=now + 5 * 10**9) == RUNNING
+    assert stream_state(base, this_host="me", now_ns=now + 3600 * 10**9) == DEAD
+    # This host: the process decides, however old the progress.
+    assert stream_state(here, this_host="me", now_ns=now, alive=lambda pid, since: True) == RUNNING
+    assert stream_state(here, this_host="me", now_ns=now, alive=lambda pid, since: False) == DEAD
+    # No progress file: the header's pid and host.
+    header = {"pid": os.getpid(), "host": "me", "ts": now - 10**9}
+    assert stream_state(None, header=header, this_host="me") == RUNNING
+    assert stream_state(None, header={"pid": 1 << 40, "host": "me"}, this_host="me") == DEAD
+    assert stream_state(None) == DEAD
+
+
+def test_stream_state_of_real_processes(tmp_path: Path) -> None:
+    script = (
+        "import sys, time, traintrace as tt\n"
+        f"tt.configure(log_dir={str(tmp_path)!r}, job_id='j', rank=int(sys.argv[1]), world_size=2)\n"
+        "with tt.training_iteration(7), tt.forward():\n"
+        "    print('ready', flush=True); time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(tt.__file__).parents[1])}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE, text=True, env=env)
+        for r in (0, 1)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        procs[1].kill()
+        procs[1].wait()
+        found = read_job_progress(tmp_path / "j")
+        assert sorted(found) == [0, 1]
+        assert [p.name for p in find_progress_files(tmp_path / "j")] == ["rank0.progress", "rank1.progress"]
+        for rank in (0, 1):
+            assert (found[rank].step, found[rank].phase, found[rank].state) == (7, "model_forward", "running")
+            assert found[rank].pid == procs[rank].pid
+        assert stream_state(found[0]) == RUNNING
+        assert stream_state(found[1]) == DEAD
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_reader_rejects_missing_short_and_foreign_files(tmp_path: Path) -> None:
+    assert read_progress(tmp_path / "none.progress") is None
+    (tmp_path / "short.progress").write_bytes(b"TTPROGR\0" + b"\1" * 40)
+    assert read_progress(tmp_path / "short.progress") is None
+    (tmp_path / "foreign.progress").write_bytes(os.urandom(_progress.SIZE))
+    assert read_progress(tmp_path / "foreign.progress") is None
+    assert read_progress(tmp_path) is None  # a folder
+    assert read_job_progress(tmp_path) == {}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    valid=st.booleans(),
+    flips=st.lists(st.tuples(st.integers(0, _progress.SIZE - 1), st.integers(0, 255)), max_size=40),
+    cut=st.integers(0, _progress.SIZE + 8),
+)
+def test_reader_survives_garbage(tmp_path: Path, valid: bool, flips: list[tuple[int, int]], cut: int) -> None:
+    """Any corruption of a real progress file (bytes changed, file cut) reads as None or a Progress."""
+    raw = bytearray(_real_file_bytes(tmp_path) if valid else bytes(_progress.SIZE))
+    for at, value in flips:
+        raw[at] = value
+    data = bytes(raw[:cut])
+    found = parse_progress(data)
+    assert found is None or isinstance(found, Progress)
+    path = tmp_path / "garbage.progress"
+    path.write_bytes(data)
+    read = read_progress(path)
+    assert read == (None if found is None else parse_progress(data, str(path)))
+    if read is not None:
+        assert 0 <= read.rank < read.world_size
+        stream_state(read)  # never raises either
+
+
+_REAL: dict[str, bytes] = {}
+
+
+def _real_file_bytes(tmp_path: Path) -> bytes:
+    if "raw" not in _REAL:
+        from traintrace._identity import detect
+
+        opened = _progress.ProgressFile(tmp_path / "real.progress", detect())
+        opened.view[_progress.S_STEP] = 12
+        opened.view[_progress.S_PHASE] = 9
+        opened.release()
+        _REAL["raw"] = (tmp_path / "real.progress").read_bytes()
+    return _REAL["raw"]
