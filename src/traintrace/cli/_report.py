@@ -216,7 +216,7 @@ def _vendored(name: str) -> str:
     """A vendored file (uPlot, MIT licence kept in its header), checked safe to inline in a <script>/<style>."""
     text = resources.files("traintrace.cli").joinpath(name).read_text(encoding="utf-8")
     lowered = text.lower()
-    if "</script" in lowered or "</style" in lowered or "<!--" in lowered or "__data__" in lowered or "__title__" in lowered:
+    if any(bad in lowered for bad in ("</script", "</style", "<!--", "__data__", "__title__")):
         raise RuntimeError(f"{name} cannot be inlined safely")
     return text
 
