@@ -2,9 +2,13 @@
 
 The data are embedded as JSON inside ``<script type="application/json">``
 with ``<``, ``>``, ``&`` and the JavaScript line separators escaped, and the
-page's own script (report.html, next to this module) draws every chart as
-inline SVG through DOM calls; text from records only ever reaches the page
-through ``textContent``, so a span name holding ``<script>`` is shown, not run.
+page's own script (report.html, next to this module) draws the charts: the
+step, loss, learning-rate and throughput charts with uPlot (MIT, vendored
+unmodified with its licence as uplot.min.js / uplot.min.css and inlined into
+the page, so the Content-Security-Policy still forbids every load), the rest as
+inline SVG through DOM calls. Text from records only ever reaches the page
+through ``textContent`` (uPlot sets its legend labels that way too), so a span
+name holding ``<script>`` is shown, not run.
 """
 
 from __future__ import annotations
