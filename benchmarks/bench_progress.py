@@ -4,12 +4,14 @@ Figures, all in one process, medians of interleaved repeats:
 
 * ``store floor``: one bare ``view[i] = x`` into an int64 memoryview over an mmap;
 * ``update``: the statements ``Span.__enter__`` runs for a standard phase
-  (dictionary look-up of the name, thread check, two stores, the counter's
-  next value stored),
+  (dictionary look-up of the name, thread check, two stores: the phase's
+  start, and the update counter with the phase code in its low byte),
   against a real mapped progress file, loop cost subtracted;
 * ``span``: ``with tt.forward(): pass`` on one recorder, with the progress view
   attached and detached (chunks alternated, writer drained between chunks); the
-  difference is two updates (start and stop).
+  difference is two updates (start and stop); the same for
+  ``with tt.training_iteration(step): pass`` (an iteration stores more: step,
+  its start, the iteration counts).
 
 Run::
 
@@ -36,7 +38,7 @@ from typing import Any
 import traintrace as tt
 from traintrace import _progress
 from traintrace._identity import detect
-from traintrace._progress import PHASE_CODES, S_COUNTER, S_PHASE, S_PHASE_T0, S_STEP
+from traintrace._progress import COUNTER_STEP, PHASE_CODES, S_COUNTER, S_PHASE_T0, S_STEP
 
 _NAME = tt.SpanName.FORWARD
 
@@ -74,7 +76,7 @@ class _FakeRecorder:
     def __init__(self, view: memoryview) -> None:
         self._progress = view
         self._progress_tid = threading.get_ident()
-        self._progress_seq = itertools.count(1)
+        self._progress_seq = itertools.count(COUNTER_STEP, COUNTER_STEP)
 
 
 def update_loop(view: memoryview) -> Callable[[int], None]:
@@ -97,9 +99,8 @@ def update_loop(view: memoryview) -> Callable[[int], None]:
                             pass
                         elif code == collective:
                             pass
-                        prog[S_PHASE] = code
                         prog[S_PHASE_T0] = t0
-                        prog[S_COUNTER] = next(rec._progress_seq)
+                        prog[S_COUNTER] = next(rec._progress_seq) | code
                 except Exception:
                     pass
 
@@ -130,6 +131,13 @@ def span_chunk(n: int) -> None:
             pass
 
 
+def iteration_chunk(n: int) -> None:
+    iteration = tt.training_iteration
+    for step in range(n):
+        with iteration(step):
+            pass
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -155,14 +163,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rec = tt.configure(log_dir=folder, job_id="bench", backends={"file": {}, "log": {"enabled": False}})
         attached = rec._progress
         assert attached is not None, "the progress file was not opened"
-        spans: dict[str, list[float]] = {"span_with": [], "span_without": []}
+        spans: dict[str, list[float]] = {k: [] for k in ("span_with", "span_without", "it_with", "it_without")}
         for _ in range(repeats):
-            for key, view_now in (("span_with", attached), ("span_without", None)):
+            for key, view_now, body in (
+                ("span_with", attached, span_chunk),
+                ("span_without", None, span_chunk),
+                ("it_with", attached, iteration_chunk),
+                ("it_without", None, iteration_chunk),
+            ):
                 rec._progress = view_now
                 total = 0.0
                 for _ in range(max(1, n // chunk // 4)):
                     tt.flush(60)
-                    total += _per_op(span_chunk, chunk)
+                    total += _per_op(body, chunk)
                 spans[key].append(total / max(1, n // chunk // 4))
         rec._progress = attached
         tt.close()
@@ -182,6 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "span_without_progress_ns": round(med["span_without"], 1),
         "span_ratio": round(med["span_with"] / med["span_without"], 3),
         "per_update_in_span_ns": round(span_delta / 2, 1),
+        "iteration_with_progress_ns": round(med["it_with"], 1),
+        "iteration_without_progress_ns": round(med["it_without"], 1),
+        "per_update_in_iteration_ns": round((med["it_with"] - med["it_without"]) / 2, 1),
         "budget_ns": 100,
     }
     print(f"empty `with` statement (machine)     {med['with_floor']:8.1f} ns   (bench_core's floor)")
@@ -190,6 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"span (start+stop) with progress file {med['span_with']:8.1f} ns")
     print(f"span (start+stop) without            {med['span_without']:8.1f} ns   (ratio {result['span_ratio']})")
     print(f"per update, from the span difference {span_delta / 2:8.1f} ns   (budget 100 ns)")
+    it_delta = med["it_with"] - med["it_without"]
+    print(f"iteration span with / without        {med['it_with']:8.1f} / {med['it_without']:.1f} ns")
+    print(f"per update, from the iteration diff. {it_delta / 2:8.1f} ns")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result

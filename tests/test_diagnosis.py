@@ -72,8 +72,13 @@ def launch(tmp_path: Path, nproc: int, *args: str, env: dict[str, str] | None = 
         output, _ = process.communicate(timeout=timeout)
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            # SIGTERM first: the launcher stops its workers, which run in process groups of their own.
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
     return Run(tmp_path / "logs" / "job", truth, process.returncode, output)
 
 
@@ -278,3 +283,28 @@ def test_a_straggler_in_data_parallel_training(tmp_path: Path, nproc: int, fault
     assert abs(slow["slow_since_ns"] - start) < 0.2e9  # the step's start, as the worker saw it
     errors = run.cli("errors")
     assert errors["status"] == "healthy"
+
+
+def test_a_hang_seen_while_the_job_still_hangs(tmp_path: Path) -> None:
+    """Looked at while it hangs (no timeout has fired yet): running, without progress, rank 1 behind."""
+    seen: dict[str, Any] = {}
+
+    def look(process: subprocess.Popen[str], truth: Path) -> None:
+        folder = tmp_path / "logs" / "job"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            streams = list(folder.glob("rank*.jsonl"))
+            if len(streams) == 3 and all("hang_suspected" in p.read_text() for p in streams):
+                break
+            time.sleep(0.2)
+        seen["errors"] = Run(folder, truth, 0, "").cli("errors")
+        os.killpg(process.pid, signal.SIGTERM)  # the launcher stops its workers (their own process groups)
+
+    launch(tmp_path, 3, "--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6", "--gloo-timeout", "120",
+           during=look)
+    errors = seen["errors"]
+    assert errors["status"] == "running", errors["verdict"]
+    assert errors["verdict"].startswith("running, without progress: rank 1 hung in forward at step 6")
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"], culprit["in_collective"]) == (1, 6, "model_forward",
+                                                                                               False)

@@ -24,6 +24,7 @@ from traintrace.progress import (
     Progress,
     find_progress_files,
     parse_progress,
+    progress_path,
     read_job_progress,
     read_progress,
     stream_state,
@@ -263,7 +264,35 @@ def _real_file_bytes(tmp_path: Path) -> bytes:
 
         opened = _progress.ProgressFile(tmp_path / "real.progress", detect())
         opened.view[_progress.S_STEP] = 12
-        opened.view[_progress.S_PHASE] = 9
+        opened.view[_progress.S_COUNTER] = 5 * _progress.COUNTER_STEP + 9
         opened.release()
         _REAL["raw"] = (tmp_path / "real.progress").read_bytes()
     return _REAL["raw"]
+
+
+@pytest.mark.parametrize(
+    ("body", "state"),
+    [
+        ("with tt.application(), tt.training_iteration(3), tt.backward():\n    raise RuntimeError('x')", "error"),
+        ("with tt.training_iteration(3), tt.backward():\n    raise RuntimeError('x')", "error"),
+        ("import threading\nt = threading.Thread(target=lambda: 1 / 0)\nt.start(); t.join()", "closed"),
+        ("with tt.training_iteration(3):\n    pass", "closed"),
+    ],
+    ids=["out_of_application", "unhandled", "thread_only", "clean"],
+)
+def test_state_at_exit(tmp_path: Path, body: str, state: str) -> None:
+    """An exception that ends the program leaves state error (stream_state: failed); a thread's does not."""
+    script = f"import traintrace as tt\ntt.configure(log_dir={str(tmp_path)!r}, job_id='j')\n{body}\n"
+    env = {**os.environ, "PYTHONPATH": str(Path(tt.__file__).parents[1])}
+    subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=60, check=False)
+    found = read_progress(tmp_path / "j" / "rank0.progress")
+    assert found is not None and found.state == state
+    assert stream_state(found) == (FAILED if state == "error" else FINISHED)
+    if "iteration" in body:
+        assert found.step == 3
+
+
+def test_progress_path_beside_the_stream() -> None:
+    assert progress_path("a/rank3.jsonl") == Path("a/rank3.progress")
+    assert progress_path("a/rank0.pid12.jsonl") == Path("a/rank0.pid12.progress")
+    assert progress_path("a/job.rank1") == Path("a/job.rank1.progress")  # never shared by two ranks

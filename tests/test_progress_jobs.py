@@ -129,7 +129,5 @@ def test_plain_torchrun_progress_files_give_the_last_step(tmp_path: Path) -> Non
     victim = read_job_progress(job)[0]
     assert (victim.step, victim.phase) == _truth(tmp_path, 0) == (25, "optimizer_update")
     assert stream_state(victim) == DEAD
-    # The stream alone lags: iteration records with a tensor wait for log_interval.
     (stream,) = read_file(job / "rank0.jsonl").streams
-    written = [s["attrs"].get("step") for s in stream.spans("iteration")]
-    assert 25 not in written
+    assert not stream.closed_cleanly

@@ -50,20 +50,22 @@ S_RANK: Final = 4
 S_WORLD_SIZE: Final = 5
 S_RESTART: Final = 6
 S_STATE: Final = 7
+#: The update word: update counter * 256 + phase code (one store per update for both).
 S_COUNTER: Final = 8
 S_STEP: Final = 9
-S_PHASE: Final = 10
 S_PHASE_T0: Final = 11
 S_UPDATED: Final = 12
 S_COLLECTIVE: Final = 13
 S_CLOCK_OFFSET: Final = 14
 S_CREATED: Final = 15
 S_ITERATIONS: Final = 16
-S_STEP_DONE: Final = 17
 S_STEP_T0: Final = 18
 S_LAST_STEP_NS: Final = 19
 S_COLLECTIVE_T0: Final = 20
 S_STEPS_DONE: Final = 21
+#: The phase code's bits in the update word; the counter counts in steps of this.
+PHASE_BITS: Final = 8
+COUNTER_STEP: Final = 1 << PHASE_BITS
 #: Byte ranges of the text fields (UTF-8, NUL-padded).
 HOST_AT: Final = (256, 320)
 JOB_AT: Final = (320, 384)
@@ -108,8 +110,12 @@ COLLECTIVE_CODE: Final = PHASE_CODES[SpanName.COLLECTIVE]
 
 
 def progress_path(stream_path: str | os.PathLike[str]) -> Path:
-    """The progress file beside the stream at ``stream_path``."""
-    return Path(stream_path).with_suffix(SUFFIX)
+    """The progress file beside the stream at ``stream_path``: ``rank0.jsonl`` -> ``rank0.progress``
+    (other names get the suffix added: ``job.rank0`` -> ``job.rank0.progress``)."""
+    path = Path(stream_path)
+    if path.suffix == ".jsonl":
+        return path.with_suffix(SUFFIX)
+    return path.with_name(path.name + SUFFIX)
 
 
 def _text(value: str, size: int) -> bytes:
@@ -135,7 +141,6 @@ class ProgressFile:
         slots[S_RESTART] = identity.restart_count
         slots[S_STATE] = STATE_RUNNING
         slots[S_STEP] = -1
-        slots[S_STEP_DONE] = -1
         slots[S_UPDATED] = mono
         slots[S_CLOCK_OFFSET] = wall - mono
         slots[S_CREATED] = wall
@@ -168,7 +173,7 @@ class ProgressFile:
         try:
             self.view[S_UPDATED] = time.perf_counter_ns()
             self.view[S_STATE] = state
-            self.view[S_COUNTER] = counter
+            self.view[S_COUNTER] = counter | (self.view[S_COUNTER] & (COUNTER_STEP - 1))
         except (ValueError, TypeError):
             pass  # already released
 
@@ -276,10 +281,9 @@ def failed(recorder: Recorder, span: Any = None, t0: int = 0) -> None:
         try:
             prog[S_STEP] = -1
             prog[S_STEP_T0] = t0
-            prog[S_ITERATIONS] += 1
-            prog[S_PHASE] = ITERATION_CODE
+            prog[S_ITERATIONS] = next(recorder._progress_iterations)
             prog[S_PHASE_T0] = t0
-            prog[S_COUNTER] = next(recorder._progress_seq)
+            prog[S_COUNTER] = next(recorder._progress_seq) | ITERATION_CODE
             return
         except Exception:  # noqa: BLE001
             pass

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ._names import EventName, SpanStatus, Verbosity
 from ._progress import COLLECTIVE_CODE as _COLLECTIVE
+from ._progress import COUNTER_STEP as _COUNTER_STEP
 from ._progress import ITERATION_CODE as _ITERATION
 from ._progress import PHASE_CODES as _PHASES
 from ._progress import (
@@ -31,10 +32,8 @@ from ._progress import (
     S_COUNTER,
     S_ITERATIONS,
     S_LAST_STEP_NS,
-    S_PHASE,
     S_PHASE_T0,
     S_STEP,
-    S_STEP_DONE,
     S_STEP_T0,
     S_STEPS_DONE,
     S_UPDATED,
@@ -213,13 +212,12 @@ class Span:
                         step = attrs.get("step") if attrs.__class__ is dict else None
                         prog[S_STEP] = step if step.__class__ is int else -1
                         prog[S_STEP_T0] = t0
-                        prog[S_ITERATIONS] += 1
+                        prog[S_ITERATIONS] = next(rec._progress_iterations)
                     elif code == _COLLECTIVE:
                         prog[S_COLLECTIVE] += 1
                         prog[S_COLLECTIVE_T0] = t0
-                    prog[S_PHASE] = code
                     prog[S_PHASE_T0] = t0
-                    prog[S_COUNTER] = next(rec._progress_seq)
+                    prog[S_COUNTER] = next(rec._progress_seq) | code  # counter and phase, one store
             except Exception:  # noqa: BLE001 - never raise into training
                 _progress_failed(rec, self, t0)
         queue = rec._queue
@@ -260,8 +258,7 @@ class Span:
                 if name in _PHASES:
                     code = _PHASES[name]
                     if code == _ITERATION:
-                        prog[S_STEP_DONE] = prog[S_STEP]
-                        prog[S_STEPS_DONE] += 1
+                        prog[S_STEPS_DONE] = next(rec._progress_steps_done)
                         prog[S_LAST_STEP_NS] = t1 - self.t0
                     elif code == _COLLECTIVE and prog[S_COLLECTIVE] > 0:
                         prog[S_COLLECTIVE] -= 1
@@ -269,9 +266,8 @@ class Span:
                     parent = self.parent
                     while parent is not None and parent.name not in _PHASES:
                         parent = parent.parent
-                    prog[S_PHASE] = 0 if parent is None else _PHASES[parent.name]
                     prog[S_UPDATED] = t1
-                    prog[S_COUNTER] = next(rec._progress_seq)
+                    prog[S_COUNTER] = next(rec._progress_seq) | (0 if parent is None else _PHASES[parent.name])
             except Exception:  # noqa: BLE001 - never raise into training
                 _progress_failed(rec)
         if self.written != _START_DROPPED:
@@ -445,7 +441,9 @@ class Recorder:
         self._progress: memoryview | None = None
         self._progress_file: Any = None
         self._progress_tid = 0
-        self._progress_seq = itertools.count(1)
+        self._progress_seq = itertools.count(_COUNTER_STEP, _COUNTER_STEP)
+        self._progress_iterations = itertools.count(1)
+        self._progress_steps_done = itertools.count(1)
         self._progress_error = False
 
     # -- hot path --------------------------------------------------------
@@ -497,8 +495,8 @@ class Recorder:
             return False
         info = describe_exception(exc)
         attrs = as_attrs(metrics)
-        if attrs and attrs.get("unhandled") is True:
-            self._progress_error = True
+        if attrs and attrs.get("unhandled") is True and "thread" not in attrs:
+            self._progress_error = True  # sys.excepthook: the program ends with it
         self.put((ERROR, name, attrs, span_id, _get_ident(), when, info))
         self._pipeline.wake()
         return True

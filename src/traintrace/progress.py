@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ._progress import (
+    COUNTER_STEP,
     HOST_AT,
     JOB_AT,
     MAGIC,
@@ -39,7 +40,6 @@ from ._progress import (
     S_ITERATIONS,
     S_LAST_STEP_NS,
     S_MAGIC,
-    S_PHASE,
     S_PHASE_T0,
     S_PID,
     S_RANK,
@@ -47,7 +47,6 @@ from ._progress import (
     S_SIZE,
     S_STATE,
     S_STEP,
-    S_STEP_DONE,
     S_STEP_T0,
     S_STEPS_DONE,
     S_UPDATED,
@@ -176,10 +175,12 @@ def parse_progress(raw: bytes, path: str = "") -> Progress | None:
         step: int | None = slots[S_STEP]
         if step is not None and step < 0:
             step = iterations - 1 if iterations > 0 else None
-        step_done: int | None = slots[S_STEP_DONE]
-        if step_done is not None and step_done < 0:
-            step_done = steps_done - 1 if steps_done > 0 else None
-        code = slots[S_PHASE]
+        # The last completed iteration: the current one once it has ended, else (steps
+        # numbered consecutively) the one before it.
+        step_done: int | None = None
+        if steps_done > 0 and step is not None:
+            step_done = step if steps_done >= iterations else step - 1
+        code = slots[S_COUNTER] % COUNTER_STEP
         phase: str | None
         if code == 0:
             phase = None
@@ -201,7 +202,7 @@ def parse_progress(raw: bytes, path: str = "") -> Progress | None:
             updated_ns=wall(updated) or slots[S_CREATED],
             in_collective=in_collective,
             state=state,
-            counter=slots[S_COUNTER],
+            counter=slots[S_COUNTER] // COUNTER_STEP,
             world_size=world_size,
             host=_text(raw, HOST_AT),
             job=_text(raw, JOB_AT),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._faults import FAULTS_SUFFIX
-from .._names import EventName, SpanName
+from .._names import EventName, SpanName, SpanStatus
 from ..events import EventType
 from ._engine import Job
 
@@ -56,6 +56,8 @@ PHASE_LABELS = {
 #: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
 #: this much clock skew between hosts is tolerated.
 SKEW_NS = 50_000_000
+#: Spans an exception unwound end up to this long before its error record is written.
+UNWIND_NS = 1_000_000_000
 
 
 @dataclass
@@ -273,10 +275,12 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
 
 def _locate(job: Job, st: RankState, at: int, error_span: int | None) -> None:
     """Step, phase and collective from the spans a failure left open (or ended with it) at time ``at``."""
+    # Open then: still open, or ended after it; spans a failure ended (not ok) may end just before its record.
     spans = job.dicts(
-        """
-        SELECT id, parent, name, ts, dur, status, open, attrs FROM spans_small
-        WHERE stream = $s AND ts <= $at AND (open OR status NOT IN ('ok') OR ts + dur >= $at)
+        f"""
+        SELECT id, parent, name, ts, dur, status, open, attrs, tid FROM spans_small
+        WHERE stream = $s AND ts <= $at
+          AND (open OR ts + dur >= $at OR (status <> '{SpanStatus.OK}' AND ts + dur >= $at - {UNWIND_NS}))
         ORDER BY ts, id
         """,
         {"s": st.stream, "at": at},
@@ -290,7 +294,11 @@ def _locate(job: Job, st: RankState, at: int, error_span: int | None) -> None:
             node = by_id.get(node["parent"])
         chain.reverse()
     else:
-        chain = sorted(spans, key=lambda s: (s["ts"], s["id"]))
+        # The training thread's spans (a background checkpoint writer is not where the rank is), and its
+        # collectives, which a communication hook may open from the autograd engine's threads.
+        loops = [s for s in spans if s["name"] in (ITERATION, SpanName.TRAINING_LOOP)]
+        tid = loops[-1]["tid"] if loops else None
+        chain = [s for s in spans if tid is None or s["tid"] == tid or s["name"] == COLLECTIVE]
     for span in chain:
         name = span["name"]
         if name == COLLECTIVE:
