@@ -28,9 +28,11 @@ from traintrace.integrations.ddp import record_collectives
 
 
 def make_data(samples: int, seed: int) -> TensorDataset:
+    # One task for both sets (the same true weights); the seed picks the samples.
+    true_w = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, 16, generator=generator)
-    y = x @ torch.randn(16, 1, generator=generator) + 0.1 * torch.randn(samples, 1, generator=generator)
+    y = x @ true_w + 0.1 * torch.randn(samples, 1, generator=generator)
     return TensorDataset(x, y)
 
 

@@ -20,9 +20,10 @@ import traintrace as tt
 
 
 def make_data(samples: int, features: int, seed: int) -> TensorDataset:
+    # One task for both sets (the same true weights); the seed picks the samples.
+    true_w = torch.randn(features, 1, generator=torch.Generator().manual_seed(0))
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, features, generator=generator)
-    true_w = torch.randn(features, 1, generator=generator)
     y = x @ true_w + 0.1 * torch.randn(samples, 1, generator=generator)
     return TensorDataset(x, y)
 
@@ -45,6 +46,7 @@ def main() -> None:
             model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
         with tt.optimizer_init():
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(train))
         loss_fn = nn.MSELoss()
         checkpoint_dir = Path(tempfile.mkdtemp(prefix="traintrace-demo-"))
         step = 0
@@ -66,7 +68,9 @@ def main() -> None:
                             loss.backward()
                         with tt.optimizer_step():
                             optimizer.step()
-                        it.add_metrics(loss=loss.detach(), batch_size=len(x), epoch=epoch)
+                        it.add_metrics(loss=loss.detach(), batch_size=len(x), epoch=epoch,
+                                       learning_rate=schedule.get_last_lr()[0])
+                        schedule.step()
                     step += 1
                 with tt.validation(current_iteration=step) as v, torch.no_grad():
                     total = sum(loss_fn(model(x), y).item() * len(x) for x, y in val)

@@ -2,9 +2,13 @@
 
 The data are embedded as JSON inside ``<script type="application/json">``
 with ``<``, ``>``, ``&`` and the JavaScript line separators escaped, and the
-page's own script (report.html, next to this module) draws every chart as
-inline SVG through DOM calls; text from records only ever reaches the page
-through ``textContent``, so a span name holding ``<script>`` is shown, not run.
+page's own script (report.html, next to this module) draws the charts: the
+step, loss, learning-rate and throughput charts with uPlot (MIT, vendored
+unmodified with its licence as uplot.min.js / uplot.min.css and inlined into
+the page, so the Content-Security-Policy still forbids every load), the rest as
+inline SVG through DOM calls. Text from records only ever reaches the page
+through ``textContent`` (uPlot sets its legend labels that way too), so a span
+name holding ``<script>`` is shown, not run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from ._engine import Job
 
 MAX_ERRORS = 2000
 MAX_RANK_LINES = 4096
+#: At most this many points per step-axis line (steps are binned beyond it).
+MAX_STEP_POINTS = 1500
+#: Up to this many ranks, the step-time chart draws every rank; above it, the spread over ranks and the stragglers.
+MAX_RANK_SERIES = 16
+_VAL_LOSS_KEYS = ("loss", "val_loss", "eval_loss", "validation_loss", "val/loss")
+_VAL_STEP_KEYS = ("current_iteration", "global_step", "step")
+_LR_KEYS = ("learning_rate", "lr")
 
 
 def _safe_json(data: Any) -> str:
@@ -40,6 +51,100 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value
+
+
+def _coalesce_attr(keys: tuple[str, ...], kind: str, source: str = "attrs") -> str:
+    return "coalesce(" + ", ".join(f"try_cast({source}->>'{k}' AS {kind})" for k in keys) + ")"
+
+
+def _by_step(job: Job, lowest_rank: int | None, stragglers: list[int]) -> dict[str, Any]:
+    """Step-axis series: step time per rank (or its spread over ranks), loss, validation loss, learning rate.
+
+    The step is the iteration's ``step`` attribute (its order within the stream when absent); steps are binned
+    so that no line has more than MAX_STEP_POINTS points, and each point sits at the first step of its bin.
+    """
+    job.con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE report_steps AS
+            SELECT rank, stream, ts, dur,
+                   coalesce(try_cast(attrs->>'step' AS BIGINT),
+                            row_number() OVER (PARTITION BY stream ORDER BY ts) - 1) AS step,
+                   try_cast(attrs->>'loss' AS DOUBLE) AS loss, {_coalesce_attr(_LR_KEYS, "DOUBLE")} AS lr
+            FROM iterations WHERE status = 'ok'"""
+    )
+    bounds = job.one("SELECT min(step), max(step), count(DISTINCT rank) FROM report_steps")
+    empty: dict[str, Any] = {"x": [], "ranks": 0}
+    if bounds is None or bounds[0] is None:
+        return empty
+    lo, hi, n_ranks = int(bounds[0]), int(bounds[1]), int(bounds[2])
+    validations: list[tuple[int, float]] = []
+    if lowest_rank is not None:
+        vloss = _coalesce_attr(_VAL_LOSS_KEYS, "DOUBLE", "v.attrs")
+        vstep = _coalesce_attr(_VAL_STEP_KEYS, "BIGINT", "v.attrs")
+        validations = [
+            (int(step), float(value))
+            for step, value in job.rows(
+                f"""SELECT coalesce({vstep}, (SELECT max(s.step) FROM report_steps s
+                                              WHERE s.rank = v.rank AND s.ts + s.dur <= v.ts)) AS step, {vloss}
+                    FROM spans_small v
+                    WHERE v.name = 'validation_loop' AND NOT v.is_agent AND v.rank = ? AND NOT v.open
+                      AND {vloss} IS NOT NULL
+                      AND coalesce(try_cast(v.attrs->>'sanity_check' AS BOOLEAN), false) = false
+                    ORDER BY v.ts""",
+                [lowest_rank],
+            )
+            if step is not None and value is not None and math.isfinite(value)
+        ]
+    # A validation after the last step (its current_iteration is the count of steps done) widens the axis.
+    lo = min([lo, *(st for st, _ in validations)])
+    hi = max([hi, *(st for st, _ in validations)])
+    bw = max(1, -(-(hi - lo + 1) // MAX_STEP_POINTS))
+    bins = (hi - lo) // bw + 1
+    binx = f"(step - {lo}) // {bw}"
+    x = [lo + b * bw for b in range(bins)]
+
+    def column(rows: list[tuple[Any, ...]], idx: int = 1) -> list[float | None]:
+        out: list[float | None] = [None] * bins
+        for row in rows:
+            out[int(row[0])] = row[idx]
+        return out
+
+    lines: list[dict[str, Any]] = []
+    if n_ranks <= MAX_RANK_SERIES:
+        grid: dict[int, list[tuple[Any, ...]]] = {}
+        for rank, b, value in job.rows(
+            f"SELECT rank, {binx} AS b, median(dur) / 1e9 FROM report_steps GROUP BY ALL ORDER BY 1, 2"
+        ):
+            grid.setdefault(int(rank), []).append((b, value))
+        lines = [{"name": f"rank {k}", "rank": k, "values": column(v)} for k, v in sorted(grid.items())]
+    else:
+        spread = job.rows(
+            f"""SELECT b, min(m), median(m), max(m) FROM (
+                    SELECT rank, {binx} AS b, median(dur) / 1e9 AS m FROM report_steps GROUP BY ALL
+                ) GROUP BY b ORDER BY b"""
+        )
+        lines = [
+            {"name": "slowest rank", "kind": "max", "values": column(spread, 3)},
+            {"name": "median over ranks", "kind": "median", "values": column(spread, 2)},
+            {"name": "fastest rank", "kind": "min", "values": column(spread, 1)},
+        ]
+        for rank in stragglers[:8]:
+            rows = job.rows(
+                f"SELECT {binx} AS b, median(dur) / 1e9 FROM report_steps WHERE rank = ? GROUP BY ALL", [rank]
+            )
+            lines.append({"name": f"rank {rank} (straggler)", "rank": rank, "values": column(rows)})
+    loss: list[float | None] = [None] * bins
+    lr: list[float | None] = [None] * bins
+    val: list[float | None] = [None] * bins
+    if lowest_rank is not None:
+        rows = job.rows(
+            f"""SELECT {binx} AS b, avg(loss), avg(lr) FROM report_steps WHERE rank = ? GROUP BY ALL""",
+            [lowest_rank],
+        )
+        loss, lr = column(rows, 1), column(rows, 2)
+        for step, value in validations:
+            val[(step - lo) // bw] = value  # the last one in a bin
+    job.con.execute("DROP TABLE IF EXISTS report_steps")
+    return {"x": x, "bin": bw, "ranks": n_ranks, "lines": lines, "loss": loss, "val_loss": val, "lr": lr}
 
 
 def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
@@ -103,17 +208,31 @@ def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
         "step_lines": [{"rank": k, "values": per_rank[k]} for k in sorted(slow_first)],
         "series": sorted(by_w.values(), key=lambda x: x["w"]),
         "series_rank": lowest_rank,
+        "by_step": _by_step(job, lowest_rank, list(r.get("stragglers") or [])),
+        "n_ranks": len(r.get("ranks") or []),
         "timeline": timeline,
         "streams": streams,
     })
     return result
 
 
+def _vendored(name: str) -> str:
+    """A vendored file (uPlot, MIT licence kept in its header), checked safe to inline in a <script>/<style>."""
+    text = resources.files("traintrace.cli").joinpath(name).read_text(encoding="utf-8")
+    lowered = text.lower()
+    if any(bad in lowered for bad in ("</script", "</style", "<!--", "__data__", "__title__")):
+        raise RuntimeError(f"{name} cannot be inlined safely")
+    return text
+
+
 def write_report(job: Job, out: str | os.PathLike[str], windows: int = 60) -> Path:
     data = report_data(job, windows)
     template = resources.files("traintrace.cli").joinpath("report.html").read_text(encoding="utf-8")
     head, tail = template.split("__DATA__", 1)
-    page = head.replace("__TITLE__", html.escape(data["title"])) + _safe_json(data) + tail
+    # The library first (it holds no placeholder, checked), the title last: a job named like a placeholder stays text.
+    head = head.replace("__UPLOT_CSS__", _vendored("uplot.min.css")).replace("__TITLE__", html.escape(data["title"]))
+    tail = tail.replace("__UPLOT_JS__", _vendored("uplot.min.js"))
+    page = head + _safe_json(data) + tail
     path = Path(out)
     from .._safefs import make_dirs, write_new_file
 
