@@ -69,8 +69,10 @@ def main() -> None:
         print(f"generated {records:,} records in {time.perf_counter() - started:.1f} s")
     records = int(marker.read_text())
     size = sum(p.stat().st_size for p in folder.glob("*.jsonl"))
-    print(f"job: {args.ranks} ranks x {args.iterations:,} iterations, {records:,} records, {size / 1e9:.2f} GB, "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"job: {args.ranks} ranks x {args.iterations:,} iterations, {records:,} records, {size / 1e9:.2f} GB, "
+        f"{os.cpu_count()} CPUs"
+    )
     cli = [sys.executable, "-m", "traintrace.cli"]
     results: dict[str, dict[str, float]] = {}
     if not args.skip_baseline:
@@ -90,8 +92,10 @@ def main() -> None:
         results[name] = {"seconds": wall, "peak_mb": rss}
         if name == "summary":
             summary = json.loads(out)
-            print(f"  summary says: goodput {summary['goodput']:.3f}, steps {summary['steps_completed']:,}, "
-                  f"lost {summary['steps_lost']}")
+            print(
+                f"  summary says: goodput {summary['goodput']:.3f}, steps {summary['steps_completed']:,}, "
+                f"lost {summary['steps_lost']}"
+            )
     base = results.get("json.loads loop", {}).get("seconds")
     print(f"{'command':22} {'seconds':>8} {'records/s':>12} {'vs json.loads':>14} {'peak MB':>8}")
     for name, figures in results.items():
@@ -100,9 +104,19 @@ def main() -> None:
         ratio = f"{base / figures['seconds']:.1f}x" if base else "-"
         print(f"{name:22} {figures['seconds']:8.2f} {rate:12,.0f} {ratio:>14} {figures['peak_mb']:8.0f}")
     out_file = folder.parent / (folder.name + "-results.json")
-    out_file.write_text(json.dumps({"records": records, "bytes": size, "ranks": args.ranks,
-                                    "iterations": args.iterations, "cpus": os.cpu_count(), "results": results},
-                                   indent=2))
+    out_file.write_text(
+        json.dumps(
+            {
+                "records": records,
+                "bytes": size,
+                "ranks": args.ranks,
+                "iterations": args.iterations,
+                "cpus": os.cpu_count(),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     print(f"figures written to {out_file}")
 
 

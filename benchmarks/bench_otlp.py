@@ -285,9 +285,7 @@ def run_case(name: str, python: str, args: argparse.Namespace, tmp: Path) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=sorted(CASES))
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--count-file", type=Path)
@@ -348,9 +346,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"{row['achieved_rate']:>12,.0f}"
         )
     if "error" not in tt:
-        lost_spans = (
-            tt["dropped_queue"] // 2 + tt["dropped_exporter"]
-        )  # queue items: a start and a stop per span
+        lost_spans = tt["dropped_queue"] // 2 + tt["dropped_exporter"]  # queue items: a start and a stop per span
         print(
             f"traintrace in the paced run: {tt['received'] / tt['sent']:.1%} delivered; "
             f"lost {lost_spans:,} spans, "

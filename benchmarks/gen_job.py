@@ -32,19 +32,40 @@ RESTART_GAP_NS = 30_000_000_000
 def _header(rank: int, world: int, ts: int, restart: int, job: str) -> str:
     return json.dumps(
         {
-            "seq": 0, "kind": "header", "ts": ts, "schema": "traintrace", "schema_version": 1,
-            "time": "", "mono": 0, "job": job, "rank": rank, "world_size": world,
-            "local_rank": rank % 8, "local_world_size": 8, "node_rank": rank // 8,
-            "restart": restart, "host": f"node{rank // 8}", "pid": 1000 + rank,
-            "library_version": "0.1.0", "python": "3.11.7",
+            "seq": 0,
+            "kind": "header",
+            "ts": ts,
+            "schema": "traintrace",
+            "schema_version": 1,
+            "time": "",
+            "mono": 0,
+            "job": job,
+            "rank": rank,
+            "world_size": world,
+            "local_rank": rank % 8,
+            "local_world_size": 8,
+            "node_rank": rank // 8,
+            "restart": restart,
+            "host": f"node{rank // 8}",
+            "pid": 1000 + rank,
+            "library_version": "0.1.0",
+            "python": "3.11.7",
         },
         separators=(",", ":"),
     )
 
 
 def write_rank(  # noqa: PLR0917 - one call site, all arguments named there
-    path: Path, rank: int, world: int, iterations: int, checkpoint_every: int,
-    straggler: int, failing_rank: int, fail_at: int, t0: int, job: str,
+    path: Path,
+    rank: int,
+    world: int,
+    iterations: int,
+    checkpoint_every: int,
+    straggler: int,
+    failing_rank: int,
+    fail_at: int,
+    t0: int,
+    job: str,
 ) -> int:
     """Write one rank's file; returns its number of records."""
     count = 0
@@ -150,7 +171,9 @@ def write_rank(  # noqa: PLR0917 - one call site, all arguments named there
                 count += len(lines)
                 lines.clear()
         if not failed:
-            lines.append(f'{{"seq":{seq},"kind":"end","ts":{now},"name":"training_loop","id":{loop_id},"dur":1,"status":"ok"}}')
+            lines.append(
+                f'{{"seq":{seq},"kind":"end","ts":{now},"name":"training_loop","id":{loop_id},"dur":1,"status":"ok"}}'
+            )
             seq += 1
             lines.append(f'{{"seq":{seq},"kind":"end","ts":{now},"name":"main_function","id":1,"dur":1,"status":"ok"}}')
             seq += 1
@@ -174,8 +197,14 @@ def _time_to(step: int, checkpoint_every: int) -> int:
 
 
 def generate(  # noqa: PLR0917 - mirrors the command-line options
-    folder: str | os.PathLike[str], ranks: int = 64, iterations: int = 100_000, checkpoint_every: int = 5000,
-    straggler: int = 13, failing_rank: int = 37, fail_at: int | None = None, job: str = "synthetic",
+    folder: str | os.PathLike[str],
+    ranks: int = 64,
+    iterations: int = 100_000,
+    checkpoint_every: int = 5000,
+    straggler: int = 13,
+    failing_rank: int = 37,
+    fail_at: int | None = None,
+    job: str = "synthetic",
 ) -> int:
     """Write the job into ``folder``; returns the total number of records."""
     out = Path(folder)
@@ -183,8 +212,9 @@ def generate(  # noqa: PLR0917 - mirrors the command-line options
     fail = int(iterations * 0.7) + checkpoint_every // 3 if fail_at is None else fail_at
     t0 = 1_790_000_000_000_000_000
     return sum(
-        write_rank(out / f"rank{rank}.jsonl", rank, ranks, iterations, checkpoint_every,
-                   straggler, failing_rank, fail, t0, job)
+        write_rank(
+            out / f"rank{rank}.jsonl", rank, ranks, iterations, checkpoint_every, straggler, failing_rank, fail, t0, job
+        )
         for rank in range(ranks)
     )
 

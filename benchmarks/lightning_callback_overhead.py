@@ -133,9 +133,7 @@ def reference_callback(folder: Path) -> Callback:
     from training_telemetry.verbosity import Verbosity
 
     config = TelemetryConfig(
-        backends=[
-            FileBackendConfig(output_file_path=str(folder / "reference"), verbosity=Verbosity.PROFILING)
-        ],
+        backends=[FileBackendConfig(output_file_path=str(folder / "reference"), verbosity=Verbosity.PROFILING)],
         application=ApplicationConfig(job_name="bench", job_id="bench", log_interval=100),
         log_level=logging.WARNING,
     )
@@ -194,9 +192,7 @@ def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)

@@ -96,9 +96,7 @@ def save(model: nn.Module, step: int, root: Path) -> Future[Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-dir", default="traintrace_logs")
     parser.add_argument("--job-id", default="async-demo")
     parser.add_argument("--steps", type=int, default=60)

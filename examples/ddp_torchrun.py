@@ -37,9 +37,7 @@ def make_data(samples: int, seed: int) -> TensorDataset:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-dir", default="traintrace_logs")
     parser.add_argument("--job-id", default=None, help="default: torchrun's run id")
     parser.add_argument("--epochs", type=int, default=2)
@@ -56,9 +54,7 @@ def main() -> None:
     checkpoints = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="traintrace-ddp-"))
     checkpoints.mkdir(parents=True, exist_ok=True)
 
-    with tt.application(
-        tt.ApplicationMetrics.create(rank=rank, world_size=world_size, checkpoint_strategy="sync")
-    ):
+    with tt.application(tt.ApplicationMetrics.create(rank=rank, world_size=world_size, checkpoint_strategy="sync")):
         with tt.distributed_init(backend="gloo"):
             dist.init_process_group("gloo")
         with tt.data_loader_init():

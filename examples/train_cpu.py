@@ -68,8 +68,9 @@ def main() -> None:
                             loss.backward()
                         with tt.optimizer_step():
                             optimizer.step()
-                        it.add_metrics(loss=loss.detach(), batch_size=len(x), epoch=epoch,
-                                       learning_rate=schedule.get_last_lr()[0])
+                        it.add_metrics(
+                            loss=loss.detach(), batch_size=len(x), epoch=epoch, learning_rate=schedule.get_last_lr()[0]
+                        )
                         schedule.step()
                     step += 1
                 with tt.validation(current_iteration=step) as v, torch.no_grad():

@@ -41,9 +41,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
-    callback = TraintraceCallback(
-        tt.Config(job_id="ddp-test", log_dir=str(out / "logs")), backends={"log": False}
-    )
+    callback = TraintraceCallback(tt.Config(job_id="ddp-test", log_dir=str(out / "logs")), backends={"log": False})
     trainer = L.Trainer(
         strategy="ddp",
         accelerator="cpu",

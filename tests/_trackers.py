@@ -28,8 +28,7 @@ class Truth:
 def train(log_dir: Path, backends: dict[str, Any], job: str = "trk") -> Truth:
     truth = Truth()
     start = time.perf_counter()
-    tt.configure(job_id=job, log_dir=str(log_dir), log_interval=INTERVAL,
-                 backends={"log": False, **backends})
+    tt.configure(job_id=job, log_dir=str(log_dir), log_interval=INTERVAL, backends={"log": False, **backends})
     tt.set_step_info(batch_size=8, num_iterations=STEPS)
     losses: list[float] = []
     with tt.application(), tt.training_loop():
@@ -50,8 +49,9 @@ def train(log_dir: Path, backends: dict[str, Any], job: str = "trk") -> Truth:
                 truth.losses[step] = sum(losses[-INTERVAL:]) / INTERVAL
             if step == 9:
                 t0 = time.perf_counter()
-                with tt.checkpoint_save(tt.CheckpointSaveMetrics.create(
-                        checkpoint_type=tt.CheckPointType.LOCAL, current_iteration=step + 1)):
+                with tt.checkpoint_save(
+                    tt.CheckpointSaveMetrics.create(checkpoint_type=tt.CheckPointType.LOCAL, current_iteration=step + 1)
+                ):
                     time.sleep(0.05)
                 truth.checkpoint_s = time.perf_counter() - t0
                 t0 = time.perf_counter()

@@ -63,7 +63,8 @@ def write_job(folder: Path, script: Script) -> Script:
 
 
 def _attempt(  # noqa: PLR0917
-    script: Script, rank: int, world: int, restart: int, first: int, last: int) -> list[str]:
+    script: Script, rank: int, world: int, restart: int, first: int, last: int
+) -> list[str]:
     start = T0 if restart == 0 else attempt1_start(script)
     d = script.step_dur(rank)
     lines = []
@@ -74,9 +75,25 @@ def _attempt(  # noqa: PLR0917
         lines.append(_line({"seq": seq, "kind": kind, "ts": ts, **fields}))
         seq += 1
 
-    rec("header", start, schema="traintrace", schema_version=1, time="", mono=0, job="scripted", rank=rank,
-        world_size=world, local_rank=rank, local_world_size=world, node_rank=0, restart=restart, host="h",
-        pid=100 + rank + 10 * restart, library_version="0", python="3")
+    rec(
+        "header",
+        start,
+        schema="traintrace",
+        schema_version=1,
+        time="",
+        mono=0,
+        job="scripted",
+        rank=rank,
+        world_size=world,
+        local_rank=rank,
+        local_world_size=world,
+        node_rank=0,
+        restart=restart,
+        host="h",
+        pid=100 + rank + 10 * restart,
+        library_version="0",
+        python="3",
+    )
     tid = 7
     rec("thread", start, tid=tid, thread_name="MainThread")
     rec("start", start, name="main_function", id=1, parent=0, tid=tid)
@@ -97,21 +114,47 @@ def _attempt(  # noqa: PLR0917
         if restart == 0 and step == script.fail_step:
             if rank == script.fail_rank:
                 rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
-                rec("error", now + d // 2, name="exception", span=ids, tid=tid, error_type="RuntimeError",
-                    message=script.message, stack=f'Traceback (most recent call last):\n  File "train.py", line 9\n'
-                    f"RuntimeError: {script.message}")
+                rec(
+                    "error",
+                    now + d // 2,
+                    name="exception",
+                    span=ids,
+                    tid=tid,
+                    error_type="RuntimeError",
+                    message=script.message,
+                    stack=f'Traceback (most recent call last):\n  File "train.py", line 9\n'
+                    f"RuntimeError: {script.message}",
+                )
                 rec("end", now + d // 2, name=name, id=ids, dur=d // 2, status="error")
             else:
                 rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
             failed = True
             break
-        rec("span", now, name=name, id=ids, parent=loop, tid=tid, dur=d, status="ok",
-            attrs={"step": step, "loss": 1.0 / (1 + step), "batch_size": 8})
+        rec(
+            "span",
+            now,
+            name=name,
+            id=ids,
+            parent=loop,
+            tid=tid,
+            dur=d,
+            status="ok",
+            attrs={"step": step, "loss": 1.0 / (1 + step), "batch_size": 8},
+        )
         ids += 1
         now += d
         if (step + 1) % script.checkpoint_every == 0:
-            rec("span", now, name="checkpoint_save_sync", id=ids, parent=loop, tid=tid,
-                dur=round(script.save_s * S), status="ok", attrs={"current_iteration": step + 1})
+            rec(
+                "span",
+                now,
+                name="checkpoint_save_sync",
+                id=ids,
+                parent=loop,
+                tid=tid,
+                dur=round(script.save_s * S),
+                status="ok",
+                attrs={"current_iteration": step + 1},
+            )
             ids += 1
             now += round(script.save_s * S)
     if not failed:
@@ -125,8 +168,12 @@ def attempt1_start(script: Script) -> int:
     worst = max(script.step_dur(r) for r in range(script.ranks))
     assert script.fail_step is not None
     saves = script.fail_step // script.checkpoint_every
-    return T0 + round(script.init_s * S) + script.fail_step * worst + saves * round(script.save_s * S) + round(
-        script.restart_gap_s * S
+    return (
+        T0
+        + round(script.init_s * S)
+        + script.fail_step * worst
+        + saves * round(script.save_s * S)
+        + round(script.restart_gap_s * S)
     )
 
 

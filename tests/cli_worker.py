@@ -1,7 +1,7 @@
 """One rank of a small real job for the traintrace command's tests (no torch: starts fast).
 
-    RANK=1 WORLD_SIZE=4 python tests/cli_worker.py LOG_DIR [--slow-compute R] [--slow-data R]
-        [--fail R:STEP] [--hang R:STEP] [--slow-checkpoint R]
+RANK=1 WORLD_SIZE=4 python tests/cli_worker.py LOG_DIR [--slow-compute R] [--slow-data R]
+    [--fail R:STEP] [--hang R:STEP] [--slow-checkpoint R]
 """
 
 from __future__ import annotations

@@ -75,8 +75,9 @@ def test_summary_ranks_errors_and_sql_equal_the_commands(job: tuple[Path, Script
 
         steps = loaded.sql("SELECT rank, count(*) AS n FROM steps GROUP BY rank ORDER BY rank")
         assert isinstance(steps, pandas.DataFrame)
-        assert steps.to_dict("records") == _command("query", str(folder),
-                                                    "SELECT rank, count(*) AS n FROM steps GROUP BY rank ORDER BY rank")
+        assert steps.to_dict("records") == _command(
+            "query", str(folder), "SELECT rank, count(*) AS n FROM steps GROUP BY rank ORDER BY rank"
+        )
 
         page = loaded._repr_html_()
         assert "goodput" in page and "<table>" in page

@@ -28,7 +28,11 @@ ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin
 def cli(*args: str, check: int | None = EXIT_OK) -> subprocess.CompletedProcess[str]:
     """Run ``python -m traintrace.cli`` as a separate process, as a user would."""
     result = subprocess.run(
-        [sys.executable, "-m", "traintrace.cli", *args], check=False, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "traintrace.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env=ENV,
     )
     if check is not None:
@@ -49,11 +53,30 @@ def faults_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     procs = []
     for rank in range(5):
         env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "5", "LOCAL_RANK": str(rank), "TRAINTRACE_JOB_ID": "faults"}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(worker), str(logs), "--slow-compute", "1", "--slow-data", "2", "--fail", "3:25",
-             "--hang", "4:10", "--steps", "60", "--slow-checkpoint", "0"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(worker),
+                    str(logs),
+                    "--slow-compute",
+                    "1",
+                    "--slow-data",
+                    "2",
+                    "--fail",
+                    "3:25",
+                    "--hang",
+                    "4:10",
+                    "--steps",
+                    "60",
+                    "--slow-checkpoint",
+                    "0",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        )
     for proc in procs[:4]:
         proc.wait(timeout=120)
     assert procs[3].returncode != 0  # the injected failure ended rank 3
@@ -115,12 +138,20 @@ def test_summary_of_the_faulty_job(faults_job: Path) -> None:
     assert 0 < s["goodput"] < 1
     # rank 4 hung inside its first checkpoint: all its 10 steps are lost (rank 3 lost 6: steps 20-25)
     assert s["steps_lost"] == 10
-    lost = cli_json("query", str(faults_job), "SELECT rank, count(*) AS n FROM steps "
-                    "WHERE status <> 'ok' OR (rank = 3 AND step >= 20) GROUP BY rank ORDER BY rank")
+    lost = cli_json(
+        "query",
+        str(faults_job),
+        "SELECT rank, count(*) AS n FROM steps "
+        "WHERE status <> 'ok' OR (rank = 3 AND step >= 20) GROUP BY rank ORDER BY rank",
+    )
     assert lost == [{"rank": 3, "n": 6}]
     # the slow checkpoints of rank 0 are its exposed checkpoint time, and nobody else's
-    saves = cli_json("query", str(faults_job), "SELECT rank, sum(dur) / 1e9 AS s FROM spans "
-                     "WHERE name = 'checkpoint_save_sync' AND status = 'ok' GROUP BY rank ORDER BY s DESC")
+    saves = cli_json(
+        "query",
+        str(faults_job),
+        "SELECT rank, sum(dur) / 1e9 AS s FROM spans "
+        "WHERE name = 'checkpoint_save_sync' AND status = 'ok' GROUP BY rank ORDER BY s DESC",
+    )
     assert saves[0]["rank"] == 0 and saves[0]["s"] >= 6 * 0.3
     assert all(x["s"] < 0.5 for x in saves[1:])
 
@@ -154,13 +185,17 @@ def test_example_run_summary_matches_an_independent_reading(cpu_example_job: Pat
 def test_query_views(tmp_path: Path) -> None:
     """SQL over the documented views answers what the subcommands do not."""
     write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
-    rows = cli_json("query", str(tmp_path / "job"),
-                    "SELECT rank, count(*) AS n, max(step) AS last FROM steps GROUP BY rank ORDER BY rank")
+    rows = cli_json(
+        "query",
+        str(tmp_path / "job"),
+        "SELECT rank, count(*) AS n, max(step) AS last FROM steps GROUP BY rank ORDER BY rank",
+    )
     assert rows == [{"rank": r, "n": 40, "last": 39} for r in range(4)]
     kinds = cli_json("query", str(tmp_path / "job"), "SELECT DISTINCT kind FROM records ORDER BY 1")
     assert [k["kind"] for k in kinds] == ["close", "end", "span", "start", "thread"]
-    names = cli_json("query", str(tmp_path / "job"),
-                     "SELECT count(*) AS n FROM spans WHERE name = 'checkpoint_save_sync'")
+    names = cli_json(
+        "query", str(tmp_path / "job"), "SELECT count(*) AS n FROM spans WHERE name = 'checkpoint_save_sync'"
+    )
     assert names == [{"n": 16}]
     assert cli_json("query", str(tmp_path / "job"), "SELECT count(*) AS n FROM streams") == [{"n": 4}]
     assert cli_json("query", str(tmp_path / "job"), "SELECT count(*) AS n FROM events") == [{"n": 0}]
@@ -176,7 +211,7 @@ def test_exit_codes(tmp_path: Path) -> None:
     assert cli("summary", str(tmp_path / "empty"), check=None).returncode == EXIT_BAD_INPUT
     assert cli("summary", str(tmp_path / "nope"), check=None).returncode == EXIT_BAD_INPUT
     (tmp_path / "junk").mkdir()
-    (tmp_path / "junk" / "x.jsonl").write_text("not json\n{\"a\": 1}\n")
+    (tmp_path / "junk" / "x.jsonl").write_text('not json\n{"a": 1}\n')
     assert cli("summary", str(tmp_path / "junk"), check=None).returncode == EXIT_BAD_INPUT
     write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
     bad = cli("query", str(tmp_path / "job"), "SELECT nope FROM nowhere", check=None)
@@ -221,10 +256,27 @@ def test_torchrun_job_where_one_rank_raises(tmp_path: Path) -> None:
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this Python")
     result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "3", "--max-restarts", "0",
-         str(ROOT / "tests" / "cli_worker.py"), str(tmp_path), "--steps", "400", "--fail", "2:15",
-         "--slow-compute", "1"],
-        check=False, capture_output=True, text=True, timeout=240, env={**ENV, "TRAINTRACE_JOB_ID": "tr"},
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "0",
+            str(ROOT / "tests" / "cli_worker.py"),
+            str(tmp_path),
+            "--steps",
+            "400",
+            "--fail",
+            "2:15",
+            "--slow-compute",
+            "1",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**ENV, "TRAINTRACE_JOB_ID": "tr"},
     )
     assert result.returncode != 0, result.stderr[-3000:]
     folder = tmp_path / "tr"  # TRAINTRACE_JOB_ID overrides the worker's configure(job_id=...)
@@ -271,8 +323,12 @@ def test_missing_duckdb_names_the_extra(tmp_path: Path) -> None:
     (shadow / "duckdb.py").write_text("raise ImportError('no duckdb here')\n")
     write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
     result = subprocess.run(
-        [sys.executable, "-m", "traintrace.cli", "summary", str(tmp_path / "job")], check=False,
-        capture_output=True, text=True, timeout=120, env={**ENV, "PYTHONPATH": f"{shadow}:{ENV['PYTHONPATH']}"},
+        [sys.executable, "-m", "traintrace.cli", "summary", str(tmp_path / "job")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**ENV, "PYTHONPATH": f"{shadow}:{ENV['PYTHONPATH']}"},
     )
     assert result.returncode == EXIT_MISSING_EXTRA
     assert "pip install 'traintrace[analysis]'" in result.stderr

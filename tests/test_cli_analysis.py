@@ -141,17 +141,48 @@ def test_launcher_stream_and_progress_events(tmp_path: Path) -> None:
     agent = tmp_path / "job" / "agent.jsonl"
     _append(
         agent,
-        {"seq": 0, "kind": "header", "ts": T0 - 10**9, "schema": "traintrace", "schema_version": 1,
-         "job": "scripted", "source": "agent", "host": "h", "pid": 1},
-        {"seq": 1, "kind": "event", "ts": T0 - 10**8, "name": "worker_start", "span": 0, "tid": 1,
-         "attrs": {"ranks": [0, 1, 2, 3]}},
+        {
+            "seq": 0,
+            "kind": "header",
+            "ts": T0 - 10**9,
+            "schema": "traintrace",
+            "schema_version": 1,
+            "job": "scripted",
+            "source": "agent",
+            "host": "h",
+            "pid": 1,
+        },
+        {
+            "seq": 1,
+            "kind": "event",
+            "ts": T0 - 10**8,
+            "name": "worker_start",
+            "span": 0,
+            "tid": 1,
+            "attrs": {"ranks": [0, 1, 2, 3]},
+        },
         {"seq": 2, "kind": "event", "ts": T0 + 10**9, "name": "worker_restart", "span": 0, "tid": 1},
     )
     for rank, path in script.files.items():
-        _append(path, {"seq": 90, "kind": "event", "ts": T0 + 2 * 10**9, "name": "training_iterations", "span": 0,
-                       "tid": 7, "attrs": {"consumed_samples": 1280, "consumed_tokens": 655360, "mfu": 0.41,
-                                           "samples_per_second": 300.0 + rank, "tokens_per_second": 153600.0,
-                                           "last_step": 39}})
+        _append(
+            path,
+            {
+                "seq": 90,
+                "kind": "event",
+                "ts": T0 + 2 * 10**9,
+                "name": "training_iterations",
+                "span": 0,
+                "tid": 7,
+                "attrs": {
+                    "consumed_samples": 1280,
+                    "consumed_tokens": 655360,
+                    "mfu": 0.41,
+                    "samples_per_second": 300.0 + rank,
+                    "tokens_per_second": 153600.0,
+                    "last_step": 39,
+                },
+            },
+        )
     job = _open(tmp_path / "job")
     s = _analysis.summary(job)
     assert s["ranks_seen"] == 4 and s["ranks_missing"] == ""
@@ -182,8 +213,17 @@ def test_hang_time_from_a_hang_suspected_error(tmp_path: Path) -> None:
     keep = next(i for i, line in enumerate(lines) if '"step":22,' in line)
     last = json.loads(lines[keep])
     hang_ts = last["ts"] + last["dur"] + 5 * 10**9
-    error = {"seq": 999, "kind": "error", "ts": hang_ts, "name": "hang_suspected", "span": 0, "tid": 7,
-             "message": "no progress for 5.0s", "stack": "Thread 7:\n  File x", "attrs": {"last_step": 22}}
+    error = {
+        "seq": 999,
+        "kind": "error",
+        "ts": hang_ts,
+        "name": "hang_suspected",
+        "span": 0,
+        "tid": 7,
+        "message": "no progress for 5.0s",
+        "stack": "Thread 7:\n  File x",
+        "attrs": {"last_step": 22},
+    }
     script.files[2].write_text("".join(lines[: keep + 1]) + json.dumps(error) + "\n")
     job = _open(tmp_path / "job")
     s = _analysis.summary(job)
@@ -198,10 +238,30 @@ def test_a_job_that_died_before_its_first_step(tmp_path: Path) -> None:
 
     folder = tmp_path / "job"
     folder.mkdir()
-    header = {"seq": 0, "kind": "header", "ts": 10**18, "schema": "traintrace", "schema_version": 1, "job": "x",
-              "rank": 0, "world_size": 2, "restart": 0, "host": "h", "pid": 1}
-    error = {"seq": 1, "kind": "error", "ts": 10**18 + 10**9, "name": "exception", "span": 0, "tid": 1,
-             "error_type": "ImportError", "message": "no module named <b>x</b>", "stack": "Traceback"}
+    header = {
+        "seq": 0,
+        "kind": "header",
+        "ts": 10**18,
+        "schema": "traintrace",
+        "schema_version": 1,
+        "job": "x",
+        "rank": 0,
+        "world_size": 2,
+        "restart": 0,
+        "host": "h",
+        "pid": 1,
+    }
+    error = {
+        "seq": 1,
+        "kind": "error",
+        "ts": 10**18 + 10**9,
+        "name": "exception",
+        "span": 0,
+        "tid": 1,
+        "error_type": "ImportError",
+        "message": "no module named <b>x</b>",
+        "stack": "Traceback",
+    }
     (folder / "rank0.jsonl").write_text(json.dumps(header) + "\n" + json.dumps(error) + "\n")
     job = _open(folder)
     s = _analysis.summary(job)
@@ -221,8 +281,17 @@ def test_a_peer_error_before_the_cause_is_a_consequence(tmp_path: Path) -> None:
         path.write_text(text[: text.rfind("\n", 0, second) + 1])
     rank3 = script.files[3].read_text().splitlines()
     cause = next(json.loads(line) for line in rank3 if '"kind":"error"' in line)
-    peer = {"seq": 998, "kind": "error", "ts": cause["ts"] - 10**6, "name": "exception", "span": 0, "tid": 7,
-            "error_type": "RuntimeError", "message": "[gloo] Connection reset by peer", "stack": "Traceback"}
+    peer = {
+        "seq": 998,
+        "kind": "error",
+        "ts": cause["ts"] - 10**6,
+        "name": "exception",
+        "span": 0,
+        "tid": 7,
+        "error_type": "RuntimeError",
+        "message": "[gloo] Connection reset by peer",
+        "stack": "Traceback",
+    }
     with script.files[0].open("a") as handle:
         handle.write(json.dumps(peer) + "\n")
     e = _analysis.errors(_open(tmp_path / "job"), hang_after_s=3600)
@@ -243,10 +312,26 @@ def test_a_resolved_hang_is_not_hang_time(tmp_path: Path) -> None:
     lines = script.files[2].read_text().splitlines(keepends=True)
     at = next(i for i, line in enumerate(lines) if '"step":22,' in line)
     step = json.loads(lines[at])
-    report = {"seq": 997, "kind": "error", "ts": step["ts"] + 10**6, "name": "hang_suspected", "span": 0, "tid": 7,
-              "message": "no progress for 5.0s", "stack": "Thread 7", "attrs": {"last_step": 21}}
-    resumed = {"seq": 998, "kind": "event", "ts": step["ts"] + 2 * 10**6, "name": "hang_resolved", "span": 0,
-               "tid": 7, "attrs": {"hang_seconds": 5.0}}
+    report = {
+        "seq": 997,
+        "kind": "error",
+        "ts": step["ts"] + 10**6,
+        "name": "hang_suspected",
+        "span": 0,
+        "tid": 7,
+        "message": "no progress for 5.0s",
+        "stack": "Thread 7",
+        "attrs": {"last_step": 21},
+    }
+    resumed = {
+        "seq": 998,
+        "kind": "event",
+        "ts": step["ts"] + 2 * 10**6,
+        "name": "hang_resolved",
+        "span": 0,
+        "tid": 7,
+        "attrs": {"hang_seconds": 5.0},
+    }
     lines[at + 1 : at + 1] = [json.dumps(report) + "\n", json.dumps(resumed) + "\n"]
     script.files[2].write_text("".join(lines))
     truth = expected(script)

@@ -31,10 +31,24 @@ EVIL = "<script>document.title='pwned'</script><img src=x onerror=alert(1)>"
 def _chromium(profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
     assert CHROMIUM is not None
     return subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *args],
-        check=False, capture_output=True, text=True, timeout=120,
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--enable-logging=stderr",
+            "--v=0",
+            *args,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -85,8 +99,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("report")
     write_job(folder / "job", Script(message=EVIL, steps=60))
     with (folder / "job" / "rank0.jsonl").open("a") as handle:
-        handle.write('{"seq":500,"kind":"span","ts":1800000000500000000,"name":"' + EVIL.replace('"', '\\"')
-                     + '","id":900,"parent":0,"tid":7,"dur":1000,"status":"ok"}\n')
+        handle.write(
+            '{"seq":500,"kind":"span","ts":1800000000500000000,"name":"'
+            + EVIL.replace('"', '\\"')
+            + '","id":900,"parent":0,"tid":7,"dur":1000,"status":"ok"}\n'
+        )
     out = folder / "report.html"
     assert main(["report", str(folder / "job"), "-o", str(out), "--quiet"]) == 0
     return out
@@ -185,8 +202,21 @@ def _dump(page: Path, profile: Path) -> str:
 def test_single_rank_report_draws_that_rank(tmp_path: Path) -> None:
     """A real one-process run (examples/train_cpu.py): its rank's line, loss with validation loss and the
     learning rate on the step axis, no heat map or straggler card (there is nothing to compare it with)."""
-    subprocess.run([sys.executable, str(ROOT / "examples" / "train_cpu.py"), "--log-dir", str(tmp_path / "logs"),
-                    "--job-id", "one", "--epochs", "2"], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_cpu.py"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--job-id",
+            "one",
+            "--epochs",
+            "2",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     out = tmp_path / "report.html"
     assert main(["report", str(tmp_path / "logs" / "one"), "-o", str(out), "--quiet"]) == 0
     dom = _dump(out, tmp_path / "profile")

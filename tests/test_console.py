@@ -33,8 +33,10 @@ def _run_on_terminal(logs: Path, env: dict[str, str] | None = None) -> str:
     """Run the loop with stderr on a pseudo-terminal; returns what the terminal showed."""
     leader, follower = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-c", TRAIN.format(logs=str(logs))], stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=follower,
+        [sys.executable, "-c", TRAIN.format(logs=str(logs))],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", **(env or {})},
     )
     os.close(follower)
@@ -78,8 +80,12 @@ def test_off_by_a_setting_and_off_without_a_terminal(tmp_path: Path) -> None:
     shown = _run_on_terminal(tmp_path / "a", {"TRAINTRACE_BACKENDS_CONSOLE_ENABLED": "0"})
     assert "ms/step" not in shown
     result = subprocess.run(
-        [sys.executable, "-c", TRAIN.format(logs=str(tmp_path / "b"))], capture_output=True, text=True,
-        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, timeout=60, check=True,
+        [sys.executable, "-c", TRAIN.format(logs=str(tmp_path / "b"))],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+        timeout=60,
+        check=True,
     )
     assert "ms/step" not in result.stderr
 
@@ -108,9 +114,20 @@ def test_numbers_are_rounded_for_people() -> None:
     assert human(12.345) == "12.3"
     assert human(0.0) == "0"
     assert duration(45.2) == "45s" and duration(692) == "11m32s" and duration(3 * 3600 + 300) == "3h05m"
-    line = progress_line({"average_iteration_time": 0.005376047950000001, "iteration_time_p90": 0.0061,
-                          "current_iteration": 1199, "completed_steps": 1200, "num_iterations": 5000, "interval": 100,
-                          "elapsed_time": 0.6, "tokens_per_second": 123456.789, "samples_per_second": 60.2,
-                          "mfu": 0.41234, "loss": 2.3141592})
+    line = progress_line(
+        {
+            "average_iteration_time": 0.005376047950000001,
+            "iteration_time_p90": 0.0061,
+            "current_iteration": 1199,
+            "completed_steps": 1200,
+            "num_iterations": 5000,
+            "interval": 100,
+            "elapsed_time": 0.6,
+            "tokens_per_second": 123456.789,
+            "samples_per_second": 60.2,
+            "mfu": 0.41234,
+            "loss": 2.3141592,
+        }
+    )
     assert line == "step 1,199/5,000 | 5.38 ms/step (p90 6.1) | 123,457 tokens/s | MFU 41% | loss 2.314 | ETA 23s"
     assert progress_line({"interval": 0}) is None

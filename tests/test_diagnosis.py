@@ -43,8 +43,12 @@ class Run:
     def cli(self, *args: str, ranks_only: bool = False) -> dict[str, Any]:
         paths = [str(p) for p in sorted(self.folder.glob("rank*.jsonl"))] if ranks_only else [str(self.folder)]
         result = subprocess.run(
-            [sys.executable, "-m", "traintrace.cli", *args, *paths, "--json"], check=False, capture_output=True,
-            text=True, timeout=120, env=ENV,
+            [sys.executable, "-m", "traintrace.cli", *args, *paths, "--json"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=ENV,
         )
         assert result.returncode == 0, result.stderr
         data: dict[str, Any] = json.loads(result.stdout)
@@ -57,15 +61,28 @@ class Run:
         return out
 
 
-def launch(tmp_path: Path, nproc: int, *args: str, env: dict[str, str] | None = None,
-           during: Any = None, timeout: float = 150) -> Run:
+def launch(
+    tmp_path: Path, nproc: int, *args: str, env: dict[str, str] | None = None, during: Any = None, timeout: float = 150
+) -> Run:
     """Run the worker under traintrace-run; ``during(process, truth)`` runs while it does."""
     truth = tmp_path / "truth"
-    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", str(nproc),
-               "--max-restarts", "0", str(WORKER), str(truth), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "traintrace.launch",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+        str(WORKER),
+        str(truth),
+        *args,
+    ]
     full_env = {**ENV, "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "job", **(env or {})}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=full_env, start_new_session=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+    )
     try:
         if during is not None:
             during(process, truth)
@@ -201,8 +218,18 @@ def test_sigterm_from_outside(tmp_path: Path) -> None:
         time.sleep(0.05)
         os.kill(int(pid_file.read_text()), signal.SIGTERM)
 
-    run = launch(tmp_path, 3, "--fault", "sigterm", "--fault-rank", "2", "--fault-step", "6",
-                 env={"TRAINTRACE_HANG_TIMEOUT": "60"}, during=send_sigterm)
+    run = launch(
+        tmp_path,
+        3,
+        "--fault",
+        "sigterm",
+        "--fault-rank",
+        "2",
+        "--fault-step",
+        "6",
+        env={"TRAINTRACE_HANG_TIMEOUT": "60"},
+        during=send_sigterm,
+    )
     errors = check_culprit(run, 2, 6, "model_forward", "SIGTERM")
     assert errors["culprit"]["state"] == "terminated"
     check_goodput(run)
@@ -269,13 +296,18 @@ def test_a_running_job_is_running(tmp_path: Path) -> None:
 def test_a_straggler_in_data_parallel_training(tmp_path: Path, nproc: int, fault: str, rank: int, part: str) -> None:
     """One rank slower in forward (or data loading) from step 8 on: the all-reduce makes every rank's step as
     long, yet ``ranks`` names it, the part it is slow in, and the step it became slow at; with 2 ranks too."""
-    run = launch(tmp_path, nproc, "--fault", fault, "--fault-rank", str(rank), "--fault-step", "8",
-                 "--steps", "30")
+    run = launch(tmp_path, nproc, "--fault", fault, "--fault-rank", str(rank), "--fault-step", "8", "--steps", "30")
     assert run.returncode == 0, run.output[-3000:]
     marks = run.marks()
-    durations = {r: [b["ts"] - a["ts"] for a, b in zip(
-        [m for m in ms if m["event"] == "step_start"], [m for m in ms if m["event"] == "step_end"], strict=True)]
-        for r, ms in marks.items()}
+    durations = {
+        r: [
+            b["ts"] - a["ts"]
+            for a, b in zip(
+                [m for m in ms if m["event"] == "step_start"], [m for m in ms if m["event"] == "step_end"], strict=True
+            )
+        ]
+        for r, ms in marks.items()
+    }
     late = {r: sorted(d[10:])[len(d[10:]) // 2] for r, d in durations.items()}
     if part == "compute":  # the premise: collectives equalise the step times the worker measured itself
         assert max(late.values()) < 1.3 * min(late.values()), late
@@ -305,11 +337,26 @@ def test_a_hang_seen_while_the_job_still_hangs(tmp_path: Path) -> None:
         seen["errors"] = Run(folder, truth, 0, "").cli("errors")
         os.killpg(process.pid, signal.SIGTERM)  # the launcher stops its workers (their own process groups)
 
-    launch(tmp_path, 3, "--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6", "--gloo-timeout", "120",
-           during=look)
+    launch(
+        tmp_path,
+        3,
+        "--fault",
+        "hang_compute",
+        "--fault-rank",
+        "1",
+        "--fault-step",
+        "6",
+        "--gloo-timeout",
+        "120",
+        during=look,
+    )
     errors = seen["errors"]
     assert errors["status"] == "running", errors["verdict"]
     assert errors["verdict"].startswith("running, without progress: rank 1 hung in forward at step 6")
     culprit = errors["culprit"]
-    assert (culprit["rank"], culprit["step"], culprit["phase"], culprit["in_collective"]) == (1, 6, "model_forward",
-                                                                                               False)
+    assert (culprit["rank"], culprit["step"], culprit["phase"], culprit["in_collective"]) == (
+        1,
+        6,
+        "model_forward",
+        False,
+    )

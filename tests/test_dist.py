@@ -20,8 +20,7 @@ dist = pytest.importorskip("torch.distributed")
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for key in list(os.environ):
-        if key.startswith(("TRAINTRACE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_", "SLURM_",
-                           "MASTER_")):
+        if key.startswith(("TRAINTRACE_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_", "SLURM_", "MASTER_")):
             monkeypatch.delenv(key)
     yield
     tt.close()

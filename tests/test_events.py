@@ -17,9 +17,7 @@ from traintrace._config import build_config
 from traintrace._setup import _start
 from traintrace.publisher import get_default_event_publisher
 
-SCHEMA = json.loads(
-    (Path(__file__).parent.parent / "src/traintrace/schema/record-v1.schema.json").read_text()
-)
+SCHEMA = json.loads((Path(__file__).parent.parent / "src/traintrace/schema/record-v1.schema.json").read_text())
 
 
 @pytest.fixture

@@ -15,8 +15,24 @@ import traintrace as tt
 from traintrace import MemoryBackend
 from traintrace._identity import detect, distributed_view, expand_slurm_counts, scheduler_job_id
 
-_PREFIXES = ("RANK", "LOCAL_", "WORLD_SIZE", "GROUP_RANK", "ROLE_", "TORCHELASTIC_", "SLURM_", "OMPI_",
-             "PMI_", "PMIX_", "MPI_LOCAL", "MASTER_", "TRAINTRACE_", "PBS_", "LSB_", "FLUX_")
+_PREFIXES = (
+    "RANK",
+    "LOCAL_",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_",
+    "TORCHELASTIC_",
+    "SLURM_",
+    "OMPI_",
+    "PMI_",
+    "PMIX_",
+    "MPI_LOCAL",
+    "MASTER_",
+    "TRAINTRACE_",
+    "PBS_",
+    "LSB_",
+    "FLUX_",
+)
 
 
 @pytest.fixture
@@ -61,8 +77,7 @@ def test_torchrun_default_run_id_is_not_a_job_id() -> None:
 
 def test_torchrun_under_slurm_takes_the_slurm_job_and_torchrun_ranks() -> None:
     """Under SLURM, torchrun's ranks win (SLURM's describe the agent) and SLURM names the job."""
-    env = {**TORCHRUN, "TORCHELASTIC_RUN_ID": "none", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
-           "SLURM_JOB_ID": "777"}
+    env = {**TORCHRUN, "TORCHELASTIC_RUN_ID": "none", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "777"}
     ident = detect(env)
     assert ident.rank == 3
     assert ident.world_size == 8
@@ -105,7 +120,11 @@ def test_open_mpi_variables() -> None:
     }
     ident = detect(env)
     assert (ident.rank, ident.local_rank, ident.world_size, ident.local_world_size, ident.node_rank) == (
-        5, 1, 6, 2, 2,
+        5,
+        1,
+        6,
+        2,
+        2,
     )
     assert ident.job_id == "4242"
     assert ident.launcher == "openmpi"

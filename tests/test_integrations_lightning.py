@@ -150,12 +150,8 @@ def test_fit_records_nested_spans_steps_and_logged_metrics(memory: tt.MemoryBack
     # What Lightning gave its loggers, step by step, equals what the iteration spans carry.
     logged_train = [m for _, m in logger.rows if "train_loss" in m]
     assert len(logged_train) == 8
-    assert [s["attrs"]["train_loss"] for s in iterations] == pytest.approx(
-        [m["train_loss"] for m in logged_train]
-    )
-    assert [s["attrs"]["train_acc"] for s in iterations] == pytest.approx(
-        [m["train_acc"] for m in logged_train]
-    )
+    assert [s["attrs"]["train_loss"] for s in iterations] == pytest.approx([m["train_loss"] for m in logged_train])
+    assert [s["attrs"]["train_acc"] for s in iterations] == pytest.approx([m["train_acc"] for m in logged_train])
     assert [s["attrs"]["loss"] for s in iterations] == pytest.approx([m["train_loss"] for m in logged_train])
 
     validations = [s for s in memory.spans(tt.SpanName.VALIDATION) if not s["attrs"].get("sanity_check")]
@@ -305,11 +301,7 @@ def test_phase_timings_as_attributes(memory: tt.MemoryBackend, tmp_path: Path) -
 @pytest.mark.subprocess
 def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> None:
     """strategy='ddp' with 2 CPU processes: one stream per rank, identity from the trainer, steps equal."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
     script = HERE / "_lightning_ddp_run.py"
     done = subprocess.run(

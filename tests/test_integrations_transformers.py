@@ -67,9 +67,7 @@ def memory() -> Iterator[tt.MemoryBackend]:
     tt.close()
 
 
-def test_trainer_run_records_steps_logs_evaluation_and_saves(
-    memory: tt.MemoryBackend, tmp_path: Path
-) -> None:
+def test_trainer_run_records_steps_logs_evaluation_and_saves(memory: tt.MemoryBackend, tmp_path: Path) -> None:
     """Steps, logged loss/lr/grad norm, eval metrics and saves equal what the Trainer did and logged."""
     trainer = Trainer(
         model=tiny_model(),
@@ -146,9 +144,7 @@ class Exploding(torch.nn.Module):
         return self.inner(**kwargs)
 
 
-def test_error_in_a_step_is_recorded_once_and_spans_end_as_errors(
-    memory: tt.MemoryBackend, tmp_path: Path
-) -> None:
+def test_error_in_a_step_is_recorded_once_and_spans_end_as_errors(memory: tt.MemoryBackend, tmp_path: Path) -> None:
     """An exception in forward: one error record at the iteration; enclosing spans end with error."""
     callback = TraintraceTrainerCallback()
     trainer = Trainer(

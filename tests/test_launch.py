@@ -55,9 +55,19 @@ def _flush() -> None:
 def test_torch_worker_events_become_lifecycle_events(agent_memory: MemoryBackend) -> None:
     """torch's START and FAILED worker events arrive stamped, with the worker's identity."""
     metadata: dict[str, Any] = {
-        "run_id": "r1", "global_rank": 3, "group_rank": 1, "worker_id": "4242", "role": "trainer",
-        "hostname": "h", "state": "START", "total_run_time": 0, "rdzv_backend": "c10d", "raw_error": None,
-        "metadata": '{"local_rank": [1], "exit_code": [null]}', "agent_restarts": 2, "duration_ms": None,
+        "run_id": "r1",
+        "global_rank": 3,
+        "group_rank": 1,
+        "worker_id": "4242",
+        "role": "trainer",
+        "hostname": "h",
+        "state": "START",
+        "total_run_time": 0,
+        "rdzv_backend": "c10d",
+        "raw_error": None,
+        "metadata": '{"local_rank": [1], "exit_code": [null]}',
+        "agent_restarts": 2,
+        "duration_ms": None,
     }
     worker = torch_events.EventSource.WORKER
     start = torch_events.Event("torchelastic.worker.status.START", worker, 0, metadata)
@@ -70,7 +80,11 @@ def test_torch_worker_events_become_lifecycle_events(agent_memory: MemoryBackend
     attrs = started["attrs"]
     assert started["ts"] > 0
     assert (attrs["source"], attrs["worker_id"], attrs["rank"], attrs["node_rank"], attrs["restart"]) == (
-        "agent", 1, 3, 1, 2,
+        "agent",
+        1,
+        3,
+        1,
+        2,
     )
     assert attrs["data"]["pid"] == 4242
     assert attrs["data"]["role"] == "trainer"
@@ -81,18 +95,24 @@ def test_torch_worker_events_become_lifecycle_events(agent_memory: MemoryBackend
 def test_torch_agent_events_and_rendezvous(agent_memory: MemoryBackend) -> None:
     """RENDEZVOUS maps to rendezvous_complete; rendezvous events to start/join."""
     md = {"state": "RENDEZVOUS", "duration_ms": 12.5, "group_rank": 0, "agent_restarts": 0}
-    torch_events.record(torch_events.Event("torchelastic.worker.status.RENDEZVOUS",
-                                           torch_events.EventSource.AGENT, 0, md), launch.DESTINATION)
-    torch_events.construct_and_record_rdzv_event(
-        run_id="r1", message="The node 'n' attempts to join the next round of the rendezvous 'r1'.",
-        node_state=torch_events.NodeState.RUNNING, rank=0,
+    torch_events.record(
+        torch_events.Event("torchelastic.worker.status.RENDEZVOUS", torch_events.EventSource.AGENT, 0, md),
+        launch.DESTINATION,
     )
     torch_events.construct_and_record_rdzv_event(
-        run_id="r1", message="The node 'n' added itself to the participants of round 0 of the rendezvous.",
+        run_id="r1",
+        message="The node 'n' attempts to join the next round of the rendezvous 'r1'.",
+        node_state=torch_events.NodeState.RUNNING,
+        rank=0,
+    )
+    torch_events.construct_and_record_rdzv_event(
+        run_id="r1",
+        message="The node 'n' added itself to the participants of round 0 of the rendezvous.",
         node_state=torch_events.NodeState.RUNNING,
     )
     torch_events.construct_and_record_rdzv_event(
-        run_id="r1", message="The node 'n' updated its keep-alive heartbeat time for the rendezvous 'r1'.",
+        run_id="r1",
+        message="The node 'n' updated its keep-alive heartbeat time for the rendezvous 'r1'.",
         node_state=torch_events.NodeState.RUNNING,
     )
     _flush()
@@ -127,8 +147,9 @@ def test_a_user_chosen_handler_is_kept() -> None:
 
 def test_choose_job_id_precedence() -> None:
     """TRAINTRACE_JOB_ID, then --rdzv-id, then the scheduler, then the rendezvous or a new id."""
-    args = types.SimpleNamespace(rdzv_id="rid", standalone=False, nnodes="2", rdzv_endpoint="host:29400",
-                                 master_addr="m", master_port=1)
+    args = types.SimpleNamespace(
+        rdzv_id="rid", standalone=False, nnodes="2", rdzv_endpoint="host:29400", master_addr="m", master_port=1
+    )
     assert launch.choose_job_id(args, {"TRAINTRACE_JOB_ID": "tt", "SLURM_JOB_ID": "9"}) == "tt"
     assert launch.choose_job_id(args, {"SLURM_JOB_ID": "9"}) == "rid"
     args.rdzv_id = "none"
@@ -145,20 +166,31 @@ def test_choose_job_id_precedence() -> None:
 def _run_job(tmp_path: Path, mode: str, *extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     inherited = ("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_", "MASTER_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
-    env.update({
-        "TT_MODE": mode,
-        "TT_CKPT": str(tmp_path / "checkpoint"),
-        "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"),
-        "TRAINTRACE_BACKENDS_LOG_ENABLED": "0",
-        "OMP_NUM_THREADS": "1",
-        # torch 2.13 + gloo: restarted workers sometimes read the previous attempt's
-        # addresses from the shared rendezvous store; a store per attempt avoids it.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-    })
-    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "2",
-               "--monitor-interval", "0.2", *extra, str(WORKER)]
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-                            check=False)
+    env.update(
+        {
+            "TT_MODE": mode,
+            "TT_CKPT": str(tmp_path / "checkpoint"),
+            "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"),
+            "TRAINTRACE_BACKENDS_LOG_ENABLED": "0",
+            "OMP_NUM_THREADS": "1",
+            # torch 2.13 + gloo: restarted workers sometimes read the previous attempt's
+            # addresses from the shared rendezvous store; a store per attempt avoids it.
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        }
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "traintrace.launch",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.2",
+        *extra,
+        str(WORKER),
+    ]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     (job,) = (tmp_path / "logs").iterdir()
     return result, job
 

@@ -168,9 +168,7 @@ def test_hard_mode_exits_with_its_code(tmp_path: Path) -> None:
     command = [sys.executable, str(script), str(tmp_path / "logs")]
     done = subprocess.run(command, env=env, timeout=60, capture_output=True, check=False)
     assert done.returncode == 86, done.stderr.decode()
-    records = [
-        json.loads(line) for line in (tmp_path / "logs" / "hard" / "rank0.jsonl").read_text().splitlines()
-    ]
+    records = [json.loads(line) for line in (tmp_path / "logs" / "hard" / "rank0.jsonl").read_text().splitlines()]
     names = [r.get("name") for r in records if r["kind"] == "error"]
     assert names == ["hang_suspected", "hang_exit"]
     schema = json.loads((Path(tt.__file__).parent / "schema" / "record-v1.schema.json").read_text())

@@ -175,9 +175,7 @@ def test_threads_keep_their_own_ranges(injection: Path, tmp_path: Path) -> None:
 @pytest.mark.subprocess
 def test_verbosity_limits_which_spans_push(injection: Path, tmp_path: Path) -> None:
     """At verbosity tracing, profiling spans (forward, backward) push no range; marks can be off."""
-    calls = _run_with_injection(
-        injection, tmp_path, TRAINING, backend="{'verbosity': 'tracing', 'marks': False}"
-    )
+    calls = _run_with_injection(injection, tmp_path, TRAINING, backend="{'verbosity': 'tracing', 'marks': False}")
     names = {c[3] for c in calls if c[0] == "push"}
     assert "iteration" in names and "model_forward" not in names
     assert not [c for c in calls if c[0] == "mark"]

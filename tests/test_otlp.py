@@ -219,9 +219,7 @@ def test_a_long_span_is_exported_once_with_events_from_both_sides_of_a_flush(
     assert _attrs(span)["phase"] == "a" and _attrs(span)["result"] == 3
 
 
-def test_otel_environment_variables_are_honoured(
-    http_receiver: HttpReceiver, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_otel_environment_variables_are_honoured(http_receiver: HttpReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
     """OTEL_EXPORTER_OTLP_* pick where and how; OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES apply."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", http_receiver.endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
@@ -521,12 +519,8 @@ def test_logs_body_can_be_json() -> None:
 
     exporter = Keep()
     backend = OtlpLogsBackend(exporter, body="json")
-    backend.open(
-        {"seq": 0, "kind": "header", "ts": 1, "job": "j", "rank": 0, "restart": 0, "host": "h", "pid": 1}
-    )
-    backend.write(
-        [{"seq": 1, "kind": "event", "ts": 2, "name": "hello", "span": 0, "tid": 1, "attrs": {"x": 1}}]
-    )
+    backend.open({"seq": 0, "kind": "header", "ts": 1, "job": "j", "rank": 0, "restart": 0, "host": "h", "pid": 1})
+    backend.write([{"seq": 1, "kind": "event", "ts": 2, "name": "hello", "span": 0, "tid": 1, "attrs": {"x": 1}}])
     backend.close()
     bodies = [json.loads(r.log_record.body) for r in exporter.records]
     assert [b["kind"] for b in bodies] == ["header", "event"]

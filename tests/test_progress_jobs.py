@@ -32,14 +32,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     inherited = ("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_", "MASTER_", "TT_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
-    env.update({
-        "TT_TRUTH": str(tmp_path),
-        "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"),
-        "TRAINTRACE_BACKENDS_LOG_ENABLED": "0",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]),
-        **extra,
-    })
+    env.update(
+        {
+            "TT_TRUTH": str(tmp_path),
+            "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"),
+            "TRAINTRACE_BACKENDS_LOG_ENABLED": "0",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]),
+            **extra,
+        }
+    )
     return env
 
 

@@ -42,15 +42,35 @@ def test_metrics_endpoint_during_a_torchrun_job(tmp_path: Path) -> None:
     """While both ranks wait after ten steps: step 9, step time, throughput, last progress between the
     worker's own clock readings, rank 1's caught error counted, no hang, streams not closed."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE",
-                                                                      "LOCAL_RANK", "TORCHELASTIC_", "MASTER_"))}
-    env.update({"PYTHONPATH": str(ROOT / "src"), "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"),
-                "TRAINTRACE_BACKENDS_LOG_ENABLED": "0", "OMP_NUM_THREADS": "1", "TRAINTRACE_JOB_ID": "prom"})
-    command = [sys.executable, "-m", "traintrace.launch", "--metrics-port", str(port), "--standalone",
-               "--nproc-per-node", "2", "--monitor-interval", "0.2", str(ROOT / "tests" / "_prom_worker.py"),
-               str(tmp_path)]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_", "MASTER_"))
+    }
+    env.update(
+        {
+            "PYTHONPATH": str(ROOT / "src"),
+            "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"),
+            "TRAINTRACE_BACKENDS_LOG_ENABLED": "0",
+            "OMP_NUM_THREADS": "1",
+            "TRAINTRACE_JOB_ID": "prom",
+        }
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "traintrace.launch",
+        "--metrics-port",
+        str(port),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--monitor-interval",
+        "0.2",
+        str(ROOT / "tests" / "_prom_worker.py"),
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not all((tmp_path / f"truth{r}.json").exists() for r in (0, 1)):
@@ -85,8 +105,16 @@ def test_metrics_endpoint_during_a_torchrun_job(tmp_path: Path) -> None:
 @pytest.mark.subprocess
 def test_missing_extra_is_named(tmp_path: Path) -> None:
     """Without prometheus-client, --metrics-port stops before launching and names the extra."""
-    code = ("import sys; sys.modules['prometheus_client'] = None\nfrom traintrace.launch import main\n"
-            "main(['--metrics-port', '9', '--standalone', 'x.py'])")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, check=False)
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\nfrom traintrace.launch import main\n"
+        "main(['--metrics-port', '9', '--standalone', 'x.py'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
     assert result.returncode == 2 and "traintrace[prometheus]" in result.stderr

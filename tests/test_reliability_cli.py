@@ -124,7 +124,10 @@ def test_bad_arguments_are_usage_errors_not_tracebacks(tmp_path: Path, args: lis
     positional = [rest.pop(0)] if command == "query" else []
     done = subprocess.run(
         [sys.executable, "-m", "traintrace.cli", command, str(job), *positional, *rest],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
         env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
     )
     assert done.returncode == EXIT_USAGE, done.stderr[-2000:]
@@ -157,19 +160,38 @@ def test_hostile_job_folder_names_headers_and_numbers(tmp_path: Path) -> None:
     job = _small_job(tmp_path / "logs", "odd")
     (job / "rank*.jsonl").write_bytes((job / "rank0.jsonl").read_bytes())
     header = {**HEADER, "job": "odd", "rank": 1, "world_size": 1e9}
-    span = {"seq": 1, "kind": "span", "ts": HEADER["ts"] + 5, "name": "iteration", "id": 1, "parent": 0, "tid": 1,
-            "status": "ok", "attrs": {"step": 0}}
+    span = {
+        "seq": 1,
+        "kind": "span",
+        "ts": HEADER["ts"] + 5,
+        "name": "iteration",
+        "id": 1,
+        "parent": 0,
+        "tid": 1,
+        "status": "ok",
+        "attrs": {"step": 0},
+    }
     lines = [json.dumps(header), json.dumps({**span, "dur": 9e18}), json.dumps({**span, "seq": 2, "dur": 1e308})]
     (job / "rank1.jsonl").write_text("\n".join(lines) + "\n")
     (job / "headerless.jsonl").write_text(json.dumps({**span, "dur": 10}) + "\n")
     quoted = tmp_path / "tmp'quote"
     quoted.mkdir()
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TMPDIR": str(quoted)}
-    for command in (["summary", "--json"], ["ranks"], ["errors"], ["export", "-o", str(tmp_path / "t.json")],
-                    ["report", "-o", str(tmp_path / "r.html")]):
+    for command in (
+        ["summary", "--json"],
+        ["ranks"],
+        ["errors"],
+        ["export", "-o", str(tmp_path / "t.json")],
+        ["report", "-o", str(tmp_path / "r.html")],
+    ):
         done = subprocess.run(
             [sys.executable, "-m", "traintrace.cli", command[0], str(job), *command[1:]],
-            capture_output=True, text=True, timeout=240, env=env, check=False, preexec_fn=_limited_memory,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+            check=False,
+            preexec_fn=_limited_memory,
         )
         assert done.returncode == 0, (command, done.stderr[-2000:])
         assert "Traceback" not in done.stderr

@@ -341,7 +341,10 @@ def test_sigterm_with_a_full_queue_never_hangs(tmp_path: Path) -> None:
     for attempt in range(16):
         logs = tmp_path / f"logs{attempt}"
         child = subprocess.Popen(
-            [sys.executable, str(script), str(logs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, str(script), str(logs)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             env=child_env(),
         )
         assert child.stdout is not None
@@ -392,7 +395,10 @@ def test_a_second_sigterm_or_one_during_close_keeps_the_first_flush(tmp_path: Pa
     script = write_script(tmp_path, "burst.py", BURST)
     child = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path / "logs"), "close" if when == "during_close" else "run"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
     )
     assert child.stdout is not None
     assert child.stdout.readline().strip() == "ready"

@@ -771,15 +771,19 @@ _reused_values = st.recursive(
 
 
 @FUZZ
-@given(steps=st.lists(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _reused_values, min_size=1), min_size=2,
-                      max_size=6))
+@given(
+    steps=st.lists(
+        st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _reused_values, min_size=1), min_size=2, max_size=6
+    )
+)
 def test_a_reused_dict_is_written_as_it_was_at_each_call(tmp_path: Path, steps: list[dict[str, Any]]) -> None:
     """One dict reused between calls of span(), event(), add_metrics(), error() and
     record_span(), its values replaced after each call: each record holds the values of its own
     call (the test's own copies), not the last ones (``step = 4`` five times, before)."""
     memory = MemoryBackend()
-    tt.configure(job_id="snap", backends={"file": False, "log": False}, extra_backends=[memory], statistics=False,
-                 redact_keys=[])
+    tt.configure(
+        job_id="snap", backends={"file": False, "log": False}, extra_backends=[memory], statistics=False, redact_keys=[]
+    )
     rec = tt.get_recorder()
     assert rec is not None
     reused: dict[str, Any] = {}
@@ -811,4 +815,3 @@ def test_a_reused_dict_is_written_as_it_was_at_each_call(tmp_path: Path, steps: 
         assert len(written) == len(expected), (kinds, name)
         assert all(same(got, want) for got, want in zip(written, expected, strict=True)), (kinds, name)
     assert all(any(same(end, want) for want in expected) for end in ends)
-

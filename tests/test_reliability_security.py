@@ -319,8 +319,18 @@ def test_launcher_records_no_command_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "MASTER_"))}
     env.update({"TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_BACKENDS_LOG_ENABLED": "0"})
     env["PYTHONPATH"] = str(Path(tt.__file__).parents[1])
-    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "1", str(script),
-               f"--hf_token={SECRET}", "--password", SECRET]
+    command = [
+        sys.executable,
+        "-m",
+        "traintrace.launch",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(script),
+        f"--hf_token={SECRET}",
+        "--password",
+        SECRET,
+    ]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     (job,) = (tmp_path / "logs").iterdir()

@@ -273,8 +273,14 @@ def test_disk_full_at_start_writes_the_header_once_space_returns(tmp_path: Path)
     file starts with the header, a write_error note counts what was lost, and the records after
     it belong to the stream (none is an orphan)."""
     script = write_script(tmp_path, "hdr.py", HEADER_RETRY)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, env=child_env(), check=False)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+        check=False,
+    )
     assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]
     result = read_file(tmp_path / "h.jsonl")
     assert len(result.streams) == 1 and not result.orphans and not result.bad_lines

@@ -124,11 +124,7 @@ def test_interval_statistics_match_the_step_records(memory: tt.MemoryBackend) ->
         # Throughput over the interval's elapsed time: from the previous interval's
         # last step end (or this one's first start) to this one's last step end.
         end = chunk[-1]["ts"] + chunk[-1]["dur"]
-        start = (
-            chunk[0]["ts"]
-            if index == 0
-            else iterations[index * 10 - 1]["ts"] + iterations[index * 10 - 1]["dur"]
-        )
+        start = chunk[0]["ts"] if index == 0 else iterations[index * 10 - 1]["ts"] + iterations[index * 10 - 1]["dur"]
         elapsed = (end - start) * NS
         assert attrs["elapsed_time"] == pytest.approx(elapsed, rel=1e-3)
         assert attrs["samples_per_second"] == pytest.approx(8 * len(chunk) / elapsed, rel=1e-3)
@@ -345,9 +341,7 @@ def test_per_step_records_stay_out_of_the_console_log(tmp_path: Path) -> None:
 def test_statistics_work_with_an_info_only_backend() -> None:
     """With only an info-level backend, iterations and phases are still measured (not written)."""
     console = tt.MemoryBackend(verbosity=tt.Verbosity.INFO)
-    tt.configure(
-        backends={}, extra_backends=[console], log_interval=4, device_sample_interval=0, hang_timeout=0
-    )
+    tt.configure(backends={}, extra_backends=[console], log_interval=4, device_sample_interval=0, hang_timeout=0)
     try:
         model, optimizer, x, y = tiny_model()
         with tt.training_loop():

@@ -30,8 +30,12 @@ def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 def test_lightning_logger_and_traintrace_do_not_log_the_same_thing(tmp_path: Path) -> None:
     """With Lightning's TensorBoardLogger on, the loss is Lightning's (train_loss); traintrace adds only
     traintrace/* (step times, throughput, checkpoint and validation timings)."""
-    callback = TraintraceCallback(job_id="pl", log_dir=str(tmp_path / "tt"), log_interval=2,
-                                  backends={"log": False, "tensorboard": {"log_dir": str(tmp_path / "tb" / "tt")}})
+    callback = TraintraceCallback(
+        job_id="pl",
+        log_dir=str(tmp_path / "tt"),
+        log_interval=2,
+        backends={"log": False, "tensorboard": {"log_dir": str(tmp_path / "tb" / "tt")}},
+    )
     logger = TensorBoardLogger(str(tmp_path / "tb"), name="lightning")
     run = trainer(tmp_path, callbacks=[callback], logger=logger)
     train, val = loaders()
@@ -48,8 +52,12 @@ def test_lightning_logger_and_traintrace_do_not_log_the_same_thing(tmp_path: Pat
 
 def test_without_a_lightning_logger_traintrace_logs_the_loss(tmp_path: Path) -> None:
     """logger=False: nobody else sends the loss, so traintrace's tracker does."""
-    callback = TraintraceCallback(job_id="pl", log_dir=str(tmp_path / "tt"), log_interval=2,
-                                  backends={"log": False, "tensorboard": {"log_dir": str(tmp_path / "tb")}})
+    callback = TraintraceCallback(
+        job_id="pl",
+        log_dir=str(tmp_path / "tt"),
+        log_interval=2,
+        backends={"log": False, "tensorboard": {"log_dir": str(tmp_path / "tb")}},
+    )
     run = trainer(tmp_path, callbacks=[callback], logger=False)
     train, val = loaders()
     run.fit(TinyModule(), train, val)
@@ -66,11 +74,20 @@ def test_hf_trainer_report_to_tensorboard_and_traintrace_do_not_overlap(tmp_path
     from tests.test_integrations_transformers import arguments, dataset, tiny_model
     from traintrace.integrations.transformers import TraintraceTrainerCallback
 
-    tt.configure(job_id="hf", log_dir=str(tmp_path / "tt"), log_interval=2,
-                 backends={"log": False, "tensorboard": {"log_dir": str(tmp_path / "tb" / "tt")}})
+    tt.configure(
+        job_id="hf",
+        log_dir=str(tmp_path / "tt"),
+        log_interval=2,
+        backends={"log": False, "tensorboard": {"log_dir": str(tmp_path / "tb" / "tt")}},
+    )
     args = arguments(tmp_path, report_to=["tensorboard"])
-    trainer = Trainer(model=tiny_model(), args=args, train_dataset=dataset(24), eval_dataset=dataset(8),
-                      callbacks=[TraintraceTrainerCallback()])
+    trainer = Trainer(
+        model=tiny_model(),
+        args=args,
+        train_dataset=dataset(24),
+        eval_dataset=dataset(8),
+        callbacks=[TraintraceTrainerCallback()],
+    )
     trainer.train()
     tt.close()
     ours = _scalars(tmp_path / "tb" / "tt")

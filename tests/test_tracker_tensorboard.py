@@ -28,9 +28,17 @@ def test_scalars_text_and_summary_in_tensorboard(tmp_path: Path) -> None:
     acc = _load(tmp_path / "trk" / "tensorboard")
     tags = acc.Tags()
     scalars = set(tags["scalars"])
-    for tag in ("traintrace/step_time_ms", "traintrace/step_time_p90_ms", "traintrace/samples_per_second",
-                "traintrace/iterations_per_second", "loss", "traintrace/checkpoint/checkpoint_save_sync_s",
-                "traintrace/validation/validation_loop_s", "traintrace/goodput", "traintrace/errors"):
+    for tag in (
+        "traintrace/step_time_ms",
+        "traintrace/step_time_p90_ms",
+        "traintrace/samples_per_second",
+        "traintrace/iterations_per_second",
+        "loss",
+        "traintrace/checkpoint/checkpoint_save_sync_s",
+        "traintrace/validation/validation_loop_s",
+        "traintrace/goodput",
+        "traintrace/errors",
+    ):
         assert tag in scalars, (tag, sorted(scalars))
     loss = {e.step: e.value for e in acc.Scalars("loss")}
     assert loss == pytest.approx(truth.losses, rel=1e-6)
@@ -80,8 +88,7 @@ def test_a_stuck_tracker_never_blocks_training_or_close(tmp_path: Path) -> None:
             release.wait()
 
     stuck = Stuck(queue_size=2)
-    tt.configure(job_id="stuck", log_dir=str(tmp_path), log_interval=1, backends={"log": False},
-                 extra_backends=[stuck])
+    tt.configure(job_id="stuck", log_dir=str(tmp_path), log_interval=1, backends={"log": False}, extra_backends=[stuck])
     with tt.training_loop():
         for step in range(50):
             with tt.training_iteration(step) as it:

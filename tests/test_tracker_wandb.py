@@ -32,16 +32,18 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     (log,) = run_dir.glob("run-*.wandb")
     wandb_cli = shutil.which("wandb", path=str(Path(sys.executable).parent))
     assert wandb_cli is not None
-    result = subprocess.run([wandb_cli, "leet", "inspect", "--json", str(log)], capture_output=True, text=True,
-                            timeout=120, check=True)
+    result = subprocess.run(
+        [wandb_cli, "leet", "inspect", "--json", str(log)], capture_output=True, text=True, timeout=120, check=True
+    )
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.mark.subprocess
 def test_history_summary_and_errors_in_wandb(wandb_home: Path) -> None:
     """History rows against traintrace/step, the error as HTML at its step, goodput in the summary."""
-    truth = train(wandb_home / "logs", {"wandb": {"mode": "offline", "dir": str(wandb_home / "runs"),
-                                                  "project": "proj"}})
+    truth = train(
+        wandb_home / "logs", {"wandb": {"mode": "offline", "dir": str(wandb_home / "runs"), "project": "proj"}}
+    )
     (run_dir,) = (wandb_home / "runs" / "wandb").glob("offline-run-*")
     records = _records(run_dir)
     (run,) = [r["run"] for r in records if r["type"] == "run"]

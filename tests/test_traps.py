@@ -53,8 +53,17 @@ def test_spans_view_and_docs_snippet_give_one_row_per_span(tmp_path: Path) -> No
     with out.open("w") as sink:
         old, sys.stdout = sys.stdout, sink
         try:
-            assert main(["query", str(logs / "pairs"), "--json",
-                         "SELECT name, count(*) AS n, count(DISTINCT id) AS ids FROM spans GROUP BY name"]) == 0
+            assert (
+                main(
+                    [
+                        "query",
+                        str(logs / "pairs"),
+                        "--json",
+                        "SELECT name, count(*) AS n, count(DISTINCT id) AS ids FROM spans GROUP BY name",
+                    ]
+                )
+                == 0
+            )
         finally:
             sys.stdout = old
     rows = json.loads(out.read_text())
@@ -97,8 +106,12 @@ def test_a_caught_exception_is_quiet_on_stderr_and_whole_in_the_file(tmp_path: P
     """An exception the user catches inside a span: one short line on stderr; the stack stays in the file."""
     logs = tmp_path / "logs"
     result = subprocess.run(
-        [sys.executable, "-c", CAUGHT.format(logs=str(logs))], capture_output=True, text=True, timeout=60,
-        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, check=True,
+        [sys.executable, "-c", CAUGHT.format(logs=str(logs))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+        check=True,
     )
     assert result.stdout.strip() == "done"
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -114,7 +127,11 @@ def test_a_caught_exception_is_quiet_on_stderr_and_whole_in_the_file(tmp_path: P
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
         env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
     )
 
@@ -143,8 +160,9 @@ def test_traintrace_run_splits_its_options_from_torchruns() -> None:
     """Own options anywhere before the script; the script's own arguments are left alone."""
     from traintrace._run_options import OptionError, split
 
-    options, rest = split(["--standalone", "--metrics-port", "9100", "--nproc-per-node", "2", "train.py",
-                           "--metrics-port", "1", "--help"])
+    options, rest = split(
+        ["--standalone", "--metrics-port", "9100", "--nproc-per-node", "2", "train.py", "--metrics-port", "1", "--help"]
+    )
     assert options.metrics_port == 9100 and not options.help
     assert rest == ["--standalone", "--nproc-per-node", "2", "train.py", "--metrics-port", "1", "--help"]
     options, rest = split(["--nnodes=1", "--metrics-port=0", "-m", "pkg.train"])
@@ -162,8 +180,10 @@ def test_export_chrome_works_without_duckdb(tmp_path: Path) -> None:
 
     script = write_job(tmp_path / "job", Script())
     out = tmp_path / "trace.json"
-    result = _run("import sys; sys.modules['duckdb'] = None\nfrom traintrace.cli import main\n"
-                  f"sys.exit(main(['export', {str(tmp_path / 'job')!r}, '-o', {str(out)!r}]))")
+    result = _run(
+        "import sys; sys.modules['duckdb'] = None\nfrom traintrace.cli import main\n"
+        f"sys.exit(main(['export', {str(tmp_path / 'job')!r}, '-o', {str(out)!r}]))"
+    )
     assert result.returncode == 0, result.stderr
     trace = json.loads(out.read_text())
     events = trace["traceEvents"]
@@ -182,9 +202,7 @@ def test_export_chrome_works_without_duckdb(tmp_path: Path) -> None:
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
 
 
-@pytest.mark.parametrize(
-    "args", [["ranks", "--top", "-1"], ["ranks", "--windows", "0"], ["report", "--windows", "0"]]
-)
+@pytest.mark.parametrize("args", [["ranks", "--top", "-1"], ["ranks", "--windows", "0"], ["report", "--windows", "0"]])
 def test_nonsense_counts_are_usage_errors(args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--top -1 and --windows 0 are rejected before anything is read, with a message naming the option."""
     from traintrace.cli import main

@@ -102,7 +102,6 @@ def _attrs_arg(metrics: Any) -> Any:
     return None if metrics is None else as_attrs(metrics)
 
 
-
 def span(
     name: str,
     metrics: Mapping[str, Any] | None = None,

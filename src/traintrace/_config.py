@@ -352,9 +352,7 @@ class Config:
         _seconds("close_timeout", self.close_timeout, low=0.001, high=_DAY)
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
-        if not isinstance(self.redact_keys, list | tuple) or not all(
-            isinstance(k, str) for k in self.redact_keys
-        ):
+        if not isinstance(self.redact_keys, list | tuple) or not all(isinstance(k, str) for k in self.redact_keys):
             raise ConfigError(f"redact_keys: expected a list of key names, got {self.redact_keys!r}")
         for name in ("blocking", "handle_sigterm", "manifest", "fault_handler", "progress_file"):
             if not isinstance(getattr(self, name), bool):

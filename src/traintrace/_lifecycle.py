@@ -114,6 +114,4 @@ def build_event(item: tuple[Any, ...]) -> LifecycleEvent:
     )
 
 
-_RESERVED = frozenset(
-    {"source", "worker_id", "exit_code", "data", "rank", "local_rank", "node_rank", "restart"}
-)
+_RESERVED = frozenset({"source", "worker_id", "exit_code", "data", "rank", "local_rank", "node_rank", "restart"})

@@ -207,9 +207,7 @@ class _Gpu:
         power = self._get("power", lambda: nvml.nvmlDeviceGetPowerUsage(handle))
         if power is not None:
             out["power_draw"] = power / 1000.0
-        temperature = self._get(
-            "temperature", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
-        )
+        temperature = self._get("temperature", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
         if temperature is not None:
             out["temperature"] = int(temperature)
         clock = self._get("clock", lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
@@ -418,10 +416,7 @@ class Watchdog(_Periodic):
         if phase is not None:
             attrs["phase"] = phase
         where = f" in {phase}" if phase else ""
-        message = (
-            f"no progress for {idle:.1f}s{where} (limit {limit / 1e9:g}s); "
-            f"last completed step {stats.last_step}"
-        )
+        message = f"no progress for {idle:.1f}s{where} (limit {limit / 1e9:g}s); last completed step {stats.last_step}"
         owners = {getattr(s, "tid", 0) for s in spans}
         stack = clip_text(thread_stacks(owners), 65536)
         self._put_error(HANG_SUSPECTED, attrs, message, stack)

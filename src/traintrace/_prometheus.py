@@ -175,8 +175,11 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("samples_per_second", "traintrace_samples_per_second", "Samples per second, latest interval."),
     ("tokens_per_second", "traintrace_tokens_per_second", "Tokens per second, latest interval."),
     ("mfu", "traintrace_mfu", "Model FLOPs utilisation (0..1), latest interval."),
-    ("last_progress", "traintrace_last_progress_timestamp_seconds",
-     "When the rank last finished a step (Unix time); alert on time() minus this."),
+    (
+        "last_progress",
+        "traintrace_last_progress_timestamp_seconds",
+        "When the rank last finished a step (Unix time); alert on time() minus this.",
+    ),
     ("restart", "traintrace_restart", "The rank's current restart count."),
 )
 
@@ -202,8 +205,9 @@ class _Collector:
                 if value is not None:
                     family.add_metric([state.job, str(state.rank)], float(value))
             yield family
-        closed = GaugeMetricFamily("traintrace_stream_closed", "1 when the rank's stream closed cleanly.",
-                                   labels=labels)
+        closed = GaugeMetricFamily(
+            "traintrace_stream_closed", "1 when the rank's stream closed cleanly.", labels=labels
+        )
         errors = CounterMetricFamily("traintrace_errors", "Errors the rank recorded.", labels=labels)
         hangs = CounterMetricFamily("traintrace_hangs", "Hangs the rank's watchdog suspected.", labels=labels)
         for state in states:

@@ -143,8 +143,9 @@ class Errors:
 class JobAnalysis:
     """One job's files, loaded into DuckDB once; each method answers like the command."""
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], *, threads: int | None = None,
-                 memory_limit: str | None = None) -> None:
+    def __init__(
+        self, paths: Sequence[str | os.PathLike[str]], *, threads: int | None = None, memory_limit: str | None = None
+    ) -> None:
         from .cli._engine import Job
 
         self._job: Any = Job.open(list(paths), progress=False, threads=threads, memory_limit=memory_limit)

@@ -227,8 +227,9 @@ def _serve_metrics(options: Any, job_id: str, rec: Any) -> Any:
     except OSError as exc:
         log.warning("traintrace: cannot serve metrics on port %s (%s); launching anyway", options.metrics_port, exc)
         return None
-    sys.stderr.write(f"traintrace-run: Prometheus metrics at http://{options.metrics_host or '0.0.0.0'}:"
-                     f"{server.port}/metrics\n")
+    sys.stderr.write(
+        f"traintrace-run: Prometheus metrics at http://{options.metrics_host or '0.0.0.0'}:{server.port}/metrics\n"
+    )
     return server
 
 

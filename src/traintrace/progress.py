@@ -258,9 +258,7 @@ def read_job_progress(job_dir: str | os.PathLike[str] | Iterable[str | os.PathLi
     return found
 
 
-def last_progress(
-    job_dir: str | os.PathLike[str], rank: int, pid: int | None = None
-) -> Progress | None:
+def last_progress(job_dir: str | os.PathLike[str], rank: int, pid: int | None = None) -> Progress | None:
     """The progress file of ``rank`` in a job folder: the one written by ``pid`` if given and found,
     else the rank's latest."""
     best: Progress | None = None

@@ -106,9 +106,7 @@ class EventPublisher:
     def unsubscribe(self, subscription: Subscription | Callback) -> bool:
         """Stop a subscription (or every subscription of a callback). True if one was found."""
         with self._lock:
-            kept = tuple(
-                s for s in self._subscriptions if s is not subscription and s.on_event is not subscription
-            )
+            kept = tuple(s for s in self._subscriptions if s is not subscription and s.on_event is not subscription)
             found = len(kept) != len(self._subscriptions)
             self._subscriptions = kept
             self.listening = bool(kept)

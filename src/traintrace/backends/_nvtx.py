@@ -120,9 +120,7 @@ class NvtxBackend:
         try:
             import nvtx
         except ImportError:
-            raise ConfigError(
-                "backends.nvtx: needs the nvtx package: pip install 'traintrace[nvtx]'"
-            ) from None
+            raise ConfigError("backends.nvtx: needs the nvtx package: pip install 'traintrace[nvtx]'") from None
         self.verbosity = int(verbosity)
         self._payload_key = payload
         self._marks = marks

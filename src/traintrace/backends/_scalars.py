@@ -215,8 +215,15 @@ class Translator:
             wall = (self.last_ts - self.start_ts) / 1e9
             out[f"{PREFIX}wall_time_s"] = wall
             out[f"{PREFIX}goodput"] = min(self.step_seconds / wall, 1.0)
-        for key in ("completed_steps", "failed_steps", "skipped_steps", "consumed_samples", "consumed_tokens",
-                    "total_checkpoint_time", "total_validation_time"):
+        for key in (
+            "completed_steps",
+            "failed_steps",
+            "skipped_steps",
+            "consumed_samples",
+            "consumed_tokens",
+            "total_checkpoint_time",
+            "total_validation_time",
+        ):
             number = _number(self.last.get(key))
             if number is not None:
                 out[PREFIX + key] = number
@@ -345,8 +352,12 @@ class TrackerBackend:
         except Exception as exc:  # noqa: BLE001 - a failing tracker must not stop the others
             self.failures += 1
             if self.failures == 1:
-                log.warning("traintrace: %s failed (%s: %s); its points are counted and skipped",
-                            self.name, type(exc).__name__, exc)
+                log.warning(
+                    "traintrace: %s failed (%s: %s); its points are counted and skipped",
+                    self.name,
+                    type(exc).__name__,
+                    exc,
+                )
 
 
 def missing_extra(tool: str, extra: str) -> ConfigError:

@@ -80,8 +80,13 @@ class WandbBackend(TrackerBackend):
 
         run = wandb.run
         if run is None:
-            config = {"traintrace": {"job": header.get("job"), "rank": header.get("rank"),
-                                     "world_size": header.get("world_size")}}
+            config = {
+                "traintrace": {
+                    "job": header.get("job"),
+                    "rank": header.get("rank"),
+                    "world_size": header.get("world_size"),
+                }
+            }
             run = wandb.init(config=config, **self.init)
             self._own_run = True
         run.define_metric(STEP)

@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
         "which rank is slow, what failed first, a timeline and an HTML report.",
         epilog="examples:\n"
         + "\n".join(EXAMPLES[k].split("\n", 1)[1].rstrip() for k in ("summary", "ranks", "errors", "report"))
-        + "\n\n" + EXIT_CODES,
+        + "\n\n"
+        + EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from traintrace import __version__
@@ -91,16 +92,27 @@ def _parser() -> argparse.ArgumentParser:
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(
-            name, help=help_text, description=help_text, epilog=EXAMPLES[name] + "\n" + EXIT_CODES,
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=EXAMPLES[name] + "\n" + EXIT_CODES,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        p.add_argument("paths", nargs="+" if name != "query" else 1, metavar="PATH",
-                       help="a job folder (searched recursively for *.jsonl) or files")
+        p.add_argument(
+            "paths",
+            nargs="+" if name != "query" else 1,
+            metavar="PATH",
+            help="a job folder (searched recursively for *.jsonl) or files",
+        )
         p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
         p.add_argument("--threads", type=_count(1, 1024), default=None, help="DuckDB threads (default: all cores)")
-        p.add_argument("--memory-limit", default=None, type=_memory,
-                       help="DuckDB memory limit (default 1500MB, or $TRAINTRACE_MEMORY_LIMIT); "
-                       "beyond it DuckDB spills to a temporary folder")
+        p.add_argument(
+            "--memory-limit",
+            default=None,
+            type=_memory,
+            help="DuckDB memory limit (default 1500MB, or $TRAINTRACE_MEMORY_LIMIT); "
+            "beyond it DuckDB spills to a temporary folder",
+        )
         return p
 
     p = add("summary", "wall time, time by phase, goodput and badput, steps, throughput, step-time statistics")
@@ -109,14 +121,22 @@ def _parser() -> argparse.ArgumentParser:
     p = add("ranks", "stragglers: per-rank step-time median/p90/p99, score against the job median, over time")
     p.add_argument("--top", type=_count(1), default=5, help="how many of the slowest ranks to show (default 5)")
     p.add_argument("--windows", type=_count(1, 100_000), default=10, help="time windows for 'slow since' (default 10)")
-    p.add_argument("--threshold", type=_finite, default=1.1,
-                   help="score (rank median / job median) from which a rank is a straggler (default 1.1)")
+    p.add_argument(
+        "--threshold",
+        type=_finite,
+        default=1.1,
+        help="score (rank median / job median) from which a rank is a straggler (default 1.1)",
+    )
     p.add_argument("--all", action="store_true", help="show every rank")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     p = add("errors", "failures: first error (root cause), grouped errors, each rank's last record and open spans")
-    p.add_argument("--hang-after", type=_finite, default=60.0,
-                   help="a rank that stopped writing this many seconds before the others is a hang suspect")
+    p.add_argument(
+        "--hang-after",
+        type=_finite,
+        default=60.0,
+        help="a rank that stopped writing this many seconds before the others is a hang suspect",
+    )
     p.add_argument("--no-stack", action="store_true", help="do not print the first error's stack")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -309,8 +329,10 @@ def _export_without_duckdb(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(data)
     else:
-        print(f"wrote {data['events']['total']:,} trace events to {data['path']} "
-              "(open it in https://ui.perfetto.dev or chrome://tracing)")
+        print(
+            f"wrote {data['events']['total']:,} trace events to {data['path']} "
+            "(open it in https://ui.perfetto.dev or chrome://tracing)"
+        )
     return EXIT_OK
 
 
@@ -339,8 +361,10 @@ def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
         if args.json:
             _print_json(data)
         else:
-            print(f"wrote {data['events']['total']:,} trace events to {data['path']} "
-                  "(open it in https://ui.perfetto.dev or chrome://tracing)")
+            print(
+                f"wrote {data['events']['total']:,} trace events to {data['path']} "
+                "(open it in https://ui.perfetto.dev or chrome://tracing)"
+            )
     elif command == "report":
         from ._report import write_report
 

@@ -63,9 +63,7 @@ def _names(values: tuple[str, ...]) -> str:
 
 
 def _category_case(column: str = "name") -> str:
-    whens = " ".join(
-        f"WHEN {column} = '{name}' THEN '{cat}'" for name, cat in CATEGORY_OF.items()
-    )
+    whens = " ".join(f"WHEN {column} = '{name}' THEN '{cat}'" for name, cat in CATEGORY_OF.items())
     return f"CASE {whens} END"
 
 
@@ -144,8 +142,7 @@ def summary(job: Job) -> dict[str, Any]:
     if stats and stats[0]:
         keys = ("count", "mean_s", "median_s", "p90_s", "p99_s", "min_s", "max_s", "stddev_s")
         step_stats = {
-            k: (int(v) if k == "count" else (None if v is None else v / NS))
-            for k, v in zip(keys, stats, strict=True)
+            k: (int(v) if k == "count" else (None if v is None else v / NS)) for k, v in zip(keys, stats, strict=True)
         }
     counts = _count_medians(step_counts)
     progress = _progress_fields(job)
@@ -167,8 +164,11 @@ def summary(job: Job) -> dict[str, Any]:
         "training_s": breakdown["productive"] + breakdown["lost_progress"] + breakdown["data_loading"],
         "checkpoint_save_exposed_s": breakdown["checkpoint_save"],
         "checkpoint_save_background_s": _mean_per_rank(
-            job, f"SELECT rank, sum(dur) / 1e9 FROM spans_small WHERE name = '{SpanName.CHECKPOINT_SAVE_FINALIZATION}' "
-            "AND NOT is_agent GROUP BY ALL", n_ranks),
+            job,
+            f"SELECT rank, sum(dur) / 1e9 FROM spans_small WHERE name = '{SpanName.CHECKPOINT_SAVE_FINALIZATION}' "
+            "AND NOT is_agent GROUP BY ALL",
+            n_ranks,
+        ),
         "checkpoint_load_s": breakdown["checkpoint_load"],
         "validation_s": breakdown["validation"],
         "test_s": breakdown["test"],
@@ -217,8 +217,10 @@ def summary(job: Job) -> dict[str, Any]:
 
 def _clipped(ts: str, dur: str) -> str:
     """A duration cut where the stream's hang began (``f`` is the stream's row of stream_facts)."""
-    return f"CASE WHEN f.hang_from IS NOT NULL AND {ts} + {dur} > f.hang_from THEN greatest(f.hang_from - {ts}, 0) " \
+    return (
+        f"CASE WHEN f.hang_from IS NOT NULL AND {ts} + {dur} > f.hang_from THEN greatest(f.hang_from - {ts}, 0) "
         f"ELSE {dur} END"
+    )
 
 
 def _count_medians(step_counts: dict[int, dict[bool, int]]) -> tuple[Any, ...]:
@@ -289,8 +291,14 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         """
     )
     if not rows:
-        return {"ranks": [], "top": [], "stragglers": [], "job_median_s": None, "windows": [],
-                "notes": [*job.notes, "no iteration spans: nothing to compare"]}
+        return {
+            "ranks": [],
+            "top": [],
+            "stragglers": [],
+            "job_median_s": None,
+            "windows": [],
+            "notes": [*job.notes, "no iteration spans: nothing to compare"],
+        }
     job_median = _median([r["median_s"] for r in rows])
     steps = {r["rank"]: r["median_s"] for r in rows}
     for r in rows:
@@ -432,7 +440,8 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     (fast before it, slow from it on), so a few noisy steps on either side do not move it.
     """
     table, value = {"compute": ("step_parts", "dur - coll"), "data_loading": ("loading_parts", "dur")}.get(
-        part, (None, None))
+        part, (None, None)
+    )
     if table is None:
         return {}
     step_col = "step" if table == "step_parts" else "NULL::BIGINT"
@@ -446,8 +455,10 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
         {"r": rank},
     )
     floor_ns = floor * NS
-    flags = [bool(mine is not None and ref and mine / ref >= threshold and mine - ref >= floor_ns)
-             for _, _, mine, ref, _, _ in rows]
+    flags = [
+        bool(mine is not None and ref and mine / ref >= threshold and mine - ref >= floor_ns)
+        for _, _, mine, ref, _, _ in rows
+    ]
     n = len(flags)
     if not n:
         return {}
@@ -460,8 +471,12 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
         return {}
     restart, k, _, _, ts, step = rows[best_at]
     start = job_bounds(job)[0]
-    return {"slow_since_step": int(step) if step is not None else int(k) - 1,
-            "slow_since_ns": int(ts), "slow_since_s": (int(ts) - start) / NS, "slow_since_restart": int(restart)}
+    return {
+        "slow_since_step": int(step) if step is not None else int(k) - 1,
+        "slow_since_ns": int(ts),
+        "slow_since_s": (int(ts) - start) / NS,
+        "slow_since_restart": int(restart),
+    }
 
 
 # ---------------------------------------------------------------- errors
@@ -489,7 +504,6 @@ def _enclosing(job: Job, stream: int, span: int) -> tuple[str | None, int | None
             return name, int(step)
         node = parent
     return name, None
-
 
 
 def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
@@ -521,8 +535,16 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         key = (e["name"] or "", e["error_type"] or "", e["message"] or "")
         g = groups.setdefault(
             key,
-            {"name": e["name"], "error_type": e["error_type"], "message": e["message"], "count": 0,
-             "ranks": [], "first_ts": e["ts"], "stack": e["stack"], "consequence": e["consequence"]},
+            {
+                "name": e["name"],
+                "error_type": e["error_type"],
+                "message": e["message"],
+                "count": 0,
+                "ranks": [],
+                "first_ts": e["ts"],
+                "stack": e["stack"],
+                "consequence": e["consequence"],
+            },
         )
         g["count"] += 1
         if e["rank"] is not None and e["rank"] not in g["ranks"]:

@@ -114,8 +114,9 @@ def diagnose(job: Job) -> dict[str, Any]:
         states = [_rank_state(job, f, known) for f in attempts[last]]
         if any(s.hang is not None for s in states):
             behind = min(states, key=_hang_key)
-            out = _result("running", "running, without progress: " + _sentence(behind, states), behind, states,
-                          last, failed)
+            out = _result(
+                "running", "running, without progress: " + _sentence(behind, states), behind, states, last, failed
+            )
             out["rule"] = "hang: the rank behind"
             return out
         return _result("running", _running_sentence(states, failed), None, states, last, failed)
@@ -132,8 +133,12 @@ def diagnose(job: Job) -> dict[str, Any]:
     sentence = _sentence(culprit, states)
     if about != last:
         sentence = f"restart {about} failed: {sentence}; restart {last} " + (
-            "is running" if any(f["running"] for f in attempts[last]) else
-            "failed too" if about in failed and last in failed else "finished")
+            "is running"
+            if any(f["running"] for f in attempts[last])
+            else "failed too"
+            if about in failed and last in failed
+            else "finished"
+        )
     out = _result("failed", sentence, culprit, states, about, failed)
     out["rule"] = rule
     return out
@@ -179,10 +184,12 @@ class _Facts:
             "AND NOT is_agent ORDER BY ts"
         ):
             self.signals.setdefault(stream, []).append((ts, attrs))
-        self.resolved: dict[int, int] = dict(job.rows(
-            f"SELECT stream, max(ts) FROM other WHERE kind = 'event' AND name = '{EventName.HANG_RESOLVED}' "
-            "AND NOT is_agent GROUP BY stream"
-        ))
+        self.resolved: dict[int, int] = dict(
+            job.rows(
+                f"SELECT stream, max(ts) FROM other WHERE kind = 'event' AND name = '{EventName.HANG_RESOLVED}' "
+                "AND NOT is_agent GROUP BY stream"
+            )
+        )
         self.last_ok: dict[int, tuple[Any, Any]] = {
             row[0]: (row[1], row[2])
             for row in job.rows(
@@ -258,8 +265,12 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
     if secondary:
         st.consequence = _error_info(secondary[0])
     if hangs:
-        st.hang = {"ts": hangs[0]["ts"], "message": hangs[0]["message"], "stack": hangs[0]["stack"],
-                   "from_ns": f["hang_from"]}
+        st.hang = {
+            "ts": hangs[0]["ts"],
+            "message": hangs[0]["message"],
+            "stack": hangs[0]["stack"],
+            "from_ns": f["hang_from"],
+        }
     # When the rank stopped: its first error or signal, else the end of its stream.
     marks = [e["ts"] for e in real[:1]] + [signals[0][0] for _ in signals[:1]]
     if st.stopped_ns is None:
@@ -369,8 +380,12 @@ def _secondary(error: dict[str, Any]) -> bool:
 
 
 def _error_info(error: dict[str, Any]) -> dict[str, Any]:
-    return {"ts": error["ts"], "error_type": error["error_type"] or error["name"], "message": error["message"],
-            "stack": error["stack"]}
+    return {
+        "ts": error["ts"],
+        "error_type": error["error_type"] or error["name"],
+        "message": error["message"],
+        "stack": error["stack"],
+    }
 
 
 # ---------------------------------------------------------------- the culprit
@@ -395,8 +410,15 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
 
 
 def _first_trouble(s: RankState) -> int | None:
-    marks = [t for t in (s.consequence and s.consequence["ts"], s.hang and s.hang["ts"], s.stopped_ns
-                         if s.state != "closed" else None) if t]
+    marks = [
+        t
+        for t in (
+            s.consequence and s.consequence["ts"],
+            s.hang and s.hang["ts"],
+            s.stopped_ns if s.state != "closed" else None,
+        )
+        if t
+    ]
     return min(marks) if marks else None
 
 
@@ -427,8 +449,10 @@ def _cause(s: RankState) -> str:
 
 
 #: Wrappers that hide the informative part of communication errors (torch futures nest the cause).
-_NOISE = (re.compile(r"(?:Got the following error when running the callback: \w+: )+"),
-          re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] "))
+_NOISE = (
+    re.compile(r"(?:Got the following error when running the callback: \w+: )+"),
+    re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] "),
+)
 
 
 def _first_line(text: str | None, limit: int = 160) -> str:
@@ -440,12 +464,12 @@ def _first_line(text: str | None, limit: int = 160) -> str:
 
 def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     if culprit is None:
-        first = min((s for s in states if _first_trouble(s) is not None), key=lambda s: _first_trouble(s) or 0,
-                    default=None)
+        first = min(
+            (s for s in states if _first_trouble(s) is not None), key=lambda s: _first_trouble(s) or 0, default=None
+        )
         if first is None:
             return "failed, cause unknown: no rank recorded an error, a signal or a hang"
-        return (f"failed, cause unclear: the first sign is on rank {first.rank}, which {_cause(first)} "
-                f"{first.doing()}")
+        return f"failed, cause unclear: the first sign is on rank {first.rank}, which {_cause(first)} {first.doing()}"
     if culprit.state == "error" and culprit.error is not None:
         head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
     elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
@@ -466,8 +490,10 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     groups: dict[str, list[int]] = {}
     for s in others:
         groups.setdefault(s.doing(), []).append(s.rank)
-    parts = [f"{_ranks_phrase(ranks)} {'was' if len(ranks) == 1 else 'were'} {doing}"
-             for doing, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))]
+    parts = [
+        f"{_ranks_phrase(ranks)} {'was' if len(ranks) == 1 else 'were'} {doing}"
+        for doing, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))
+    ]
     return head + "; " + "; ".join(parts)
 
 

@@ -32,10 +32,27 @@ COLUMNS: dict[str, str] = SQL_COLUMNS
 
 #: Attribute fields the analyses read from the (few) records other than iterations: column ``a``.
 ATTR_FIELDS = (
-    "step", "loss", "batch_size", "current_iteration", "unhandled",
-    "consumed_samples", "samples", "total_samples", "consumed_tokens", "tokens", "total_tokens",
-    "samples_per_second", "samples_per_sec", "throughput_samples", "tokens_per_second", "tokens_per_sec",
-    "mfu", "tflops", "tflops_per_gpu", "last_step", "last_completed_step",
+    "step",
+    "loss",
+    "batch_size",
+    "current_iteration",
+    "unhandled",
+    "consumed_samples",
+    "samples",
+    "total_samples",
+    "consumed_tokens",
+    "tokens",
+    "total_tokens",
+    "samples_per_second",
+    "samples_per_sec",
+    "throughput_samples",
+    "tokens_per_second",
+    "tokens_per_sec",
+    "mfu",
+    "tflops",
+    "tflops_per_gpu",
+    "last_step",
+    "last_completed_step",
 )
 
 #: DuckDB's memory limit unless --memory-limit says otherwise.
@@ -75,9 +92,7 @@ def import_duckdb() -> ModuleType:
     try:
         import duckdb
     except ImportError:
-        raise MissingExtra(
-            "the traintrace command needs DuckDB: pip install 'traintrace[analysis]'"
-        ) from None
+        raise MissingExtra("the traintrace command needs DuckDB: pip install 'traintrace[analysis]'") from None
     return duckdb
 
 
@@ -214,8 +229,7 @@ class Job:
             con.execute(sql, {"files": reads})
             # A duration beyond ten years (9e18 from a bad record_span, say) would overflow ts + dur.
             bad = con.execute(
-                "DELETE FROM raw WHERE (dur IS NULL AND kind IN ('span', 'end')) "
-                f"OR dur < 0 OR dur > {_MAX_DUR}"
+                f"DELETE FROM raw WHERE (dur IS NULL AND kind IN ('span', 'end')) OR dur < 0 OR dur > {_MAX_DUR}"
             ).fetchone()
             if bad and bad[0]:
                 self.notes.append(
@@ -300,7 +314,9 @@ class Job:
                    CASE WHEN e.attrs IS NULL THEN s.attrs WHEN s.attrs IS NULL THEN e.attrs
                         ELSE json_merge_patch(s.attrs, e.attrs) END,
                    CASE WHEN e.a IS NULL THEN s.a ELSE struct_pack(
-                       """ + ", ".join(f'"{f}" := coalesce(e.a."{f}", s.a."{f}")' for f in ATTR_FIELDS) + """)
+                       """
+            + ", ".join(f'"{f}" := coalesce(e.a."{f}", s.a."{f}")' for f in ATTR_FIELDS)
+            + """)
                    END,
                    e.id IS NULL, NULL
             FROM (SELECT * FROM other WHERE kind = 'start') s
@@ -359,7 +375,6 @@ class Job:
             SELECT * FROM iterations_small
             """
         )
-
 
     def _stream_facts(self) -> None:
         """Per stream: did it fail, is it still running, the job's last completed checkpoint, any hang.
@@ -608,8 +623,15 @@ RECENT_S = 60.0
 
 def _stream_state(progress: Any, errors: bool, header: dict[str, Any], last_write_ns: int, now_ns: int) -> str:
     """running / finished / failed / dead for a stream without a close record."""
-    return stream_state(progress, closed=False, failed=errors, header=header, last_write_ns=last_write_ns or None,
-                        now_ns=now_ns, recent_s=RECENT_S)
+    return stream_state(
+        progress,
+        closed=False,
+        failed=errors,
+        header=header,
+        last_write_ns=last_write_ns or None,
+        now_ns=now_ns,
+        recent_s=RECENT_S,
+    )
 
 
 def _manifest_world_size(paths: Sequence[str | os.PathLike[str]]) -> int:

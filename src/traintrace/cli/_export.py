@@ -102,8 +102,14 @@ def export_chrome(
             pieces.append(piece)
         meta = _metadata(job, ranks)
         with out_path.open("wb") as handle:
-            head = {"displayTimeUnit": "ms", "otherData": {"job": _job_name(job), "start_ns": job_start,
-                                                            "source": "traintrace export --format chrome"}}
+            head = {
+                "displayTimeUnit": "ms",
+                "otherData": {
+                    "job": _job_name(job),
+                    "start_ns": job_start,
+                    "source": "traintrace export --format chrome",
+                },
+            }
             handle.write(json.dumps(head)[:-1].encode() + b', "traceEvents": [\n')
             handle.write(",\n".join(json.dumps(m) for m in meta).encode())
             handle.write(b"\n")

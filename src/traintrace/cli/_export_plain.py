@@ -98,18 +98,39 @@ def export_chrome_plain(
             if span.get("name") == "iteration" and not is_agent:
                 if span.get("status") == "open":
                     continue  # as in the DuckDB export: a step that never ended is not a step
-                events.append({"name": "iteration", "cat": "step", "ph": "X", "pid": pid, "tid": tid,
-                               "ts": us(ts), "dur": round(dur / 1000.0, 3), "args": attrs})
+                events.append(
+                    {
+                        "name": "iteration",
+                        "cat": "step",
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": tid,
+                        "ts": us(ts),
+                        "dur": round(dur / 1000.0, 3),
+                        "args": attrs,
+                    }
+                )
                 counts["iterations"] += 1
                 loss = attrs.get("loss")
                 if isinstance(loss, int | float) and not isinstance(loss, bool) and math.isfinite(loss):
-                    events.append({"name": "loss", "ph": "C", "pid": pid, "ts": us(ts + dur),
-                                   "args": {"loss": float(loss)}})
+                    events.append(
+                        {"name": "loss", "ph": "C", "pid": pid, "ts": us(ts + dur), "args": {"loss": float(loss)}}
+                    )
                     counts["loss"] += 1
                 continue
             args = {**attrs, "status": span.get("status"), "id": span.get("id")}
-            events.append({"name": span.get("name"), "cat": "span", "ph": "X", "pid": pid, "tid": tid,
-                           "ts": us(ts), "dur": round(dur / 1000.0, 3), "args": args})
+            events.append(
+                {
+                    "name": span.get("name"),
+                    "cat": "span",
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": us(ts),
+                    "dur": round(dur / 1000.0, 3),
+                    "args": args,
+                }
+            )
             counts["spans"] += 1
         for record in stream.records:
             kind, ts = record.get("kind"), record.get("ts")
@@ -117,10 +138,21 @@ def export_chrome_plain(
                 continue
             args = dict(record.get("attrs") or {})
             if kind == "error":
-                args.update(error_type=record.get("error_type"), message=record.get("message"),
-                            stack=record.get("stack"))
-            events.append({"name": record.get("name"), "cat": kind, "ph": "i", "s": "t", "pid": pid,
-                           "tid": record.get("tid") or 0, "ts": us(ts), "args": args})
+                args.update(
+                    error_type=record.get("error_type"), message=record.get("message"), stack=record.get("stack")
+                )
+            events.append(
+                {
+                    "name": record.get("name"),
+                    "cat": kind,
+                    "ph": "i",
+                    "s": "t",
+                    "pid": pid,
+                    "tid": record.get("tid") or 0,
+                    "ts": us(ts),
+                    "args": args,
+                }
+            )
             counts["instants"] += 1
             if kind == "event" and record.get("name") == "training_iterations":
                 rates = {k: args.get(k) for k in _RATES}
@@ -139,8 +171,10 @@ def export_chrome_plain(
     out_path = Path(out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     job = next((s.header.get("job") for s in streams), None)
-    head = {"displayTimeUnit": "ms", "otherData": {"job": job, "start_ns": job_start,
-                                                    "source": "traintrace export --format chrome"}}
+    head = {
+        "displayTimeUnit": "ms",
+        "otherData": {"job": job, "start_ns": job_start, "source": "traintrace export --format chrome"},
+    }
     with out_path.open("w", encoding="utf-8") as handle:
         handle.write(json.dumps(head)[:-1] + ', "traceEvents": [\n')
         handle.write(",\n".join(json.dumps(e, default=str) for e in [*meta, *events]))

@@ -79,8 +79,10 @@ def render_summary(s: dict[str, Any]) -> str:
     title = s["job"] or "?"
     if s.get("job_name"):
         title += f" ({s['job_name']})"
-    out.append(f"job {title}: {s['ranks_seen']} ranks on {s['hosts']} hosts, {s['streams']} streams, "
-               f"{s['restarts']} restarts, {number(s['records'])} records in {s['files']} files")
+    out.append(
+        f"job {title}: {s['ranks_seen']} ranks on {s['hosts']} hosts, {s['streams']} streams, "
+        f"{s['restarts']} restarts, {number(s['records'])} records in {s['files']} files"
+    )
     out.append(f"wall time {seconds(s['wall_s'])}  ({when(s['start_ns'])} to {when(s['end_ns'])})")
     out.append(f"GOODPUT {s['goodput'] * 100:.1f}%  (productive training time / job wall time)")
     out.append("")
@@ -130,11 +132,23 @@ def render_summary(s: dict[str, Any]) -> str:
     st = s.get("step_time")
     if st:
         out.append("")
-        out.append(table(
-            ("step time", "count", "mean", "median", "p90", "p99", "min", "max"),
-            [("all ranks", number(st["count"]), seconds(st["mean_s"]), seconds(st["median_s"]),
-              seconds(st["p90_s"]), seconds(st["p99_s"]), seconds(st["min_s"]), seconds(st["max_s"]))],
-        ))
+        out.append(
+            table(
+                ("step time", "count", "mean", "median", "p90", "p99", "min", "max"),
+                [
+                    (
+                        "all ranks",
+                        number(st["count"]),
+                        seconds(st["mean_s"]),
+                        seconds(st["median_s"]),
+                        seconds(st["p90_s"]),
+                        seconds(st["p99_s"]),
+                        seconds(st["min_s"]),
+                        seconds(st["max_s"]),
+                    )
+                ],
+            )
+        )
     if s.get("ranks_missing"):
         out.append(f"\nranks missing: {s['ranks_missing']}")
     text = "\n".join(out) + "\n"
@@ -144,8 +158,10 @@ def render_summary(s: dict[str, Any]) -> str:
 def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
     if not r["ranks"]:
         return notes(r["notes"])
-    out = [f"job median step time {seconds(r['job_median_s'])}; a rank is a straggler when a part of its time "
-           f"(outside collectives, data loading, checkpoint saves) is >= {r['threshold']} x the other ranks' median"]
+    out = [
+        f"job median step time {seconds(r['job_median_s'])}; a rank is a straggler when a part of its time "
+        f"(outside collectives, data loading, checkpoint saves) is >= {r['threshold']} x the other ranks' median"
+    ]
     if r["stragglers"]:
         out.append("stragglers: " + ", ".join(str(x) for x in r["stragglers"]))
     else:
@@ -164,12 +180,23 @@ def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
             since = f"step {x['slow_since_step']} ({seconds(x['slow_since_s'])} in)"
         elif "slow_since_s" in x:
             since = f"{seconds(x['slow_since_s'])} in"
-        row = [x["rank"], number(x["steps"]), seconds(x["median_s"]), seconds(x["p90_s"]), seconds(x["p99_s"]),
-               f"{x['score']:.2f}" if x["score"] is not None else "-", since]
+        row = [
+            x["rank"],
+            number(x["steps"]),
+            seconds(x["median_s"]),
+            seconds(x["p90_s"]),
+            seconds(x["p99_s"]),
+            f"{x['score']:.2f}" if x["score"] is not None else "-",
+            since,
+        ]
         if has_parts:
-            row[6:6] = [seconds(x.get("data_loading_median_s")), seconds(x.get("compute_median_s")),
-                        seconds(x.get("collective_median_s")), seconds(x.get("checkpoint_save_median_s")),
-                        x.get("slow_in", "-")]
+            row[6:6] = [
+                seconds(x.get("data_loading_median_s")),
+                seconds(x.get("compute_median_s")),
+                seconds(x.get("collective_median_s")),
+                seconds(x.get("checkpoint_save_median_s")),
+                x.get("slow_in", "-"),
+            ]
         rows.append(row)
     label = "all ranks" if show_all else f"top {len(chosen)} slowest ranks (--all for every rank)"
     out.append(label)
@@ -185,18 +212,30 @@ def render_verdict(e: dict[str, Any], show_stack: bool = True) -> list[str]:
     if culprit is not None:
         out.append("")
         out.append(f"CULPRIT: rank {culprit['rank']}, restart {culprit['restart']}: {culprit['cause']}")
-        out.append(f"  step {culprit['step'] if culprit['step'] is not None else '-'}, phase "
-                   f"{culprit['phase'] or '-'}{', inside a collective' if culprit['in_collective'] else ''}"
-                   f" (rule: {e.get('rule')}; from {', '.join(culprit['source']) or 'stream'})")
-        stack = ((culprit.get("error") or {}).get("stack") or (culprit.get("hang") or {}).get("stack")
-                 or culprit.get("fault_stacks"))
+        out.append(
+            f"  step {culprit['step'] if culprit['step'] is not None else '-'}, phase "
+            f"{culprit['phase'] or '-'}{', inside a collective' if culprit['in_collective'] else ''}"
+            f" (rule: {e.get('rule')}; from {', '.join(culprit['source']) or 'stream'})"
+        )
+        stack = (
+            (culprit.get("error") or {}).get("stack")
+            or (culprit.get("hang") or {}).get("stack")
+            or culprit.get("fault_stacks")
+        )
         if show_stack and stack:
             out.append("  " + "\n  ".join(stack.rstrip().splitlines()))
     if e.get("rank_states"):
         out.append("")
         rows = [
-            (r["rank"], r["state"], r["step"], r["phase"], "yes" if r["in_collective"] else "-",
-             "" if r["exit_code"] is None else r["exit_code"], _short(r["cause"], 70))
+            (
+                r["rank"],
+                r["state"],
+                r["step"],
+                r["phase"],
+                "yes" if r["in_collective"] else "-",
+                "" if r["exit_code"] is None else r["exit_code"],
+                _short(r["cause"], 70),
+            )
             for r in e["rank_states"]
         ]
         out.append(table(("rank", "state", "step", "phase", "in collective", "exit", "cause"), rows, "rlrllrl"))
@@ -221,13 +260,22 @@ def render_errors(e: dict[str, Any], show_stack: bool = True) -> str:
         if show_stack and first.get("stack") and first["stack"] != culprit_stack:
             out.append("  " + "\n  ".join(first["stack"].rstrip().splitlines()))
         out.append("")
-        out.append(table(
-            ("error", "count", "ranks", "first at", "kind"),
-            [(f"{g['error_type'] or g['name']}: {_short(g['message'])}", g["count"], g["ranks"], when(g["first_ts"]),
-              "consequence" if g.get("consequence") else "cause")
-             for g in e["groups"]],
-            "lrlll",
-        ))
+        out.append(
+            table(
+                ("error", "count", "ranks", "first at", "kind"),
+                [
+                    (
+                        f"{g['error_type'] or g['name']}: {_short(g['message'])}",
+                        g["count"],
+                        g["ranks"],
+                        when(g["first_ts"]),
+                        "consequence" if g.get("consequence") else "cause",
+                    )
+                    for g in e["groups"]
+                ],
+                "lrlll",
+            )
+        )
     out.append("")
     grouped: dict[tuple[Any, ...], list[int]] = {}
     for r in e["ranks"]:
@@ -239,14 +287,17 @@ def render_errors(e: dict[str, Any], show_stack: bool = True) -> str:
     out.append("each rank's last stream (ranks in the same state grouped)")
     out.append(table(("ranks", "restart", "ended", "last record", "open spans"), rows, "lrlll"))
     if e["hang_suspects"]:
-        out.append(f"\nhang suspects (stopped writing >= {e['hang_after_s']:.0f} s before the end, "
-                   f"or hang_suspected): {', '.join(str(x) for x in e['hang_suspects'])}")
+        out.append(
+            f"\nhang suspects (stopped writing >= {e['hang_after_s']:.0f} s before the end, "
+            f"or hang_suspected): {', '.join(str(x) for x in e['hang_suspects'])}"
+        )
     if e["ranks_missing"]:
         out.append(f"ranks missing entirely: {e['ranks_missing']}")
     if e["launcher_events"]:
         out.append("")
-        out.append(table(("launcher event", "at"), [(x["name"], when(x["ts"])) for x in e["launcher_events"][:50]],
-                         "ll"))
+        out.append(
+            table(("launcher event", "at"), [(x["name"], when(x["ts"])) for x in e["launcher_events"][:50]], "ll")
+        )
     text = "\n".join(out) + "\n"
     return text + ("\n" + notes(e["notes"]) if e["notes"] else "")
 

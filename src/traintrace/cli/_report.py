@@ -38,8 +38,11 @@ _LR_KEYS = ("learning_rate", "lr")
 def _safe_json(data: Any) -> str:
     text = json.dumps(data, separators=(",", ":"), allow_nan=False, default=str)
     return (
-        text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
-        .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+        text.replace("&", "\\u0026")
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
     )
 
 
@@ -195,24 +198,40 @@ def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
                    (end_ts - {start}) / 1e9 AS t1 FROM streams ORDER BY rank, start_ts"""
     )
     slow_first = sorted(per_rank, key=lambda k: -max((v or 0) for v in per_rank[k]))[:MAX_RANK_LINES]
-    result: dict[str, Any] = _finite({
-        "title": f"traintrace report: {s['job'] or '?'}",
-        "summary": s,
-        "ranks": {k: v for k, v in r.items() if k != "windows"},
-        "heat": r["windows"],
-        "heat_window_s": r.get("window_s"),
-        "errors": {k: v for k, v in e.items() if k in ("first_error", "groups", "hang_suspects", "ranks_missing",
-                                                        "verdict", "status", "culprit", "rank_states", "rule")},
-        "window_s": width / 1e9,
-        "windows": windows,
-        "step_lines": [{"rank": k, "values": per_rank[k]} for k in sorted(slow_first)],
-        "series": sorted(by_w.values(), key=lambda x: x["w"]),
-        "series_rank": lowest_rank,
-        "by_step": _by_step(job, lowest_rank, list(r.get("stragglers") or [])),
-        "n_ranks": len(r.get("ranks") or []),
-        "timeline": timeline,
-        "streams": streams,
-    })
+    result: dict[str, Any] = _finite(
+        {
+            "title": f"traintrace report: {s['job'] or '?'}",
+            "summary": s,
+            "ranks": {k: v for k, v in r.items() if k != "windows"},
+            "heat": r["windows"],
+            "heat_window_s": r.get("window_s"),
+            "errors": {
+                k: v
+                for k, v in e.items()
+                if k
+                in (
+                    "first_error",
+                    "groups",
+                    "hang_suspects",
+                    "ranks_missing",
+                    "verdict",
+                    "status",
+                    "culprit",
+                    "rank_states",
+                    "rule",
+                )
+            },
+            "window_s": width / 1e9,
+            "windows": windows,
+            "step_lines": [{"rank": k, "values": per_rank[k]} for k in sorted(slow_first)],
+            "series": sorted(by_w.values(), key=lambda x: x["w"]),
+            "series_rank": lowest_rank,
+            "by_step": _by_step(job, lowest_rank, list(r.get("stragglers") or [])),
+            "n_ranks": len(r.get("ranks") or []),
+            "timeline": timeline,
+            "streams": streams,
+        }
+    )
     return result
 
 

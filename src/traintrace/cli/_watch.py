@@ -52,8 +52,12 @@ def add_parser(sub: Any, exit_codes: str) -> None:
     p.add_argument("paths", nargs=1, metavar="PATH", help="the job folder (<log_dir>/<job>)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    p.add_argument("--hang-after", type=float, default=30.0,
-                   help="seconds without progress after which a rank is a hang suspect (default 30)")
+    p.add_argument(
+        "--hang-after",
+        type=float,
+        default=30.0,
+        help="seconds without progress after which a rank is a hang suspect (default 30)",
+    )
     p.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
 
 

@@ -358,9 +358,7 @@ class TraintraceCallback(Callback):
                 setattr(self, attr, None)
                 self._stop(span, None, status)
 
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._failed = True
         rec = self._rec
         status = SpanStatus.ERROR if isinstance(exception, Exception) else SpanStatus.TERMINATED
@@ -370,9 +368,7 @@ class TraintraceCallback(Callback):
             phase = self._phase
             if phase is not None and self._phase_span is None:
                 self._phase = None
-                broken = record_finished(
-                    rec, phase, _PHASE, self._mark, perf_counter_ns(), self._iter, None, status
-                )
+                broken = record_finished(rec, phase, _PHASE, self._mark, perf_counter_ns(), self._iter, None, status)
                 if broken is not None and isinstance(exception, Exception):
                     rec.record_exception(exception, EventName.EXCEPTION, None, broken.id)
             if isinstance(exception, Exception):
@@ -464,9 +460,7 @@ class TraintraceCallback(Callback):
         if self._phase is not None:
             self._phase_to(None)
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._profile:
             self._phase_to(SpanName.OPTIMIZER_STEP)
 
@@ -672,9 +666,7 @@ class TraintraceCallback(Callback):
             attrs["checkpoint_directory"] = str(Path(text).parent)
         return attrs
 
-    def _traced_save(
-        self, trainer: pl.Trainer, is_async: bool
-    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _traced_save(self, trainer: pl.Trainer, is_async: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             name = SpanName.CHECKPOINT_SAVE_ASYNC if is_async else SpanName.CHECKPOINT_SAVE_SYNC
             strategy = "async" if is_async else "sync"
@@ -682,11 +674,7 @@ class TraintraceCallback(Callback):
             def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
                 self._end_wait()
                 path = _save_path(args, kwargs)
-                span = (
-                    self._start(name, self._checkpoint_attrs(trainer, path, strategy), _INFO)
-                    if self._info
-                    else None
-                )
+                span = self._start(name, self._checkpoint_attrs(trainer, path, strategy), _INFO) if self._info else None
                 if span is not None and is_async:
                     self._async_saves.append(span)
                 try:

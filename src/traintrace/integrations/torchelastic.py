@@ -130,8 +130,9 @@ def _on_rdzv_event(payload: Mapping[str, Any]) -> None:
     data = {
         key: value
         for key, value in payload.items()
-        if value not in (None, "") and key in ("message", "node_state", "run_id", "hostname", "pid",
-                                               "master_endpoint", "local_id", "error_trace", "name")
+        if value not in (None, "")
+        and key
+        in ("message", "node_state", "run_id", "hostname", "pid", "master_endpoint", "local_id", "error_trace", "name")
     }
     identity: dict[str, Any] = {}
     rank = _int_or_none(payload.get("rank"))
@@ -189,7 +190,10 @@ def _metric_handler_class() -> type:
                         return
                     self.last[(group, name)] = value
                 events.record(
-                    EventType.ELASTIC_METRIC, None, None, {"group": group, "name": name, "value": value},
+                    EventType.ELASTIC_METRIC,
+                    None,
+                    None,
+                    {"group": group, "name": name, "value": value},
                     source=_AGENT,
                 )
             except Exception:

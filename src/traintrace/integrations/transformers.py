@@ -189,9 +189,7 @@ class TraintraceTrainerCallback(TrainerCallback):
             self._end_pending_iteration()
             state = getattr(self._trainer, "state", None)
             step = getattr(state, "global_step", None)
-            span = self._start(
-                SpanName.VALIDATION, {"global_step": step} if step is not None else None, _INFO
-            )
+            span = self._start(SpanName.VALIDATION, {"global_step": step} if step is not None else None, _INFO)
             self._eval = span
             try:
                 result = original(*args, **kwargs)
@@ -245,9 +243,7 @@ class TraintraceTrainerCallback(TrainerCallback):
             rec.flush()
 
     # ------------------------------------------------------------ hooks
-    def on_init_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._ensure(args)
         self._attach(_find_trainer())
 
@@ -309,9 +305,7 @@ class TraintraceTrainerCallback(TrainerCallback):
             return
         self._step_samples = 0
         self._step_tokens = 0
-        self._iter = self._start(
-            SpanName.ITERATION, {"step": state.global_step, "epoch": state.epoch}, _ITERATION
-        )
+        self._iter = self._start(SpanName.ITERATION, {"step": state.global_step, "epoch": state.epoch}, _ITERATION)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -327,9 +321,7 @@ class TraintraceTrainerCallback(TrainerCallback):
             self._phase = None
             _api.stop(phase)
 
-    def on_step_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         span = self._iter
         if span is None:
             return
@@ -395,9 +387,7 @@ class TraintraceTrainerCallback(TrainerCallback):
         else:
             _api.event("evaluate", {**metrics, "step": state.global_step})
 
-    def on_save(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if not self._info:
             return
         try:

@@ -101,10 +101,7 @@ def is_flat(attrs: Mapping[str, Any]) -> bool:
     for key, value in attrs.items():
         kind = type(value)
         if not key or not (
-            kind is str
-            or kind is float
-            or kind is bool
-            or (kind is int and _INT64_MIN <= value <= _INT64_MAX)
+            kind is str or kind is float or kind is bool or (kind is int and _INT64_MIN <= value <= _INT64_MAX)
         ):
             return False
     return True
@@ -176,9 +173,7 @@ def scope() -> Any:
 
 
 def _env(signal: str, name: str) -> str | None:
-    return os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_{name}") or os.environ.get(
-        f"OTEL_EXPORTER_OTLP_{name}"
-    )
+    return os.environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_{name}") or os.environ.get(f"OTEL_EXPORTER_OTLP_{name}")
 
 
 def resolve_protocol(signal: str, protocol: str | None) -> str:
@@ -281,9 +276,7 @@ def exporter_class(options: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
         if compression:
             import grpc
 
-            kwargs["compression"] = (
-                grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
-            )
+            kwargs["compression"] = grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
     else:
         kwargs["endpoint"] = http_endpoint(signal, options.get("endpoint"))
         certificate = certificate or _env(signal, "CERTIFICATE")
@@ -361,7 +354,6 @@ def estimated_size(item: Any) -> int:
     for event in getattr(record, "events", None) or ():
         size += 32 + len(event.name) * 4 + _attrs_bytes(event.attributes)
     return size
-
 
 
 class Sender:
@@ -454,8 +446,7 @@ class Sender:
             self._warned_at = now
             self._reported = lost
             log.warning(
-                "traintrace: %s lost %d items so far (%d queue full, %d export failed); "
-                "is the collector reachable?",
+                "traintrace: %s lost %d items so far (%d queue full, %d export failed); is the collector reachable?",
                 self.name,
                 lost,
                 self.dropped,

@@ -82,9 +82,7 @@ class OtlpConfig(BackendConfig):
         if self.protocol is not None:
             self.protocol = str(self.protocol).strip().lower()
             if self.protocol not in PROTOCOLS:
-                raise ConfigError(
-                    f"{where}.protocol: expected one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"
-                )
+                raise ConfigError(f"{where}.protocol: expected one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
         if self.compression is not None:
             self.compression = str(self.compression).strip().lower()
             if self.compression not in COMPRESSIONS:
@@ -103,9 +101,7 @@ class OtlpConfig(BackendConfig):
                 raise ConfigError(f"{where}.{name}: expected a positive integer, got {value!r}")
         if self.insecure is not None and not isinstance(self.insecure, bool):
             raise ConfigError(f"{where}.insecure: expected true or false")
-        if self.service_name is not None and (
-            not isinstance(self.service_name, str) or not self.service_name
-        ):
+        if self.service_name is not None and (not isinstance(self.service_name, str) or not self.service_name):
             raise ConfigError(f"{where}.service_name: expected a non-empty string")
         if self.certificate is not None:
             import os

@@ -56,9 +56,7 @@ class OtlpLogsBackend:
         require_otel("otlp_logs")
         self.verbosity = int(verbosity)
         self.body = body
-        self._exporter = (
-            exporter if exporter is not None else make_exporter(exporter_options or {"signal": "logs"})
-        )
+        self._exporter = exporter if exporter is not None else make_exporter(exporter_options or {"signal": "logs"})
         self._service_name = service_name
         self._extra = dict(resource_attributes or {})
         self._queue_options = (max_queue, batch_size, export_interval, close_timeout)
@@ -139,11 +137,7 @@ class OtlpLogsBackend:
             body = dumps(dict(record)).decode("utf-8", "replace")
         else:
             body = logfmt.format_line(to_line_fields(record, self._identity))
-        span = (
-            record.get("id")
-            if kind in (RecordKind.SPAN, RecordKind.START, RecordKind.END)
-            else record.get("span")
-        )
+        span = record.get("id") if kind in (RecordKind.SPAN, RecordKind.START, RecordKind.END) else record.get("span")
         log_record = self._LogRecord(
             timestamp=record.get("ts"),
             observed_timestamp=time.time_ns(),
@@ -156,9 +150,7 @@ class OtlpLogsBackend:
         log_record.trace_id = self.trace_id
         log_record.span_id = span_id_for(self._salt, span) if span else 0
         log_record.trace_flags = self._flags
-        return self._Readable(
-            log_record=log_record, resource=self.resource, instrumentation_scope=self._scope
-        )
+        return self._Readable(log_record=log_record, resource=self.resource, instrumentation_scope=self._scope)
 
     def flush(self) -> None:
         if self.sender is not None:

@@ -55,9 +55,7 @@ class OtlpMetricsBackend:
     ) -> None:
         require_otel("otlp_metrics")
         self.verbosity = int(verbosity)
-        self._exporter = (
-            exporter if exporter is not None else make_exporter(exporter_options or {"signal": "metrics"})
-        )
+        self._exporter = exporter if exporter is not None else make_exporter(exporter_options or {"signal": "metrics"})
         self._service_name = service_name
         self._extra = dict(resource_attributes or {})
         self.export_interval = export_interval
@@ -123,12 +121,9 @@ class OtlpMetricsBackend:
         )  # fmt: skip
         self._iterations = meter.create_counter("traintrace.iterations", "{iteration}", "Iterations done")
         self._errors = meter.create_counter("traintrace.errors", "{error}", "Errors and exceptions recorded")
-        self._dropped = meter.create_counter(
-            "traintrace.dropped", "{record}", "Records lost before any backend"
-        )
+        self._dropped = meter.create_counter("traintrace.dropped", "{record}", "Records lost before any backend")
         self._gauges = {
-            key: meter.create_gauge(name, unit, f"Latest {key} reported")
-            for key, (name, unit) in GAUGES.items()
+            key: meter.create_gauge(name, unit, f"Latest {key} reported") for key, (name, unit) in GAUGES.items()
         }
 
     def write(self, records: Sequence[Record]) -> None:
@@ -145,9 +140,7 @@ class OtlpMetricsBackend:
             elif kind == RecordKind.EVENT:
                 self._gauge(record.get("attrs"))
             elif kind == RecordKind.ERROR:
-                self._errors.add(
-                    1, {"error.type": str(record.get("error_type") or record.get("name", "error"))}
-                )
+                self._errors.add(1, {"error.type": str(record.get("error_type") or record.get("name", "error"))})
             elif kind == RecordKind.DROPPED:
                 count = record.get("count")
                 if isinstance(count, int) and count > 0:

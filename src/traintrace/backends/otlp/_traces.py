@@ -445,9 +445,7 @@ class OtlpTracesBackend:
         return self._ReadableSpan(
             name=pending.name,
             context=context(trace_id, span_id_for(salt, pending.id), False, flags),
-            parent=context(trace_id, span_id_for(salt, pending.parent), False, flags)
-            if pending.parent
-            else None,
+            parent=context(trace_id, span_id_for(salt, pending.parent), False, flags) if pending.parent else None,
             resource=self.resource,
             attributes=attrs,
             events=[self._Event(name, attrs, ts) for name, ts, attrs in _within(pending)],
