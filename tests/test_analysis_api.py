@@ -72,6 +72,8 @@ def test_summary_ranks_errors_and_sql_equal_the_commands(job: tuple[Path, Script
         assert errors.first_error is not None and errors.first_error["rank"] == script.fail_rank
         assert errors.first_error["message"] == script.message
         assert list(errors.groups["count"]) == [1]
+        assert errors.verdict == command_errors["verdict"] == summary.verdict
+        assert errors.culprit is not None and errors.culprit["rank"] == script.fail_rank
 
         steps = loaded.sql("SELECT rank, count(*) AS n FROM steps GROUP BY rank ORDER BY rank")
         assert isinstance(steps, pandas.DataFrame)

@@ -198,6 +198,7 @@ def _dump(page: Path, profile: Path) -> str:
     return dom.stdout
 
 
+@pytest.mark.subprocess
 @needs_chromium
 def test_single_rank_report_draws_that_rank(tmp_path: Path) -> None:
     """A real one-process run (examples/train_cpu.py): its rank's line, loss with validation loss and the
@@ -238,6 +239,7 @@ def test_single_rank_report_draws_that_rank(tmp_path: Path) -> None:
     assert "1 rank on 1 host" in dom
 
 
+@pytest.mark.subprocess
 @needs_chromium
 def test_many_rank_report_draws_the_spread_and_the_stragglers(tmp_path: Path) -> None:
     """Above 16 ranks: the slowest, median and fastest rank per step as a band, and each straggler by name."""

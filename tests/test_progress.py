@@ -150,6 +150,7 @@ def test_training_on_another_thread_adopts_it_at_its_first_iteration(tmp_path: P
         assert _progress_now().step == 2
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_write_the_parents_file(tmp_path: Path) -> None:
     tt.configure(log_dir=str(tmp_path), job_id="j")
@@ -191,6 +192,7 @@ def test_stream_state_rules() -> None:
     assert stream_state(None) == DEAD
 
 
+@pytest.mark.subprocess
 def test_stream_state_of_real_processes(tmp_path: Path) -> None:
     script = (
         "import sys, time, traintrace as tt\n"
@@ -270,6 +272,7 @@ def _real_file_bytes(tmp_path: Path) -> bytes:
     return _REAL["raw"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("body", "state"),
     [

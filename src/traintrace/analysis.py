@@ -63,6 +63,8 @@ def _show(value: Any) -> str:
 class Summary:
     """``traintrace summary``: wall time, goodput and where the time went. ``raw`` holds every field."""
 
+    verdict: str | None
+    status: str | None
     job: str | None
     wall_s: float
     goodput: float | None
@@ -79,6 +81,8 @@ class Summary:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Summary:
         return cls(
+            verdict=data.get("verdict"),
+            status=data.get("status"),
             job=data.get("job"),
             wall_s=float(data.get("wall_s") or 0.0),
             goodput=data.get("goodput"),
@@ -95,6 +99,7 @@ class Summary:
 
     def _rows(self) -> list[tuple[str, Any]]:
         rows: list[tuple[str, Any]] = [
+            ("verdict", self.verdict),
             ("job", self.job),
             ("wall time (s)", self.wall_s),
             ("goodput", None if self.goodput is None else f"{self.goodput:.1%}"),
@@ -117,6 +122,9 @@ class Summary:
 class Errors:
     """``traintrace errors``: the first error (root cause), errors grouped, each rank's last state."""
 
+    verdict: str | None
+    status: str | None
+    culprit: dict[str, Any] | None
     first_error: dict[str, Any] | None
     error_count: int
     groups: Any  # DataFrame
@@ -127,8 +135,10 @@ class Errors:
     def _repr_html_(self) -> str:
         first = self.first_error
         if first is None:
-            return "<div><strong>traintrace errors</strong>: none recorded</div>"
+            verdict = html.escape(self.verdict or "none recorded")
+            return f"<div><strong>traintrace errors</strong>: {verdict}</div>"
         rows = [
+            ("verdict", self.verdict),
             ("errors", self.error_count),
             ("first", f"{first.get('error_type')}: {first.get('message')}"),
             ("rank", first.get("rank")),
@@ -174,6 +184,9 @@ class JobAnalysis:
 
         data = _analysis.errors(self._job, hang_after_s=hang_after_s)
         return Errors(
+            verdict=data.get("verdict"),
+            status=data.get("status"),
+            culprit=data.get("culprit"),
             first_error=data.get("first_error"),
             error_count=int(data.get("error_count") or 0),
             groups=_frame(data.get("groups") or [], ["name", "error_type", "message", "count", "ranks"]),
