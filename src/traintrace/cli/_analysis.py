@@ -321,8 +321,9 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     ):
         parts.setdefault(int(rank), {})[part] = float(value)
     # A part is slow when it is `threshold` times the other ranks' median and the excess matters: at least
-    # MIN_EXCESS of the job's median step time (a 10 us zero_grad twice as slow is not a straggler).
-    floor = MIN_EXCESS * (job_median or 0.0)
+    # MIN_EXCESS of the job's median step time (a 10 us zero_grad twice as slow is not a straggler), and
+    # never less than MIN_EXCESS_S: scheduling noise on a busy host moves a healthy rank's medians by that much.
+    floor = max(MIN_EXCESS * (job_median or 0.0), MIN_EXCESS_S)
     for r in rows:
         mine = parts.get(r["rank"], {})
         excess: dict[str, float] = {}
@@ -387,6 +388,8 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
 SLOW_PARTS = ("compute", "data_loading", "checkpoint_save")
 #: A slow part must exceed the other ranks' median by at least this share of the job's median step time.
 MIN_EXCESS = 0.05
+#: ...and by at least this many seconds, whatever the step time.
+MIN_EXCESS_S = 0.002
 #: The share of the steps from the onset on that must be slow.
 ONSET_SHARE = 0.7
 
