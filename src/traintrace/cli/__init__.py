@@ -313,7 +313,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _export_without_duckdb(args: argparse.Namespace) -> int:
-    from ._engine import parse_ranks
+    from ._engine import LoadError, parse_ranks
     from ._export_plain import export_chrome_plain
 
     try:
@@ -323,7 +323,7 @@ def _export_without_duckdb(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         data = export_chrome_plain(args.paths, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, LoadError) as exc:
         print(f"traintrace: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:

@@ -15,23 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from ..reader import StreamFile, read_file
+from ._engine import discover
 
 #: pid of the launcher (agent) track: after every rank (as in the DuckDB export).
 AGENT_PID = 1_000_000
 _RATES = ("samples_per_second", "tokens_per_second", "mfu", "tflops")
-
-
-def _discover(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    found: list[Path] = []
-    for item in paths:
-        path = Path(item)
-        if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*.jsonl") if p.is_file()))
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise FileNotFoundError(f"{path}: no such file or folder")
-    return found
 
 
 def _stream_end(records: list[dict[str, Any]], header: dict[str, Any]) -> int:
@@ -52,7 +40,7 @@ def export_chrome_plain(
     end_s: float | None = None,
 ) -> dict[str, Any]:
     """Write the trace to ``out`` from ``paths`` (files or job folders); returns counts."""
-    files: list[StreamFile] = [read_file(p) for p in _discover(paths)]
+    files: list[StreamFile] = [read_file(p) for p in discover(paths)]
     streams = [s for f in files for s in f.streams if isinstance(s.header.get("ts"), int)]
     if not streams:
         raise ValueError("no traintrace streams found in " + ", ".join(str(p) for p in paths))
