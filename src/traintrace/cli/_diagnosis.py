@@ -123,10 +123,11 @@ def diagnose(job: Job) -> dict[str, Any]:
     if not failed:
         steps = job.one("SELECT max(try_cast(attrs->>'step' AS BIGINT)) FROM iterations WHERE status = 'ok'")
         done = f"; last step {steps[0]}" if steps and steps[0] is not None else ""
-        note = f" (a hang was suspected on {len(known.resolved)} rank(s) and resolved)" if known.resolved else ""
+        resolved = _count(len(known.resolved), "rank")
+        note = f" (a hang was suspected on {resolved} and resolved)" if known.resolved else ""
         ranks = len({f["rank"] for f in facts})
         states = [_rank_state(job, f, known) for f in attempts[last]]
-        return _result("healthy", f"healthy: {ranks} rank(s) finished{done}{note}", None, states, last, failed)
+        return _result("healthy", f"healthy: {_count(ranks, 'rank')} finished{done}{note}", None, states, last, failed)
     about = failed[-1]
     states = [_rank_state(job, f, known) for f in attempts[about]]
     culprit, rule = _culprit(states)
@@ -514,4 +515,9 @@ def _running_sentence(states: list[RankState], failed: list[int]) -> str:
     hung = [s.rank for s in states if s.hang is not None]
     extra = f"; a hang is suspected on {_ranks_phrase(hung)}" if hung else ""
     earlier = f" (after {len(failed)} failed attempt(s))" if failed else ""
-    return f"running: {len(states)} rank(s) still writing{at}{earlier}{extra}"
+    return f"running: {_count(len(states), 'rank')} still writing{at}{earlier}{extra}"
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 rank``, ``3 ranks``: sentences read by people."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
