@@ -336,11 +336,16 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
                 excess[part] = mine[part] - ref
         if "collective" in mine:
             r["collective_median_s"] = mine["collective"]
-        r["straggler"] = bool(excess)
-        if excess:
-            r["slow_in"] = max(excess, key=lambda k: excess[k])
-            r["excess_s"] = excess[r["slow_in"]]
-            r.update(_onset(job, r["rank"], r["slow_in"], threshold, floor))
+        # Medians over the whole run compare different periods when ranks ran for different lengths (a rank
+        # that failed early saw only the busy start): a slow step-aligned part must also be slow step by step.
+        for part in sorted(excess, key=lambda k: -excess[k]):
+            onset = _onset(job, r["rank"], part, threshold, floor)
+            if onset or part not in ALIGNED_PARTS:
+                r["slow_in"] = part
+                r["excess_s"] = excess[part]
+                r.update(onset)
+                break
+        r["straggler"] = "slow_in" in r
     # Windows: each rank's median step time outside collectives per time window, relative to the other
     # ranks' median in that window.
     grid = job.rows(
@@ -386,6 +391,8 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
 
 #: The parts of a rank's time compared across ranks; ``compute`` is the step's time outside collectives.
 SLOW_PARTS = ("compute", "data_loading", "checkpoint_save")
+#: The parts compared step by step too (``_onset``): their slowness must hold from some step on.
+ALIGNED_PARTS = ("compute", "data_loading")
 #: A slow part must exceed the other ranks' median by at least this share of the job's median step time.
 MIN_EXCESS = 0.05
 #: ...and by at least this many seconds, whatever the step time.
