@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import traintrace as tt
+from bench_core import floor_loop  # the same floor as bench_core (run as a script: its folder is on sys.path)
 from traintrace import _progress
 from traintrace._identity import detect
 from traintrace._progress import COUNTER_STEP, PHASE_CODES, S_COUNTER, S_PHASE_T0, S_STEP
@@ -107,23 +108,6 @@ def update_loop(view: memoryview) -> Callable[[int], None]:
     return loop
 
 
-class _Empty:
-    __slots__ = ()
-
-    def __enter__(self) -> _Empty:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def with_floor(n: int) -> None:
-    empty = _Empty()
-    for _ in range(n):
-        with empty:
-            pass
-
-
 def span_chunk(n: int) -> None:
     forward = tt.forward
     for _ in range(n):
@@ -152,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "empty": empty_loop(view),
             "store": store_loop(view),
             "update": update_loop(view),
-            "with_floor": with_floor,
+            "floor_loop": floor_loop,
         }
         samples: dict[str, list[float]] = {key: [] for key in loops}
         for _ in range(repeats):
@@ -188,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "repeats": repeats,
         "store_floor_ns": round(store, 1),
-        "empty_with_ns": round(med["with_floor"], 1),
+        "empty_with_ns": round(med["floor_loop"], 1),
         "update_ns": round(update, 1),
         "update_over_store": round(update / store, 2) if store > 0 else None,
         "span_with_progress_ns": round(med["span_with"], 1),
@@ -200,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "per_update_in_iteration_ns": round((med["it_with"] - med["it_without"]) / 2, 1),
         "budget_ns": 100,
     }
-    print(f"empty `with` statement (machine)     {med['with_floor']:8.1f} ns   (bench_core's floor)")
+    print(f"empty `with` statement (machine)     {med['floor_loop']:8.1f} ns   (bench_core's floor)")
     print(f"store floor (one int64 store)        {store:8.1f} ns")
     print(f"update as traintrace does it         {update:8.1f} ns   ({result['update_over_store']}x the floor)")
     print(f"span (start+stop) with progress file {med['span_with']:8.1f} ns")

@@ -189,6 +189,17 @@ def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(_jsonable(data), indent=2) + "\n")
 
 
+def _print_export(data: dict[str, Any], *, as_json: bool) -> None:
+    """What ``export --format chrome`` wrote, with or without DuckDB."""
+    if as_json:
+        _print_json(data)
+    else:
+        print(
+            terminal_safe(f"wrote {data['events']['total']:,} trace events to {data['path']} ")
+            + "(open it in https://ui.perfetto.dev or chrome://tracing)"
+        )
+
+
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
@@ -326,13 +337,7 @@ def _export_without_duckdb(args: argparse.Namespace) -> int:
     except (OSError, ValueError, LoadError) as exc:
         print(f"traintrace: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.json:
-        _print_json(data)
-    else:
-        print(
-            f"wrote {data['events']['total']:,} trace events to {data['path']} "
-            "(open it in https://ui.perfetto.dev or chrome://tracing)"
-        )
+    _print_export(data, as_json=args.json)
     return EXIT_OK
 
 
@@ -358,13 +363,7 @@ def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
             print(terminal_safe(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)"), file=sys.stderr)
             return EXIT_USAGE
         data = export_chrome(job, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
-        if args.json:
-            _print_json(data)
-        else:
-            print(
-                f"wrote {data['events']['total']:,} trace events to {data['path']} "
-                "(open it in https://ui.perfetto.dev or chrome://tracing)"
-            )
+        _print_export(data, as_json=args.json)
     elif command == "report":
         from ._report import write_report
 
