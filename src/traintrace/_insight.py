@@ -36,6 +36,9 @@ class Insight:
         self.hold = self.stats.hold
         self.span_ended = self.stats.span_ended
         self.flushing = self.stats.flushing
+        #: The native encoder counts plain iterations for these statistics (``IterationStats.absorb``)
+        #: when they are the pipeline's only observer.
+        self.native_stats: IterationStats | None = self.stats
         self.sampler: Sampler | None = None
         self.watchdog: Watchdog | None = None
         if config.device_sample_interval:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -14,7 +15,16 @@ from ._names import EventName, RecordKind, SpanStatus, Verbosity
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
 from ._sanitize import MAX_INT, bound_key, clip_text, convert_mapping
+from ._serialize import ENCODER, dumps_lines
 from ._wakeup import Wakeup
+
+_native: Any
+try:
+    if os.environ.get("TRAINTRACE_PURE") == "1":
+        raise ImportError("TRAINTRACE_PURE=1")
+    from . import _encode as _native  # type: ignore[attr-defined,no-redef]
+except ImportError:  # not built (no compiler), or the pure-Python core asked for
+    _native = None
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -37,6 +47,22 @@ _CLOSE_GRACE = 0.5
 
 
 Out = list[tuple[int, dict[str, Any]]]
+
+#: ``steps_left`` for the native encoder when no statistics count iterations.
+_NO_INTERVAL = 1 << 30
+
+
+@dataclass
+class NativeWriter:
+    """The native encoder's side of the pipeline: the file it writes and the routes that want dicts."""
+
+    encoder: Any
+    route: Route
+    others: list[Route]
+
+    @property
+    def level(self) -> int:
+        return self.route.level
 
 
 @dataclass
@@ -182,6 +208,8 @@ class Pipeline:
         self._bad_items = 0
         self._losses_reported: dict[str, dict[str, int]] = {}
         self._close_abandoned = 0
+        #: The native encoder when the extension is there and a file backend is the main consumer.
+        self.native: NativeWriter | None = self._native_writer()
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
@@ -345,11 +373,14 @@ class Pipeline:
                 self._abandon_queue()  # close() is out of time: say what is not written
                 break
             budget -= _CHUNK
-            batch: list[tuple[int, dict[str, Any]]] = []
-            self._convert(queue, batch)
-            if batch:
-                self._deliver(batch)
-                wrote = True
+            if self.native is not None:
+                wrote = self._convert_native(queue, self.native) or wrote
+            else:
+                batch: list[tuple[int, dict[str, Any]]] = []
+                self._convert(queue, batch)
+                if batch:
+                    self._deliver(batch)
+                    wrote = True
             chunks += 1
             if chunks % 16 == 0:
                 time.sleep(0)  # let the training thread have the GIL now and then
@@ -432,9 +463,9 @@ class Pipeline:
         out.append((int(Verbosity.INFO), record))
         return native
 
-    def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]]) -> None:
+    def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]], limit: int = _CHUNK) -> None:
         # One iterator for the chunk: after a bad item the loop resumes where it stopped.
-        rounds = iter(range(min(len(queue), _CHUNK)))
+        rounds = iter(range(min(len(queue), limit)))
         while True:
             try:
                 self._convert_items(queue, rounds, out)
@@ -555,6 +586,105 @@ class Pipeline:
         finally:
             self._seq = seq
 
+    # -- the native encoder (writer thread) --------------------------------
+    def _native_writer(self) -> NativeWriter | None:
+        """Use the native encoder when exactly one route is the plain file backend.
+
+        It writes that file's lines itself; the other routes still get dicts, and a
+        record any of them wants is made by the Python path (for all routes).
+        """
+        if _native is None:
+            return None
+        from ._stats import PYTHON_NAMES
+        from .backends._file import FileBackend
+
+        files = [r for r in self.routes if type(r.backend) is FileBackend]
+        if len(files) != 1:
+            return None
+        others = [r for r in self.routes if r is not files[0]]
+        dict_level = max((r.level for r in others), default=-1)
+        if dict_level >= files[0].level:
+            return None  # every record the file gets is wanted as a dict too
+        cache = self._redactor._cache if self._redactor else None
+        style = 1 if ENCODER == "orjson" else 0
+        encoder = _native.Encoder(self._threads, self._open, cache, PYTHON_NAMES, files[0].level, dict_level, style)
+        return NativeWriter(encoder, files[0], others)
+
+    def _convert_native(self, queue: deque[Any], native: NativeWriter) -> bool:
+        """Convert a chunk with the native encoder; True if anything was written.
+
+        Items it hands back (anything unusual) are converted by ``_convert_items`` and
+        their records encoded in place, so the file's lines keep their order.
+        """
+        wall0 = self._anchor_wall - self._anchor_mono
+        if not -(2**62) < wall0 < 2**62:  # a clock the encoder's 64-bit sums cannot hold
+            batch: list[tuple[int, dict[str, Any]]] = []
+            self._convert(queue, batch)
+            if batch:
+                self._deliver(batch)
+            return bool(batch)
+        encoder = native.encoder
+        observers = self.observers
+        stats = None
+        mode = 0
+        if observers:
+            mode = 2  # every span end goes through Python
+            if len(observers) == 1:
+                stats = getattr(observers[0], "native_stats", None)
+                if stats is not None:
+                    mode = 1  # only the statistics, which the encoder knows
+        dicts: list[tuple[int, dict[str, Any]]] = []
+        popleft = queue.popleft
+        left = min(len(queue), _CHUNK)
+        while left > 0:
+            if stats is not None:
+                steps_left = max(stats.log_interval - stats._steps, 1)
+                want_t0 = bool(stats.step_info)
+            else:
+                steps_left, want_t0 = _NO_INTERVAL, False
+            taken, self._seq, item = encoder.convert(popleft, left, wall0, self._seq, mode, steps_left, want_t0)
+            left -= taken
+            out: list[tuple[int, dict[str, Any]]] = []
+            if stats is not None:
+                counted = encoder.take_iterations()
+                if counted is not None:
+                    try:
+                        stats.absorb(counted, out)
+                    except Exception:
+                        log.exception("traintrace: span observer failed")
+            if item is not None:
+                queue.appendleft(item)
+                self._convert(queue, out, 1)
+            if out:
+                self._encode_python(out, native, dicts)
+            if item is None:
+                break  # the queue is empty
+        data, count, first, last = encoder.take()
+        wrote = False
+        if count:
+            wrote = True
+            try:
+                native.route.backend.write_lines(data, count, first, last)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - as in _deliver
+                self._backend_failed(native.route, exc, count)
+        if dicts:
+            wrote = True
+            self._deliver(dicts, native.others)
+        return wrote
+
+    def _encode_python(
+        self, out: list[tuple[int, dict[str, Any]]], native: NativeWriter, dicts: list[tuple[int, dict[str, Any]]]
+    ) -> None:
+        """Records the Python path made mid-chunk: the file's into the encoder's buffer, in order."""
+        from .backends._file import seq_range
+
+        records = [record for level, record in out if level <= native.level]
+        if records:
+            first, last = seq_range(records)
+            native.encoder.extend(dumps_lines(records), len(records), first, last)
+        if native.others:
+            dicts.extend(out)
+
     def _hold(self, span: Span, started: bool) -> bool:
         """True when an observer keeps an ended span's record back, to release it later."""
         held = False
@@ -642,10 +772,10 @@ class Pipeline:
             record["attrs"] = self._clean(span.metrics)
         out.append((span.level, record))
 
-    def _deliver(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
+    def _deliver(self, batch: list[tuple[int, dict[str, Any]]], routes: list[Route] | None = None) -> None:
         top = max(level for level, _ in batch)
         everything: list[dict[str, Any]] | None = None
-        for route in self.routes:
+        for route in self.routes if routes is None else routes:
             if route.level >= top:
                 if everything is None:
                     everything = [record for _, record in batch]

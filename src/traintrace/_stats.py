@@ -59,6 +59,11 @@ _BATCH: Final = 1024
 _FAILED: Final = frozenset({SpanStatus.ERROR, SpanStatus.TERMINATED})
 _PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
 _DETAILED: Final = frozenset({SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION})
+#: Span names whose end the statistics handle in Python (the native encoder counts plain iterations
+#: itself and skips names the statistics ignore; see ``absorb``).
+PYTHON_NAMES: Final = frozenset(
+    {*PHASE_FIELDS, *EXCLUDED_FIELDS, *_DETAILED, SpanName.TRAINING_LOOP}
+)
 
 
 # ---------------------------------------------------------------- statistics
@@ -312,6 +317,12 @@ class IterationStats:
                 tokens = info.get("tokens")
             if flops is None:
                 flops = info.get("flops")
+        self._consumed(batch, tokens, flops)
+        if self._steps >= self.log_interval:
+            self._emit(out, t1, final=False)
+
+    def _consumed(self, batch: Any, tokens: Any, flops: Any) -> None:
+        """A completed step's samples, tokens and FLOPs, as given (ignored unless numbers)."""
         kind = type(batch)
         if kind is int or kind is float:
             self._samples += int(batch)  # type: ignore[arg-type]
@@ -324,11 +335,42 @@ class IterationStats:
             self._tokens_known = True
         kind = type(flops)
         if kind is int or kind is float:
-            self._flops += flops  # type: ignore[operator]
+            self._flops += flops
         else:
             self._flops_known = False
+
+    def absorb(self, batch: tuple[Any, ...], out: Out) -> None:
+        """Iterations the native encoder counted (``_encode.Encoder.take_iterations``), as ``_iteration`` would.
+
+        Each was a completed step whose only attributes are step keys with plain values,
+        none the last of an interval (that one comes through ``span_ended``).
+        """
+        n, durations, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident = batch
+        if self._interval_start is None:
+            self._interval_start = first_t0
+        self._steps += n
+        self._sum += sum(durations)
+        pending = self._durations
+        pending.extend(durations)
+        if len(pending) >= _BATCH:
+            self._hist.add_many(pending)
+            pending.clear()
+        self._last_t1 = last_t1
+        self.last_progress = max(self.last_progress, max_t1)
+        self.loop_ended = False
+        if loop_id is not None:
+            self._loop_id = loop_id
+        self._ident = ident
+        self.completed_steps += n
+        self.last_step = last_step if type(last_step) is int else self.completed_steps
+        if not self.step_info:
+            self._flops_known = False  # no flops given: as _consumed(None, None, None)
+        else:
+            for t0 in t0s if t0s is not None else [first_t0] * n:
+                info = self._info_at(t0)
+                self._consumed(info.get("batch_size"), info.get("tokens"), info.get("flops"))
         if self._steps >= self.log_interval:
-            self._emit(out, t1, final=False)
+            self._emit(out, last_t1, final=False)
 
     def _add_count(self, key: str, value: int) -> None:
         if key == "tokens":

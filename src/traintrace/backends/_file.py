@@ -16,9 +16,15 @@ from .._safefs import dir_mode, make_dirs, open_dir, open_nofollow
 from .._serialize import dumps, dumps_lines
 from ._base import Record
 
-__all__ = ["FileBackend", "dir_mode"]
+__all__ = ["FileBackend", "dir_mode", "seq_range"]
 
 log = logging.getLogger("traintrace.lib")
+
+
+def seq_range(records: Sequence[Record]) -> tuple[int | None, int | None]:
+    """The first and last integer ``seq`` of ``records`` (None, None when none has one)."""
+    seqs = [r.get("seq") for r in records if isinstance(r.get("seq"), int)]
+    return (seqs[0], seqs[-1]) if seqs else (None, None)
 
 
 class FileBackend:
@@ -126,8 +132,17 @@ class FileBackend:
     def write(self, records: Sequence[Record]) -> None:
         if not records:
             return
+        first, last = seq_range(records)
+        self.write_lines(dumps_lines(records), len(records), first, last)
+
+    def write_lines(self, payload: bytes, count: int, first_seq: int | None, last_seq: int | None) -> None:
+        """Append ``count`` records already encoded as JSON lines (the writer's native encoder).
+
+        ``first_seq``/``last_seq``: their sequence numbers, for the note if the write fails.
+        """
+        if not count:
+            return
         self._check_replaced()
-        payload = dumps_lines(records)
         if self._lost and not self._failing:
             payload = self._lost_note() + payload
         if self._write_bytes(payload):
@@ -135,12 +150,11 @@ class FileBackend:
                 self._failing = False
                 self._write_bytes(self._lost_note())
         else:
-            seqs = [r.get("seq") for r in records if isinstance(r.get("seq"), int)]
-            self._lost += len(records)
-            if seqs:
+            self._lost += count
+            if last_seq is not None:
                 if self._lost_first is None:
-                    self._lost_first = seqs[0]
-                self._lost_last = seqs[-1]
+                    self._lost_first = first_seq
+                self._lost_last = last_seq
 
     def _lost_note(self) -> bytes:
         note: dict[str, Any] = {

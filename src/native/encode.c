@@ -1,0 +1,918 @@
+/*
+ * traintrace._encode: the writer thread's record encoder (optional; the
+ * pure-Python path in _pipeline.py is the reference and is always there).
+ *
+ * Encoder.convert() pops queued items (Span objects and EVENT tuples) and, for
+ * the common case, writes their JSON lines straight into a C buffer, byte for
+ * byte what _pipeline._convert_items + _serialize.dumps_lines would write.
+ * Anything unusual (a value that needs converting, a redacted key, a new
+ * thread, a link, a span the statistics observer must see in Python, a record
+ * a dict-based backend wants) is *yielded*: the item is handed back untouched,
+ * before any state was changed, and Python converts it as it always did.
+ *
+ * Every check happens before the first mutation of an item, so a yielded item
+ * is converted by Python from scratch. Nothing here raises into the caller
+ * except MemoryError from convert() itself (the item is then yielded).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RC_OK 0
+#define RC_YIELD 1
+
+/* Span.written as the writer sees it (_pipeline._OPEN, _DONE). */
+#define W_OPEN 1
+#define W_DONE 2
+#define EVENT_TAG 2
+
+/* Monotonic readings this far from 0 keep wall0 + t (|wall0| < 2**62, checked by the caller) in 64 bits. */
+#define MONO_OK(t) ((t) >= 0 && (t) < (1LL << 61))
+
+#define MAX_KEY 256
+#define MAX_ITEMS 256
+#define MAX_STRING 4096
+
+enum { F_NAME, F_ATTRS, F_LEVEL, F_LINK, F_PARENT, F_ID, F_TID, F_T0, F_T1, F_STATUS, F_WRITTEN, F_METRICS, NF };
+static const char *field_names[NF] = {"name", "attrs",  "level",  "link",    "parent",  "id",
+                                      "tid",  "t0",     "t1",     "status",  "written", "metrics"};
+static PyObject *FIELD[NF];
+static PyObject *S_OK, *S_STEP, *S_CURRENT_ITERATION, *S_ITERATION, *S_TRAINING_LOOP, *S_INIT_SUFFIX;
+static PyObject *SMALL[5];
+
+/* ------------------------------------------------------------------ buffer */
+
+typedef struct {
+    char *data;
+    Py_ssize_t len, cap;
+} Buf;
+
+static int buf_grow(Buf *b, Py_ssize_t extra) {
+    Py_ssize_t need = b->len + extra;
+    Py_ssize_t cap = b->cap ? b->cap : 65536;
+    while (cap < need) cap *= 2;
+    char *p = PyMem_Realloc(b->data, (size_t)cap);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->data = p;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int buf_reserve(Buf *b, Py_ssize_t extra) {
+    return (b->len + extra <= b->cap) ? 0 : buf_grow(b, extra);
+}
+
+static inline int buf_put(Buf *b, const char *s, Py_ssize_t n) {
+    if (buf_reserve(b, n) < 0) return -1;
+    memcpy(b->data + b->len, s, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+#define PUT_LIT(b, lit) buf_put((b), (lit), (Py_ssize_t)(sizeof(lit) - 1))
+
+static int put_i64(Buf *b, long long v) {
+    char tmp[24];
+    int i = 24;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        tmp[--i] = (char)('0' + (u % 10));
+        u /= 10;
+    } while (u);
+    if (v < 0) tmp[--i] = '-';
+    return buf_put(b, tmp + i, 24 - i);
+}
+
+static const char HEX[] = "0123456789abcdef";
+
+/* A JSON string as orjson / json(ensure_ascii=False) write it. RC_YIELD: not UTF-8 (lone surrogates). */
+static int put_str(Buf *b, PyObject *u) {
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(u, &n);
+    if (s == NULL) {
+        PyErr_Clear();
+        return RC_YIELD;
+    }
+    if (buf_reserve(b, n * 6 + 2) < 0) return -1;
+    char *o = b->data + b->len;
+    *o++ = '"';
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c != '"' && c != '\\') {
+            *o++ = (char)c;
+            continue;
+        }
+        *o++ = '\\';
+        switch (c) {
+            case '"': *o++ = '"'; break;
+            case '\\': *o++ = '\\'; break;
+            case '\b': *o++ = 'b'; break;
+            case '\f': *o++ = 'f'; break;
+            case '\n': *o++ = 'n'; break;
+            case '\r': *o++ = 'r'; break;
+            case '\t': *o++ = 't'; break;
+            default:
+                *o++ = 'u';
+                *o++ = '0';
+                *o++ = '0';
+                *o++ = HEX[c >> 4];
+                *o++ = HEX[c & 15];
+        }
+    }
+    *o++ = '"';
+    b->len = o - b->data;
+    return RC_OK;
+}
+
+/*
+ * A finite float as the active serialiser writes it. Both print the shortest
+ * repr's digits; json (style 0) as Python's repr, orjson (style 1) in fixed
+ * notation for decimal exponents -5..15 and otherwise as 1e-7 / 1e+16.
+ */
+static int put_float(Buf *b, double v, int style) {
+    char *r = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
+    if (r == NULL) return -1;
+    int rc = 0;
+    char *e = strchr(r, 'e');
+    if (style == 0 || e == NULL) {
+        rc = buf_put(b, r, (Py_ssize_t)strlen(r));
+    } else {
+        int exp = atoi(e + 1);
+        char *m = r;
+        int negative = (*m == '-');
+        if (negative) m++;
+        if (exp == -5) {
+            /* 1.5e-05 -> 0.000015 */
+            rc = negative ? PUT_LIT(b, "-0.0000") : PUT_LIT(b, "0.0000");
+            for (char *p = m; rc == 0 && p < e; p++)
+                if (*p != '.') rc = buf_put(b, p, 1);
+        } else {
+            char tail[16];
+            int k = snprintf(tail, sizeof tail, "e%s%d", exp > 0 ? "+" : "-", exp > 0 ? exp : -exp);
+            rc = buf_put(b, r, (Py_ssize_t)(e - r));
+            if (rc == 0) rc = buf_put(b, tail, k);
+        }
+    }
+    PyMem_Free(r);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ attrs */
+
+/*
+ * The checks of _pipeline.clean_attrs' fast path: a dict of at most 256 str
+ * keys (each at most 256 characters) whose values are finite floats, ints
+ * within 64 bits, str up to 4096 characters, bools or None; and no key the
+ * redactor names (``cache``: Redactor._cache, keys known not secret map to
+ * False; NULL: no redaction). Anything else is left to Python.
+ */
+static int attrs_plain(PyObject *d, PyObject *cache) {
+    if (!PyDict_CheckExact(d) || PyDict_GET_SIZE(d) > MAX_ITEMS) return RC_YIELD;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        if (!PyUnicode_CheckExact(k) || PyUnicode_GET_LENGTH(k) > MAX_KEY) return RC_YIELD;
+        if (cache != NULL) {
+            PyObject *known = PyDict_GetItemWithError(cache, k);
+            if (known != Py_False) {
+                PyErr_Clear();
+                return RC_YIELD;
+            }
+        }
+        if (PyFloat_CheckExact(v)) {
+            if (!isfinite(PyFloat_AS_DOUBLE(v))) return RC_YIELD;
+        } else if (PyLong_CheckExact(v)) {
+            int overflow = 0;
+            PyLong_AsLongLongAndOverflow(v, &overflow);
+            if (overflow) return RC_YIELD;
+        } else if (PyUnicode_CheckExact(v)) {
+            if (PyUnicode_GET_LENGTH(v) > MAX_STRING) return RC_YIELD;
+        } else if (v != Py_None && v != Py_True && v != Py_False) {
+            return RC_YIELD;
+        }
+    }
+    return RC_OK;
+}
+
+/* Only after attrs_plain() said RC_OK; still RC_YIELD for strings that are not UTF-8. */
+static int put_attrs(Buf *b, PyObject *d, int style) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    int first = 1, rc;
+    if (PUT_LIT(b, "{") < 0) return -1;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        if (!first && PUT_LIT(b, ",") < 0) return -1;
+        first = 0;
+        if ((rc = put_str(b, k)) != RC_OK) return rc;
+        if (PUT_LIT(b, ":") < 0) return -1;
+        if (PyFloat_CheckExact(v)) {
+            rc = put_float(b, PyFloat_AS_DOUBLE(v), style);
+        } else if (PyLong_CheckExact(v)) {
+            rc = put_i64(b, PyLong_AsLongLong(v));
+        } else if (PyUnicode_CheckExact(v)) {
+            rc = put_str(b, v);
+        } else if (v == Py_True) {
+            rc = PUT_LIT(b, "true");
+        } else if (v == Py_False) {
+            rc = PUT_LIT(b, "false");
+        } else {
+            rc = PUT_LIT(b, "null");
+        }
+        if (rc != RC_OK) return rc;
+    }
+    return PUT_LIT(b, "}");
+}
+
+/* ------------------------------------------------------------------ encoder object */
+
+#define TYPE_CACHE 4
+
+typedef struct {
+    PyTypeObject *type; /* strong reference */
+    Py_ssize_t offset[NF]; /* -1: read with getattr */
+} FieldMap;
+
+typedef struct {
+    PyObject_HEAD
+    Buf buf;
+    Py_ssize_t count;
+    PyObject *first_seq; /* None until a record is in the buffer */
+    PyObject *last_seq;
+    /* configuration */
+    PyObject *threads;      /* dict ident -> native tid */
+    PyObject *open;         /* dict id -> span */
+    PyObject *cache;        /* Redactor._cache, or NULL when nothing is redacted */
+    PyObject *python_names; /* span names the statistics observer must see in Python */
+    long file_level, dict_level;
+    int style;
+    /* iterations the statistics observer has not absorbed yet */
+    Py_ssize_t iter_n;
+    PyObject *durations, *t0s, *last_step, *loop_id, *ident;
+    long long first_t0, last_t1, max_t1;
+    FieldMap maps[TYPE_CACHE];
+    int next_map;
+} Encoder;
+
+static void clear_batch(Encoder *e) {
+    e->iter_n = 0;
+    Py_CLEAR(e->durations);
+    Py_CLEAR(e->t0s);
+    Py_CLEAR(e->last_step);
+    Py_CLEAR(e->loop_id);
+    Py_CLEAR(e->ident);
+}
+
+static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
+    Py_VISIT(e->first_seq);
+    Py_VISIT(e->last_seq);
+    Py_VISIT(e->threads);
+    Py_VISIT(e->open);
+    Py_VISIT(e->cache);
+    Py_VISIT(e->python_names);
+    Py_VISIT(e->durations);
+    Py_VISIT(e->t0s);
+    Py_VISIT(e->last_step);
+    Py_VISIT(e->loop_id);
+    Py_VISIT(e->ident);
+    return 0;
+}
+
+static int Encoder_clear(Encoder *e) {
+    Py_CLEAR(e->first_seq);
+    Py_CLEAR(e->last_seq);
+    Py_CLEAR(e->threads);
+    Py_CLEAR(e->open);
+    Py_CLEAR(e->cache);
+    Py_CLEAR(e->python_names);
+    clear_batch(e);
+    for (int i = 0; i < TYPE_CACHE; i++) Py_CLEAR(e->maps[i].type);
+    return 0;
+}
+
+static void Encoder_dealloc(Encoder *e) {
+    PyObject_GC_UnTrack(e);
+    Encoder_clear(e);
+    PyMem_Free(e->buf.data);
+    Py_TYPE(e)->tp_free((PyObject *)e);
+}
+
+static PyObject *Encoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"threads", "open", "cache", "python_names", "file_level", "dict_level", "style", NULL};
+    PyObject *threads, *open, *cache, *names;
+    long file_level, dict_level;
+    int style;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!lli", kwlist, &PyDict_Type, &threads, &PyDict_Type, &open,
+                                     &cache, &PyFrozenSet_Type, &names, &file_level, &dict_level, &style))
+        return NULL;
+    if (cache != Py_None && !PyDict_Check(cache)) {
+        PyErr_SetString(PyExc_TypeError, "cache must be a dict or None");
+        return NULL;
+    }
+    Encoder *e = (Encoder *)type->tp_alloc(type, 0);
+    if (e == NULL) return NULL;
+    e->threads = Py_NewRef(threads);
+    e->open = Py_NewRef(open);
+    e->cache = cache == Py_None ? NULL : Py_NewRef(cache);
+    e->python_names = Py_NewRef(names);
+    e->file_level = file_level;
+    e->dict_level = dict_level;
+    e->style = style;
+    e->first_seq = Py_NewRef(Py_None);
+    e->last_seq = Py_NewRef(Py_None);
+    return (PyObject *)e;
+}
+
+/* ------------------------------------------------------------------ field access */
+
+static FieldMap *field_map(Encoder *e, PyTypeObject *tp) {
+    for (int i = 0; i < TYPE_CACHE; i++)
+        if (e->maps[i].type == tp) return &e->maps[i];
+    FieldMap *m = &e->maps[e->next_map];
+    e->next_map = (e->next_map + 1) % TYPE_CACHE;
+    Py_XSETREF(m->type, (PyTypeObject *)Py_NewRef(tp));
+    for (int f = 0; f < NF; f++) {
+        m->offset[f] = -1;
+        if (tp->tp_getattro != PyObject_GenericGetAttr || tp->tp_setattro != PyObject_GenericSetAttr) continue;
+        PyObject *descr = _PyType_Lookup(tp, FIELD[f]);
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) continue;
+        PyMemberDef *def = ((PyMemberDescrObject *)descr)->d_member;
+        if (def->type == T_OBJECT_EX && !(def->flags & READONLY)) m->offset[f] = def->offset;
+    }
+    return m;
+}
+
+/* A new reference to obj.<field>, or NULL (no error set) when it has none. */
+static PyObject *get(Encoder *e, PyObject *obj, int f) {
+    FieldMap *m = field_map(e, Py_TYPE(obj));
+    if (m->offset[f] >= 0) {
+        PyObject *v = *(PyObject **)((char *)obj + m->offset[f]);
+        Py_XINCREF(v);
+        return v;
+    }
+    PyObject *v = PyObject_GetAttr(obj, FIELD[f]);
+    if (v == NULL) PyErr_Clear();
+    return v;
+}
+
+static int set(Encoder *e, PyObject *obj, int f, PyObject *value) {
+    FieldMap *m = field_map(e, Py_TYPE(obj));
+    if (m->offset[f] >= 0) {
+        PyObject **slot = (PyObject **)((char *)obj + m->offset[f]);
+        Py_XSETREF(*slot, Py_NewRef(value));
+        return 0;
+    }
+    return PyObject_SetAttr(obj, FIELD[f], value);
+}
+
+static int any_i64(PyObject *v, long long *out) {
+    if (v == NULL || !PyLong_Check(v)) return RC_YIELD;
+    int overflow = 0;
+    *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return RC_YIELD;
+    }
+    return RC_OK;
+}
+
+/* An exact int within 64 bits (a bool or an IntEnum would be written differently). */
+static int as_i64(PyObject *v, long long *out) {
+    if (v == NULL || !PyLong_CheckExact(v)) return RC_YIELD;
+    return any_i64(v, out);
+}
+
+static inline int short_str(PyObject *v, Py_ssize_t limit) {
+    return v != NULL && PyUnicode_CheckExact(v) && PyUnicode_GET_LENGTH(v) <= limit;
+}
+
+/* ------------------------------------------------------------------ statistics */
+
+/* What the statistics observer (_stats.IterationStats) does with an ended span. */
+enum { OBS_NOTHING, OBS_ITERATION, OBS_PYTHON };
+
+static int plain_value(PyObject *v) {
+    return v == Py_None || v == Py_True || v == Py_False || PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
+           PyUnicode_CheckExact(v);
+}
+
+/* hold(): False without side effects? (iteration with plain values, or a name it ignores) */
+static int hold_is_noop(Encoder *e, PyObject *name, PyObject *attrs, PyObject *metrics) {
+    int is_iter = PyUnicode_Compare(name, S_ITERATION) == 0;
+    if (!is_iter) return PySet_Contains(e->python_names, name) == 0;
+    PyObject *values[2] = {attrs, metrics};
+    for (int i = 0; i < 2; i++) {
+        PyObject *d = values[i];
+        if (d == NULL || d == Py_None) continue;
+        if (!PyDict_CheckExact(d)) return 0;
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(d, &pos, &k, &v))
+            if (!plain_value(v)) return 0;
+    }
+    return 1;
+}
+
+/* span_ended(): a plain iteration (step keys only, status ok) that convert() can count, nothing, or Python. */
+static int observed(Encoder *e, PyObject *name, PyObject *attrs, PyObject *metrics, PyObject *status,
+                    PyObject **step) {
+    *step = Py_None;
+    if (PyUnicode_Compare(name, S_ITERATION) != 0) {
+        if (PySet_Contains(e->python_names, name) != 0) return OBS_PYTHON;
+        Py_ssize_t n = PyUnicode_GET_LENGTH(name);
+        if (n >= 15 && PyUnicode_Tailmatch(name, S_INIT_SUFFIX, 0, n, 1) != 0) return OBS_PYTHON;
+        return OBS_NOTHING;
+    }
+    if (status == NULL || !PyUnicode_Check(status) || PyUnicode_Compare(status, S_OK) != 0) return OBS_PYTHON;
+    if (metrics != NULL && metrics != Py_None && (!PyDict_CheckExact(metrics) || PyDict_GET_SIZE(metrics)))
+        return OBS_PYTHON;
+    if (attrs != NULL && attrs != Py_None) {
+        if (!PyDict_CheckExact(attrs)) return OBS_PYTHON;
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(attrs, &pos, &k, &v)) {
+            if (!PyUnicode_CheckExact(k) || !plain_value(v)) return OBS_PYTHON;
+            if (PyUnicode_Compare(k, S_STEP) != 0 && PyUnicode_Compare(k, S_CURRENT_ITERATION) != 0 &&
+                PyUnicode_Compare(k, S_ITERATION) != 0)
+                return OBS_PYTHON;
+            *step = v;
+        }
+    }
+    return OBS_ITERATION;
+}
+
+static int count_iteration(Encoder *e, PyObject *span, long long t0, long long t1, PyObject *step, int want_t0) {
+    if (e->durations == NULL && (e->durations = PyList_New(0)) == NULL) return -1;
+    if (want_t0 && e->t0s == NULL && (e->t0s = PyList_New(0)) == NULL) return -1;
+    PyObject *d = PyLong_FromLongLong(t1 - t0);
+    if (d == NULL || PyList_Append(e->durations, d) < 0) {
+        Py_XDECREF(d);
+        return -1;
+    }
+    Py_DECREF(d);
+    if (want_t0) {
+        PyObject *t = PyLong_FromLongLong(t0);
+        if (t == NULL || PyList_Append(e->t0s, t) < 0) {
+            Py_XDECREF(t);
+            return -1;
+        }
+        Py_DECREF(t);
+    }
+    if (e->iter_n == 0) {
+        e->first_t0 = t0;
+        e->max_t1 = t1;
+    }
+    e->last_t1 = t1;
+    if (t1 > e->max_t1) e->max_t1 = t1;
+    Py_XSETREF(e->last_step, Py_NewRef(step));
+    PyObject *parent = get(e, span, F_PARENT);
+    if (parent != NULL && parent != Py_None) {
+        PyObject *pname = get(e, parent, F_NAME);
+        if (pname != NULL && PyUnicode_Check(pname) && PyUnicode_Compare(pname, S_TRAINING_LOOP) == 0) {
+            PyObject *pid = get(e, parent, F_ID);
+            if (pid != NULL) Py_XSETREF(e->loop_id, pid);
+        }
+        Py_XDECREF(pname);
+    }
+    Py_XDECREF(parent);
+    PyErr_Clear();
+    PyObject *tid = get(e, span, F_TID);
+    if (tid != NULL) Py_XSETREF(e->ident, tid);
+    e->iter_n++;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ records */
+
+typedef struct {
+    long long wall0;
+    long long seq;
+    int mode; /* 0: no observer; 1: the statistics observer only; 2: others (Python sees every end) */
+    Py_ssize_t steps_left;
+    int want_t0;
+} Ctx;
+
+/* Begin a record's line: {"seq":N,"kind":"<kind>","ts":T,"name":"..." */
+static int put_head(Encoder *e, long long seq, const char *kind, long long ts, PyObject *name) {
+    Buf *b = &e->buf;
+    if (PUT_LIT(b, "{\"seq\":") < 0 || put_i64(b, seq) < 0 || PUT_LIT(b, ",\"kind\":\"") < 0 ||
+        buf_put(b, kind, (Py_ssize_t)strlen(kind)) < 0 || PUT_LIT(b, "\",\"ts\":") < 0 || put_i64(b, ts) < 0 ||
+        PUT_LIT(b, ",\"name\":") < 0)
+        return -1;
+    return put_str(b, name);
+}
+
+static int put_field(Buf *b, const char *key, long long v) {
+    if (buf_put(b, key, (Py_ssize_t)strlen(key)) < 0) return -1;
+    return put_i64(b, v);
+}
+
+/* The line is complete in the buffer: count it. */
+static int end_line(Encoder *e, long long seq) {
+    if (PUT_LIT(&e->buf, "}\n") < 0) return -1;
+    PyObject *s = PyLong_FromLongLong(seq);
+    if (s == NULL) return -1;
+    if (e->first_seq == Py_None) Py_SETREF(e->first_seq, Py_NewRef(s));
+    Py_SETREF(e->last_seq, s);
+    e->count++;
+    return 0;
+}
+
+/*
+ * Encode one record into the buffer unless its level is beyond the file's; a
+ * line cut short (a string that is not UTF-8) is rolled back and RC_YIELD
+ * returned, which the callers check before changing any state.
+ */
+typedef struct {
+    const char *kind;
+    long long ts;
+    PyObject *name;
+    int has_id;
+    long long id, parent, tid, dur;
+    int has_parent, has_tid, has_dur;
+    long long span; /* events */
+    int has_span;
+    PyObject *status;
+    PyObject *attrs; /* checked dict or NULL */
+} Rec;
+
+static int put_record(Encoder *e, long long seq, Rec *r) {
+    Buf *b = &e->buf;
+    Py_ssize_t mark = b->len;
+    int rc = put_head(e, seq, r->kind, r->ts, r->name);
+    if (rc != RC_OK) goto done;
+    if (r->has_span && (rc = put_field(b, ",\"span\":", r->span)) != RC_OK) goto done;
+    if (r->has_id && (rc = put_field(b, ",\"id\":", r->id)) != RC_OK) goto done;
+    if (r->has_parent && (rc = put_field(b, ",\"parent\":", r->parent)) != RC_OK) goto done;
+    if (r->has_tid && (rc = put_field(b, ",\"tid\":", r->tid)) != RC_OK) goto done;
+    if (r->has_dur && (rc = put_field(b, ",\"dur\":", r->dur)) != RC_OK) goto done;
+    if (r->status != NULL) {
+        if ((rc = PUT_LIT(b, ",\"status\":")) != RC_OK) goto done;
+        if ((rc = put_str(b, r->status)) != RC_OK) goto done;
+    }
+    if (r->attrs != NULL) {
+        if ((rc = PUT_LIT(b, ",\"attrs\":")) != RC_OK) goto done;
+        if ((rc = put_attrs(b, r->attrs, e->style)) != RC_OK) goto done;
+    }
+    rc = end_line(e, seq);
+done:
+    if (rc != RC_OK) b->len = mark;
+    return rc;
+}
+
+/* attrs as a record holds them: NULL (none), or a checked dict; RC_YIELD for anything else. */
+static int record_attrs(Encoder *e, PyObject *attrs, PyObject **out) {
+    *out = NULL;
+    if (attrs == NULL || attrs == Py_None) return RC_OK;
+    if (!PyDict_CheckExact(attrs)) return RC_YIELD;
+    if (PyDict_GET_SIZE(attrs) == 0) return RC_OK;
+    if (attrs_plain(attrs, e->cache) != RC_OK) return RC_YIELD;
+    *out = attrs;
+    return RC_OK;
+}
+
+static int level_of(Encoder *e, PyObject *level, int *write) {
+    long long lv;
+    if (any_i64(level, &lv) != RC_OK) return RC_YIELD;
+    if (lv <= e->dict_level) return RC_YIELD; /* a backend wants the record as a dict */
+    *write = lv <= e->file_level;
+    return RC_OK;
+}
+
+#define NEED(cond) \
+    do {           \
+        if (!(cond)) goto out; \
+    } while (0)
+
+static int do_event(Encoder *e, PyObject *item, Ctx *c) {
+    /* (EVENT, name, attrs, span_id, ident, mono, level) */
+    if (PyTuple_GET_SIZE(item) != 7) return RC_YIELD;
+    long long tag;
+    if (any_i64(PyTuple_GET_ITEM(item, 0), &tag) != RC_OK || tag != EVENT_TAG) return RC_YIELD;
+    PyObject *name = PyTuple_GET_ITEM(item, 1);
+    if (!short_str(name, MAX_KEY)) return RC_YIELD;
+    Rec r = {.kind = "event", .name = name, .has_span = 1, .has_tid = 1};
+    PyObject *attrs = PyTuple_GET_ITEM(item, 2);
+    if (record_attrs(e, attrs, &r.attrs) != RC_OK) return RC_YIELD;
+    if (as_i64(PyTuple_GET_ITEM(item, 3), &r.span) != RC_OK) return RC_YIELD;
+    PyObject *tid = PyDict_GetItemWithError(e->threads, PyTuple_GET_ITEM(item, 4));
+    if (tid == NULL || as_i64(tid, &r.tid) != RC_OK) {
+        PyErr_Clear();
+        return RC_YIELD;
+    }
+    long long mono;
+    if (as_i64(PyTuple_GET_ITEM(item, 5), &mono) != RC_OK || !MONO_OK(mono)) return RC_YIELD;
+    r.ts = c->wall0 + mono;
+    int write = 0;
+    if (level_of(e, PyTuple_GET_ITEM(item, 6), &write) != RC_OK) return RC_YIELD;
+    if (write) {
+        int rc = put_record(e, c->seq, &r);
+        if (rc != RC_OK) return rc;
+    }
+    c->seq++;
+    return RC_OK;
+}
+
+static int do_span(Encoder *e, PyObject *span, Ctx *c) {
+    PyObject *f[NF] = {NULL};
+    PyObject *merged = NULL;
+    int rc = RC_YIELD;
+    long long state;
+    f[F_WRITTEN] = get(e, span, F_WRITTEN);
+    NEED(as_i64(f[F_WRITTEN], &state) == RC_OK);
+    f[F_NAME] = get(e, span, F_NAME);
+    NEED(short_str(f[F_NAME], MAX_KEY));
+    f[F_ATTRS] = get(e, span, F_ATTRS);
+    f[F_METRICS] = get(e, span, F_METRICS);
+    NEED(f[F_ATTRS] != NULL && f[F_METRICS] != NULL);
+    f[F_T1] = get(e, span, F_T1);
+    NEED(f[F_T1] != NULL);
+    long long t0 = 0, t1 = 0, id = 0;
+    f[F_T0] = get(e, span, F_T0);
+    NEED(as_i64(f[F_T0], &t0) == RC_OK && MONO_OK(t0));
+    int stopped = f[F_T1] != Py_None;
+    if (stopped) NEED(as_i64(f[F_T1], &t1) == RC_OK && t1 != 0 && MONO_OK(t1));
+
+    if (state != 0) {
+        /* Second sighting: the span's stop. */
+        int obs = OBS_NOTHING;
+        PyObject *step = Py_None;
+        if (state != W_OPEN && c->mode == 0) {
+            rc = RC_OK;
+            goto out;
+        }
+        NEED(c->mode != 2 && stopped);
+        f[F_STATUS] = get(e, span, F_STATUS);
+        NEED(f[F_STATUS] != NULL);
+        if (c->mode == 1) {
+            if (state == W_OPEN) NEED(hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
+            obs = observed(e, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &step);
+            NEED(obs != OBS_PYTHON);
+            /* The iteration that completes an interval is left to Python: its event goes before its end record. */
+            NEED(obs != OBS_ITERATION || e->iter_n + 1 < c->steps_left);
+        }
+        if (state == W_OPEN) {
+            Rec r = {.kind = "end", .ts = c->wall0 + t1, .name = f[F_NAME], .has_id = 1, .has_dur = 1};
+            f[F_ID] = get(e, span, F_ID);
+            NEED(as_i64(f[F_ID], &r.id) == RC_OK);
+            r.dur = t1 - t0;
+            NEED(PyUnicode_Check(f[F_STATUS]));
+            r.status = f[F_STATUS];
+            PyObject *metrics = f[F_METRICS];
+            if (metrics != Py_None) {
+                NEED(PyDict_CheckExact(metrics));
+                if (PyDict_GET_SIZE(metrics)) {
+                    NEED(attrs_plain(metrics, e->cache) == RC_OK);
+                    r.attrs = metrics;
+                }
+            }
+            int write = 0;
+            f[F_LEVEL] = get(e, span, F_LEVEL);
+            NEED(level_of(e, f[F_LEVEL], &write) == RC_OK);
+            if (write) {
+                rc = put_record(e, c->seq, &r);
+                if (rc != RC_OK) goto out;
+            }
+            /* From here on the item is done: state changes. */
+            c->seq++;
+            if (PyDict_DelItem(e->open, f[F_ID]) < 0) PyErr_Clear();
+            if (set(e, span, F_WRITTEN, SMALL[W_DONE]) < 0) PyErr_Clear();
+        }
+        if (obs == OBS_ITERATION && count_iteration(e, span, t0, t1, step, c->want_t0) < 0) PyErr_Clear();
+        rc = RC_OK;
+        goto out;
+    }
+
+    /* First sighting: a whole span (already stopped) or its start. */
+    if (stopped && c->mode != 0) {
+        NEED(c->mode == 1 && hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
+    }
+    Rec r = {.name = f[F_NAME], .has_id = 1, .has_parent = 1, .has_tid = 1, .ts = c->wall0 + t0};
+    f[F_TID] = get(e, span, F_TID);
+    NEED(f[F_TID] != NULL);
+    PyObject *tid = PyDict_GetItemWithError(e->threads, f[F_TID]);
+    if (tid == NULL) PyErr_Clear();
+    NEED(as_i64(tid, &r.tid) == RC_OK);
+    f[F_LINK] = get(e, span, F_LINK);
+    NEED(f[F_LINK] == Py_None);
+    f[F_ID] = get(e, span, F_ID);
+    NEED(as_i64(f[F_ID], &id) == RC_OK);
+    r.id = id;
+    f[F_PARENT] = get(e, span, F_PARENT);
+    NEED(f[F_PARENT] != NULL);
+    if (f[F_PARENT] != Py_None) {
+        PyObject *pid = get(e, f[F_PARENT], F_ID);
+        int ok = as_i64(pid, &r.parent) == RC_OK;
+        Py_XDECREF(pid);
+        NEED(ok);
+    }
+    PyObject *attrs = f[F_ATTRS];
+    if (stopped) {
+        r.kind = "span";
+        r.has_dur = 1;
+        r.dur = t1 - t0;
+        f[F_STATUS] = get(e, span, F_STATUS);
+        NEED(f[F_STATUS] != NULL && PyUnicode_Check(f[F_STATUS]));
+        r.status = f[F_STATUS];
+        PyObject *metrics = f[F_METRICS];
+        if (metrics != Py_None) {
+            NEED(PyDict_CheckExact(metrics));
+            if (PyDict_GET_SIZE(metrics)) {
+                /* _merge: {**attrs, **metrics} if attrs else metrics */
+                if (attrs != Py_None) {
+                    NEED(PyDict_CheckExact(attrs));
+                }
+                if (attrs != Py_None && PyDict_GET_SIZE(attrs)) {
+                    merged = PyDict_Copy(attrs);
+                    if (merged == NULL || PyDict_Update(merged, metrics) < 0) {
+                        PyErr_Clear();
+                        goto out;
+                    }
+                    attrs = merged;
+                } else {
+                    attrs = metrics;
+                }
+            }
+        }
+    } else {
+        r.kind = "start";
+    }
+    NEED(record_attrs(e, attrs, &r.attrs) == RC_OK);
+    int write = 0;
+    f[F_LEVEL] = get(e, span, F_LEVEL);
+    NEED(level_of(e, f[F_LEVEL], &write) == RC_OK);
+    if (write) {
+        rc = put_record(e, c->seq, &r);
+        if (rc != RC_OK) goto out;
+    }
+    if (!stopped && PyDict_SetItem(e->open, f[F_ID], span) < 0) {
+        /* Out of memory: the record is in the buffer; Python must not write it again. */
+        PyErr_Clear();
+    }
+    c->seq++;
+    if (set(e, span, F_WRITTEN, SMALL[stopped ? W_DONE : W_OPEN]) < 0) PyErr_Clear();
+    rc = RC_OK;
+out:
+    Py_XDECREF(merged);
+    for (int i = 0; i < NF; i++) Py_XDECREF(f[i]);
+    return rc;
+}
+
+/*
+ * convert(popleft, n, wall0, seq, mode, steps_left, want_t0) -> (taken, seq, item)
+ * Pops up to n items; ``item`` is the one handed back to Python (None if all done).
+ */
+static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
+    PyObject *popleft;
+    Py_ssize_t n;
+    Ctx c;
+    if (!PyArg_ParseTuple(args, "OnLLini", &popleft, &n, &c.wall0, &c.seq, &c.mode, &c.steps_left, &c.want_t0))
+        return NULL;
+    Py_ssize_t taken = 0;
+    PyObject *back = NULL;
+    while (taken < n) {
+        PyObject *item = PyObject_CallNoArgs(popleft);
+        if (item == NULL) {
+            PyErr_Clear(); /* empty */
+            break;
+        }
+        taken++;
+        int rc;
+        if (PyTuple_CheckExact(item))
+            rc = PyTuple_GET_SIZE(item) ? do_event(e, item, &c) : RC_YIELD;
+        else
+            rc = do_span(e, item, &c);
+        if (rc == RC_OK) {
+            Py_DECREF(item);
+            continue;
+        }
+        PyErr_Clear(); /* -1 (no memory): Python converts it */
+        back = item;
+        break;
+    }
+    return Py_BuildValue("nLN", taken, c.seq, back ? back : Py_NewRef(Py_None));
+}
+
+/* take() -> (bytes, count, first_seq, last_seq): the buffer's lines, and empty it. */
+static PyObject *Encoder_take(Encoder *e, PyObject *unused) {
+    (void)unused;
+    PyObject *data = PyBytes_FromStringAndSize(e->buf.data, e->buf.len);
+    if (data == NULL) return NULL;
+    PyObject *out = Py_BuildValue("NnOO", data, e->count, e->first_seq, e->last_seq);
+    if (out == NULL) return NULL;
+    e->buf.len = 0;
+    e->count = 0;
+    Py_SETREF(e->first_seq, Py_NewRef(Py_None));
+    Py_SETREF(e->last_seq, Py_NewRef(Py_None));
+    if (e->buf.cap > (1 << 22)) { /* do not keep a burst's buffer */
+        PyMem_Free(e->buf.data);
+        e->buf.data = NULL;
+        e->buf.cap = 0;
+    }
+    return out;
+}
+
+/* extend(data, count, first_seq, last_seq): lines Python encoded, in their place. */
+static PyObject *Encoder_extend(Encoder *e, PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t count;
+    PyObject *first, *last;
+    if (!PyArg_ParseTuple(args, "y*nOO", &view, &count, &first, &last)) return NULL;
+    int rc = buf_put(&e->buf, view.buf, view.len);
+    PyBuffer_Release(&view);
+    if (rc < 0) return NULL;
+    e->count += count;
+    if (e->first_seq == Py_None && first != Py_None) Py_SETREF(e->first_seq, Py_NewRef(first));
+    if (last != Py_None) Py_SETREF(e->last_seq, Py_NewRef(last));
+    Py_RETURN_NONE;
+}
+
+/* take_iterations() -> None or (n, durations, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident) */
+static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
+    (void)unused;
+    if (e->iter_n == 0) Py_RETURN_NONE;
+    PyObject *out = Py_BuildValue("nOOLLLOOO", e->iter_n, e->durations ? e->durations : Py_None,
+                                  e->t0s ? e->t0s : Py_None, e->first_t0, e->last_t1, e->max_t1,
+                                  e->last_step ? e->last_step : Py_None, e->loop_id ? e->loop_id : Py_None,
+                                  e->ident ? e->ident : Py_None);
+    clear_batch(e);
+    return out;
+}
+
+static PyMethodDef Encoder_methods[] = {
+    {"convert", (PyCFunction)Encoder_convert, METH_VARARGS, "Convert queued items into JSON lines."},
+    {"take", (PyCFunction)Encoder_take, METH_NOARGS, "The buffered lines, and empty the buffer."},
+    {"extend", (PyCFunction)Encoder_extend, METH_VARARGS, "Add lines encoded in Python."},
+    {"take_iterations", (PyCFunction)Encoder_take_iterations, METH_NOARGS, "Iterations counted, for statistics."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EncoderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traintrace._encode.Encoder",
+    .tp_basicsize = sizeof(Encoder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = Encoder_new,
+    .tp_dealloc = (destructor)Encoder_dealloc,
+    .tp_traverse = (traverseproc)Encoder_traverse,
+    .tp_clear = (inquiry)Encoder_clear,
+    .tp_methods = Encoder_methods,
+    .tp_doc = "The writer's record encoder (see _pipeline.NativeWriter).",
+};
+
+/* ------------------------------------------------------------------ module functions (tests) */
+
+/* encode_attrs(attrs, cache, style) -> bytes or None: attrs as the encoder writes them, None when it would yield. */
+static PyObject *mod_encode_attrs(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *attrs, *cache;
+    int style;
+    if (!PyArg_ParseTuple(args, "OOi", &attrs, &cache, &style)) return NULL;
+    if (attrs_plain(attrs, cache == Py_None ? NULL : cache) != RC_OK) Py_RETURN_NONE;
+    Buf b = {0};
+    int rc = put_attrs(&b, attrs, style);
+    PyObject *out;
+    if (rc < 0)
+        out = NULL;
+    else if (rc == RC_YIELD)
+        out = Py_NewRef(Py_None);
+    else
+        out = PyBytes_FromStringAndSize(b.data, b.len);
+    PyMem_Free(b.data);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"encode_attrs", mod_encode_attrs, METH_VARARGS, "An attrs dict as the encoder writes it (None: left to Python)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "traintrace._encode", "The writer thread's native record encoder.", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__encode(void) {
+    for (int i = 0; i < NF; i++)
+        if ((FIELD[i] = PyUnicode_InternFromString(field_names[i])) == NULL) return NULL;
+    if ((S_OK = PyUnicode_InternFromString("ok")) == NULL ||
+        (S_STEP = PyUnicode_InternFromString("step")) == NULL ||
+        (S_CURRENT_ITERATION = PyUnicode_InternFromString("current_iteration")) == NULL ||
+        (S_ITERATION = PyUnicode_InternFromString("iteration")) == NULL ||
+        (S_TRAINING_LOOP = PyUnicode_InternFromString("training_loop")) == NULL ||
+        (S_INIT_SUFFIX = PyUnicode_InternFromString("_initialization")) == NULL)
+        return NULL;
+    for (int i = 0; i < 5; i++)
+        if ((SMALL[i] = PyLong_FromLong(i)) == NULL) return NULL;
+    if (PyType_Ready(&EncoderType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Encoder", (PyObject *)&EncoderType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
