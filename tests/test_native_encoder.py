@@ -53,10 +53,23 @@ scalars = st.none() | st.booleans() | floats | ints | texts
 values = scalars | st.lists(scalars, max_size=3) | st.dictionaries(st.text(max_size=5), scalars, max_size=3)
 keys = (
     st.text(max_size=10)
-    | st.sampled_from(["step", "loss", "hf_token", "password", "tokens", "api_key_1", "k" * 257, "\ud800k"])
+    | st.sampled_from(["step", "iteration", "current_iteration", "num_iterations", "batch_size", "skipped"])
+    | st.sampled_from(["loss", "lr", "hf_token", "password", "tokens", "api_key_1", "k" * 257, "\ud800k"])
     | st.integers(min_value=-3, max_value=3)
 )
 attr_dicts = st.none() | st.dictionaries(keys, values, max_size=5)
+#: What training loops put on iterations: a step, a loss, the same key in attrs and metrics.
+_iteration_values = {
+    "loss": st.floats(width=32),
+    "acc": st.integers(-5, 5),
+    "tag": st.text(max_size=3),
+    "flag": st.booleans(),
+    "none": st.none(),
+    "current_iteration": st.integers(0, 9),
+    "num_iterations": st.integers(0, 9),
+}
+iteration_attrs = st.fixed_dictionaries({"step": st.integers(0, 99)}, optional=_iteration_values)
+iteration_metrics = st.none() | st.fixed_dictionaries({}, optional={**_iteration_values, "step": st.integers(0, 9)})
 
 
 def test_encode_attrs_matches_python_serialiser() -> None:
@@ -137,7 +150,7 @@ def run_pipeline(
     try:
         config = Config(queue_size=100_000, flush_interval=3600.0)
         config.redact_keys = DEFAULT_REDACT_KEYS if redact else ()
-        backend = FileBackend(path)
+        backend = FileBackend(path, fsync_on_close=False)
         backend.open(HEADER)
         routes: list[Any] = [(backend, "file", 4)]
         memory = None
@@ -168,7 +181,8 @@ def normalise(data: bytes) -> list[bytes]:
 
 # Span descriptions: (name, attrs, metrics, status, level, link, parent index, ident index, sightings)
 names = st.sampled_from(
-    ["iteration", "iteration", "forward", "backward", "training_loop", "model_initialization", "my_phase", "x" * 300]
+    ["iteration", "iteration", "iteration", "iteration", "model_forward", "zero_grad", "training_loop", "model_initialization", "validation_loop"]
+    + ["checkpoint_save_sync", "my_phase", "x" * 300]
 ) | st.text(max_size=6)
 
 
@@ -194,11 +208,14 @@ def workloads(draw: Any) -> list[Any]:
             items.append((ERROR, draw(names), draw(attr_dicts), 0, ident, clock, ("ValueError", "bad", "stack")))
             continue
         link = draw(st.integers(0, 5)) if draw(st.integers(0, 9)) == 0 else None
-        span = Span(draw(names), draw(attr_dicts), draw(st.sampled_from([1, 3, 3, 4])), link)
+        name = draw(names)
+        typical = name == "iteration" and draw(st.integers(0, 3)) > 0
+        attrs = draw(iteration_attrs if typical else attr_dicts)
+        span = Span(name, attrs, draw(st.sampled_from([1, 3, 3, 4])), link)
         span.parent = spans[draw(st.integers(0, len(spans) - 1))] if spans and draw(st.booleans()) else None
         span.id = index + 1
         span.tid = ident
-        span.metrics = draw(st.none() | st.dictionaries(keys, values, max_size=3))
+        span.metrics = draw(iteration_metrics if typical else st.none() | st.dictionaries(keys, values, max_size=3))
         span.status = draw(st.sampled_from(["ok", "ok", "ok", "error", "terminated"]))
         span.written = 0
         span.t0 = clock
@@ -334,7 +351,7 @@ def test_long_plain_run_is_identical(tmp_path: Path) -> None:
         it.t0 = clock
         clock += 1000 + step % 17
         it.t1 = clock
-        fwd = Span("forward", None, 4)
+        fwd = Span("model_forward", None, 4)
         fwd.parent, fwd.id, fwd.tid, fwd.status, fwd.written = it, next_id, _IDENTS[0], "ok", 0
         fwd.metrics, fwd.t0, fwd.t1 = None, it.t0 + 10, it.t0 + 500
         plain = Span("my_phase", {"k": "v"}, 4)

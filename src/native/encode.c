@@ -40,7 +40,8 @@ enum { F_NAME, F_ATTRS, F_LEVEL, F_LINK, F_PARENT, F_ID, F_TID, F_T0, F_T1, F_ST
 static const char *field_names[NF] = {"name", "attrs",  "level",  "link",    "parent",  "id",
                                       "tid",  "t0",     "t1",     "status",  "written", "metrics"};
 static PyObject *FIELD[NF];
-static PyObject *S_OK, *S_STEP, *S_CURRENT_ITERATION, *S_ITERATION, *S_TRAINING_LOOP, *S_INIT_SUFFIX;
+static PyObject *S_OK, *S_STEP, *S_CURRENT_ITERATION, *S_ITERATION, *S_TRAINING_LOOP, *S_INIT_SUFFIX,
+    *S_NUM_ITERATIONS;
 static PyObject *SMALL[5];
 
 /* ------------------------------------------------------------------ buffer */
@@ -249,19 +250,19 @@ typedef struct {
     PyObject *open;         /* dict id -> span */
     PyObject *cache;        /* Redactor._cache, or NULL when nothing is redacted */
     PyObject *python_names; /* span names the statistics observer must see in Python */
+    PyObject *reserved;     /* iteration attributes the statistics read rather than average (_stats.RESERVED) */
     long file_level, dict_level;
     int style;
     /* iterations the statistics observer has not absorbed yet */
     Py_ssize_t iter_n;
-    PyObject *durations, *t0s, *last_step, *loop_id, *ident;
-    long long first_t0, last_t1, max_t1;
+    PyObject *t0s, *last_step, *loop_id, *ident;
+    long long first_t0, last_t1, max_t1, sum_dur, min_dur, max_dur;
     FieldMap maps[TYPE_CACHE];
     int next_map;
 } Encoder;
 
 static void clear_batch(Encoder *e) {
     e->iter_n = 0;
-    Py_CLEAR(e->durations);
     Py_CLEAR(e->t0s);
     Py_CLEAR(e->last_step);
     Py_CLEAR(e->loop_id);
@@ -275,7 +276,7 @@ static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
     Py_VISIT(e->open);
     Py_VISIT(e->cache);
     Py_VISIT(e->python_names);
-    Py_VISIT(e->durations);
+    Py_VISIT(e->reserved);
     Py_VISIT(e->t0s);
     Py_VISIT(e->last_step);
     Py_VISIT(e->loop_id);
@@ -290,6 +291,7 @@ static int Encoder_clear(Encoder *e) {
     Py_CLEAR(e->open);
     Py_CLEAR(e->cache);
     Py_CLEAR(e->python_names);
+    Py_CLEAR(e->reserved);
     clear_batch(e);
     for (int i = 0; i < TYPE_CACHE; i++) Py_CLEAR(e->maps[i].type);
     return 0;
@@ -303,12 +305,14 @@ static void Encoder_dealloc(Encoder *e) {
 }
 
 static PyObject *Encoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"threads", "open", "cache", "python_names", "file_level", "dict_level", "style", NULL};
-    PyObject *threads, *open, *cache, *names;
+    static char *kwlist[] = {"threads",    "open",       "cache", "python_names", "reserved",
+                             "file_level", "dict_level", "style", NULL};
+    PyObject *threads, *open, *cache, *names, *reserved;
     long file_level, dict_level;
     int style;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!lli", kwlist, &PyDict_Type, &threads, &PyDict_Type, &open,
-                                     &cache, &PyFrozenSet_Type, &names, &file_level, &dict_level, &style))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!OO!O!lli", kwlist, &PyDict_Type, &threads, &PyDict_Type, &open,
+                                     &cache, &PyFrozenSet_Type, &names, &PyFrozenSet_Type, &reserved, &file_level,
+                                     &dict_level, &style))
         return NULL;
     if (cache != Py_None && !PyDict_Check(cache)) {
         PyErr_SetString(PyExc_TypeError, "cache must be a dict or None");
@@ -320,6 +324,7 @@ static PyObject *Encoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     e->open = Py_NewRef(open);
     e->cache = cache == Py_None ? NULL : Py_NewRef(cache);
     e->python_names = Py_NewRef(names);
+    e->reserved = Py_NewRef(reserved);
     e->file_level = file_level;
     e->dict_level = dict_level;
     e->style = style;
@@ -394,7 +399,15 @@ static inline int short_str(PyObject *v, Py_ssize_t limit) {
 /* ------------------------------------------------------------------ statistics */
 
 /* What the statistics observer (_stats.IterationStats) does with an ended span. */
-enum { OBS_NOTHING, OBS_ITERATION, OBS_PYTHON };
+enum { OBS_NOTHING, OBS_ITERATION, OBS_PHASE, OBS_PYTHON };
+
+/* The statistics' state for one convert() call (see _pipeline._convert_native). */
+typedef struct {
+    PyObject *phase_fields; /* dict: span name -> field (PHASE_FIELDS) */
+    PyObject *phase_sum, *phase_count, *metric_sum, *metric_count, *metric_last; /* the interval's dicts */
+    PyObject *buckets; /* the interval's LogHistogram._buckets */
+    double inv_log;
+} Stats;
 
 static int plain_value(PyObject *v) {
     return v == Py_None || v == Py_True || v == Py_False || PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
@@ -418,44 +431,98 @@ static int hold_is_noop(Encoder *e, PyObject *name, PyObject *attrs, PyObject *m
     return 1;
 }
 
-/* span_ended(): a plain iteration (step keys only, status ok) that convert() can count, nothing, or Python. */
-static int observed(Encoder *e, PyObject *name, PyObject *attrs, PyObject *metrics, PyObject *status,
-                    PyObject **step) {
-    *step = Py_None;
+static int is_step_key(PyObject *k) {
+    return PyUnicode_Compare(k, S_STEP) == 0 || PyUnicode_Compare(k, S_CURRENT_ITERATION) == 0 ||
+           PyUnicode_Compare(k, S_ITERATION) == 0;
+}
+
+/*
+ * span_ended(), the checks: OBS_ITERATION for a completed step whose reserved
+ * keys are only step keys (and num_iterations), with plain values;
+ * OBS_PHASE for a sub-phase span (``*field`` set); OBS_NOTHING for a name the
+ * statistics ignore; OBS_PYTHON for everything else.
+ */
+static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyObject *metrics, PyObject *status,
+                    PyObject **field) {
     if (PyUnicode_Compare(name, S_ITERATION) != 0) {
+        PyObject *f = PyDict_GetItemWithError(st->phase_fields, name);
+        if (f != NULL) {
+            *field = f;
+            return OBS_PHASE;
+        }
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return OBS_PYTHON;
+        }
         if (PySet_Contains(e->python_names, name) != 0) return OBS_PYTHON;
         Py_ssize_t n = PyUnicode_GET_LENGTH(name);
         if (n >= 15 && PyUnicode_Tailmatch(name, S_INIT_SUFFIX, 0, n, 1) != 0) return OBS_PYTHON;
         return OBS_NOTHING;
     }
     if (status == NULL || !PyUnicode_Check(status) || PyUnicode_Compare(status, S_OK) != 0) return OBS_PYTHON;
-    if (metrics != NULL && metrics != Py_None && (!PyDict_CheckExact(metrics) || PyDict_GET_SIZE(metrics)))
-        return OBS_PYTHON;
-    if (attrs != NULL && attrs != Py_None) {
-        if (!PyDict_CheckExact(attrs)) return OBS_PYTHON;
+    PyObject *values[2] = {attrs, metrics};
+    for (int i = 0; i < 2; i++) {
+        PyObject *d = values[i];
+        if (d == NULL || d == Py_None) continue;
+        if (!PyDict_CheckExact(d)) return OBS_PYTHON;
         Py_ssize_t pos = 0;
         PyObject *k, *v;
-        while (PyDict_Next(attrs, &pos, &k, &v)) {
+        while (PyDict_Next(d, &pos, &k, &v)) {
             if (!PyUnicode_CheckExact(k) || !plain_value(v)) return OBS_PYTHON;
-            if (PyUnicode_Compare(k, S_STEP) != 0 && PyUnicode_Compare(k, S_CURRENT_ITERATION) != 0 &&
-                PyUnicode_Compare(k, S_ITERATION) != 0)
-                return OBS_PYTHON;
-            *step = v;
+            if (PySet_Contains(e->reserved, k) != 0 && !is_step_key(k) && PyUnicode_Compare(k, S_NUM_ITERATIONS) != 0)
+                return OBS_PYTHON; /* batch_size, tokens, flops, skipped */
         }
     }
     return OBS_ITERATION;
 }
 
-static int count_iteration(Encoder *e, PyObject *span, long long t0, long long t1, PyObject *step, int want_t0) {
-    if (e->durations == NULL && (e->durations = PyList_New(0)) == NULL) return -1;
-    if (want_t0 && e->t0s == NULL && (e->t0s = PyList_New(0)) == NULL) return -1;
-    PyObject *d = PyLong_FromLongLong(t1 - t0);
-    if (d == NULL || PyList_Append(e->durations, d) < 0) {
-        Py_XDECREF(d);
-        return -1;
+static int add_to(PyObject *dict, PyObject *key, PyObject *amount, PyObject *start) {
+    PyObject *old = PyDict_GetItemWithError(dict, key);
+    if (old == NULL && PyErr_Occurred()) return -1;
+    PyObject *sum = PyNumber_Add(old ? old : start, amount);
+    if (sum == NULL) return -1;
+    int rc = PyDict_SetItem(dict, key, sum);
+    Py_DECREF(sum);
+    return rc;
+}
+
+static PyObject *ZERO_F, *ZERO_I, *ONE;
+
+/* _iteration's sums for a checked iteration: metric means and last values, the histogram, the interval. */
+static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attrs, PyObject *metrics, long long t0,
+                           long long t1, int want_t0) {
+    long long dur = t1 - t0;
+    PyObject *step = Py_None;
+    int shadow = attrs != Py_None && PyDict_GET_SIZE(attrs) && metrics != Py_None && PyDict_GET_SIZE(metrics);
+    PyObject *values[2] = {attrs, metrics};
+    for (int i = 0; i < 2; i++) {
+        PyObject *d = values[i];
+        if (d == Py_None) continue;
+        Py_ssize_t pos = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(d, &pos, &k, &v)) {
+            if (PySet_Contains(e->reserved, k) != 0) {
+                if (is_step_key(k)) step = v;
+                continue;
+            }
+            if (shadow && i == 0 && PyDict_Contains(metrics, k) != 0) continue;
+            if (PyFloat_CheckExact(v)) {
+                if (add_to(st->metric_sum, k, v, ZERO_F) < 0 || add_to(st->metric_count, k, ONE, ZERO_I) < 0)
+                    return -1;
+            } else if (v != Py_None) {
+                if (PyDict_SetItem(st->metric_last, k, v) < 0) return -1;
+            }
+        }
     }
-    Py_DECREF(d);
+    /* LogHistogram.add_many's bucket, for this duration */
+    long long key = dur > 0 ? (long long)floor(log((double)dur) * st->inv_log) : -(1LL << 30);
+    PyObject *pkey = PyLong_FromLongLong(key);
+    if (pkey == NULL) return -1;
+    int rc = add_to(st->buckets, pkey, ONE, ZERO_I);
+    Py_DECREF(pkey);
+    if (rc < 0) return -1;
     if (want_t0) {
+        if (e->t0s == NULL && (e->t0s = PyList_New(0)) == NULL) return -1;
         PyObject *t = PyLong_FromLongLong(t0);
         if (t == NULL || PyList_Append(e->t0s, t) < 0) {
             Py_XDECREF(t);
@@ -466,7 +533,12 @@ static int count_iteration(Encoder *e, PyObject *span, long long t0, long long t
     if (e->iter_n == 0) {
         e->first_t0 = t0;
         e->max_t1 = t1;
+        e->min_dur = e->max_dur = dur;
+        e->sum_dur = 0;
     }
+    e->sum_dur += dur;
+    if (dur < e->min_dur) e->min_dur = dur;
+    if (dur > e->max_dur) e->max_dur = dur;
     e->last_t1 = t1;
     if (t1 > e->max_t1) e->max_t1 = t1;
     Py_XSETREF(e->last_step, Py_NewRef(step));
@@ -487,6 +559,15 @@ static int count_iteration(Encoder *e, PyObject *span, long long t0, long long t
     return 0;
 }
 
+static int count_phase(Stats *st, PyObject *field, long long t0, long long t1) {
+    PyObject *dur = PyLong_FromLongLong(t1 - t0);
+    if (dur == NULL) return -1;
+    int rc = add_to(st->phase_sum, field, dur, ZERO_I);
+    Py_DECREF(dur);
+    if (rc < 0) return -1;
+    return add_to(st->phase_count, field, ONE, ZERO_I);
+}
+
 /* ------------------------------------------------------------------ records */
 
 typedef struct {
@@ -495,6 +576,7 @@ typedef struct {
     int mode; /* 0: no observer; 1: the statistics observer only; 2: others (Python sees every end) */
     Py_ssize_t steps_left;
     int want_t0;
+    Stats st; /* mode 1 */
 } Ctx;
 
 /* Begin a record's line: {"seq":N,"kind":"<kind>","ts":T,"name":"..." */
@@ -641,7 +723,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     if (state != 0) {
         /* Second sighting: the span's stop. */
         int obs = OBS_NOTHING;
-        PyObject *step = Py_None;
+        PyObject *field = NULL;
         if (state != W_OPEN && c->mode == 0) {
             rc = RC_OK;
             goto out;
@@ -651,10 +733,10 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
         NEED(f[F_STATUS] != NULL);
         if (c->mode == 1) {
             if (state == W_OPEN) NEED(hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
-            obs = observed(e, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &step);
+            obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field);
             NEED(obs != OBS_PYTHON);
             /* The iteration that completes an interval is left to Python: its event goes before its end record. */
-            NEED(obs != OBS_ITERATION || e->iter_n + 1 < c->steps_left);
+            NEED(obs != OBS_ITERATION || (e->iter_n + 1 < c->steps_left && t1 - t0 < (1LL << 53)));
         }
         if (state == W_OPEN) {
             Rec r = {.kind = "end", .ts = c->wall0 + t1, .name = f[F_NAME], .has_id = 1, .has_dur = 1};
@@ -683,7 +765,10 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             if (PyDict_DelItem(e->open, f[F_ID]) < 0) PyErr_Clear();
             if (set(e, span, F_WRITTEN, SMALL[W_DONE]) < 0) PyErr_Clear();
         }
-        if (obs == OBS_ITERATION && count_iteration(e, span, t0, t1, step, c->want_t0) < 0) PyErr_Clear();
+        if (obs == OBS_ITERATION &&
+            count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0) < 0)
+            PyErr_Clear();
+        if (obs == OBS_PHASE && count_phase(&c->st, field, t0, t1) < 0) PyErr_Clear();
         rc = RC_OK;
         goto out;
     }
@@ -771,8 +856,19 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
     PyObject *popleft;
     Py_ssize_t n;
     Ctx c;
-    if (!PyArg_ParseTuple(args, "OnLLini", &popleft, &n, &c.wall0, &c.seq, &c.mode, &c.steps_left, &c.want_t0))
+    PyObject *stats = Py_None;
+    if (!PyArg_ParseTuple(args, "OnLLini|O", &popleft, &n, &c.wall0, &c.seq, &c.mode, &c.steps_left, &c.want_t0,
+                          &stats))
         return NULL;
+    memset(&c.st, 0, sizeof c.st);
+    if (c.mode == 1) {
+        /* (phase_fields, phase_sum, phase_count, metric_sum, metric_count, metric_last, buckets, inv_log) */
+        if (!PyArg_ParseTuple(stats, "O!O!O!O!O!O!O!d", &PyDict_Type, &c.st.phase_fields, &PyDict_Type,
+                              &c.st.phase_sum, &PyDict_Type, &c.st.phase_count, &PyDict_Type, &c.st.metric_sum,
+                              &PyDict_Type, &c.st.metric_count, &PyDict_Type, &c.st.metric_last, &PyDict_Type,
+                              &c.st.buckets, &c.st.inv_log))
+            return NULL;
+    }
     Py_ssize_t taken = 0;
     PyObject *back = NULL;
     while (taken < n) {
@@ -832,14 +928,15 @@ static PyObject *Encoder_extend(Encoder *e, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* take_iterations() -> None or (n, durations, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident) */
+/* take_iterations() -> None or (n, sum, min, max, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident) */
 static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
     (void)unused;
     if (e->iter_n == 0) Py_RETURN_NONE;
-    PyObject *out = Py_BuildValue("nOOLLLOOO", e->iter_n, e->durations ? e->durations : Py_None,
+    PyObject *out = Py_BuildValue("nLLLOLLLOOO", e->iter_n, e->sum_dur, e->min_dur, e->max_dur,
                                   e->t0s ? e->t0s : Py_None, e->first_t0, e->last_t1, e->max_t1,
                                   e->last_step ? e->last_step : Py_None, e->loop_id ? e->loop_id : Py_None,
                                   e->ident ? e->ident : Py_None);
+    if (out == NULL) return NULL;
     clear_batch(e);
     return out;
 }
@@ -903,7 +1000,11 @@ PyMODINIT_FUNC PyInit__encode(void) {
         (S_CURRENT_ITERATION = PyUnicode_InternFromString("current_iteration")) == NULL ||
         (S_ITERATION = PyUnicode_InternFromString("iteration")) == NULL ||
         (S_TRAINING_LOOP = PyUnicode_InternFromString("training_loop")) == NULL ||
-        (S_INIT_SUFFIX = PyUnicode_InternFromString("_initialization")) == NULL)
+        (S_INIT_SUFFIX = PyUnicode_InternFromString("_initialization")) == NULL ||
+        (S_NUM_ITERATIONS = PyUnicode_InternFromString("num_iterations")) == NULL)
+        return NULL;
+    if ((ZERO_F = PyFloat_FromDouble(0.0)) == NULL || (ZERO_I = PyLong_FromLong(0)) == NULL ||
+        (ONE = PyLong_FromLong(1)) == NULL)
         return NULL;
     for (int i = 0; i < 5; i++)
         if ((SMALL[i] = PyLong_FromLong(i)) == NULL) return NULL;

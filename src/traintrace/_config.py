@@ -573,7 +573,7 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 #: ``TRAINTRACE_*`` variables that are not settings of the library: read by
 #: ``configure()`` itself or by the ``traintrace`` command (docs/configuration.md).
-OWN_VARIABLES = frozenset({"config", "disabled", "memory_limit"})
+OWN_VARIABLES = frozenset({"config", "disabled", "memory_limit", "pure", "pure_build"})
 
 
 def _unknown_variable(key: str, candidates: Sequence[str]) -> None:

@@ -20,7 +20,7 @@ from ._wakeup import Wakeup
 
 _native: Any
 try:
-    if os.environ.get("TRAINTRACE_PURE") == "1":
+    if os.environ.get("TRAINTRACE_PURE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise ImportError("TRAINTRACE_PURE=1")
     from . import _encode as _native  # type: ignore[attr-defined,no-redef]
 except ImportError:  # not built (no compiler), or the pure-Python core asked for
@@ -595,7 +595,7 @@ class Pipeline:
         """
         if _native is None:
             return None
-        from ._stats import PYTHON_NAMES
+        from ._stats import PYTHON_NAMES, RESERVED
         from .backends._file import FileBackend
 
         files = [r for r in self.routes if type(r.backend) is FileBackend]
@@ -607,7 +607,9 @@ class Pipeline:
             return None  # every record the file gets is wanted as a dict too
         cache = self._redactor._cache if self._redactor else None
         style = 1 if ENCODER == "orjson" else 0
-        encoder = _native.Encoder(self._threads, self._open, cache, PYTHON_NAMES, files[0].level, dict_level, style)
+        encoder = _native.Encoder(
+            self._threads, self._open, cache, PYTHON_NAMES, RESERVED, files[0].level, dict_level, style
+        )
         return NativeWriter(encoder, files[0], others)
 
     def _convert_native(self, queue: deque[Any], native: NativeWriter) -> bool:
@@ -640,9 +642,12 @@ class Pipeline:
             if stats is not None:
                 steps_left = max(stats.log_interval - stats._steps, 1)
                 want_t0 = bool(stats.step_info)
+                state = stats.native_state()
             else:
-                steps_left, want_t0 = _NO_INTERVAL, False
-            taken, self._seq, item = encoder.convert(popleft, left, wall0, self._seq, mode, steps_left, want_t0)
+                steps_left, want_t0, state = _NO_INTERVAL, False, None
+            taken, self._seq, item = encoder.convert(
+                popleft, left, wall0, self._seq, mode, steps_left, want_t0, state
+            )
             left -= taken
             out: list[tuple[int, dict[str, Any]]] = []
             if stats is not None:

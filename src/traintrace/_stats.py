@@ -60,10 +60,8 @@ _FAILED: Final = frozenset({SpanStatus.ERROR, SpanStatus.TERMINATED})
 _PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
 _DETAILED: Final = frozenset({SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION})
 #: Span names whose end the statistics handle in Python (the native encoder counts plain iterations
-#: itself and skips names the statistics ignore; see ``absorb``).
-PYTHON_NAMES: Final = frozenset(
-    {*PHASE_FIELDS, *EXCLUDED_FIELDS, *_DETAILED, SpanName.TRAINING_LOOP}
-)
+#: and sub-phases itself, see ``native_state``/``absorb``, and skips the names the statistics ignore).
+PYTHON_NAMES: Final = frozenset({*EXCLUDED_FIELDS, *_DETAILED, SpanName.TRAINING_LOOP})
 
 
 # ---------------------------------------------------------------- statistics
@@ -339,22 +337,35 @@ class IterationStats:
         else:
             self._flops_known = False
 
+    def native_state(self) -> tuple[Any, ...]:
+        """The interval's sums as the native encoder updates them (``_encode.Encoder.convert``)."""
+        return (
+            PHASE_FIELDS,
+            self._phase_sum,
+            self._phase_count,
+            self._metric_sum,
+            self._metric_count,
+            self._metric_last,
+            self._hist._buckets,
+            self._hist._inv_log,
+        )
+
     def absorb(self, batch: tuple[Any, ...], out: Out) -> None:
         """Iterations the native encoder counted (``_encode.Encoder.take_iterations``), as ``_iteration`` would.
 
-        Each was a completed step whose only attributes are step keys with plain values,
-        none the last of an interval (that one comes through ``span_ended``).
+        Each was a completed step with plain values and no per-step samples, tokens or FLOPs,
+        none the last of an interval (that one comes through ``span_ended``). The encoder
+        already added their metrics and histogram buckets (``native_state``).
         """
-        n, durations, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident = batch
+        n, total, low, high, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident = batch
         if self._interval_start is None:
             self._interval_start = first_t0
         self._steps += n
-        self._sum += sum(durations)
-        pending = self._durations
-        pending.extend(durations)
-        if len(pending) >= _BATCH:
-            self._hist.add_many(pending)
-            pending.clear()
+        self._sum += total
+        hist = self._hist
+        hist.count += n
+        hist.min = min(hist.min, low)
+        hist.max = max(hist.max, high)
         self._last_t1 = last_t1
         self.last_progress = max(self.last_progress, max_t1)
         self.loop_ended = False
