@@ -146,10 +146,15 @@ def clean_attrs(attrs: Mapping[str, Any], redactor: Redactor | None = None) -> d
     """``attrs`` as JSON-safe data, secrets redacted; the common case (str keys, plain numbers)
     passes as is (with only its top-level keys to check)."""
     if type(attrs) is dict and len(attrs) <= 256:
+        # Keys the redactor already judged harmless (its cache) need no second pass.
+        known = redactor.judged if redactor else None
+        unjudged = False
         for key, value in attrs.items():
             kind = type(value)
             if type(key) is not str or len(key) > 256:
                 break
+            if known is not None and known.get(key) is not False:
+                unjudged = True
             if kind is float:
                 if value != value or value in _INFINITIES:  # noqa: PLR0124 - the NaN test
                     break
@@ -162,7 +167,7 @@ def clean_attrs(attrs: Mapping[str, Any], redactor: Redactor | None = None) -> d
             elif kind not in _SAFE_VALUE_TYPES:
                 break
         else:
-            return redactor.apply(attrs) if redactor else attrs
+            return redactor.apply(attrs) if unjudged and redactor else attrs
     return convert_mapping(attrs, redactor.secret if redactor else None)
 
 
@@ -605,7 +610,7 @@ class Pipeline:
         dict_level = max((r.level for r in others), default=-1)
         if dict_level >= files[0].level:
             return None  # every record the file gets is wanted as a dict too
-        cache = self._redactor._cache if self._redactor else None
+        cache = self._redactor.judged if self._redactor else None
         style = 1 if ENCODER == "orjson" else 0
         encoder = _native.Encoder(
             self._threads, self._open, cache, PYTHON_NAMES, RESERVED, files[0].level, dict_level, style

@@ -91,6 +91,8 @@ class Redactor:
     def __init__(self, patterns: Iterable[str]) -> None:
         self.patterns = tuple(p for p in (words(str(p)) for p in patterns) if p)
         self._cache: dict[str, bool] = {}
+        #: Keys judged so far (secret: True); read by the writer's fast paths, written only by ``secret``.
+        self.judged = self._cache
 
     def __bool__(self) -> bool:
         return bool(self.patterns)
