@@ -9,6 +9,8 @@ Python serialiser does or hand the item back to Python.
 
 from __future__ import annotations
 
+import datetime
+import enum
 import json
 import math
 import re
@@ -50,12 +52,51 @@ texts = (
     | st.sampled_from(["\ud800", "a\udfffb", "\x00\x1f\x7f\"\\/", "\u2028é漢字😀", "x" * 4096, "y" * 4097])
 )
 scalars = st.none() | st.booleans() | floats | ints | texts
-values = scalars | st.lists(scalars, max_size=3) | st.dictionaries(st.text(max_size=5), scalars, max_size=3)
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+class Text(str):
+    pass
+
+
+class Number(float):
+    pass
+
+
+class Mapping(dict):  # type: ignore[type-arg]
+    pass
+
+
+class Hostile:
+    """Every conversion of it raises, except on a thread other than the writer's (hypothesis prints it)."""
+
+    def __repr__(self) -> str:
+        if threading.current_thread().name == "traintrace-writer":
+            raise RuntimeError("no repr")
+        return "Hostile()"
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+
+odd = st.sampled_from(
+    [Level.LOW, Text("sub"), Number(1.5), Mapping(a=1), Hostile(), b"\x00\xff", (1, "a"), {3, 1}, Path("/tmp/x")]
+) | st.builds(lambda n: datetime.datetime(2020, 1, 1) + datetime.timedelta(seconds=n), st.integers(0, 10**6))
+values = (
+    scalars
+    | odd
+    | st.lists(scalars | odd, max_size=3)
+    | st.dictionaries(st.text(max_size=5) | st.sampled_from(["token", "api_key"]), scalars, max_size=3)
+)
 keys = (
     st.text(max_size=10)
     | st.sampled_from(["step", "iteration", "current_iteration", "num_iterations", "batch_size", "skipped"])
     | st.sampled_from(["loss", "lr", "hf_token", "password", "tokens", "api_key_1", "k" * 257, "\ud800k"])
     | st.integers(min_value=-3, max_value=3)
+    | st.sampled_from([Text("step"), Level.LOW, Hostile(), ("tuple", 1), None])
 )
 attr_dicts = st.none() | st.dictionaries(keys, values, max_size=5)
 #: What training loops put on iterations: a step, a loss, the same key in attrs and metrics.
