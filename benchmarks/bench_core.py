@@ -202,25 +202,7 @@ def run(quick: bool) -> list[Row]:
 
     # Sustained throughput: spans written to disk, the writer's work and the final close included.
     total = 300_000 if quick else 1_000_000
-    for statistics in (False, True):
-        job = f"throughput-{statistics}"
-        tt.configure(job_id=job, log_dir=str(folder), backends={"log": False}, blocking=True, statistics=statistics)
-        started = time.perf_counter_ns()
-        with tt.training_loop():
-            traintrace_loop(total)
-        recorder = tt.get_recorder()
-        tt.close()
-        elapsed = (time.perf_counter_ns() - started) / 1e9
-        size = (folder / job / "rank0.jsonl").stat().st_size
-        rows.append(
-            {
-                "case": "sustained: iteration spans to disk, blocking, incl. writer and close"
-                + (", statistics on" if statistics else ", statistics off"),
-                "spans_per_s": total / elapsed,
-                "dropped": recorder.dropped if recorder else None,
-                "bytes": size,
-            }
-        )
+    rows.extend(sustained(folder, total))
 
     # A slow sink: the caller's cost must not follow the sink's latency.
     tt.configure(job_id="fast", log_dir=str(folder), backends=[], extra_backends=[NullSink()], queue_size=4 * n)
@@ -253,6 +235,104 @@ def run(quick: bool) -> list[Row]:
     return rows
 
 
+def writer_cpu_s() -> float | None:
+    """CPU seconds the active recorder's writer thread has used (Linux), or None."""
+    recorder = tt.get_recorder()
+    thread = getattr(getattr(recorder, "_pipeline", None), "_thread", None)
+    if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except OSError:  # the thread has ended
+        return None
+
+
+def process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def core_name() -> str:
+    """Which writer encoder runs: ``native`` (traintrace._encode) or ``pure``."""
+    from traintrace import _pipeline
+
+    return "native" if getattr(_pipeline, "_native", None) is not None else "pure"
+
+
+def sustained(folder: Path, total: int) -> list[Row]:
+    """Iteration spans to disk as fast as the loop makes them, statistics off and on (default settings).
+
+    Blocking mode: nothing is dropped, so spans/s is what the writer keeps up with.
+    Also the CPU per span of the whole process (training thread, writer, close) and
+    of the writer thread alone (measured up to the last flush, before close).
+    """
+    rows: list[Row] = []
+    core = core_name()
+    for statistics in (False, True):
+        job = f"throughput-{statistics}-{core}"
+        tt.configure(job_id=job, log_dir=str(folder), backends={"log": False}, blocking=True, statistics=statistics)
+        writer0 = writer_cpu_s()
+        cpu0 = process_cpu_s()
+        started = time.perf_counter_ns()
+        with tt.training_loop():
+            traintrace_loop(total)
+        tt.flush(120)
+        writer1 = writer_cpu_s()
+        recorder = tt.get_recorder()
+        tt.close()
+        elapsed = (time.perf_counter_ns() - started) / 1e9
+        cpu = process_cpu_s() - cpu0
+        size = (folder / job / "rank0.jsonl").stat().st_size
+        rows.append(
+            {
+                "case": f"sustained: iteration spans to disk, blocking, incl. writer and close, statistics "
+                f"{'on' if statistics else 'off'} ({core} writer)",
+                "spans_per_s": total / elapsed,
+                "cpu_us_per_span": cpu / total * 1e6,
+                "writer_us_per_span": None if writer0 is None or writer1 is None else (writer1 - writer0) / total * 1e6,
+                "dropped": recorder.dropped if recorder else None,
+                "bytes": size,
+                "core": core,
+                "statistics": statistics,
+            }
+        )
+    return rows
+
+
+def sustained_pure(total: int) -> list[Row]:
+    """The sustained rows again in a child process with ``TRAINTRACE_PURE=1`` (the pure-Python core)."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "rows.json"
+        env = {**os.environ, "TRAINTRACE_PURE": "1"}
+        command = [sys.executable, __file__, "--sustained-only", str(total), "--json", str(out)]
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+        rows: list[Row] = json.loads(out.read_text())
+    return rows
+
+
+def print_sustained(rows: list[Row]) -> None:
+    """Throughput, CPU per span and what statistics cost, per core."""
+    print(f"\n{'sustained, default settings':44} {'spans/s':>10} {'CPU us/span':>12} {'writer us/span':>15}  dropped")
+    for row in rows:
+        if "spans_per_s" not in row:
+            continue
+        writer = row.get("writer_us_per_span")
+        label = f"{row.get('core', '?')} writer, statistics {'on' if row.get('statistics') else 'off'}"
+        print(
+            f"{label:44} {row['spans_per_s']:10,.0f} {row.get('cpu_us_per_span', float('nan')):12.2f} "
+            f"{'' if writer is None else f'{writer:.2f}':>15}  {row.get('dropped')}"
+        )
+    by_core: dict[str, dict[bool, float]] = {}
+    for row in rows:
+        if "spans_per_s" in row:
+            by_core.setdefault(row.get("core", "?"), {})[bool(row.get("statistics"))] = row["spans_per_s"]
+    for core, pair in by_core.items():
+        if True in pair and False in pair:
+            print(f"statistics cost ({core} writer): {1 - pair[True] / pair[False]:.0%} of throughput")
+
+
 def print_table(rows: list[Row]) -> None:
     by_case = {row["case"]: row for row in rows}
     floor = by_case["floor: empty class-based with"]["ns"]
@@ -283,10 +363,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--no-pure", action="store_true", help="skip the sustained rows with the pure-Python core (TRAINTRACE_PURE=1)"
+    )
+    parser.add_argument("--sustained-only", type=int, metavar="SPANS", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.sustained_only:
+        rows = sustained(Path(tempfile.mkdtemp(prefix="traintrace-bench-")), args.sustained_only)
+        print_sustained(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return
     print(f"python {sys.version.split()[0]}, traintrace {tt.__version__}, pid {os.getpid()}, cpus {os.cpu_count()}")
+    print(f"writer core: {core_name()}; load average {os.getloadavg()[0]:.1f} (a loaded machine slows every row)")
     rows = run(args.quick)
+    if not args.no_pure and core_name() == "native":
+        rows.extend(sustained_pure(300_000 if args.quick else 1_000_000))
     print_table(rows)
+    print_sustained(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

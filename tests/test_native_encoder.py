@@ -389,7 +389,7 @@ def test_long_plain_run_is_identical(tmp_path: Path) -> None:
         it.metrics = {"loss": 1.0 / (step + 1), "lr": 1e-5 * (step % 7)} if step % 3 else None
         next_id += 1
         it.t0 = clock
-        clock += 1000 + step % 17
+        clock += 1000 + (step * 7919) % 90_000  # durations over many histogram buckets
         it.t1 = clock
         fwd = Span("model_forward", None, 4)
         fwd.parent, fwd.id, fwd.tid, fwd.status, fwd.written = it, next_id, _IDENTS[0], "ok", 0

@@ -233,6 +233,7 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
 /* ------------------------------------------------------------------ encoder object */
 
 #define TYPE_CACHE 4
+#define HBINS 8
 
 typedef struct {
     PyTypeObject *type; /* strong reference */
@@ -259,6 +260,11 @@ typedef struct {
     long long first_t0, last_t1, max_t1, sum_dur, min_dur, max_dur;
     FieldMap maps[TYPE_CACHE];
     int next_map;
+    /* histogram buckets counted since the last hist_flush, for the dict hbuckets */
+    PyObject *hbuckets;
+    int hn;
+    long long hkey[HBINS];
+    long long hcount[HBINS];
 } Encoder;
 
 static void clear_batch(Encoder *e) {
@@ -277,6 +283,7 @@ static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
     Py_VISIT(e->cache);
     Py_VISIT(e->python_names);
     Py_VISIT(e->reserved);
+    Py_VISIT(e->hbuckets);
     Py_VISIT(e->t0s);
     Py_VISIT(e->last_step);
     Py_VISIT(e->loop_id);
@@ -292,6 +299,8 @@ static int Encoder_clear(Encoder *e) {
     Py_CLEAR(e->cache);
     Py_CLEAR(e->python_names);
     Py_CLEAR(e->reserved);
+    Py_CLEAR(e->hbuckets);
+    e->hn = 0;
     clear_batch(e);
     for (int i = 0; i < TYPE_CACHE; i++) Py_CLEAR(e->maps[i].type);
     return 0;
@@ -488,6 +497,21 @@ static int add_to(PyObject *dict, PyObject *key, PyObject *amount, PyObject *sta
 
 static PyObject *ZERO_F, *ZERO_I, *ONE;
 
+/* Add the bucket counts kept in C to the histogram's dict. */
+static int hist_flush(Encoder *e) {
+    int rc = 0;
+    for (int i = 0; i < e->hn && rc == 0; i++) {
+        PyObject *key = PyLong_FromLongLong(e->hkey[i]);
+        PyObject *count = PyLong_FromLongLong(e->hcount[i]);
+        rc = (key && count) ? add_to(e->hbuckets, key, count, ZERO_I) : -1;
+        Py_XDECREF(key);
+        Py_XDECREF(count);
+    }
+    e->hn = 0;
+    Py_CLEAR(e->hbuckets);
+    return rc;
+}
+
 /* _iteration's sums for a checked iteration: metric means and last values, the histogram, the interval. */
 static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attrs, PyObject *metrics, long long t0,
                            long long t1, int want_t0) {
@@ -514,13 +538,25 @@ static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attr
             }
         }
     }
-    /* LogHistogram.add_many's bucket, for this duration */
+    /* LogHistogram.add_many's bucket, for this duration (counted here, added to the dict in hist_flush) */
     long long key = dur > 0 ? (long long)floor(log((double)dur) * st->inv_log) : -(1LL << 30);
-    PyObject *pkey = PyLong_FromLongLong(key);
-    if (pkey == NULL) return -1;
-    int rc = add_to(st->buckets, pkey, ONE, ZERO_I);
-    Py_DECREF(pkey);
-    if (rc < 0) return -1;
+    if (e->hbuckets != st->buckets) {
+        if (hist_flush(e) < 0) return -1;
+        e->hbuckets = Py_NewRef(st->buckets);
+    }
+    int bin = 0;
+    while (bin < e->hn && e->hkey[bin] != key) bin++;
+    if (bin == HBINS) {
+        if (hist_flush(e) < 0) return -1;
+        e->hbuckets = Py_NewRef(st->buckets);
+        bin = 0;
+    }
+    if (bin == e->hn) {
+        e->hkey[bin] = key;
+        e->hcount[bin] = 0;
+        e->hn++;
+    }
+    e->hcount[bin]++;
     if (want_t0) {
         if (e->t0s == NULL && (e->t0s = PyList_New(0)) == NULL) return -1;
         PyObject *t = PyLong_FromLongLong(t0);
@@ -931,6 +967,7 @@ static PyObject *Encoder_extend(Encoder *e, PyObject *args) {
 /* take_iterations() -> None or (n, sum, min, max, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident) */
 static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
     (void)unused;
+    if (e->hn && hist_flush(e) < 0) PyErr_Clear();
     if (e->iter_n == 0) Py_RETURN_NONE;
     PyObject *out = Py_BuildValue("nLLLOLLLOOO", e->iter_n, e->sum_dur, e->min_dur, e->max_dur,
                                   e->t0s ? e->t0s : Py_None, e->first_t0, e->last_t1, e->max_t1,

@@ -1,0 +1,410 @@
+"""The writer's native encoder (``traintrace._encode``) against the pure-Python path, byte for byte.
+
+The same queued items (spans, events, errors with fixed clock readings) go through a
+pipeline with the native encoder and through one without; the files must be identical
+apart from the wall-clock ``ts`` of each record (the pipelines' clock anchors differ).
+Values are hostile on purpose: the encoder must either write them exactly as the
+Python serialiser does or hand the item back to Python.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import math
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from traintrace import _pipeline
+from traintrace._config import Config
+from traintrace._pipeline import Pipeline, clean_attrs
+from traintrace._recorder import ERROR, EVENT, Span
+from traintrace._redact import DEFAULT_REDACT_KEYS, Redactor
+from traintrace._serialize import ENCODER, dumps
+from traintrace._stats import IterationStats
+from traintrace.backends._file import FileBackend
+
+#: The extension itself: these tests compare it with the Python path even under TRAINTRACE_PURE=1.
+native = pytest.importorskip("traintrace._encode")
+
+STYLE = 1 if ENCODER == "orjson" else 0
+_TS = re.compile(rb'"ts":-?\d+')
+
+
+# ---------------------------------------------------------------- values
+
+floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
+    [0.0, -0.0, 1e-5, -1.5e-5, 1e-6, 1e-7, 1e15, 1e16, -1e16, 5e-324, 1.7976931348623157e308, 0.1, 2.5e-5]
+)
+ints = st.integers(min_value=-(2**63), max_value=2**63 - 1) | st.sampled_from(
+    [2**63, 2**64 - 1, 2**64, -(2**64), -(2**64) + 1, 10**30]
+)
+texts = (
+    st.text(max_size=12)
+    | st.text(alphabet=st.characters(max_codepoint=0x24), max_size=8)
+    | st.sampled_from(["\ud800", "a\udfffb", "\x00\x1f\x7f\"\\/", "\u2028é漢字😀", "x" * 4096, "y" * 4097])
+)
+scalars = st.none() | st.booleans() | floats | ints | texts
+
+
+class Level(enum.IntEnum):
+    LOW = 1
+
+
+class Text(str):
+    pass
+
+
+class Number(float):
+    pass
+
+
+class Mapping(dict):  # type: ignore[type-arg]
+    pass
+
+
+class Hostile:
+    """Every conversion of it raises, except on a thread other than the writer's (hypothesis prints it)."""
+
+    def __repr__(self) -> str:
+        if threading.current_thread().name == "traintrace-writer":
+            raise RuntimeError("no repr")
+        return "Hostile()"
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+
+odd = st.sampled_from(
+    [Level.LOW, Text("sub"), Number(1.5), Mapping(a=1), Hostile(), b"\x00\xff", (1, "a"), {3, 1}, Path("/tmp/x")]
+) | st.builds(lambda n: datetime.datetime(2020, 1, 1) + datetime.timedelta(seconds=n), st.integers(0, 10**6))
+values = (
+    scalars
+    | odd
+    | st.lists(scalars | odd, max_size=3)
+    | st.dictionaries(st.text(max_size=5) | st.sampled_from(["token", "api_key"]), scalars, max_size=3)
+)
+keys = (
+    st.text(max_size=10)
+    | st.sampled_from(["step", "iteration", "current_iteration", "num_iterations", "batch_size", "skipped"])
+    | st.sampled_from(["loss", "lr", "hf_token", "password", "tokens", "api_key_1", "k" * 257, "\ud800k"])
+    | st.integers(min_value=-3, max_value=3)
+    | st.sampled_from([Text("step"), Level.LOW, Hostile(), ("tuple", 1), None])
+)
+attr_dicts = st.none() | st.dictionaries(keys, values, max_size=5)
+#: What training loops put on iterations: a step, a loss, the same key in attrs and metrics.
+_iteration_values = {
+    "loss": st.floats(width=32),
+    "acc": st.integers(-5, 5),
+    "tag": st.text(max_size=3),
+    "flag": st.booleans(),
+    "none": st.none(),
+    "current_iteration": st.integers(0, 9),
+    "num_iterations": st.integers(0, 9),
+}
+iteration_attrs = st.fixed_dictionaries({"step": st.integers(0, 99)}, optional=_iteration_values)
+iteration_metrics = st.none() | st.fixed_dictionaries({}, optional={**_iteration_values, "step": st.integers(0, 9)})
+
+
+def test_encode_attrs_matches_python_serialiser() -> None:
+    """Plain values: the same bytes as dumps(clean_attrs(...)); anything else is refused (None)."""
+
+    @settings(max_examples=3000, deadline=None)
+    @given(st.dictionaries(keys, values, max_size=6), st.booleans())
+    def check(attrs: dict[Any, Any], redact: bool) -> None:
+        redactor = Redactor(DEFAULT_REDACT_KEYS if redact else ())
+        for key in attrs:
+            if isinstance(key, str):
+                redactor.secret(key)  # as the Python path fills the cache
+        cache = redactor.judged if redactor else None
+        encoded = native.encode_attrs(attrs, cache, STYLE)
+        if encoded is None:
+            return
+        assert encoded == dumps(clean_attrs(attrs, redactor if redactor else None))
+        assert all(isinstance(k, str) and not (redactor and redactor.secret(k)) for k in attrs)
+
+    check()
+
+
+def test_plain_values_are_encoded_not_refused() -> None:
+    """The fast path covers what training loops send (or the encoder would be pointless)."""
+    attrs = {"step": 3, "loss": 0.25, "lr": 1e-5, "tiny": 2.5e-7, "big": 1e16, "name": "é\n", "ok": True, "n": None}
+    encoded = native.encode_attrs(attrs, None, STYLE)
+    assert encoded == dumps(clean_attrs(attrs))
+
+
+# ---------------------------------------------------------------- whole pipelines
+
+
+class _Stats(IterationStats):
+    """The statistics observer on its own (as ``_insight.Insight`` wires it)."""
+
+    def __init__(self, pipeline: Pipeline, log_interval: int) -> None:
+        super().__init__(pipeline, log_interval, None)
+        self.native_stats = self
+
+
+class _Other:
+    """An observer the native encoder does not know: every span end goes through Python."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def hold(self, span: Span, started: bool) -> bool:
+        return False
+
+    def span_ended(self, span: Span, out: Any) -> None:
+        self.seen += 1
+
+    def flushing(self, out: Any) -> None:
+        pass
+
+    def finish(self, out: Any, open_status: str) -> None:
+        pass
+
+
+HEADER = {"seq": 0, "kind": "header", "ts": 0, "schema": "traintrace", "schema_version": 1}
+_IDENTS = [threading.get_ident(), 987654321]
+
+
+def run_pipeline(
+    path: Path,
+    items: list[Any],
+    *,
+    use_native: bool,
+    observer: str,
+    log_interval: int,
+    redact: bool,
+    dict_route: bool = False,
+    step_info: bool = False,
+) -> bytes:
+    saved = _pipeline._native
+    _pipeline._native = native if use_native else None
+    try:
+        config = Config(queue_size=100_000, flush_interval=3600.0)
+        config.redact_keys = DEFAULT_REDACT_KEYS if redact else ()
+        backend = FileBackend(path, fsync_on_close=False)
+        backend.open(HEADER)
+        routes: list[Any] = [(backend, "file", 4)]
+        memory = None
+        if dict_route:
+            from traintrace.backends._memory import MemoryBackend
+
+            memory = MemoryBackend()
+            routes.append((memory, "memory", 1))
+        pipeline = Pipeline(config, HEADER, routes)
+    finally:
+        _pipeline._native = saved
+    assert (pipeline.native is not None) == use_native
+    if observer == "stats":
+        stats = _Stats(pipeline, log_interval)
+        if step_info:
+            stats.step_info = ((0, {"batch_size": 8, "tokens": 100, "flops": 1.5e9}),)
+        pipeline.observers.append(stats)
+    elif observer == "other":
+        pipeline.observers.append(_Other())
+    pipeline.queue.extend(items)
+    pipeline.close(30.0)
+    return path.read_bytes()
+
+
+def normalise(data: bytes) -> list[bytes]:
+    return [_TS.sub(b'"ts":0', line) for line in data.splitlines()]
+
+
+# Span descriptions: (name, attrs, metrics, status, level, link, parent index, ident index, sightings)
+names = st.sampled_from(
+    ["iteration", "iteration", "iteration", "iteration", "model_forward", "zero_grad", "training_loop", "model_initialization", "validation_loop"]
+    + ["checkpoint_save_sync", "my_phase", "x" * 300]
+) | st.text(max_size=6)
+
+
+@st.composite
+def workloads(draw: Any) -> list[Any]:
+    """Queue items in order; ``_Stop(span, t1)`` is a span's second sighting after a start seen open."""
+    count = draw(st.integers(min_value=1, max_value=40))
+    items: list[Any] = []
+    pending: list[Any] = []
+    spans: list[Span] = []
+    clock = 1_000_000
+    for index in range(count):
+        while pending and draw(st.booleans()):
+            items.append(pending.pop(draw(st.integers(0, len(pending) - 1))))
+        what = draw(st.integers(min_value=0, max_value=9))
+        clock += draw(st.integers(min_value=1, max_value=10_000))
+        ident = _IDENTS[draw(st.integers(min_value=0, max_value=1))]
+        if what == 0:
+            level = draw(st.sampled_from([1, 2, 3, 4]))
+            items.append((EVENT, draw(names), draw(attr_dicts), draw(st.integers(0, 5)), ident, clock, level))
+            continue
+        if what == 1:
+            items.append((ERROR, draw(names), draw(attr_dicts), 0, ident, clock, ("ValueError", "bad", "stack")))
+            continue
+        link = draw(st.integers(0, 5)) if draw(st.integers(0, 9)) == 0 else None
+        name = draw(names)
+        typical = name == "iteration" and draw(st.integers(0, 3)) > 0
+        attrs = draw(iteration_attrs if typical else attr_dicts)
+        span = Span(name, attrs, draw(st.sampled_from([1, 3, 3, 4])), link)
+        span.parent = spans[draw(st.integers(0, len(spans) - 1))] if spans and draw(st.booleans()) else None
+        span.id = index + 1
+        span.tid = ident
+        span.metrics = draw(iteration_metrics if typical else st.none() | st.dictionaries(keys, values, max_size=3))
+        span.status = draw(st.sampled_from(["ok", "ok", "ok", "error", "terminated"]))
+        span.written = 0
+        span.t0 = clock
+        t1 = clock + draw(st.integers(min_value=1, max_value=5_000_000))
+        spans.append(span)
+        if draw(st.booleans()):
+            span.t1 = t1  # stopped before the writer saw it: one whole record
+            items.append(span)
+            pending.append(span)
+        else:
+            span.t1 = None  # seen open: a start record, then an end record
+            items.append(span)
+            pending.append(_Stop(span, t1))
+    items.extend(pending)
+    return items
+
+
+class _Stop:
+    """A span's second sighting; its stop time is set only as the writer takes it from the queue."""
+
+    def __init__(self, span: Span, t1: int) -> None:
+        self.span = span
+        self.t1 = t1
+
+
+def _copy(span: Span, copies: dict[int, Span]) -> Span:
+    new = Span(span.name, span.attrs, span.level, span.link)
+    parent = span.parent
+    new.parent = copies.get(id(parent)) if parent is not None else None
+    new.id, new.tid, new.metrics, new.status = span.id, span.tid, span.metrics, span.status
+    new.written, new.t0, new.t1 = 0, span.t0, span.t1
+    return new
+
+
+def fresh(workload: list[Any]) -> tuple[list[Any], dict[int, int]]:
+    """New span objects for one run (the pipeline changes them), and the t1 to set when each queue index is popped."""
+    copies: dict[int, Span] = {}
+    queued: list[Any] = []
+    stops: dict[int, int] = {}
+    for item in workload:
+        if isinstance(item, _Stop):
+            stops[len(queued)] = item.t1
+            queued.append(copies[id(item.span)])
+        elif isinstance(item, Span):
+            if id(item) not in copies:
+                copies[id(item)] = _copy(item, copies)
+            queued.append(copies[id(item)])
+        else:
+            queued.append(item)
+    return queued, stops
+
+
+def run_both(tmp_path: Path, workload: list[Any], **options: Any) -> tuple[list[bytes], list[bytes]]:
+    from collections import deque
+
+    outputs = []
+    for use_native in (True, False):
+        queued, stops = fresh(workload)
+
+        class StoppingDeque(deque):  # type: ignore[type-arg]
+            """The queue as the writer sees it: a span's stop time is set when its stop is taken."""
+
+            popped = 0
+
+            def popleft(self) -> Any:
+                item = super().popleft()
+                t1 = stops.get(StoppingDeque.popped)
+                StoppingDeque.popped += 1
+                if t1 is not None:
+                    item.t1 = t1
+                return item
+
+            def appendleft(self, item: Any) -> None:
+                StoppingDeque.popped -= 1
+                super().appendleft(item)
+
+        path = tmp_path / f"{'native' if use_native else 'python'}-{len(list(tmp_path.iterdir()))}.jsonl"
+        original = _pipeline.deque
+        _pipeline.deque = StoppingDeque  # type: ignore[misc]
+        try:
+            outputs.append(normalise(run_pipeline(path, queued, use_native=use_native, **options)))
+        finally:
+            _pipeline.deque = original  # type: ignore[misc]
+    return outputs[0], outputs[1]
+
+
+@settings(max_examples=2500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    workload=workloads(),
+    observer=st.sampled_from(["none", "stats", "stats", "other"]),
+    log_interval=st.integers(min_value=1, max_value=5),
+    redact=st.booleans(),
+    dict_route=st.booleans(),
+    step_info=st.booleans(),
+)
+def test_native_and_python_files_are_identical(
+    tmp_path: Path,
+    workload: list[Any],
+    observer: str,
+    log_interval: int,
+    redact: bool,
+    dict_route: bool,
+    step_info: bool,
+) -> None:
+    native_lines, python_lines = run_both(
+        tmp_path,
+        workload,
+        observer=observer,
+        log_interval=log_interval,
+        redact=redact,
+        dict_route=dict_route,
+        step_info=step_info,
+    )
+    assert native_lines == python_lines
+    for line in native_lines:
+        json.loads(line)
+
+
+def test_long_plain_run_is_identical(tmp_path: Path) -> None:
+    """A training loop's shape (iterations with a loss, phases, events) over many chunks and intervals."""
+    items: list[Any] = []
+    clock = 10_000
+    loop = Span("training_loop", None, 1)
+    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
+    loop.written, loop.t0, loop.t1 = 0, clock, None
+    items.append(loop)
+    next_id = 2
+    for step in range(3000):
+        it = Span("iteration", {"step": step}, 3)
+        it.parent, it.id, it.tid, it.status, it.written = loop, next_id, _IDENTS[0], "ok", 0
+        it.metrics = {"loss": 1.0 / (step + 1), "lr": 1e-5 * (step % 7)} if step % 3 else None
+        next_id += 1
+        it.t0 = clock
+        clock += 1000 + step % 17
+        it.t1 = clock
+        fwd = Span("model_forward", None, 4)
+        fwd.parent, fwd.id, fwd.tid, fwd.status, fwd.written = it, next_id, _IDENTS[0], "ok", 0
+        fwd.metrics, fwd.t0, fwd.t1 = None, it.t0 + 10, it.t0 + 500
+        plain = Span("my_phase", {"k": "v"}, 4)
+        plain.parent, plain.id, plain.tid, plain.status, plain.written = it, next_id + 1, _IDENTS[0], "ok", 0
+        plain.metrics, plain.t0, plain.t1 = None, it.t0 + 600, it.t0 + 700
+        next_id += 2
+        items.extend([it, fwd, fwd, plain, plain, it])
+        if step % 250 == 0:
+            items.append((EVENT, "note", {"step": step, "text": "ok ✓"}, it.id, _IDENTS[0], clock, 1))
+    items.append(_Stop(loop, clock + 1))
+    native_lines, python_lines = run_both(tmp_path, items, observer="stats", log_interval=100, redact=True)
+    assert native_lines == python_lines
+    events = [json.loads(line) for line in native_lines if b'"training_iterations"' in line]
+    assert len(events) == 31  # 30 intervals and the loop's end
+    assert events[0]["attrs"]["interval"] == 100 and events[-1]["attrs"]["final"] is True
+    assert all(not math.isnan(e["attrs"].get("average_iteration_time", 0.0)) for e in events)
