@@ -49,7 +49,7 @@ ints = st.integers(min_value=-(2**63), max_value=2**63 - 1) | st.sampled_from(
 texts = (
     st.text(max_size=12)
     | st.text(alphabet=st.characters(max_codepoint=0x24), max_size=8)
-    | st.sampled_from(["\ud800", "a\udfffb", "\x00\x1f\x7f\"\\/", "\u2028é漢字😀", "x" * 4096, "y" * 4097])
+    | st.sampled_from(["\ud800", "a\udfffb", '\x00\x1f\x7f"\\/', "\u2028é漢字😀", "x" * 4096, "y" * 4097])
 )
 scalars = st.none() | st.booleans() | floats | ints | texts
 
@@ -221,8 +221,10 @@ def normalise(data: bytes) -> list[bytes]:
 
 # Span descriptions: (name, attrs, metrics, status, level, link, parent index, ident index, sightings)
 names = st.sampled_from(
-    ["iteration", "iteration", "iteration", "iteration", "model_forward", "zero_grad", "training_loop", "model_initialization", "validation_loop"]
-    + ["checkpoint_save_sync", "my_phase", "x" * 300]
+    [
+        *("iteration", "iteration", "iteration", "iteration", "model_forward", "zero_grad", "training_loop"),
+        *("model_initialization", "validation_loop", "checkpoint_save_sync", "my_phase", "x" * 300),
+    ]
 ) | st.text(max_size=6)
 
 
@@ -319,10 +321,11 @@ def run_both(tmp_path: Path, workload: list[Any], **options: Any) -> tuple[list[
             """The queue as the writer sees it: a span's stop time is set when its stop is taken."""
 
             popped = 0
+            stop_times = stops
 
             def popleft(self) -> Any:
                 item = super().popleft()
-                t1 = stops.get(StoppingDeque.popped)
+                t1 = self.stop_times.get(StoppingDeque.popped)
                 StoppingDeque.popped += 1
                 if t1 is not None:
                     item.t1 = t1
@@ -353,6 +356,7 @@ def run_both(tmp_path: Path, workload: list[Any], **options: Any) -> tuple[list[
 )
 def test_native_and_python_files_are_identical(
     tmp_path: Path,
+    *,
     workload: list[Any],
     observer: str,
     log_interval: int,

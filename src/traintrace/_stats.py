@@ -323,13 +323,13 @@ class IterationStats:
         """A completed step's samples, tokens and FLOPs, as given (ignored unless numbers)."""
         kind = type(batch)
         if kind is int or kind is float:
-            self._samples += int(batch)  # type: ignore[arg-type]
-            self.consumed_samples += int(batch)  # type: ignore[arg-type]
+            self._samples += int(batch)
+            self.consumed_samples += int(batch)
             self._samples_known = True
         kind = type(tokens)
         if kind is int or kind is float:
-            self._tokens += int(tokens)  # type: ignore[arg-type]
-            self.consumed_tokens += int(tokens)  # type: ignore[arg-type]
+            self._tokens += int(tokens)
+            self.consumed_tokens += int(tokens)
             self._tokens_known = True
         kind = type(flops)
         if kind is int or kind is float:
