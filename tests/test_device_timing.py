@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -375,3 +376,84 @@ def test_cpu_only_run_imports_nothing_from_cuda(tmp_path: Path) -> None:
     records = [json.loads(line) for line in stream.read_text().splitlines()]
     assert any(r.get("name") == tt.SpanName.FORWARD for r in records)
     assert all("gpu_dur" not in r and r.get("name") != "device_timing" for r in records)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _write_job(tmp_path: Path, device: FakeDevice, kind: str, steps: int = 6) -> dict[str, Any]:
+    """A job of ``kind`` (gpu / waiting / cpu) written by the real pipeline with the fake device; returns the
+    test's own truths: planned device times, its own CPU timestamps of steps and data loading."""
+    phases = {
+        "gpu": {
+            tt.SpanName.FORWARD: 20_000_000,
+            tt.SpanName.BACKWARD: 40_000_000,
+            tt.SpanName.OPTIMIZER_STEP: 10_000_000,
+        },
+        "waiting": {
+            tt.SpanName.FORWARD: 3_000_000,
+            tt.SpanName.BACKWARD: 3_000_000,
+            tt.SpanName.OPTIMIZER_STEP: 3_000_000,
+        },
+        "cpu": {tt.SpanName.FORWARD: 4_000_000, tt.SpanName.BACKWARD: 4_000_000, tt.SpanName.OPTIMIZER_STEP: 4_000_000},
+    }[kind]
+    timed = [*phases, tt.SpanName.ITERATION]
+    _configure(tmp_path, device_timing_phases=timed)
+    stream = device.stream
+    t = 10**9
+    step_ns: list[int] = []
+    loading_ns: list[int] = []
+    with tt.training_loop():
+        for step in range(steps):
+            t0 = time.perf_counter_ns()
+            stream.times.append(t)  # the iteration's start
+            with tt.training_iteration(step):
+                if kind == "waiting":
+                    l0 = time.perf_counter_ns()
+                    with tt.data_loading():
+                        time.sleep(0.05)
+                    loading_ns.append(time.perf_counter_ns() - l0)
+                for name, busy in phases.items():
+                    t += 100_000
+                    stream.times.extend([t, t + busy])
+                    t += busy
+                    with tt.span(name):
+                        if kind == "cpu":
+                            time.sleep(0.01)
+                if kind == "gpu":
+                    time.sleep(0.06)  # the CPU waits for the device (loss.item())
+                stream.times.append(t)  # the iteration's end
+            step_ns.append(time.perf_counter_ns() - t0)
+    stream.reached = t
+    tt.close()
+    return {"phases": phases, "steps": step_ns, "loading": loading_ns}
+
+
+@pytest.mark.parametrize("kind", ["gpu", "waiting", "cpu"])
+def test_summary_uses_device_time(
+    device: FakeDevice, tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """summary --json: device phase means, the busy share and the bound line, against the test's own figures."""
+    pytest.importorskip("duckdb")
+    from traintrace.cli import main
+
+    truth = _write_job(tmp_path, device, kind)
+    capsys.readouterr()
+    assert main(["summary", "--json", str(tmp_path / "logs")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    section = summary["device"]
+    means = section["phase_means_s"]
+    for name, busy in truth["phases"].items():
+        assert means[name]["mean_s"] == pytest.approx(busy / 1e9, rel=1e-9)
+    steps = sum(truth["steps"])
+    busy_share = min(sum(truth["phases"].values()) * len(truth["steps"]) / steps, 1.0)
+    assert section["busy_share"] == pytest.approx(busy_share, rel=0.02)
+    expected = {"gpu": "GPU-bound", "waiting": "waiting for data / communication", "cpu": "CPU-bound"}[kind]
+    assert section["line"].startswith(expected)
+    if kind == "waiting":
+        loading = sum(truth["loading"]) / len(truth["loading"])
+        assert means[tt.SpanName.DATA_LOADING]["mean_s"] == pytest.approx(loading / 1e9, abs=0.002)
+        assert section["wait_share"] == pytest.approx(sum(truth["loading"]) / steps, rel=0.02)
+    # The text summary prints the same line.
+    assert main(["summary", str(tmp_path / "logs")]) == 0
+    assert f"DEVICE: {expected}" in capsys.readouterr().out
