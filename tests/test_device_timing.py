@@ -457,3 +457,24 @@ def test_summary_uses_device_time(
     # The text summary prints the same line.
     assert main(["summary", str(tmp_path / "logs")]) == 0
     assert f"DEVICE: {expected}" in capsys.readouterr().out
+
+
+@pytest.mark.subprocess
+def test_gpu_check_without_cuda_says_so_and_exits_cleanly(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.py on a machine without CUDA: one clear line, exit 0, nothing checked."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run its checks")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--json", str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("gpu_check: no CUDA device")
+    assert "nothing checked" in done.stdout
+    assert done.stderr == ""
+    assert not (tmp_path / "out.json").exists()

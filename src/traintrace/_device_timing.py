@@ -52,8 +52,8 @@ DEFAULT_PHASES: Final[tuple[str, ...]] = (
 #: Spans that contain other timed phases: no idle gap is measured around them.
 CONTAINERS: Final = frozenset({SpanName.ITERATION, SpanName.TRAINING_LOOP, SpanName.APPLICATION})
 #: Event pairs made when the pool starts, and the most that may exist at once.
-POOL_START: Final = 256
-POOL_MAX: Final = 8192
+POOL_START: Final = 1024
+POOL_MAX: Final = 16384
 #: Seconds between two resolution passes on the writer thread (each costs a query per pending span).
 _RESOLVE_EVERY: Final = 0.005
 #: Sleep between polls while close waits for the last events.
