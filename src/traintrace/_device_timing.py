@@ -207,6 +207,8 @@ class DeviceTimer:
         self._last_end: dict[int, tuple[tuple[Event, Event], int]] = {}
         self._last_pass = 0.0
         self.disabled = False
+        #: the statistics told each resolved device time (``_stats.IterationStats.device_time``)
+        self.statistics: Any = None
         # counts
         self.timed = 0
         self.abandoned = 0
@@ -378,6 +380,11 @@ class DeviceTimer:
                     )
             else:
                 self.timed += 1
+                if self.statistics is not None:
+                    try:
+                        self.statistics.device_time(span.name, extra["gpu_dur"])
+                    except Exception:
+                        log.exception("traintrace: statistics failed on a device time")
             try:
                 self.pipeline.release_span(span, started, out, extra)
             except Exception:

@@ -176,7 +176,9 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
     _progress.attach(recorder, config, identity)
     from ._insight import attach
 
-    attach(recorder, pipeline, config, identity)
+    insight = attach(recorder, pipeline, config, identity)
+    if device_timer is not None and insight is not None:
+        device_timer.statistics = insight.stats
     set_active(recorder)
     _install_process_hooks(config)
     if config.fault_handler:
