@@ -509,3 +509,41 @@ def test_gpu_check_without_cuda_says_so_and_exits_cleanly(tmp_path: Path) -> Non
     assert "nothing checked" in done.stdout
     assert done.stderr == ""
     assert not (tmp_path / "out.json").exists()
+
+
+def test_ranks_finds_a_device_compute_straggler(
+    device: FakeDevice, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Equal CPU step times (the host waits for the device), rank 1's device 1.5 times slower: the ranks
+    command names rank 1, slow in compute, with the device times the test planned."""
+    pytest.importorskip("duckdb")
+    from traintrace.cli import main
+
+    planned = {0: 6_000_000, 1: 9_000_000}  # per phase; three phases a step
+    for rank, busy in planned.items():
+        _configure(tmp_path, rank=rank, world_size=2)
+        t = 10**9
+        with tt.training_loop():
+            for step in range(12):
+                device.stream.times.append(t)
+                with tt.training_iteration(step):
+                    for name in PHASES:
+                        t += 50_000
+                        device.stream.times.extend([t, t + busy])
+                        t += busy
+                        with tt.span(name):
+                            pass
+                    time.sleep(0.03)  # the CPU waits for the device: the same step time on both ranks
+                    device.stream.times.append(t)  # the iteration's end
+        device.stream.reached = t
+        tt.close()
+        device.stream.times.clear()
+        device.stream.reached = 0
+    capsys.readouterr()
+    assert main(["ranks", "--json", str(tmp_path / "logs")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["stragglers"] == [1]
+    rows = {r["rank"]: r for r in result["ranks"]}
+    assert rows[1]["slow_in"] == "compute"
+    for rank, busy in planned.items():
+        assert rows[rank]["compute_median_s"] == pytest.approx(3 * busy / 1e9, rel=1e-9)
