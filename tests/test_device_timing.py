@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 
 import traintrace as tt
+from tests.conftest import read_jsonl
 from traintrace import _device_timing
 from traintrace._config import ConfigError, build_config
+from traintrace.reader import read_file
 
 
 class FakeStream:
@@ -94,7 +96,8 @@ def _configure(tmp_path: Path, **settings: Any) -> Path:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The stream's records, each validated against the record schema (gpu_dur and gpu_idle included)."""
+    return read_jsonl(path, check="all")
 
 
 def _spans(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -176,6 +179,10 @@ def test_gpu_dur_and_idle_are_the_device_times(device: FakeDevice, tmp_path: Pat
         assert "gpu_idle" not in spans[(tt.SpanName.ITERATION, step)]
     (note,) = [r for r in records if r["kind"] == "event" and r["name"] == "device_timing"]
     assert note["attrs"] == {"timed": 16, "abandoned": 0}
+    # traintrace's own reader accepts the new fields (it checks their types).
+    read = read_file(path)
+    assert read.bad_lines == []
+    assert sum(1 for r in read.records() if "gpu_dur" in r) == 16
     # Every record appears once (no duplicate from holding).
     ids = [r["id"] for r in records if r["kind"] in ("span", "end")]
     assert len(ids) == len(set(ids))
