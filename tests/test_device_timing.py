@@ -554,3 +554,22 @@ def test_ranks_finds_a_device_compute_straggler(
     assert rows[1]["slow_in"] == "compute"
     for rank, busy in planned.items():
         assert rows[rank]["compute_median_s"] == pytest.approx(3 * busy / 1e9, rel=1e-9)
+
+
+@pytest.mark.subprocess
+def test_report_shows_the_device_line(device: FakeDevice, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The HTML report carries the device section; in a browser (when chromium is here) it draws the line."""
+    pytest.importorskip("duckdb")
+    from tests.test_cli_report import CHROMIUM, _cards, _dump
+    from traintrace.cli import main
+
+    _write_job(tmp_path, device, "gpu", steps=4)
+    page = tmp_path / "report.html"
+    assert main(["report", str(tmp_path / "logs"), "-o", str(page)]) == 0
+    assert "GPU-bound: the device computes" in page.read_text()
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed: the page's script was not run")
+    dom = _dump(page, tmp_path / "profile")
+    assert _cards(dom)["device"] == "GPU-bound"
+    line = dom.split('id="device-line">', 1)[1].split("</p>", 1)[0]
+    assert line.startswith("Device time: GPU-bound: the device computes")
