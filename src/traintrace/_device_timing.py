@@ -106,9 +106,12 @@ class TorchDevice:
         get_device = getattr(torch._C, "_cuda_getDevice", None)
         self._raw = raw
         self._get_device = get_device
+        self._capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
         self._streams: dict[int, Any] = {}
 
     def current(self) -> tuple[int, Any]:
+        if self._capturing is not None and self._capturing():
+            raise _Capturing
         if self._raw is not None and self._get_device is not None:
             index = self._get_device()
             if index != self.index:
@@ -136,6 +139,10 @@ class TorchDevice:
 
 class _OtherDevice(Exception):
     """The calling thread's current device is not the one the pool's events belong to."""
+
+
+class _Capturing(Exception):
+    """The calling thread's stream is capturing a CUDA graph: its phases are not timed."""
 
 
 #: Tests replace this with a factory of a fake device (a unit test of this module's logic).
@@ -214,6 +221,7 @@ class DeviceTimer:
         self.abandoned = 0
         self.pool_empty = 0
         self.other_device = 0
+        self.capturing = 0
         self.failures = 0
         self._warned_abandoned = False
 
@@ -238,6 +246,8 @@ class DeviceTimer:
             self._open[span.id] = (pair, key)
         except _OtherDevice:
             self.other_device += 1
+        except _Capturing:
+            self.capturing += 1
         except Exception:  # noqa: BLE001 - a listener must never raise into training
             self._failed()
 
@@ -254,6 +264,8 @@ class DeviceTimer:
             self._recorded[span.id] = (pair, key0, key, next(self._order))
         except _OtherDevice:
             self.other_device += 1
+        except _Capturing:
+            self.capturing += 1
         except Exception:  # noqa: BLE001
             self._failed()
 
@@ -325,12 +337,14 @@ class DeviceTimer:
             time.sleep(_CLOSE_POLL)
         self._open.clear()
         self._recorded.clear()
-        if self.timed or self.abandoned or self.pool_empty or self.other_device or self.failures:
+        if self.timed or self.abandoned or self.pool_empty or self.other_device or self.capturing or self.failures:
             attrs: dict[str, Any] = {"timed": self.timed, "abandoned": self.abandoned}
             if self.pool_empty:
                 attrs["pool_empty"] = self.pool_empty
             if self.other_device:
                 attrs["other_device"] = self.other_device
+            if self.capturing:
+                attrs["capturing"] = self.capturing
             if self.failures:
                 attrs["failures"] = self.failures
             self.pipeline.emit_event(
@@ -429,6 +443,7 @@ class DeviceTimer:
             "abandoned": self.abandoned,
             "pool_empty": self.pool_empty,
             "other_device": self.other_device,
+            "capturing": self.capturing,
             "failures": self.failures,
             "pending": len(self._waiting),
         }
