@@ -573,3 +573,64 @@ def test_report_shows_the_device_line(device: FakeDevice, tmp_path: Path, capsys
     assert _cards(dom)["device"] == "GPU-bound"
     line = dom.split('id="device-line">', 1)[1].split("</p>", 1)[0]
     assert line.startswith("Device time: GPU-bound: the device computes")
+
+
+class _StubPipeline:
+    """Just what DeviceTimer calls on its pipeline: what it released, and with which fields."""
+
+    routes = ("stub",)
+
+    def __init__(self) -> None:
+        self.released: list[tuple[str, bool, dict[str, Any] | None]] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def release_span(self, span: Any, started: bool, out: Any, extra: dict[str, Any] | None = None) -> None:
+        self.released.append((span.name, started, extra))
+
+    def emit_event(self, name: str, attrs: dict[str, Any], out: Any, **_: Any) -> None:
+        self.events.append((name, attrs))
+
+
+class _StubSpan:
+    def __init__(self, span_id: int, name: str, t0: int) -> None:
+        self.id = span_id
+        self.name = name
+        self.t0 = t0
+        self.t1: int | None = None
+
+
+def test_pool_empty_and_unpaired_spans_are_written_without_device_time_and_counted() -> None:
+    """A unit test of the timer's own bookkeeping: a pool of 2 pairs, 3 spans at once; a span the writer
+    sees before its end event was recorded."""
+    fake = FakeDevice()
+    fake.stream.reached = 10**12
+    pipeline = _StubPipeline()
+    timer = _device_timing.DeviceTimer(pipeline, fake, pool_start=2, pool_max=2)  # type: ignore[arg-type]
+    spans = [_StubSpan(i, tt.SpanName.FORWARD, i * 10) for i in (1, 2, 3)]
+    for span in spans:
+        timer.span_started(span)  # type: ignore[arg-type]
+    assert timer.pool_empty == 1  # the third found no free pair
+    for span in spans[:2]:
+        span.t1 = span.t0 + 5
+        timer.span_stopped(span)  # type: ignore[arg-type]
+    spans[2].t1 = 40
+    timer.span_stopped(spans[2])  # type: ignore[arg-type]
+    out: list[Any] = []
+    held = [timer.hold(span, False) for span in spans]  # type: ignore[arg-type]
+    assert held == [True, True, False]
+    timer.flushing(out)
+    assert [(name, extra is not None and "gpu_dur" in extra) for name, _, extra in pipeline.released] == [
+        (tt.SpanName.FORWARD, True),
+        (tt.SpanName.FORWARD, True),
+    ]
+    # A span whose stop the listener had not recorded yet when the writer saw it.
+    late = _StubSpan(4, tt.SpanName.BACKWARD, 100)
+    timer.span_started(late)  # type: ignore[arg-type]
+    late.t1 = 110
+    assert timer.hold(late, False) is False  # type: ignore[arg-type]
+    timer.span_stopped(late)  # type: ignore[arg-type]  # finds nothing to record: no error, no leak
+    timer.finish(out, "abandoned")
+    ((name, attrs),) = pipeline.events
+    assert name == "device_timing"
+    assert attrs == {"timed": 2, "abandoned": 0, "pool_empty": 1, "unpaired": 1}
+    assert len(fake.events) == 4  # never more than the pool's two pairs

@@ -222,8 +222,11 @@ class DeviceTimer:
         self.pool_empty = 0
         self.other_device = 0
         self.capturing = 0
+        self.unpaired = 0
         self.failures = 0
         self._warned_abandoned = False
+        if self._device is not None:
+            self._fill(self._device, pool_start)
 
     # -- listener (caller's thread) ----------------------------------------
     def span_started(self, span: Span) -> None:
@@ -236,6 +239,8 @@ class DeviceTimer:
             device = self._device
             if device is None:
                 device = self._start_device()
+                if device is None:  # another thread is making the pool: this span is not timed
+                    return
             key, stream = device.current()
             free = self._free
             if not free:
@@ -264,16 +269,18 @@ class DeviceTimer:
             self._recorded[span.id] = (pair, key0, key, next(self._order))
         except _OtherDevice:
             self.other_device += 1
+            self._free.append(pair)
         except _Capturing:
             self.capturing += 1
+            self._free.append(pair)
         except Exception:  # noqa: BLE001
             self._failed()
 
-    def _start_device(self) -> Device:
+    def _start_device(self) -> Device | None:
         """The first timed span: make the device (on the training thread, whose device it is) and the pool."""
         make, self._make = self._make, None
         if make is None:
-            raise RuntimeError("device timing could not start")
+            return None
         device = make()
         self._fill(device, self._pool_start)
         self._device = device
@@ -296,14 +303,15 @@ class DeviceTimer:
     # -- observer (writer thread) ------------------------------------------
     def hold(self, span: Span, started: bool) -> bool:
         """Keep an ended span's record back until its device time is known."""
-        if not self._recorded:
-            if self._open:
-                self._open.pop(span.id, None)  # stopped without an end event: its pair is dropped
-            return False
-        entry = self._recorded.pop(span.id, None)
+        entry = self._recorded.pop(span.id, None) if self._recorded else None
         if entry is None:
             if self._open:
-                self._open.pop(span.id, None)
+                # Ended without an end event (its stop failed to record, or the writer saw the span between
+                # the stop's clock reading and the listener): written without device time; the pair is reused.
+                unpaired = self._open.pop(span.id, None)
+                if unpaired is not None:
+                    self.unpaired += 1
+                    self._free.append(unpaired[0])
             return False
         pair, key0, key1, order = entry
         self._waiting.append((span, started, pair, key0, key1, order, time.monotonic()))
@@ -337,7 +345,8 @@ class DeviceTimer:
             time.sleep(_CLOSE_POLL)
         self._open.clear()
         self._recorded.clear()
-        if self.timed or self.abandoned or self.pool_empty or self.other_device or self.capturing or self.failures:
+        counts = (self.abandoned, self.pool_empty, self.other_device, self.capturing, self.unpaired, self.failures)
+        if self.timed or any(counts):
             attrs: dict[str, Any] = {"timed": self.timed, "abandoned": self.abandoned}
             if self.pool_empty:
                 attrs["pool_empty"] = self.pool_empty
@@ -345,6 +354,8 @@ class DeviceTimer:
                 attrs["other_device"] = self.other_device
             if self.capturing:
                 attrs["capturing"] = self.capturing
+            if self.unpaired:
+                attrs["unpaired"] = self.unpaired
             if self.failures:
                 attrs["failures"] = self.failures
             self.pipeline.emit_event(
@@ -444,6 +455,7 @@ class DeviceTimer:
             "pool_empty": self.pool_empty,
             "other_device": self.other_device,
             "capturing": self.capturing,
+            "unpaired": self.unpaired,
             "failures": self.failures,
             "pending": len(self._waiting),
         }
