@@ -412,3 +412,23 @@ def test_long_plain_run_is_identical(tmp_path: Path) -> None:
     assert len(events) == 31  # 30 intervals and the loop's end
     assert events[0]["attrs"]["interval"] == 100 and events[-1]["attrs"]["final"] is True
     assert all(not math.isnan(e["attrs"].get("average_iteration_time", 0.0)) for e in events)
+
+
+class _Impostor:
+    """Not a Span, but carrying Span's slot descriptors (the encoder must not read its memory as a Span's)."""
+
+    name = Span.__dict__["name"] if "name" in Span.__dict__ else "impostor"
+    attrs = None
+    written = 0
+
+
+def test_objects_that_are_not_spans_are_left_to_python(tmp_path: Path) -> None:
+    """Queue items of the wrong shape become the same 'dropped' notes on both paths; nothing crashes."""
+    span = Span("iteration", {"step": 1}, 3)
+    span.parent, span.id, span.tid, span.metrics, span.status = None, 1, _IDENTS[0], None, "ok"
+    span.written, span.t0, span.t1 = 0, 100, 200
+    workload = [_Impostor(), object(), (), (EVENT,), (99, "x"), span, span]
+    native_lines, python_lines = run_both(tmp_path, workload, observer="stats", log_interval=1, redact=False)
+    assert native_lines == python_lines
+    kinds = [json.loads(line)["kind"] for line in native_lines]
+    assert kinds.count("dropped") >= 3 and "span" in kinds

@@ -355,6 +355,8 @@ static FieldMap *field_map(Encoder *e, PyTypeObject *tp) {
         if (tp->tp_getattro != PyObject_GenericGetAttr || tp->tp_setattro != PyObject_GenericSetAttr) continue;
         PyObject *descr = _PyType_Lookup(tp, FIELD[f]);
         if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) continue;
+        /* A slot of this type's layout (a descriptor copied onto an unrelated class is not). */
+        if (!PyType_IsSubtype(tp, PyDescr_TYPE(descr))) continue;
         PyMemberDef *def = ((PyMemberDescrObject *)descr)->d_member;
         if (def->type == T_OBJECT_EX && !(def->flags & READONLY)) m->offset[f] = def->offset;
     }
