@@ -417,7 +417,7 @@ def test_long_plain_run_is_identical(tmp_path: Path) -> None:
 class _Impostor:
     """Not a Span, but carrying Span's slot descriptors (the encoder must not read its memory as a Span's)."""
 
-    name = Span.__dict__["name"] if "name" in Span.__dict__ else "impostor"
+    name = Span.__dict__.get("name", "impostor")
     attrs = None
     written = 0
 
