@@ -236,8 +236,11 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
 #define HBINS 8
 
 typedef struct {
-    PyTypeObject *type; /* strong reference */
-    Py_ssize_t offset[NF]; /* -1: read with getattr */
+    PyTypeObject *type;    /* strong reference */
+    Py_ssize_t offset[NF]; /* a slot's offset (a Python class's __slots__), or -1 */
+    getter get[NF];        /* or a C type's getter and setter (the native Span), or NULL: getattr */
+    setter set[NF];
+    void *closure[NF];
 } FieldMap;
 
 typedef struct {
@@ -352,13 +355,26 @@ static FieldMap *field_map(Encoder *e, PyTypeObject *tp) {
     Py_XSETREF(m->type, (PyTypeObject *)Py_NewRef(tp));
     for (int f = 0; f < NF; f++) {
         m->offset[f] = -1;
+        m->get[f] = NULL;
+        m->set[f] = NULL;
+        m->closure[f] = NULL;
         if (tp->tp_getattro != PyObject_GenericGetAttr || tp->tp_setattro != PyObject_GenericSetAttr) continue;
+        /* What generic getattr would find first: a data descriptor on the type wins over the instance dict. */
         PyObject *descr = _PyType_Lookup(tp, FIELD[f]);
-        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) continue;
-        /* A slot of this type's layout (a descriptor copied onto an unrelated class is not). */
-        if (!PyType_IsSubtype(tp, PyDescr_TYPE(descr))) continue;
-        PyMemberDef *def = ((PyMemberDescrObject *)descr)->d_member;
-        if (def->type == T_OBJECT_EX && !(def->flags & READONLY)) m->offset[f] = def->offset;
+        if (descr == NULL) continue;
+        if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+            /* A slot of this type's layout (a descriptor copied onto an unrelated class is not). */
+            if (!PyType_IsSubtype(tp, PyDescr_TYPE(descr))) continue;
+            PyMemberDef *def = ((PyMemberDescrObject *)descr)->d_member;
+            if (def->type == T_OBJECT_EX && !(def->flags & READONLY)) m->offset[f] = def->offset;
+        } else if (Py_IS_TYPE(descr, &PyGetSetDescr_Type)) {
+            if (!PyType_IsSubtype(tp, PyDescr_TYPE(descr))) continue;
+            PyGetSetDef *def = ((PyGetSetDescrObject *)descr)->d_getset;
+            if (def->get == NULL || def->set == NULL) continue;
+            m->get[f] = def->get;
+            m->set[f] = def->set;
+            m->closure[f] = def->closure;
+        }
     }
     return m;
 }
@@ -371,7 +387,7 @@ static PyObject *get(Encoder *e, PyObject *obj, int f) {
         Py_XINCREF(v);
         return v;
     }
-    PyObject *v = PyObject_GetAttr(obj, FIELD[f]);
+    PyObject *v = m->get[f] ? m->get[f](obj, m->closure[f]) : PyObject_GetAttr(obj, FIELD[f]);
     if (v == NULL) PyErr_Clear();
     return v;
 }
@@ -383,6 +399,7 @@ static int set(Encoder *e, PyObject *obj, int f, PyObject *value) {
         Py_XSETREF(*slot, Py_NewRef(value));
         return 0;
     }
+    if (m->set[f]) return m->set[f](obj, value, m->closure[f]);
     return PyObject_SetAttr(obj, FIELD[f], value);
 }
 
