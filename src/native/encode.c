@@ -233,6 +233,8 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
 /* ------------------------------------------------------------------ encoder object */
 
 #define TYPE_CACHE 4
+/* convert() stops once this much is buffered (the training thread waits for the GIL meanwhile). */
+#define CHUNK_BYTES (1 << 20)
 #define HBINS 8
 
 typedef struct {
@@ -904,8 +906,9 @@ out:
 }
 
 /*
- * convert(popleft, n, wall0, seq, mode, steps_left, want_t0) -> (taken, seq, item)
- * Pops up to n items; ``item`` is the one handed back to Python (None if all done).
+ * convert(popleft, n, wall0, seq, mode, steps_left, want_t0, stats) -> (taken, seq, item)
+ * Pops up to n items (fewer once CHUNK_BYTES are buffered); ``item`` is the one handed
+ * back to Python (None when it stopped without one).
  */
 static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
     PyObject *popleft;
@@ -940,6 +943,8 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
             rc = do_span(e, item, &c);
         if (rc == RC_OK) {
             Py_DECREF(item);
+            /* The GIL is held throughout: a chunk of huge records ends early, the rest waits for the next. */
+            if (e->buf.len > CHUNK_BYTES) break;
             continue;
         }
         PyErr_Clear(); /* -1 (no memory): Python converts it */

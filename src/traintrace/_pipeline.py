@@ -670,7 +670,7 @@ class Pipeline:
             if out:
                 self._encode_python(out, native, dicts)
             if item is None:
-                break  # the queue is empty
+                break  # the queue is empty, or the chunk's bytes are many: the rest in the next chunk
         data, count, first, last = encoder.take()
         wrote = False
         if count:
