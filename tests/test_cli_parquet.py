@@ -197,3 +197,28 @@ def test_export_refuses_a_folder_it_did_not_write_and_replaces_its_own(tmp_path:
     assert first["records"] == second["records"] == answer("summary", out)["records"]
     code, _, err = run("export", str(tmp_path / "job"), "--format", "parquet", "--ranks", "0", "--quiet")
     assert code == EXIT_USAGE and "--format chrome only" in err
+
+
+def test_the_cache_answers_the_same_and_follows_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--cache``: the first command keeps the tables, the next ones open them; a changed file is read again."""
+    from traintrace.cli._engine import Job
+
+    monkeypatch.setenv("TRAINTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    script = write_job(tmp_path / "job", Script())
+    job = tmp_path / "job"
+    plain = {command: answer(command, job) for command in COMMANDS}
+    first = Job.open([job], cache=True)
+    assert not first.cached and first.cache_path is not None and first.cache_path.is_file()
+    second = Job.open([job], cache=True)
+    assert second.cached and second.cache_path == first.cache_path
+    for command in COMMANDS:
+        same(plain[command], answer(command, job, "--cache"), command)
+    code, out, err = run("query", str(job), "--cache", "--json", "SELECT count(*) AS n FROM steps")
+    assert code == EXIT_OK, err
+    assert json.loads(out)[0]["n"] == answer("query", job, "SELECT count(*) AS n FROM steps")[0]["n"]
+    # One more record in rank 0's file: a new key, the files are read again, the answer counts it.
+    with script.files[0].open("a") as handle:
+        handle.write(json.dumps({"seq": 9000, "kind": "event", "ts": 1_800_000_001 * 10**9, "name": "x"}) + "\n")
+    third = Job.open([job], cache=True)
+    assert not third.cached and third.cache_path != first.cache_path
+    assert answer("summary", job, "--cache")["records"] == plain["summary"]["records"] + 1

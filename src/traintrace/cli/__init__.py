@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
             help="a job folder (searched recursively for *.jsonl) or files",
         )
         p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+        p.add_argument(
+            "--cache",
+            action="store_true",
+            help="keep a finished job's tables in $TRAINTRACE_CACHE_DIR (default ~/.cache/traintrace) and reuse "
+            "them while the files are unchanged",
+        )
         p.add_argument("--threads", type=_count(1, 1024), default=None, help="DuckDB threads (default: all cores)")
         p.add_argument(
             "--memory-limit",
@@ -314,6 +320,7 @@ def _run(args: argparse.Namespace) -> int:
             threads=args.threads,
             memory_limit=args.memory_limit,
             lean=args.command in ("summary", "ranks", "errors"),
+            cache=args.cache,
         )
     except MissingExtra as exc:
         if args.command == "export" and args.format == "chrome":  # writing JSON does not need DuckDB

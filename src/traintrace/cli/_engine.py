@@ -103,6 +103,19 @@ EXPORT_FORMAT = "traintrace-parquet"
 EXPORT_VERSION = 1
 
 
+#: Bumped whenever the tables a cache file holds change meaning.
+CACHE_VERSION = 1
+
+
+def cache_folder() -> Path:
+    """Where ``--cache`` keeps finished jobs: $TRAINTRACE_CACHE_DIR, else $XDG_CACHE_HOME/traintrace."""
+    explicit = os.environ.get("TRAINTRACE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "traintrace"
+
+
 def find_export(paths: Sequence[str | os.PathLike[str]]) -> Path | None:
     """The Parquet export named by ``paths`` (one folder holding :data:`EXPORT_META`), else None."""
     if len(paths) == 1:
@@ -179,6 +192,9 @@ class Job:
     export: Path | None = None
     #: Records dropped for an impossible duration (when the job was exported, for an export).
     ignored_spans: int = 0
+    #: The cache file the tables came from or went to (``cache=True``), if any; ``cached``: came from.
+    cache_path: Path | None = None
+    cached: bool = False
 
     @classmethod
     def open(
@@ -189,11 +205,14 @@ class Job:
         threads: int | None = None,
         memory_limit: str | None = None,
         lean: bool = False,
+        cache: bool = False,
     ) -> Job:
         """Read the files into DuckDB; raises LoadError when nothing readable is there.
 
         ``lean``: drop the attributes of plain iteration records (all but ``step`` and ``batch_size``),
         which summary, ranks and errors never read; export, report and query need them.
+        ``cache``: keep a finished job's tables in a DuckDB file under :func:`cache_folder`, keyed by the
+        files' paths, sizes and modification times, and open that instead of reading the files again.
         """
         export = find_export(paths)
         if export is not None:
@@ -204,8 +223,100 @@ class Job:
                 raise LoadError("no .jsonl files found in " + ", ".join(str(p) for p in paths))
             job = cls(files, progress, threads, memory_limit, lean=lean)
             job.manifest_world_size = _manifest_world_size(paths)
+        if cache:
+            job.lean = False  # one cache serves every command
+            key = job._cache_key()
+            if job._open_cache(key):
+                return job
+            job._load()
+            job._write_cache(key)
+            return job
         job._load()
         return job
+
+    # ------------------------------------------------------------ cache
+
+    def _cache_key(self) -> str:
+        """A digest of what the answers depend on: the files (path, size, mtime), the versions, the manifest."""
+        import hashlib
+
+        from .._version import __version__
+
+        duckdb = import_duckdb()
+        if self.export is not None:
+            names = [self.export / EXPORT_META, *sorted(p for p in self.export.rglob("*.parquet") if p.is_file())]
+        else:
+            names = list(self.paths)
+        stats = []
+        for path in names:
+            st = path.stat()
+            stats.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+        text = json.dumps([CACHE_VERSION, __version__, duckdb.__version__, self.manifest_world_size, stats])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def _open_cache(self, key: str) -> bool:
+        path = cache_folder() / f"{key}.duckdb"
+        if not path.is_file():
+            return False
+        started = time.perf_counter()
+        self.con = con = self._connect()
+        try:
+            con.execute(f"ATTACH {sql_string(str(path))} AS cached (READ_ONLY)")
+            meta = json.loads(con.execute("SELECT meta FROM cached.main.job_meta").fetchone()[0])
+            tables = con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name = 'cached' AND table_name <> 'job_meta'"
+            ).fetchall()
+        except Exception:  # noqa: BLE001 - a damaged or foreign cache file is ignored, and rewritten
+            con.close()
+            self.con = None
+            return False
+        for (table,) in tables:
+            con.execute(f'CREATE VIEW "{table}" AS SELECT * FROM cached.main."{table}"')
+        self._iterations_view()
+        self.files = [FileCheck(f["path"], f["size"], f["truncated_last_line"]) for f in meta["files"]]
+        self.paths = [Path(f.path) for f in self.files]
+        self.notes = list(meta["notes"])
+        self.record_count = int(meta["records"])
+        self.manifest_world_size = int(meta["world_size"])
+        self.ignored_spans = int(meta["ignored_spans"])
+        self.cache_path = path
+        self.cached = True
+        self.load_seconds = time.perf_counter() - started
+        return True
+
+    def _write_cache(self, key: str) -> None:
+        """Keep the tables of a finished job (no stream still running); a failure to write is only a miss."""
+        if self.con.execute("SELECT count(*) FROM running_streams").fetchone()[0]:
+            return
+        folder = cache_folder()
+        path = folder / f"{key}.duckdb"
+        meta = {
+            "files": [
+                {"path": f.path, "size": f.size, "truncated_last_line": f.truncated_last_line} for f in self.files
+            ],
+            "notes": self.notes,
+            "records": self.record_count,
+            "world_size": self.manifest_world_size,
+            "ignored_spans": self.ignored_spans,
+        }
+        partial = folder / f".{key}.{os.getpid()}.partial"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            partial.unlink(missing_ok=True)
+            self.con.execute(f"ATTACH {sql_string(str(partial))} AS cache_out")
+            try:
+                for (table,) in self.con.execute(
+                    "SELECT table_name FROM duckdb_tables() WHERE database_name = 'memory' AND NOT temporary"
+                ).fetchall():
+                    self.con.execute(f'CREATE TABLE cache_out.main."{table}" AS SELECT * FROM memory.main."{table}"')
+                self.con.execute("CREATE TABLE cache_out.main.job_meta AS SELECT $m AS meta", {"m": json.dumps(meta)})
+            finally:
+                self.con.execute("DETACH cache_out")
+            partial.replace(path)
+            self.cache_path = path
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is a miss next time, no more
+            partial.unlink(missing_ok=True)
+            self.notes.append(f"cache not written ({exc})")
 
     # ------------------------------------------------------------ loading
 
@@ -433,7 +544,10 @@ class Job:
             WHERE s.name = '{ITERATION}' AND NOT s.is_agent AND NOT s.open
             """
         )
-        con.execute(
+        self._iterations_view()
+
+    def _iterations_view(self) -> None:
+        self.con.execute(
             f"""
             CREATE VIEW iterations AS
             SELECT f.stream, f.rank, f.restart, r.ts, r.dur, r.status,
