@@ -20,6 +20,7 @@ from typing import Any
 from ._analysis import FIELD_ALIASES, job_bounds, prepare
 from ._engine import (
     COLUMNS,
+    CORE_COLUMNS,
     EXPORT_FORMAT,
     EXPORT_META,
     EXPORT_VERSION,
@@ -160,17 +161,7 @@ def _metadata(job: Job, ranks: list[int] | None) -> list[dict[str, Any]]:
 #: The Parquet export's columns besides the partition ``rank``, in order (docs/format.md, "Parquet export").
 PARQUET_COLUMNS = (
     "file",
-    "kind",
-    "ts",
-    "seq",
-    "name",
-    "id",
-    "parent",
-    "tid",
-    "dur",
-    "status",
-    "span",
-    "link",
+    *(f for f in CORE_COLUMNS if f != "attrs"),
     "attrs",
     "step",
     "batch_size",
@@ -188,10 +179,10 @@ def export_parquet(job: Job, out: str | os.PathLike[str]) -> dict[str, Any]:
     if out_path.exists() and (not out_path.is_dir() or (any(out_path.iterdir()) and find_export([out_path]) is None)):
         raise ValueError(f"{out_path}: exists and is not a traintrace Parquet export; choose a new folder")
     spec = "{" + ", ".join(f'"{k}":"{COLUMNS[k]}"' for k in RARE_FIELDS) + "}"
+    core = ", ".join(f'r."{k}"' for k in CORE_COLUMNS if k != "attrs")
     rare = ", ".join(f'x."{k}" AS "{k}"' for k in RARE_FIELDS if k != "rank")
     sql = f"""
-        SELECT r.file, h.rank, r.kind, r.ts, r.seq, r.name, r.id, r.parent, r.tid, r.dur, r.status, r.span, r.link,
-               r.attrs::VARCHAR AS attrs, r.step, r.batch_size, {rare}
+        SELECT r.file, h.rank, {core}, r.attrs::VARCHAR AS attrs, r.step, r.batch_size, {rare}
         FROM (SELECT *, json_transform(rare, '{spec}') AS x FROM raw) r
         LEFT JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
     """
