@@ -23,6 +23,7 @@ pytest.importorskip("duckdb")
 
 from tests.cli_jobs import Script, write_job
 from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
+from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
 from traintrace.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_USAGE, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +123,14 @@ def test_the_synthetic_benchmark_job_answers_the_same(tmp_path: Path) -> None:
     generate(tmp_path / "job", 6, 1200, 300)
     summary = check_round_trip(tmp_path / "job", tmp_path)
     assert summary["ranks_seen"] == 6 and summary["restarts"] == 1
+
+
+@pytest.mark.parametrize("kind", ["gpu", "waiting"])
+def test_a_device_timed_job_answers_the_same(device: FakeDevice, tmp_path: Path, kind: str) -> None:  # noqa: F811
+    """gpu_dur and gpu_idle travel through the export: the device section is the same."""
+    _write_job(tmp_path, device, kind)
+    summary = check_round_trip(tmp_path / "logs", tmp_path)
+    assert summary["device"]["phase_means_s"]
 
 
 @pytest.mark.subprocess
