@@ -155,9 +155,7 @@ def _parser() -> argparse.ArgumentParser:
         help="chrome: one Trace Event Format file; parquet: a folder of Parquet files, one rank=N folder per rank, "
         "that every command (and Spark) reads like the job folder (docs/format.md)",
     )
-    p.add_argument(
-        "-o", "--output", default=None, help="file to write (default trace.json); with parquet, the folder"
-    )
+    p.add_argument("-o", "--output", default=None, help="file to write (default trace.json); with parquet, the folder")
     p.add_argument("--ranks", default=None, help="ranks to keep, e.g. 0-3,17")
     p.add_argument("--start", type=_finite, default=None, help="seconds after the job start to begin at")
     p.add_argument("--end", type=_finite, default=None, help="seconds after the job start to end at")

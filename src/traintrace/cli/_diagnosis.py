@@ -194,8 +194,7 @@ class _Facts:
         self.last_ok: dict[int, tuple[Any, Any]] = {
             row[0]: (row[1], row[2])
             for row in job.rows(
-                "SELECT stream, max(ts + dur), arg_max(step, ts) FROM iterations "
-                "WHERE status = 'ok' GROUP BY stream"
+                "SELECT stream, max(ts + dur), arg_max(step, ts) FROM iterations WHERE status = 'ok' GROUP BY stream"
             )
         }
 
