@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -22,7 +23,7 @@ _native: Any
 try:
     if os.environ.get("TRAINTRACE_PURE", "").strip().lower() in ("1", "true", "yes", "on"):
         raise ImportError("TRAINTRACE_PURE=1")
-    from . import _encode as _native  # type: ignore[attr-defined,no-redef]
+    _native = importlib.import_module("traintrace._encode")
 except ImportError:  # not built (no compiler), or the pure-Python core asked for
     _native = None
 
