@@ -445,3 +445,38 @@ def test_huge_records_split_chunks_and_stay_identical(tmp_path: Path) -> None:
     native_lines, python_lines = run_both(tmp_path, workload, observer="stats", log_interval=3, redact=True)
     assert native_lines == python_lines
     assert sum(b'"kind":"span"' in line for line in native_lines) == 40
+
+
+def test_encoder_failure_hands_over_to_python(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """If the encoder itself fails (out of memory in C), the Python path writes everything from then on."""
+    import traintrace as tt
+
+    class Failing:
+        def __init__(self, real: Any) -> None:
+            self.real = real
+
+        def convert(self, *args: Any) -> Any:
+            raise MemoryError("no memory for the encoder")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    saved = _pipeline._native
+    _pipeline._native = native
+    try:
+        rec = tt.configure(job_id="j", log_dir=str(tmp_path), backends={"log": False}, flush_interval=3600)
+    finally:
+        _pipeline._native = saved
+    pipeline = rec._pipeline
+    assert pipeline.native is not None
+    pipeline.native.encoder = Failing(pipeline.native.encoder)
+    with tt.training_loop():
+        for step in range(1000):
+            with tt.training_iteration(step):
+                pass
+    tt.close()
+    assert pipeline.native is None
+    assert "the native encoder failed" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "j" / "rank0.jsonl").read_text().splitlines()]
+    assert [r["seq"] for r in records] == list(range(len(records)))
+    assert sum(r.get("name") == "iteration" for r in records) == 1000

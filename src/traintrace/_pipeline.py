@@ -653,9 +653,14 @@ class Pipeline:
                 state = stats.native_state()
             else:
                 steps_left, want_t0, state = _NO_INTERVAL, False, None
-            taken, self._seq, item = encoder.convert(
-                popleft, left, wall0, self._seq, mode, steps_left, want_t0, state
-            )
+            try:
+                taken, self._seq, item = encoder.convert(
+                    popleft, left, wall0, self._seq, mode, steps_left, want_t0, state
+                )
+            except Exception:  # out of memory in C: the Python path takes over for good
+                log.exception("traintrace: the native encoder failed; the pure-Python writer takes over")
+                self.native = None
+                break
             left -= taken
             out: list[tuple[int, dict[str, Any]]] = []
             if stats is not None:
