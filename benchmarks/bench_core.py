@@ -284,7 +284,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller counts, for a smoke run")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    print(f"python {sys.version.split()[0]}, traintrace {tt.__version__}, pid {os.getpid()}, cpus {os.cpu_count()}")
+    from traintrace._recorder import CORE
+
+    print(
+        f"python {sys.version.split()[0]}, traintrace {tt.__version__} ({CORE} core; TRAINTRACE_PURE=1 for the other),"
+        f" pid {os.getpid()}, cpus {os.cpu_count()}"
+    )
     rows = run(args.quick)
     print_table(rows)
     if args.json:
