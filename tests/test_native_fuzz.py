@@ -181,7 +181,7 @@ def _apply(cls: type, ops: list[Any], folder: Path) -> tuple[list[Any], list[Any
                     def stop(target: Any = span, into: list[str] = raised) -> None:
                         try:
                             target.__exit__(None, None, None)
-                        except BaseException as exc:  # noqa: BLE001
+                        except BaseException as exc:
                             into.append(type(exc).__name__)
 
                     thread = threading.Thread(target=stop)
@@ -193,7 +193,7 @@ def _apply(cls: type, ops: list[Any], folder: Path) -> tuple[list[Any], list[Any
                     field, value = op[2]
                     setattr(span, field, value)
             outcomes.append("ok")
-        except BaseException as exc:  # noqa: BLE001 - the outcome compared is the exception's type
+        except BaseException as exc:
             outcomes.append(type(exc).__name__)
     tt.close()
     _recorder._current.set(None)
