@@ -161,12 +161,18 @@ def _helper(name: str, doc: str, span_class: type[Span] = Span) -> Callable[...,
     inert = InertSpan(name, None, level)
 
     def helper(metrics: Mapping[str, Any] | Callable[..., Any] | None = None, **attrs: Any) -> Any:
-        if callable(metrics):
+        if metrics is None:  # the common case first: no call made for it
+            if not attrs:
+                rec = _recorder._active
+                if rec is None or level > rec.max_level:
+                    return inert
+                return span_class(name, None, level)
+        elif callable(metrics):
             return span_class(name, attrs or None, level)(metrics)
         rec = _recorder._active
         if rec is None or level > rec.max_level:
             return inert
-        given: dict[str, Any] | None = _attrs_arg(metrics)
+        given: dict[str, Any] | None = None if metrics is None else _attrs_arg(metrics)
         if attrs:
             given = {**given, **attrs} if given else attrs
         return span_class(name, given, level)
