@@ -11,6 +11,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +251,49 @@ def test_progress_file_fields_match_a_truth(tmp_path: Path) -> None:
         assert now.iterations == 6
         assert now.steps_done == 5
         assert not now.in_collective
+
+
+@pytest.mark.skipif(_recorder.CORE != "native", reason="the native core is not in use")
+@pytest.mark.parametrize("configured", ["no", "yes", "level too low"])
+def test_native_helpers_make_what_the_python_helpers_make(tmp_path: Path, configured: str) -> None:
+    if configured != "no":
+        verbosity = "info" if configured == "level too low" else "profiling"
+        tt.configure(
+            log_dir=str(tmp_path),
+            job_id="helpers",
+            backends={"log": False, "file": {"verbosity": verbosity}},
+            statistics=False,  # statistics raise the level to profiling
+        )
+        rec = tt.get_recorder()
+        assert rec is not None
+        assert (rec.max_level < int(tt.Verbosity.TRACING)) == (configured == "level too low")
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    for helper in (tt.training_iteration, tt.forward, tt.collective, tt.distributed_init):
+        for args, kwargs in (
+            ((), {}),
+            ((3,), {}),
+            ((True,), {}),
+            ((None,), {}),
+            ((2**70,), {}),
+            (({"a": 1},), {}),
+            ((5, {"b": 2}), {}),
+            ((), {"k": 1}),
+        ):
+            if helper is not tt.training_iteration and len(args) > 1:
+                continue
+            calls.append((helper, args, kwargs))
+    warnings.simplefilter("ignore", tt.TraintraceWarning)
+    for helper, args, kwargs in calls:
+        python_helper = helper.__wrapped__  # type: ignore[attr-defined]
+        try:
+            native = helper(*args, **kwargs)
+        except TypeError as exc:
+            with pytest.raises(type(exc)):
+                python_helper(*args, **kwargs)
+            continue
+        pure = python_helper(*args, **kwargs)
+        assert type(native) is type(pure), (helper, args)
+        assert (native.name, native.attrs, native.level, native.link) == (pure.name, pure.attrs, pure.level, pure.link)
+        assert (native is pure) == isinstance(pure, _recorder.InertSpan), (helper, args)
+    assert tt.forward.__name__ == tt.SpanName.FORWARD
+    assert "forward pass" in (tt.forward.__doc__ or "")

@@ -26,6 +26,7 @@
 #endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* The progress file's int64 slots (_progress.py; checked against it at import). */
@@ -1160,6 +1161,169 @@ static PyTypeObject SpanCoreType = {
     .tp_getset = span_getset,
 };
 
+/* ---------------------------------------------------------------- Factory */
+
+/* The span helpers' fast path (tt.forward(), tt.training_iteration(step)): a callable
+ * that makes the span itself in the common cases (no argument; an iteration's int
+ * step) exactly as the Python helper it wraps would, and calls that helper for
+ * everything else. Its attributes (__doc__, __name__, __wrapped__...) are the helper's. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *fallback;   /* the Python helper */
+    PyObject *cls;        /* the span class it makes */
+    PyObject *name;
+    PyObject *level;
+    PyObject *inert;      /* what it returns when nothing would record */
+    int iteration;        /* training_iteration(step): attrs {"step": step} */
+    vectorcallfunc vectorcall;
+} Factory;
+
+static PyTypeObject FactoryType;
+
+static PyObject *
+make_span(Factory *self, PyObject *attrs)
+{
+    PyObject *obj = span_new((PyTypeObject *)self->cls, NULL, NULL);
+    if (obj == NULL)
+        return NULL;
+    SpanCore *span = (SpanCore *)obj;
+    Py_SETREF(span->name, Py_NewRef(self->name));
+    Py_SETREF(span->attrs, Py_NewRef(attrs));
+    Py_SETREF(span->level, Py_NewRef(self->level));
+    return obj;
+}
+
+static PyObject *
+factory_vectorcall(Factory *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int plain = (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0) &&
+                (nargs == 0 || (self->iteration && nargs == 1 && PyLong_CheckExact(args[0])));
+    if (plain && installed) {
+        PyObject *rec = PyDict_GetItemWithError(g_namespace, s_active);
+        if (rec == NULL && PyErr_Occurred())
+            return NULL;
+        if (rec == NULL || rec == Py_None)
+            return Py_NewRef(self->inert);
+        if (RecorderCore_Check(rec)) {
+            Py_INCREF(rec);
+            int above = level_above(self->level, ((RecorderCore *)rec)->max_level);
+            Py_DECREF(rec);
+            if (above < 0)
+                return NULL;
+            if (above)
+                return Py_NewRef(self->inert);
+            if (nargs == 0)
+                return make_span(self, Py_None);
+            PyObject *attrs = PyDict_New();
+            if (attrs == NULL || PyDict_SetItem(attrs, s_step, args[0]) < 0) {
+                Py_XDECREF(attrs);
+                return NULL;
+            }
+            PyObject *span = make_span(self, attrs);
+            Py_DECREF(attrs);
+            return span;
+        }
+    }
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+static PyObject *
+factory_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *fallback, *cls, *name, *level, *inert;
+    int iteration;
+    if (!PyArg_ParseTuple(args, "OO!OOOp:Factory", &fallback, &PyType_Type, &cls, &name, &level, &inert, &iteration))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)cls, &SpanCoreType) || ((PyTypeObject *)cls)->tp_new != span_new ||
+        ((PyTypeObject *)cls)->tp_init != (initproc)span_init) {
+        PyErr_SetString(PyExc_TypeError, "Factory: the class must be a Span that keeps SpanCore's __new__ and __init__");
+        return NULL;
+    }
+    Factory *self = (Factory *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->fallback = Py_NewRef(fallback);
+    self->cls = Py_NewRef(cls);
+    self->name = Py_NewRef(name);
+    self->level = Py_NewRef(level);
+    self->inert = Py_NewRef(inert);
+    self->iteration = iteration;
+    self->vectorcall = (vectorcallfunc)factory_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+factory_traverse(Factory *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->cls);
+    Py_VISIT(self->name);
+    Py_VISIT(self->level);
+    Py_VISIT(self->inert);
+    return 0;
+}
+
+static int
+factory_clear(Factory *self)
+{
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->cls);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->level);
+    Py_CLEAR(self->inert);
+    return 0;
+}
+
+static void
+factory_dealloc(Factory *self)
+{
+    PyObject_GC_UnTrack(self);
+    factory_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The helper's own attributes: its name, documentation and signature (via __wrapped__). */
+static PyObject *
+factory_getattro(Factory *self, PyObject *name)
+{
+    if (PyUnicode_Check(name)) {
+        if (PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0)
+            return Py_NewRef(self->fallback);
+        if (PyUnicode_CompareWithASCIIString(name, "__class__") != 0 &&
+            PyUnicode_CompareWithASCIIString(name, "__call__") != 0 && PyUnicode_GET_LENGTH(name) > 4 &&
+            PyUnicode_READ_CHAR(name, 0) == '_' && PyUnicode_READ_CHAR(name, 1) == '_' && self->fallback != NULL)
+            return PyObject_GetAttr(self->fallback, name);
+    }
+    PyObject *found = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (found == NULL && self->fallback != NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return PyObject_GetAttr(self->fallback, name);
+    }
+    return found;
+}
+
+static PyObject *
+factory_repr(Factory *self)
+{
+    return PyObject_Repr(self->fallback);
+}
+
+static PyTypeObject FactoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traintrace._span.Factory",
+    .tp_basicsize = sizeof(Factory),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = factory_new,
+    .tp_dealloc = (destructor)factory_dealloc,
+    .tp_traverse = (traverseproc)factory_traverse,
+    .tp_clear = (inquiry)factory_clear,
+    .tp_vectorcall_offset = offsetof(Factory, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_getattro = (getattrofunc)factory_getattro,
+    .tp_repr = (reprfunc)factory_repr,
+};
+
 /* ----------------------------------------------------------------- module */
 
 static PyObject *
@@ -1223,7 +1387,8 @@ PyInit__span(void)
     INTERN(s_ok, "ok")
     INTERN(s_append, "append")
 #undef INTERN
-    if (PyType_Ready(&CounterType) < 0 || PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&SpanCoreType) < 0)
+    if (PyType_Ready(&CounterType) < 0 || PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&SpanCoreType) < 0 ||
+        PyType_Ready(&FactoryType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
@@ -1241,7 +1406,9 @@ PyInit__span(void)
     Py_INCREF(&CounterType);
     Py_INCREF(&RecorderCoreType);
     Py_INCREF(&SpanCoreType);
-    if (PyModule_AddObject(module, "Counter", (PyObject *)&CounterType) < 0 ||
+    Py_INCREF(&FactoryType);
+    if (PyModule_AddObject(module, "Factory", (PyObject *)&FactoryType) < 0 ||
+        PyModule_AddObject(module, "Counter", (PyObject *)&CounterType) < 0 ||
         PyModule_AddObject(module, "RecorderCore", (PyObject *)&RecorderCoreType) < 0 ||
         PyModule_AddObject(module, "SpanCore", (PyObject *)&SpanCoreType) < 0) {
         Py_DECREF(module);

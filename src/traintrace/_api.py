@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _faults, _recorder
 from ._config import ConfigError
@@ -179,7 +179,19 @@ def _helper(name: str, doc: str, span_class: type[Span] = Span) -> Callable[...,
 
     helper.__name__ = helper.__qualname__ = name
     helper.__doc__ = doc + "\n\nA context manager and a decorator; ``metrics`` are written with the span."
-    return helper
+    return _fast(helper, span_class, name, level, inert, iteration=False)
+
+
+def _fast(
+    helper: Callable[..., Any], cls: type[Span], name: str, level: int, inert: Span, *, iteration: bool
+) -> Callable[..., Any]:
+    """The native core's version of ``helper`` (the same results, made in C when called with
+    no argument, or an iteration's int step), or ``helper`` itself on the pure core."""
+    native = _recorder._native
+    if native is None:
+        return helper
+    made: Callable[..., Any] = native.Factory(helper, cls, name, level, inert, iteration)
+    return made
 
 
 distributed_init = _helper(
@@ -231,6 +243,12 @@ def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Ma
     if metrics:
         return Span(SpanName.ITERATION, {"step": step, **metrics}, _ITERATION_LEVEL)
     return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)
+
+
+if not TYPE_CHECKING:
+    training_iteration = _fast(
+        training_iteration, Span, SpanName.ITERATION, _ITERATION_LEVEL, _INERT_ITERATION, iteration=True
+    )
 
 
 def checkpoint_save_finalization(async_save: Span | None = None, metrics: Mapping[str, Any] | None = None) -> Span:

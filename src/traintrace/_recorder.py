@@ -79,6 +79,8 @@ def _load_native() -> Any:
     expected["START_DROPPED"] = _START_DROPPED
     if dict(module.SLOTS) != expected:  # a stale build: its slots are not this version's
         return None
+    if not all(hasattr(module, name) for name in ("SpanCore", "RecorderCore", "Counter", "Factory", "install")):
+        return None  # a stale build, from before a part was added
     return module
 
 
