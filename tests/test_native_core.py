@@ -125,6 +125,8 @@ def _normalise(records: list[dict[str, Any]]) -> list[Any]:
         if kind == "end":
             continue
         record = {k: v for k, v in original.items() if k not in VOLATILE and k != "seq"}
+        if isinstance(record.get("name"), str):
+            record["name"] = str.__str__(record["name"])  # a str subclass's own == may raise
         if kind == "close":
             record.pop("records", None)  # two records for a span seen open, one for a span seen ended
         if kind == "start":
