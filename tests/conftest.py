@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 import traintrace as tt
 from tests._reliability import core_env
@@ -19,6 +20,12 @@ from traintrace import _recorder
 from traintrace.backends._scalars import framework_logs
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The fast inner loop (scripts/test --fast) draws fewer examples in property tests that keep
+# hypothesis's default count; tests that set their own count use tests._examples.examples().
+settings.register_profile("fast", max_examples=20)
+if os.environ.get("TRAINTRACE_FAST_TESTS") == "1":
+    settings.load_profile("fast")
 SCHEMA_PATH = ROOT / "src" / "traintrace" / "schema" / "record-v1.schema.json"
 
 

@@ -198,6 +198,7 @@ def _dump(page: Path, profile: Path) -> str:
     return dom.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @needs_chromium
 def test_single_rank_report_draws_that_rank(tmp_path: Path) -> None:

@@ -71,6 +71,7 @@ def _spawned_rank(rank: int, folder: str) -> None:
     tt.close()
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_refresh_from_the_process_group_in_plain_multiprocessing(tmp_path: Path) -> None:
     """Two spawned processes learn their rank when distributed_init ends, and register under it."""

@@ -25,6 +25,7 @@ def environment() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_torchrun_ddp_example_writes_one_stream_per_rank(tmp_path: Path) -> None:
     """torchrun --nproc-per-node 2: each rank's stream has its identity, every step, and rank 0 the saves."""
     command = [
@@ -61,6 +62,7 @@ def test_torchrun_ddp_example_writes_one_stream_per_rank(tmp_path: Path) -> None
         assert len(collectives) == 32 + 2 + 2  # and the validation all-reduce and the barrier, each epoch
 
 
+@pytest.mark.slow
 def test_async_checkpoint_example_links_background_writes(tmp_path: Path) -> None:
     """Each async save: a blocking span and a linked finalisation span that ends with the size written."""
     command = [

@@ -113,6 +113,7 @@ def test_step_info_applies_from_the_next_iteration(memory: tt.MemoryBackend) -> 
     assert event["attrs"]["consumed_samples"] == 1 + 1 + 10 + 10
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_demo_run_writes_interval_events(tmp_path: Path) -> None:
     """The CPU example, run as a process, writes interval events a reader agrees with."""

@@ -298,6 +298,7 @@ def test_phase_timings_as_attributes(memory: tt.MemoryBackend, tmp_path: Path) -
         assert attrs["data_loading_ns"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> None:
     """strategy='ddp' with 2 CPU processes: one stream per rank, identity from the trainer, steps equal."""

@@ -67,6 +67,7 @@ def memory() -> Iterator[tt.MemoryBackend]:
     tt.close()
 
 
+@pytest.mark.slow
 def test_trainer_run_records_steps_logs_evaluation_and_saves(memory: tt.MemoryBackend, tmp_path: Path) -> None:
     """Steps, logged loss/lr/grad norm, eval metrics and saves equal what the Trainer did and logged."""
     trainer = Trainer(

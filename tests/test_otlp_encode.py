@@ -15,6 +15,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from tests._examples import examples
 from traintrace.backends.otlp._encode import trace_request, varint
 from traintrace.backends.otlp._traces import OtlpTracesBackend, _Pending
 
@@ -77,7 +78,7 @@ _values = st.one_of(
 _attrs = st.dictionaries(st.text(min_size=1, max_size=12), _values, max_size=6)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     attrs=_attrs,
     events=st.lists(st.tuples(st.text(min_size=1, max_size=8), _attrs), max_size=3),

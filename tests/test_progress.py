@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import traintrace as tt
+from tests._examples import examples
 from traintrace import _progress
 from traintrace.progress import (
     DEAD,
@@ -234,7 +235,7 @@ def test_reader_rejects_missing_short_and_foreign_files(tmp_path: Path) -> None:
     assert read_job_progress(tmp_path) == {}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     valid=st.booleans(),
     flips=st.lists(st.tuples(st.integers(0, _progress.SIZE - 1), st.integers(0, 255)), max_size=40),

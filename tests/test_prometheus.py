@@ -102,6 +102,7 @@ def test_metrics_endpoint_during_a_torchrun_job(tmp_path: Path) -> None:
             proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_missing_extra_is_named(tmp_path: Path) -> None:
     """Without prometheus-client, --metrics-port stops before launching and names the extra."""

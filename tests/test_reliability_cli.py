@@ -152,6 +152,7 @@ def _limited_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_hostile_job_folder_names_headers_and_numbers(tmp_path: Path) -> None:
     """A file literally named ``rank*.jsonl`` (read once, not as a glob), a headerless file, a

@@ -78,6 +78,7 @@ class CheckingBackend(BaseBackend):
                 self.counts[(t, "event")] = self.counts.get((t, "event"), 0) + 1  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_eight_threads_for_ten_seconds_lose_and_duplicate_nothing() -> None:
     """8 threads recording nested spans and events as fast as they can for 10 s (blocking
     queue): sequence numbers run on without gaps, every span and event arrives once, and
@@ -225,6 +226,7 @@ print(json.dumps({"pid": os.getpid(), "seen": len(seen)}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("fork_mode", ["own_stream", "quiet"])
 def test_forked_dataloader_workers_never_deadlock(tmp_path: Path, fork_mode: str) -> None:

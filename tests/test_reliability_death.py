@@ -63,6 +63,7 @@ def _steps(stream_records: list[dict[str, object]]) -> list[int]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_sigkill_at_random_points_keeps_everything_flushed(tmp_path: Path) -> None:
     """SIGKILL at many random points: every record up to the last flush reads back, no gaps,
@@ -330,6 +331,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_sigterm_with_a_full_queue_never_hangs(tmp_path: Path) -> None:
     """SIGTERM while the training thread keeps hitting a full queue (the handler used to re-enter

@@ -26,13 +26,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import traintrace as tt
+from tests._examples import examples
 from tests._reliability import schema_errors
 from traintrace._config import resolve_path
 from traintrace._identity import Identity
 from traintrace.backends import MemoryBackend
 from traintrace.reader import MAX_LINE_BYTES, read_file
 
-EXAMPLES = int(os.environ.get("RELIAB_FUZZ_EXAMPLES", "120"))
+EXAMPLES = int(os.environ.get("RELIAB_FUZZ_EXAMPLES", str(examples(120))))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -671,6 +672,7 @@ def test_a_metric_too_large_to_print_loses_nothing(tmp_path: Path) -> None:
     assert "integer of" in big["attrs"]["huge"] and "integer of" in big["attrs"]["nested"]["huge"]
 
 
+@pytest.mark.slow
 def test_a_dict_changed_by_another_thread_loses_nothing(tmp_path: Path) -> None:
     """Another thread keeps adding and removing keys of the dict passed to ``span()`` and
     ``event()`` while the writer converts them: every one of 10,000 spans and events is written."""

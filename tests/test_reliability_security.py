@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import traintrace as tt
+from tests._examples import examples
 from traintrace.backends import MemoryBackend
 from traintrace.reader import read_file
 
@@ -246,7 +247,7 @@ def _nested_with_secret(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
     return top, key
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_nested_with_secret())
 def test_secrets_never_reach_a_backend_at_any_depth(tmp_path: Path, case: tuple[dict[str, Any], str]) -> None:
     """Whatever the nesting (lists in lists, tuples, dicts) and however long the key, a secret
@@ -450,7 +451,7 @@ def test_every_folder_created_gets_the_folder_mode(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- job ids (issue 17, item 13)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(a=st.text(min_size=1, max_size=200), b=st.text(min_size=1, max_size=200))
 def test_different_job_ids_never_share_a_folder(a: str, b: str) -> None:
     """Two different job ids give two different folder names, each one safe path component of

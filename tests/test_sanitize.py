@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests._examples import examples
 from traintrace._sanitize import MAX_ITEMS, MAX_STRING, convert_mapping, to_jsonable
 
 json_like = st.recursive(
@@ -29,7 +30,7 @@ json_like = st.recursive(
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.dictionaries(st.text(max_size=30), json_like, max_size=10))
 def test_any_mapping_becomes_strict_json(value: dict[Any, Any]) -> None:
     """The result always serialises with allow_nan=False and keys are strings."""

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import traintrace as tt
+from tests._examples import examples
 from tests._insight_helpers import configure, tiny_model, train_step
 from traintrace._stats import LogHistogram, resolve_tensors
 
@@ -51,7 +52,7 @@ def seconds(record: dict[str, Any]) -> float:
 # ---------------------------------------------------------------- histogram
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.floats(min_value=1e3, max_value=1e11), min_size=1, max_size=400))
 def test_histogram_quantiles_within_half_a_percent(values: list[float]) -> None:
     """Every quantile is within 0.5% of the exact nearest-rank value."""

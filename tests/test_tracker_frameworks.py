@@ -66,6 +66,7 @@ def test_without_a_lightning_logger_traintrace_logs_the_loss(tmp_path: Path) -> 
     assert "loss" in ours and len(ours["loss"]) == 4
 
 
+@pytest.mark.slow
 def test_hf_trainer_report_to_tensorboard_and_traintrace_do_not_overlap(tmp_path: Path) -> None:
     """report_to=['tensorboard']: the Trainer logs loss, learning rate, grad norm; traintrace only traintrace/*."""
     pytest.importorskip("transformers")

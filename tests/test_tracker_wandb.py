@@ -38,6 +38,7 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_history_summary_and_errors_in_wandb(wandb_home: Path) -> None:
     """History rows against traintrace/step, the error as HTML at its step, goodput in the summary."""
@@ -72,6 +73,7 @@ def test_history_summary_and_errors_in_wandb(wandb_home: Path) -> None:
     assert any(r["type"] == "exit" for r in records)  # the run traintrace started was finished
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_run_already_started_is_used_and_left_to_its_owner(wandb_home: Path) -> None:
     """wandb.init() before configure(): traintrace logs into that run, charts only its own figures against

@@ -136,6 +136,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_traintrace_run_help_shows_its_own_options_first() -> None:
     """`traintrace-run --help`: traintrace's options, then torchrun's; exit 0."""

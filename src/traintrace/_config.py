@@ -334,6 +334,13 @@ class Config:
     fault_handler: bool = True
     #: Keep ``rankN.progress`` beside the stream: step and phase, kept through a kill (docs/format.md).
     progress_file: bool = True
+    #: Device (GPU) time of phases from CUDA events: "auto" (when CUDA is initialised), true, false
+    #: (docs/configuration.md, "Device timing").
+    device_timing: str | bool = "auto"
+    #: The spans timed on the device (empty: the standard phases).
+    device_timing_phases: list[str] = field(default_factory=list)
+    #: Seconds a span's record waits for its device events before it is written without them.
+    device_timing_timeout: float = 10.0
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad field."""
@@ -370,6 +377,31 @@ class Config:
         for key, backend in self.backends.items():
             backend.validate(f"backends.{key}")
         _validate_insight(self)
+        _validate_device_timing(self)
+
+
+def _validate_device_timing(config: Config) -> None:
+    """Normalise ``device_timing`` to "auto", True or False; raise ConfigError for a bad value."""
+    value = config.device_timing
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            value = "auto"
+        elif text in ("1", "true", "yes", "on"):
+            value = True
+        elif text in ("0", "false", "no", "off"):
+            value = False
+    if value not in ("auto", True, False) or (isinstance(value, int) and not isinstance(value, bool)):
+        raise ConfigError(f"device_timing: expected 'auto', true or false, got {config.device_timing!r}")
+    config.device_timing = value
+    phases = config.device_timing_phases
+    if not isinstance(phases, list | tuple) or not all(isinstance(p, str) and p for p in phases):
+        raise ConfigError(f"device_timing_phases: expected a list of span names, got {phases!r}")
+    if not phases:
+        from ._device_timing import DEFAULT_PHASES
+
+        config.device_timing_phases = list(DEFAULT_PHASES)
+    _seconds("device_timing_timeout", config.device_timing_timeout, low=0.001, high=_DAY)
 
 
 def _validate_insight(config: Config) -> None:
@@ -446,6 +478,8 @@ def _coerce(annotation: Any, raw: Any, where: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
+        if "str" in kinds:  # a setting that is a word or a switch ("auto", true, false)
+            return text
         raise ConfigError(f"{where}: expected true or false, got {raw!r}")
     if "int" in kinds and "str" not in kinds and "Verbosity" not in kinds:
         try:

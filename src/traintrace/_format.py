@@ -32,6 +32,9 @@ FIELDS: Final[dict[str, Field]] = {
     "parent": Field("BIGINT", (int,)),
     "tid": Field("BIGINT"),
     "dur": Field("BIGINT", (int, float)),
+    # Device (GPU) time of a span and the device's idle gap before it (device timing; optional).
+    "gpu_dur": Field("BIGINT", (int,)),
+    "gpu_idle": Field("BIGINT", (int,)),
     "status": Field("VARCHAR", (str,)),
     "span": Field("BIGINT", (int,)),
     "link": Field("BIGINT"),

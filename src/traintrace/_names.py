@@ -82,6 +82,8 @@ class EventName:
     HANG_RESOLVED: Final = "hang_resolved"
     #: The event when the process group's rank or world size differs from the configuration's.
     IDENTITY: Final = "identity"
+    #: At close, when spans were timed on the device: how many were timed, abandoned, ... (docs/format.md).
+    DEVICE_TIMING: Final = "device_timing"
 
 
 class RecordKind:

@@ -177,6 +177,8 @@ class Pipeline:
         self._refresh_anchor()
         #: Writer-thread hooks that see every span end (see ``_insight.IterationStats``).
         self.observers: list[SpanObserver] = []
+        #: span id -> (observers still holding it, fields they released it with): spans held by several
+        self._holders: dict[int, tuple[int, dict[str, Any]]] = {}
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
         self._warned_drops = False
         self._bad_items = 0
@@ -557,16 +559,20 @@ class Pipeline:
 
     def _hold(self, span: Span, started: bool) -> bool:
         """True when an observer keeps an ended span's record back, to release it later."""
-        held = False
+        held = 0
         for observer in self.observers:
             try:
-                held = observer.hold(span, started) or held
+                if observer.hold(span, started):
+                    held += 1
             except Exception:
                 log.exception("traintrace: span observer failed")
         if held:
             span.written = _HELD
             self._open.pop(span.id, None)
-        return held
+            if held > 1:
+                # Written once, when the last observer that held it releases it.
+                self._holders[span.id] = (held, {})
+        return bool(held)
 
     def _stopped(self, span: Span, state: int, out: list[tuple[int, dict[str, Any]]]) -> None:
         """The writer sees a span's stop; ``state`` is what it wrote at its start."""
@@ -586,10 +592,33 @@ class Pipeline:
             except Exception:
                 log.exception("traintrace: span observer failed")
 
-    def release_span(self, span: Span, started: bool, out: list[tuple[int, dict[str, Any]]]) -> None:
-        """Write the record of a span an observer held back (writer thread only)."""
+    def release_span(
+        self,
+        span: Span,
+        started: bool,
+        out: list[tuple[int, dict[str, Any]]],
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write the record of a span an observer held back (writer thread only).
+
+        ``extra``: top-level fields added to the record (``gpu_dur``); a span held by
+        several observers is written when the last one releases it, with all their fields.
+        """
+        if self._holders:
+            holding = self._holders.get(span.id)
+            if holding is not None:
+                left, fields = holding
+                if extra:
+                    fields.update(extra)
+                if left > 1:
+                    self._holders[span.id] = (left - 1, fields)
+                    return
+                del self._holders[span.id]
+                extra = fields
         if started:
             self._end_record(span, span.t1 or time.perf_counter_ns(), span.status, out)
+            if extra:
+                out[-1][1].update(extra)
             return
         tid = self._threads.get(span.tid) or self._thread_id(span.tid, out)
         record = self._record(RecordKind.SPAN, span.t0)
@@ -601,6 +630,8 @@ class Pipeline:
         if span.link is not None:
             record["link"] = _link_id(span.link)
         record["dur"] = (span.t1 or span.t0) - span.t0
+        if extra:
+            record.update(extra)
         record["status"] = span.status
         attrs = span.attrs
         if span.metrics:

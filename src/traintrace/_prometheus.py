@@ -19,11 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._names import EventName, SpanName
+
 log = logging.getLogger("traintrace.lib")
 
 #: Record lines worth parsing (the rest of a rank's file is skipped without decoding).
-_WANTED = (b'"kind":"header"', b'"kind":"error"', b'"name":"iteration"', b'"training_iterations"', b'"kind":"close"')
-_HANG = "hang_suspected"
+_WANTED = (
+    b'"kind":"header"',
+    b'"kind":"error"',
+    b'"name":"%s"' % SpanName.ITERATION.encode(),
+    b'"%s"' % EventName.TRAINING_ITERATIONS.encode(),
+    b'"kind":"close"',
+)
+_HANG = EventName.HANG_SUSPECTED
 _MAX_LINE = 16 * 1024 * 1024
 
 
@@ -140,7 +148,7 @@ class NodeFiles:
                 state.errors += 1
         elif kind == "close":
             state.closed = True
-        elif record.get("name") == "iteration" and kind in ("span", "end"):
+        elif record.get("name") == SpanName.ITERATION and kind in ("span", "end"):
             step = (record.get("attrs") or {}).get("step")
             if isinstance(step, int) and not isinstance(step, bool):
                 state.step = step

@@ -519,6 +519,8 @@ class Recorder(_RecorderBase):
     insight: Insight | None = None
     #: A rank/world-size disagreement with the process group was reported once.
     identity_conflict_reported: bool = False
+    #: Device (GPU) time of phases (``_device_timing.DeviceTimer``), when on.
+    device_timer: Any = None
 
     def __init__(self, pipeline: RecordSink, max_level: int, listeners: list[Any]) -> None:
         self._pipeline = pipeline

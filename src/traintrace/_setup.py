@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from . import _faults, _progress, _recorder
+from . import _device_timing, _faults, _progress, _recorder
 from ._config import Config, ConfigError, FileBackendConfig, build_config, disabled, resolve_path
 from ._dist import after_start
 from ._format import SCHEMA, SCHEMA_VERSION
@@ -136,6 +136,8 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
     if disabled():
         config.backends = {}
         extra_backends = []
+    if config.backends or extra_backends:
+        _device_timing.check(config)  # device_timing = true without CUDA: a ConfigError now
     identity = _identity(config)
     header = _header(identity, config, header_extra)
     routes: list[tuple[Backend, str, int]] = []
@@ -167,12 +169,16 @@ def _start(config: Config, extra_backends: list[Backend], header_extra: dict[str
         # Statistics need iteration and sub-phase spans even where no backend writes them.
         max_level = max(max_level, int(Verbosity.PROFILING))
     pipeline = Pipeline(config, header, routes)
+    device_timer = _device_timing.attach(listeners, pipeline, config)
     recorder = Recorder(pipeline, max_level, listeners)
+    recorder.device_timer = device_timer
     recorder.identity = identity
     _progress.attach(recorder, config, identity)
     from ._insight import attach
 
-    attach(recorder, pipeline, config, identity)
+    insight = attach(recorder, pipeline, config, identity)
+    if device_timer is not None and insight is not None:
+        device_timer.statistics = insight.stats
     set_active(recorder)
     _install_process_hooks(config)
     if config.fault_handler:

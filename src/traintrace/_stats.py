@@ -40,6 +40,12 @@ PHASE_FIELDS: Final[dict[str, str]] = {
     SpanName.ZERO_GRAD: "average_zero_grad_time",
 }
 
+#: Device (GPU) time of phases and iterations, where device timing measured it (docs/insight.md).
+DEVICE_FIELDS: Final[dict[str, str]] = {
+    SpanName.ITERATION: "average_iteration_device_time",
+    **{name: field.replace("_time", "_device_time") for name, field in PHASE_FIELDS.items()},
+}
+
 #: Spans whose time is taken out of throughput, and where it is reported.
 EXCLUDED_FIELDS: Final[dict[str, str]] = {
     SpanName.CHECKPOINT_SAVE_SYNC: "checkpoint_time",
@@ -130,6 +136,16 @@ class IterationStats:
         self._tensors: list[tuple[str | None, Any]] = []
         self._held: list[tuple[Span, bool]] = []
         self._last_t1 = 0
+        #: device time of phases whose CUDA events resolved in this interval (``_device_timing``)
+        self._device_sum: dict[str, int] = {}
+        self._device_count: dict[str, int] = {}
+
+    def device_time(self, name: str, gpu_dur: int) -> None:
+        """A phase's device time is known (writer thread; it lags the CPU by up to a write cycle)."""
+        field = DEVICE_FIELDS.get(name)
+        if field is not None:
+            self._device_sum[field] = self._device_sum.get(field, 0) + gpu_dur
+            self._device_count[field] = self._device_count.get(field, 0) + 1
 
     # -- called by the user's thread (through set_step_info) ---------------
     def set_info(self, values: dict[str, Any]) -> None:
@@ -398,6 +414,8 @@ class IterationStats:
             attrs["iteration_time_p99"] = p99 * seconds
             for field, total in self._phase_sum.items():
                 attrs[field] = total / self._phase_count[field] * seconds
+            for field, total in self._device_sum.items():
+                attrs[field] = total / self._device_count[field] * seconds
             start = self._interval_start if self._interval_start is not None else now
             end = self._last_t1 or now
             elapsed = max(end - start, 1)

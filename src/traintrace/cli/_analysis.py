@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._names import EventName, SpanName
+from ._device import compute_time_sql, device_summary
 from ._diagnosis import HANG_ERRORS, _secondary, diagnose
 from ._engine import ITERATION, Job, compress_ranks
 
@@ -212,6 +213,9 @@ def summary(job: Job) -> dict[str, Any]:
     }
     if overlap_note:
         result["notes"].append("some phase spans overlap (nested or concurrent); 'other' is clamped at 0")
+    device = device_summary(job)
+    if device is not None:
+        result["device"] = device
     return result
 
 
@@ -310,7 +314,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     parts: dict[int, dict[str, float]] = {}
     for rank, part, value in job.rows(
         f"""
-        SELECT rank, 'compute', median(dur - coll) / 1e9 FROM step_parts GROUP BY rank
+        SELECT rank, 'compute', median(comp) / 1e9 FROM step_parts GROUP BY rank
         UNION ALL SELECT rank, 'collective', median(coll) / 1e9 FROM step_parts WHERE has_coll GROUP BY rank
         UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9 FROM loading_parts GROUP BY rank
         UNION ALL SELECT rank, 'checkpoint_save', median(dur) / 1e9 FROM spans_small
@@ -350,7 +354,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     # ranks' median in that window.
     grid = job.rows(
         f"""
-        SELECT rank, least((ts - {start}) // {width}, {windows - 1}) AS w, quantile_cont(dur - coll, 0.5) / 1e9
+        SELECT rank, least((ts - {start}) // {width}, {windows - 1}) AS w, quantile_cont(comp, 0.5) / 1e9
         FROM step_parts GROUP BY ALL
         """
     )
@@ -421,9 +425,10 @@ def _step_parts(job: Job) -> None:
         f"""
         CREATE TEMP TABLE IF NOT EXISTS step_parts AS
         WITH it AS (
-            SELECT stream, rank, restart, ts, dur, try_cast(attrs->>'step' AS BIGINT) AS step,
+            SELECT stream, rank, restart, ts, dur, id, try_cast(attrs->>'step' AS BIGINT) AS step,
                    row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
             FROM iterations WHERE status = 'ok'
+        ), gc AS ({compute_time_sql()}
         ), col AS (
             SELECT stream, ts, dur FROM spans_small
             WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
@@ -433,8 +438,11 @@ def _step_parts(job: Job) -> None:
             WHERE c.ts < i.ts + i.dur GROUP BY ALL
         )
         SELECT it.rank, it.restart, it.k, it.step, it.ts, it.dur, coalesce(inside.coll, 0) AS coll,
-               inside.coll IS NOT NULL AS has_coll
-        FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts;
+               inside.coll IS NOT NULL AS has_coll,
+               -- the step's own work: its compute phases' device time where measured, else outside collectives
+               coalesce(gc.gpu_compute, it.dur - coalesce(inside.coll, 0)) AS comp
+        FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts
+        LEFT JOIN gc ON gc.stream = it.stream AND gc.id = it.id;
         CREATE TEMP TABLE IF NOT EXISTS loading_parts AS
         SELECT rank, restart, ts, dur, row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
         FROM spans_small WHERE name = '{SpanName.DATA_LOADING}' AND dur IS NOT NULL AND NOT is_agent;
@@ -449,7 +457,7 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     exceeds it by ``floor`` seconds. The onset is the change point that classifies the most steps right
     (fast before it, slow from it on), so a few noisy steps on either side do not move it.
     """
-    table, value = {"compute": ("step_parts", "dur - coll"), "data_loading": ("loading_parts", "dur")}.get(
+    table, value = {"compute": ("step_parts", "comp"), "data_loading": ("loading_parts", "dur")}.get(
         part, (None, None)
     )
     if table is None:

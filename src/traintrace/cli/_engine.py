@@ -61,7 +61,22 @@ DEFAULT_MEMORY_LIMIT = os.environ.get("TRAINTRACE_MEMORY_LIMIT", "1500MB")
 #: Fields stored for every record; the rest of COLUMNS only exist in rare kinds (headers, errors, thread
 #: names, drop notes) and are packed into one JSON column for those rows only, so that millions of rows
 #: do not carry 17 empty columns (DuckDB keeps in-memory columns uncompressed).
-CORE_COLUMNS = ("kind", "ts", "seq", "name", "id", "parent", "tid", "dur", "status", "span", "link", "attrs")
+CORE_COLUMNS = (
+    "kind",
+    "ts",
+    "seq",
+    "name",
+    "id",
+    "parent",
+    "tid",
+    "dur",
+    "gpu_dur",
+    "gpu_idle",
+    "status",
+    "span",
+    "link",
+    "attrs",
+)
 RARE_KINDS = ("header", "error", "thread", "dropped")
 RARE_FIELDS = tuple(k for k in COLUMNS if k not in CORE_COLUMNS)
 
@@ -306,11 +321,11 @@ class Job:
             """
             CREATE TABLE spans_small AS
             SELECT file, stream, stream_rank AS rank, stream_restart AS restart, is_agent, name, id, parent,
-                   tid, link, ts, dur, status, attrs, a, false AS open, seq
+                   tid, link, ts, dur, gpu_dur, gpu_idle, status, attrs, a, false AS open, seq
             FROM other WHERE kind = 'span'
             UNION ALL
             SELECT s.file, s.stream, s.stream_rank, s.stream_restart, s.is_agent, s.name, s.id, s.parent, s.tid,
-                   s.link, s.ts, e.dur, coalesce(e.status, 'open'),
+                   s.link, s.ts, e.dur, e.gpu_dur, e.gpu_idle, coalesce(e.status, 'open'),
                    CASE WHEN e.attrs IS NULL THEN s.attrs WHEN s.attrs IS NULL THEN e.attrs
                         ELSE json_merge_patch(s.attrs, e.attrs) END,
                    CASE WHEN e.a IS NULL THEN s.a ELSE struct_pack(
@@ -358,7 +373,7 @@ class Job:
             CREATE TABLE iterations_small AS
             SELECT f.stream, f.rank, f.restart, s.ts, s.dur, s.status,
                    (s.status <> 'ok' OR (f.failed AND s.ts + s.dur > coalesce(f.ckpt_end, -1))) AS lost,
-                   s.attrs, s.tid, NULL::BIGINT AS seq, s.id, s.parent, s.file
+                   s.attrs, s.tid, NULL::BIGINT AS seq, s.id, s.parent, s.file, s.gpu_dur, s.gpu_idle
             FROM spans_small s JOIN stream_facts f USING (stream)
             WHERE s.name = '{ITERATION}' AND NOT s.is_agent AND NOT s.open
             """
@@ -368,7 +383,7 @@ class Job:
             CREATE VIEW iterations AS
             SELECT f.stream, f.rank, f.restart, r.ts, r.dur, r.status,
                    (r.status <> 'ok' OR (f.failed AND r.ts + r.dur > coalesce(f.ckpt_end, -1))) AS lost,
-                   r.attrs, r.tid, r.seq, r.id, r.parent, r.file
+                   r.attrs, r.tid, r.seq, r.id, r.parent, r.file, r.gpu_dur, r.gpu_idle
             FROM raw r JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
             WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT f.is_agent
             UNION ALL
@@ -543,10 +558,12 @@ class Job:
             ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW spans AS
             SELECT x.* EXCLUDE (file), p.path AS file FROM (
-            SELECT rank, restart, stream, name, id, parent, tid, ts, dur, ts + dur AS end_ts, status, attrs, file
+            SELECT rank, restart, stream, name, id, parent, tid, ts, dur, ts + dur AS end_ts, status, attrs, file,
+                   gpu_dur, gpu_idle
             FROM spans_small WHERE NOT is_agent
             UNION ALL
-            SELECT rank, restart, stream, '{ITERATION}', id, parent, tid, ts, dur, ts + dur, status, attrs, file
+            SELECT rank, restart, stream, '{ITERATION}', id, parent, tid, ts, dur, ts + dur, status, attrs, file,
+                   gpu_dur, gpu_idle
             FROM iterations WHERE seq IS NOT NULL  -- start/end pairs are in spans_small already
             ) x LEFT JOIN files p USING (file);
             CREATE OR REPLACE VIEW steps AS

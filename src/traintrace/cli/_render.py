@@ -149,6 +149,19 @@ def render_summary(s: dict[str, Any]) -> str:
                 ],
             )
         )
+    device = s.get("device")
+    if device:
+        out.append("")
+        out.append(f"DEVICE: {device['line']}")
+        out.append(
+            table(
+                ("phase (mean per span)", "device", "CPU"),
+                [
+                    (name, seconds(p["mean_s"]), seconds(p["cpu_mean_s"]))
+                    for name, p in device["phase_means_s"].items()
+                ],
+            )
+        )
     if s.get("ranks_missing"):
         out.append(f"\nranks missing: {s['ranks_missing']}")
     text = "\n".join(out) + "\n"
