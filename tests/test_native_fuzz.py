@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import traintrace as tt
+from tests._examples import examples
 from tests._reliability import child_env, write_script
 from tests.test_native_core import _normalise
 from traintrace import _recorder
@@ -213,7 +214,7 @@ RESTRICTED = [
 
 
 @given(ops=OPS)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_native_span_behaves_as_the_pure_core(ops: list[Any], tmp_path: Path) -> None:
     cut = next(
         (i for i, op in enumerate(ops) if op[0] == "set" and op[2] in RESTRICTED),
