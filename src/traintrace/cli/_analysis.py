@@ -457,9 +457,7 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     exceeds it by ``floor`` seconds. The onset is the change point that classifies the most steps right
     (fast before it, slow from it on), so a few noisy steps on either side do not move it.
     """
-    table, value = {"compute": ("step_parts", "comp"), "data_loading": ("loading_parts", "dur")}.get(
-        part, (None, None)
-    )
+    table, value = {"compute": ("step_parts", "comp"), "data_loading": ("loading_parts", "dur")}.get(part, (None, None))
     if table is None:
         return {}
     step_col = "step" if table == "step_parts" else "NULL::BIGINT"

@@ -156,10 +156,7 @@ def render_summary(s: dict[str, Any]) -> str:
         out.append(
             table(
                 ("phase (mean per span)", "device", "CPU"),
-                [
-                    (name, seconds(p["mean_s"]), seconds(p["cpu_mean_s"]))
-                    for name, p in device["phase_means_s"].items()
-                ],
+                [(name, seconds(p["mean_s"]), seconds(p["cpu_mean_s"])) for name, p in device["phase_means_s"].items()],
             )
         )
     if s.get("ranks_missing"):
