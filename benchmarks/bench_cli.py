@@ -1,13 +1,19 @@
-"""Time the traintrace command on a synthetic job against a plain json.loads loop, in the same run.
+"""Time the traintrace command on synthetic jobs against a json.loads loop and DuckDB itself, in the same run.
 
-    python benchmarks/bench_cli.py [--ranks 64] [--iterations 100000] [--dir /tmp/traintrace-bench]
+    python benchmarks/bench_cli.py [--ranks 1,4,16,64] [--iterations 20000] [--dir /tmp/traintrace-bench]
 
-Writes the job with benchmarks/gen_job.py (unless it is already there), then
-runs, each as its own process so that wall time and peak memory (ru_maxrss
-from wait4) are end to end: a baseline that only parses every line with
-``json.loads``, and ``traintrace summary``, ``ranks``, ``errors`` and
-``export``. Prints records/s, the speed-up over the baseline and peak RSS,
-and writes the figures as JSON next to the job.
+For each number of ranks, writes the job with benchmarks/gen_job.py (unless it is already there), then
+runs, each as its own process so that wall time and peak memory (ru_maxrss from wait4) are end to end:
+
+* a baseline that only parses every line with ``json.loads``;
+* DuckDB's own single scan: one ``read_ndjson`` query (schema detected by DuckDB) computing what summary
+  computes from the iterations (count, time and quantiles per rank and status, last step);
+* ``traintrace summary``, ``ranks``, ``errors`` on the JSON-lines folder;
+* ``traintrace export --format parquet`` once, then ``summary``, ``ranks``, ``errors`` on the export;
+* with ``--export``, ``export`` (chrome) of all ranks and of 4 ranks.
+
+The fixed cost is ``traintrace summary`` of a one-rank job of 10 iterations. Prints records/s, the ratio to
+the baseline and to DuckDB's scan, peak RSS, and writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -35,9 +43,20 @@ for path in sorted(Path(sys.argv[1]).glob("*.jsonl")):
 print(n)
 """
 
+# DuckDB reading the files once, as a user would write it, with the aggregation summary needs.
+DUCKDB_SCAN = """
+import sys, duckdb
+rows = duckdb.sql(f\"\"\"
+    SELECT kind, name, status, count(*), sum(dur), quantile_cont(dur, [0.5, 0.9, 0.99]), max(ts), max(seq),
+           max(try_cast(attrs->>'step' AS BIGINT)), sum(try_cast(attrs->>'batch_size' AS BIGINT))
+    FROM read_ndjson('{sys.argv[1]}/*.jsonl') GROUP BY ALL
+\"\"\").fetchall()
+print(sum(r[3] for r in rows))
+"""
 
-def run(argv: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in MB, stdout) of one child process."""
+
+def run(argv: list[str]) -> tuple[float, float, str, float]:
+    """(wall seconds, peak RSS in MB, stdout, CPU seconds) of one child process."""
     started = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None
@@ -47,76 +66,115 @@ def run(argv: list[str]) -> tuple[float, float, str]:
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"{argv} failed with {proc.returncode}")
-    return elapsed, usage.ru_maxrss / 1024, out
+    return elapsed, usage.ru_maxrss / 1024, out, usage.ru_utime + usage.ru_stime
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=64)
-    parser.add_argument("--iterations", type=int, default=100_000)
-    parser.add_argument("--checkpoint-every", type=int, default=5000)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--skip-baseline", action="store_true")
-    args = parser.parse_args()
-    folder = Path(args.dir or f"/tmp/traintrace-bench-{args.ranks}x{args.iterations}")
+def job(folder: Path, ranks: int, iterations: int, checkpoint_every: int) -> int:
     from gen_job import generate
 
     marker = folder / ".complete"
     if not marker.exists():
         started = time.perf_counter()
-        records = generate(folder, args.ranks, args.iterations, args.checkpoint_every)
+        records = generate(folder, ranks, iterations, checkpoint_every)
         marker.write_text(str(records))
         print(f"generated {records:,} records in {time.perf_counter() - started:.1f} s")
-    records = int(marker.read_text())
-    size = sum(p.stat().st_size for p in folder.glob("*.jsonl"))
-    print(
-        f"job: {args.ranks} ranks x {args.iterations:,} iterations, {records:,} records, {size / 1e9:.2f} GB, "
-        f"{os.cpu_count()} CPUs"
-    )
+    return int(marker.read_text())
+
+
+def bench(folder: Path, records: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     cli = [sys.executable, "-m", "traintrace.cli"]
     results: dict[str, dict[str, float]] = {}
     if not args.skip_baseline:
-        wall, rss, out = run([sys.executable, "-c", BASELINE, str(folder)])
+        wall, rss, out, cpu = run([sys.executable, "-c", BASELINE, str(folder)])
         assert int(out) == records, (out, records)
-        results["json.loads loop"] = {"seconds": wall, "peak_mb": rss}
-    trace = folder.parent / (folder.name + "-trace.json")
-    commands = {
-        "summary": [*cli, "summary", str(folder), "--json", "--quiet"],
-        "ranks": [*cli, "ranks", str(folder), "--json", "--quiet"],
-        "errors": [*cli, "errors", str(folder), "--json", "--quiet"],
-        "export (all ranks)": [*cli, "export", str(folder), "-o", str(trace), "--quiet"],
-        "export (4 ranks)": [*cli, "export", str(folder), "--ranks", "0-3", "-o", str(trace), "--quiet"],
-    }
+        results["json.loads loop"] = {"seconds": wall, "peak_mb": rss, "cpu_s": cpu}
+        wall, rss, out, cpu = run([sys.executable, "-c", DUCKDB_SCAN, str(folder)])
+        results["duckdb read_ndjson scan"] = {"seconds": wall, "peak_mb": rss, "cpu_s": cpu}
+    parquet = folder.parent / (folder.name + ".parquet")
+    shutil.rmtree(parquet, ignore_errors=True)
+    commands: dict[str, list[str]] = {}
+    for command in ("summary", "ranks", "errors"):
+        commands[command] = [*cli, command, str(folder), "--json", "--quiet"]
+    commands["export --format parquet"] = [*cli, "export", str(folder), "--format", "parquet", "-o", str(parquet), "-q"]
+    for command in ("summary", "ranks", "errors"):
+        commands[f"{command} (parquet)"] = [*cli, command, str(parquet), "--json", "--quiet"]
+    if args.export:
+        trace = folder.parent / (folder.name + "-trace.json")
+        commands["export (all ranks)"] = [*cli, "export", str(folder), "-o", str(trace), "--quiet"]
+        commands["export (4 ranks)"] = [*cli, "export", str(folder), "--ranks", "0-3", "-o", str(trace), "--quiet"]
+    answers: dict[str, Any] = {}
     for name, argv in commands.items():
-        wall, rss, out = run(argv)
-        results[name] = {"seconds": wall, "peak_mb": rss}
-        if name == "summary":
-            summary = json.loads(out)
-            print(
-                f"  summary says: goodput {summary['goodput']:.3f}, steps {summary['steps_completed']:,}, "
-                f"lost {summary['steps_lost']}"
-            )
+        wall, rss, out, cpu = run(argv)
+        results[name] = {"seconds": wall, "peak_mb": rss, "cpu_s": cpu}
+        if name.startswith(("summary", "ranks", "errors")):
+            answers[name] = json.loads(out)
+    for command in ("summary", "ranks", "errors"):
+        a, b = answers[command], answers[f"{command} (parquet)"]
+        if command == "summary":  # the step-time stddev differs in the last bits from run to run
+            a, b = {**a, "step_time": None}, {**b, "step_time": None}
+        assert a == b, f"{command}: the Parquet export answers differently"
+    summary = answers["summary"]
+    print(
+        f"  summary says: goodput {summary['goodput']:.3f}, steps {summary['steps_completed']:,}, "
+        f"lost {summary['steps_lost']}"
+    )
     base = results.get("json.loads loop", {}).get("seconds")
-    print(f"{'command':22} {'seconds':>8} {'records/s':>12} {'vs json.loads':>14} {'peak MB':>8}")
+    scan = results.get("duckdb read_ndjson scan", {}).get("seconds")
+    print(
+        f"{'command':26} {'seconds':>8} {'records/s':>12} {'vs json.loads':>14} {'vs duckdb':>10} "
+        f"{'CPU s':>7} {'peak MB':>8}"
+    )
     for name, figures in results.items():
         rate = records / figures["seconds"]
         figures["records_per_s"] = rate
         ratio = f"{base / figures['seconds']:.1f}x" if base else "-"
-        print(f"{name:22} {figures['seconds']:8.2f} {rate:12,.0f} {ratio:>14} {figures['peak_mb']:8.0f}")
-    out_file = folder.parent / (folder.name + "-results.json")
-    out_file.write_text(
-        json.dumps(
-            {
-                "records": records,
-                "bytes": size,
-                "ranks": args.ranks,
-                "iterations": args.iterations,
-                "cpus": os.cpu_count(),
-                "results": results,
-            },
-            indent=2,
+        vs_scan = f"{scan / figures['seconds']:.2f}x" if scan else "-"
+        print(
+            f"{name:26} {figures['seconds']:8.2f} {rate:12,.0f} {ratio:>14} {vs_scan:>10} {figures['cpu_s']:7.2f} "
+            f"{figures['peak_mb']:8.0f}"
         )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", default="1,4,16,64", help="comma-separated rank counts (default 1,4,16,64)")
+    parser.add_argument("--iterations", type=int, default=20_000, help="iterations per rank (default 20,000)")
+    parser.add_argument("--checkpoint-every", type=int, default=2000)
+    parser.add_argument("--dir", default=None, help="folder for the jobs (default /tmp)")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--export", action="store_true", help="also time export --format chrome")
+    args = parser.parse_args()
+    root = Path(args.dir or "/tmp")
+    cli = [sys.executable, "-m", "traintrace.cli"]
+    tiny = root / "traintrace-bench-1x10"
+    job(tiny, 1, 10, 5)
+    start = min(run([sys.executable, "-c", "pass"])[0] for _ in range(3))
+    imports = min(run([sys.executable, "-c", "import duckdb"])[0] for _ in range(3))
+    fixed = min(run([*cli, "summary", str(tiny), "--json", "--quiet"])[0] for _ in range(3))
+    print(
+        f"fixed cost: traintrace summary of 10 records {fixed:.3f} s "
+        f"(python start-up alone {start:.3f} s, python + import duckdb {imports:.3f} s)"
     )
+    load = os.getloadavg()
+    print(f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+    everything: dict[str, Any] = {
+        "fixed_cost_s": fixed,
+        "python_start_s": start,
+        "python_import_duckdb_s": imports,
+        "cpus": os.cpu_count(),
+        "jobs": {},
+    }
+    for ranks in (int(r) for r in args.ranks.split(",")):
+        folder = root / f"traintrace-bench-{ranks}x{args.iterations}"
+        records = job(folder, ranks, args.iterations, args.checkpoint_every)
+        size = sum(p.stat().st_size for p in folder.glob("*.jsonl"))
+        print(f"job: {ranks} ranks x {args.iterations:,} iterations, {records:,} records, {size / 1e6:,.0f} MB")
+        results = bench(folder, records, args)
+        everything["jobs"][ranks] = {"records": records, "bytes": size, "results": results}
+    everything["load_average_after"] = os.getloadavg()
+    out_file = root / f"traintrace-bench-{args.iterations}-results.json"
+    out_file.write_text(json.dumps(everything, indent=2))
     print(f"figures written to {out_file}")
 
 

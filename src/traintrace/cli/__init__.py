@@ -60,6 +60,7 @@ EXAMPLES = {
     "export": """examples:
   traintrace export traintrace_logs/myjob -o trace.json          # open in ui.perfetto.dev
   traintrace export traintrace_logs/myjob --ranks 0-3,17 --start 600 --end 660 -o window.json
+  traintrace export traintrace_logs/myjob --format parquet -o myjob.parquet   # then: traintrace summary myjob.parquet
 """,
     "report": """examples:
   traintrace report traintrace_logs/myjob                        # writes traintrace_logs/myjob/report.html
@@ -105,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
             help="a job folder (searched recursively for *.jsonl) or files",
         )
         p.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+        p.add_argument(
+            "--cache",
+            action="store_true",
+            help="keep a finished job's tables in $TRAINTRACE_CACHE_DIR (default ~/.cache/traintrace) and reuse "
+            "them while the files are unchanged",
+        )
         p.add_argument("--threads", type=_count(1, 1024), default=None, help="DuckDB threads (default: all cores)")
         p.add_argument(
             "--memory-limit",
@@ -140,9 +147,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stack", action="store_true", help="do not print the first error's stack")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
-    p = add("export", "a timeline in Trace Event Format (Perfetto, chrome://tracing)")
-    p.add_argument("--format", choices=["chrome"], default="chrome", help="output format (chrome)")
-    p.add_argument("-o", "--output", default="trace.json", help="file to write (default trace.json)")
+    p = add("export", "a timeline in Trace Event Format (Perfetto, chrome://tracing), or the records as Parquet")
+    p.add_argument(
+        "--format",
+        choices=["chrome", "parquet"],
+        default="chrome",
+        help="chrome: one Trace Event Format file; parquet: a folder of Parquet files, one rank=N folder per rank, "
+        "that every command (and Spark) reads like the job folder (docs/format.md)",
+    )
+    p.add_argument("-o", "--output", default=None, help="file to write (default trace.json); with parquet, the folder")
     p.add_argument("--ranks", default=None, help="ranks to keep, e.g. 0-3,17")
     p.add_argument("--start", type=_finite, default=None, help="seconds after the job start to begin at")
     p.add_argument("--end", type=_finite, default=None, help="seconds after the job start to end at")
@@ -299,9 +312,16 @@ def _run(args: argparse.Namespace) -> int:
 
     progress = not args.quiet and sys.stderr.isatty()
     try:
-        job = Job.open(args.paths, progress=progress, threads=args.threads, memory_limit=args.memory_limit)
+        job = Job.open(
+            args.paths,
+            progress=progress,
+            threads=args.threads,
+            memory_limit=args.memory_limit,
+            lean=args.command in ("summary", "ranks", "errors"),
+            cache=args.cache,
+        )
     except MissingExtra as exc:
-        if args.command == "export":  # writing JSON does not need DuckDB
+        if args.command == "export" and args.format == "chrome":  # writing JSON does not need DuckDB
             return _export_without_duckdb(args)
         print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
         return EXIT_MISSING_EXTRA
@@ -333,7 +353,9 @@ def _export_without_duckdb(args: argparse.Namespace) -> int:
         print(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)", file=sys.stderr)
         return EXIT_USAGE
     try:
-        data = export_chrome_plain(args.paths, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
+        data = export_chrome_plain(
+            args.paths, args.output or "trace.json", ranks=ranks, start_s=args.start, end_s=args.end
+        )
     except (OSError, ValueError, LoadError) as exc:
         print(f"traintrace: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -354,6 +376,22 @@ def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
     elif command == "errors":
         data = _analysis.errors(job, hang_after_s=args.hang_after)
         _print_json(data) if args.json else sys.stdout.write(_render.render_errors(data, not args.no_stack))
+    elif command == "export" and args.format == "parquet":
+        from ._export import export_parquet
+
+        if args.ranks or args.start is not None or args.end is not None:
+            print("traintrace: --ranks, --start and --end apply to --format chrome only", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            data = export_parquet(job, args.output or "trace.parquet")
+        except (OSError, ValueError) as exc:
+            print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if args.json:
+            _print_json(data)
+        else:
+            where = f"{data['partitions']} rank folders under {data['path']}"
+            print(terminal_safe(f"wrote {data['records']:,} records in {where}"))
     elif command == "export":
         from ._export import export_chrome
 
@@ -362,7 +400,7 @@ def _dispatch(args: argparse.Namespace, job: Any, parse_ranks: Any) -> int:
         except ValueError:
             print(terminal_safe(f"traintrace: --ranks: not a rank list: {args.ranks!r} (e.g. 0-3,17)"), file=sys.stderr)
             return EXIT_USAGE
-        data = export_chrome(job, args.output, ranks=ranks, start_s=args.start, end_s=args.end)
+        data = export_chrome(job, args.output or "trace.json", ranks=ranks, start_s=args.start, end_s=args.end)
         _print_export(data, as_json=args.json)
     elif command == "report":
         from ._report import write_report

@@ -151,7 +151,7 @@ def summary(job: Job) -> dict[str, Any]:
     samples = progress.get("consumed_samples")
     samples_source = "training_iterations events" if samples is not None else None
     if samples is None:
-        row = job.one("SELECT sum(try_cast(attrs->>'batch_size' AS BIGINT)) FROM iterations WHERE status = 'ok'")
+        row = job.one("SELECT sum(batch_size) FROM iterations WHERE status = 'ok'")
         if row and row[0] is not None:
             samples = int(row[0])
             samples_source = "sum of iteration batch_size over all ranks (includes redone steps)"
@@ -425,7 +425,7 @@ def _step_parts(job: Job) -> None:
         f"""
         CREATE TEMP TABLE IF NOT EXISTS step_parts AS
         WITH it AS (
-            SELECT stream, rank, restart, ts, dur, id, try_cast(attrs->>'step' AS BIGINT) AS step,
+            SELECT stream, rank, restart, ts, dur, id, step,
                    row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
             FROM iterations WHERE status = 'ok'
         ), gc AS ({compute_time_sql()}
@@ -504,7 +504,7 @@ def _enclosing(job: Job, stream: int, span: int) -> tuple[str | None, int | None
         int(r[0]): (r[1], r[2], r[3])
         for r in job.rows(
             "SELECT id, parent, name, try_cast(attrs->>'step' AS BIGINT) FROM spans_small WHERE stream = $s "
-            f"UNION ALL SELECT id, parent, '{ITERATION}', try_cast(attrs->>'step' AS BIGINT) FROM iterations "
+            f"UNION ALL SELECT id, parent, '{ITERATION}', step FROM iterations "
             "WHERE stream = $s",
             {"s": stream},
         )

@@ -121,7 +121,7 @@ def diagnose(job: Job) -> dict[str, Any]:
             return out
         return _result("running", _running_sentence(states, failed), None, states, last, failed)
     if not failed:
-        steps = job.one("SELECT max(try_cast(attrs->>'step' AS BIGINT)) FROM iterations WHERE status = 'ok'")
+        steps = job.one("SELECT max(step) FROM iterations WHERE status = 'ok'")
         done = f"; last step {steps[0]}" if steps and steps[0] is not None else ""
         resolved = _count(len(known.resolved), "rank")
         note = f" (a hang was suspected on {resolved} and resolved)" if known.resolved else ""
@@ -194,8 +194,7 @@ class _Facts:
         self.last_ok: dict[int, tuple[Any, Any]] = {
             row[0]: (row[1], row[2])
             for row in job.rows(
-                "SELECT stream, max(ts + dur), arg_max(try_cast(attrs->>'step' AS BIGINT), ts) FROM iterations "
-                "WHERE status = 'ok' GROUP BY stream"
+                "SELECT stream, max(ts + dur), arg_max(step, ts) FROM iterations WHERE status = 'ok' GROUP BY stream"
             )
         }
 

@@ -25,7 +25,7 @@ from .._format import SCHEMA, SCHEMA_VERSION, SQL_COLUMNS
 from .._names import EventName, SpanName, SpanStatus
 from ..progress import read_job_progress, stream_state
 
-__all__ = ["Job", "LoadError", "MissingExtra", "discover", "import_duckdb"]
+__all__ = ["EXPORT_META", "Job", "LoadError", "MissingExtra", "discover", "find_export", "import_duckdb"]
 
 #: Record fields read into columns (``_format.FIELDS``); everything else a record holds is ignored.
 COLUMNS: dict[str, str] = SQL_COLUMNS
@@ -111,6 +111,35 @@ def import_duckdb() -> ModuleType:
     return duckdb
 
 
+#: The metadata file of a Parquet export (``traintrace export --format parquet``); Spark and DuckDB
+#: skip names starting with an underscore when they list the folder.
+EXPORT_META = "_traintrace.json"
+EXPORT_FORMAT = "traintrace-parquet"
+EXPORT_VERSION = 1
+
+
+#: Bumped whenever the tables a cache file holds change meaning.
+CACHE_VERSION = 1
+
+
+def cache_folder() -> Path:
+    """Where ``--cache`` keeps finished jobs: $TRAINTRACE_CACHE_DIR, else $XDG_CACHE_HOME/traintrace."""
+    explicit = os.environ.get("TRAINTRACE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "traintrace"
+
+
+def find_export(paths: Sequence[str | os.PathLike[str]]) -> Path | None:
+    """The Parquet export named by ``paths`` (one folder holding :data:`EXPORT_META`), else None."""
+    if len(paths) == 1:
+        folder = Path(paths[0])
+        if (folder / EXPORT_META).is_file():
+            return folder
+    return None
+
+
 def discover(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """The .jsonl files named by ``paths``: files as given, folders searched recursively."""
     found: list[Path] = []
@@ -164,6 +193,8 @@ class Job:
     progress: bool = False
     threads: int | None = None
     memory_limit: str | None = None
+    #: Keep only what summary, ranks and errors read (no attrs text of plain iteration records).
+    lean: bool = False
     con: Any = None
     notes: list[str] = field(default_factory=list)
     files: list[FileCheck] = field(default_factory=list)
@@ -172,6 +203,13 @@ class Job:
     _tmp: Any = None
     manifest_world_size: int = 0
     _progress_cache: dict[int, Any] | None = None
+    #: A Parquet export being read instead of JSON-lines files.
+    export: Path | None = None
+    #: Records dropped for an impossible duration (when the job was exported, for an export).
+    ignored_spans: int = 0
+    #: The cache file the tables came from or went to (``cache=True``), if any; ``cached``: came from.
+    cache_path: Path | None = None
+    cached: bool = False
 
     @classmethod
     def open(
@@ -181,15 +219,119 @@ class Job:
         progress: bool = False,
         threads: int | None = None,
         memory_limit: str | None = None,
+        lean: bool = False,
+        cache: bool = False,
     ) -> Job:
-        """Read the files into DuckDB; raises LoadError when nothing readable is there."""
-        files = discover(paths)
-        if not files:
-            raise LoadError("no .jsonl files found in " + ", ".join(str(p) for p in paths))
-        job = cls(files, progress, threads, memory_limit)
-        job.manifest_world_size = _manifest_world_size(paths)
+        """Read the files into DuckDB; raises LoadError when nothing readable is there.
+
+        ``lean``: drop the attributes of plain iteration records (all but ``step`` and ``batch_size``),
+        which summary, ranks and errors never read; export, report and query need them.
+        ``cache``: keep a finished job's tables in a DuckDB file under :func:`cache_folder`, keyed by the
+        files' paths, sizes and modification times, and open that instead of reading the files again.
+        """
+        export = find_export(paths)
+        if export is not None:
+            job = cls([], progress, threads, memory_limit, lean=lean, export=export)
+        else:
+            files = discover(paths)
+            if not files:
+                raise LoadError("no .jsonl files found in " + ", ".join(str(p) for p in paths))
+            job = cls(files, progress, threads, memory_limit, lean=lean)
+            job.manifest_world_size = _manifest_world_size(paths)
+        if cache:
+            job.lean = False  # one cache serves every command
+            key = job._cache_key()
+            if job._open_cache(key):
+                return job
+            job._load()
+            job._write_cache(key)
+            return job
         job._load()
         return job
+
+    # ------------------------------------------------------------ cache
+
+    def _cache_key(self) -> str:
+        """A digest of what the answers depend on: the files (path, size, mtime), the versions, the manifest."""
+        import hashlib
+
+        from .._version import __version__
+
+        duckdb = import_duckdb()
+        if self.export is not None:
+            names = [self.export / EXPORT_META, *sorted(p for p in self.export.rglob("*.parquet") if p.is_file())]
+        else:
+            names = list(self.paths)
+        stats = []
+        for path in names:
+            st = path.stat()
+            stats.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
+        text = json.dumps([CACHE_VERSION, __version__, duckdb.__version__, self.manifest_world_size, stats])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def _open_cache(self, key: str) -> bool:
+        path = cache_folder() / f"{key}.duckdb"
+        if not path.is_file():
+            return False
+        started = time.perf_counter()
+        self.con = con = self._connect()
+        try:
+            con.execute(f"ATTACH {sql_string(str(path))} AS cached (READ_ONLY)")
+            meta = json.loads(con.execute("SELECT meta FROM cached.main.job_meta").fetchone()[0])
+            tables = con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE database_name = 'cached' AND table_name <> 'job_meta'"
+            ).fetchall()
+        except Exception:  # noqa: BLE001 - a damaged or foreign cache file is ignored, and rewritten
+            con.close()
+            self.con = None
+            return False
+        for (table,) in tables:
+            con.execute(f'CREATE VIEW "{table}" AS SELECT * FROM cached.main."{table}"')
+        self._iterations_view()
+        self.files = [FileCheck(f["path"], f["size"], f["truncated_last_line"]) for f in meta["files"]]
+        self.paths = [Path(f.path) for f in self.files]
+        self.notes = list(meta["notes"])
+        self.record_count = int(meta["records"])
+        self.manifest_world_size = int(meta["world_size"])
+        self.ignored_spans = int(meta["ignored_spans"])
+        self.cache_path = path
+        self.cached = True
+        self.load_seconds = time.perf_counter() - started
+        return True
+
+    def _write_cache(self, key: str) -> None:
+        """Keep the tables of a finished job (no stream still running); a failure to write is only a miss."""
+        if self.con.execute("SELECT count(*) FROM running_streams").fetchone()[0]:
+            return
+        folder = cache_folder()
+        path = folder / f"{key}.duckdb"
+        meta = {
+            "files": [
+                {"path": f.path, "size": f.size, "truncated_last_line": f.truncated_last_line} for f in self.files
+            ],
+            "notes": self.notes,
+            "records": self.record_count,
+            "world_size": self.manifest_world_size,
+            "ignored_spans": self.ignored_spans,
+        }
+        partial = folder / f".{key}.{os.getpid()}.partial"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            partial.unlink(missing_ok=True)
+            self.con.execute(f"ATTACH {sql_string(str(partial))} AS cache_out")
+            try:
+                for (table,) in self.con.execute(
+                    "SELECT table_name FROM duckdb_tables() WHERE database_name = 'memory' AND NOT temporary"
+                ).fetchall():
+                    self.con.execute(f'CREATE TABLE cache_out.main."{table}" AS SELECT * FROM memory.main."{table}"')
+                self.con.execute("CREATE TABLE cache_out.main.job_meta AS SELECT $m AS meta", {"m": json.dumps(meta)})
+            finally:
+                self.con.execute("DETACH cache_out")
+            partial.replace(path)
+            self.cache_path = path
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is a miss next time, no more
+            partial.unlink(missing_ok=True)
+            self.notes.append(f"cache not written ({exc})")
 
     # ------------------------------------------------------------ loading
 
@@ -216,39 +358,55 @@ class Job:
 
     def _load(self) -> None:
         started = time.perf_counter()
-        self.files = [check_tail(p) for p in self.paths]
         self.con = con = self._connect()
-        columns = "{" + ", ".join(f"'{k}': '{v}'" for k, v in COLUMNS.items()) + "}"
-        names = ", ".join(f'"{k}"' for k in CORE_COLUMNS)
+        names = ", ".join(f'"{k}"' for k in CORE_COLUMNS if k != "attrs")
         rare_kinds = ", ".join(f"'{k}'" for k in RARE_KINDS)
         packed = "{" + ", ".join(f"'{k}': \"{k}\"" for k in RARE_FIELDS) + "}"
+        plain_iteration = f"kind = 'span' AND name = '{ITERATION}'"
+        # Plain iteration records are nearly every record: the two attributes the analyses read from them
+        # become typed columns in the scan; their attrs text is kept only when a command shows it (lean=False).
+        attrs = f"CASE WHEN {plain_iteration} THEN NULL ELSE attrs END" if self.lean else "attrs"
+        if self.export is None:
+            self.files = [check_tail(p) for p in self.paths]
+            columns = "{" + ", ".join(f"'{k}': '{v}'" for k, v in COLUMNS.items()) + "}"
+            step = f"CASE WHEN {plain_iteration} THEN try_cast(attrs->>'step' AS BIGINT) END"
+            batch_size = f"CASE WHEN {plain_iteration} THEN try_cast(attrs->>'batch_size' AS BIGINT) END"
+            source = (
+                f"read_json($files, format='newline_delimited', columns={columns}, ignore_errors=true, "
+                "maximum_object_size=67108864)"
+            )
+            file, reads = "file_index::BIGINT", self._names_to_read()
+        else:
+            # A Parquet export (``export --format parquet``): the same columns, typed; ``rank`` is the partition.
+            reads = self._read_export()
+            step, batch_size, file = "step", "batch_size", "file"
+            attrs = f"({attrs})::JSON"
+            source = "read_parquet($files, hive_partitioning=true, hive_types={'rank': 'BIGINT'})"
         sql = (
-            f"CREATE TABLE raw AS SELECT hash(filename) AS file, {names}, "
-            f"CASE WHEN kind IN ({rare_kinds}) THEN to_json({packed}) END AS rare "
-            f"FROM read_json($files, format='newline_delimited', columns={columns}, ignore_errors=true, "
-            "filename=true, maximum_object_size=67108864) WHERE kind IS NOT NULL"
+            f"CREATE TABLE raw AS SELECT {file} AS file, {names}, {attrs} AS attrs, {step} AS step, "
+            f"{batch_size} AS batch_size, CASE WHEN kind IN ({rare_kinds}) THEN to_json({packed}) END AS rare "
+            f"FROM {source} WHERE kind IS NOT NULL"
         )
         spec = "{" + ", ".join(f'"{k}":"{COLUMNS[k]}"' for k in RARE_FIELDS) + "}"
         rare_sql = f"""
             CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{spec}'))
             FROM raw WHERE rare IS NOT NULL
         """
-        reads = self._names_to_read()
         with self._progress_while("reading"):
-            # A file is named by the hash of its path in the big tables (8 bytes, not the path per row).
+            # A file is named by its place in the list read (8 bytes per row, not the path).
             con.execute(
-                "CREATE TABLE files AS SELECT DISTINCT hash(r) AS file, p AS path "
-                "FROM (SELECT unnest($reads) AS r, unnest($paths) AS p)",
-                {"reads": reads, "paths": [str(f.path) for f in self.files]},
+                "CREATE TABLE files AS SELECT unnest(range(len($paths)))::BIGINT AS file, unnest($paths) AS path",
+                {"paths": [str(f.path) for f in self.files]},
             )
             con.execute(sql, {"files": reads})
             # A duration beyond ten years (9e18 from a bad record_span, say) would overflow ts + dur.
             bad = con.execute(
                 f"DELETE FROM raw WHERE (dur IS NULL AND kind IN ('span', 'end')) OR dur < 0 OR dur > {_MAX_DUR}"
             ).fetchone()
-            if bad and bad[0]:
+            self.ignored_spans += int(bad[0]) if bad and bad[0] else 0
+            if self.ignored_spans:
                 self.notes.append(
-                    f"{bad[0]} spans without a possible duration (none, negative, over ten years) ignored"
+                    f"{self.ignored_spans} spans without a possible duration (none, negative, over ten years) ignored"
                 )
             con.execute(rare_sql)
             self.record_count = int(con.execute("SELECT count(*) FROM raw").fetchone()[0])
@@ -257,6 +415,27 @@ class Job:
             raise LoadError("no traintrace records in " + ", ".join(f.path for f in self.files))
         self.load_seconds = time.perf_counter() - started
         self._collect_notes()
+
+    def _read_export(self) -> list[str]:
+        """The Parquet files of the export, after taking the job's description from its metadata file."""
+        assert self.export is not None
+        meta_path = self.export / EXPORT_META
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            if meta.get("format") != EXPORT_FORMAT or meta.get("version") != EXPORT_VERSION:
+                raise LoadError(f"{meta_path}: not a traintrace Parquet export this version reads")
+            self.files = [
+                FileCheck(str(f["path"]), int(f["size"]), bool(f["truncated_last_line"])) for f in meta["files"]
+            ]
+            self.manifest_world_size = int(meta.get("world_size") or 0)
+            self.ignored_spans = int(meta.get("ignored_spans") or 0)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise LoadError(f"{meta_path}: unreadable export metadata ({exc})") from None
+        self.paths = [Path(f.path) for f in self.files]
+        parts = sorted(str(p) for p in self.export.rglob("*.parquet") if p.is_file())
+        if not parts:
+            raise LoadError(f"{self.export}: no .parquet files in the export")
+        return parts
 
     def _names_to_read(self) -> list[str]:
         """The paths DuckDB reads: a file whose name has glob characters (``rank*.jsonl``) is
@@ -308,8 +487,8 @@ class Job:
             f"""
             CREATE TABLE other AS
             SELECT h.stream, h.rank AS stream_rank, h.restart AS stream_restart, h.is_agent,
-                   r.* EXCLUDE (rare), x.error_type, x.message, x.stack, x.thread_name, x.count, x.reason, x.source,
-                   x.role,
+                   r.* EXCLUDE (rare, step, batch_size), x.error_type, x.message, x.stack, x.thread_name, x.count,
+                   x.reason, x.source, x.role,
                    {{{", ".join(f"'{f}': r.attrs->>'{f}'" for f in ATTR_FIELDS)}}} AS a
             FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
             LEFT JOIN rare x ON x.file = r.file AND x.ts = r.ts AND x.kind = r.kind AND x.seq IS NOT DISTINCT FROM r.seq
@@ -373,17 +552,22 @@ class Job:
             CREATE TABLE iterations_small AS
             SELECT f.stream, f.rank, f.restart, s.ts, s.dur, s.status,
                    (s.status <> 'ok' OR (f.failed AND s.ts + s.dur > coalesce(f.ckpt_end, -1))) AS lost,
-                   s.attrs, s.tid, NULL::BIGINT AS seq, s.id, s.parent, s.file, s.gpu_dur, s.gpu_idle
+                   s.attrs, s.tid, NULL::BIGINT AS seq, s.id, s.parent, s.file, s.gpu_dur, s.gpu_idle,
+                   try_cast(s.attrs->>'step' AS BIGINT) AS step,
+                   try_cast(s.attrs->>'batch_size' AS BIGINT) AS batch_size
             FROM spans_small s JOIN stream_facts f USING (stream)
             WHERE s.name = '{ITERATION}' AND NOT s.is_agent AND NOT s.open
             """
         )
-        con.execute(
+        self._iterations_view()
+
+    def _iterations_view(self) -> None:
+        self.con.execute(
             f"""
             CREATE VIEW iterations AS
             SELECT f.stream, f.rank, f.restart, r.ts, r.dur, r.status,
                    (r.status <> 'ok' OR (f.failed AND r.ts + r.dur > coalesce(f.ckpt_end, -1))) AS lost,
-                   r.attrs, r.tid, r.seq, r.id, r.parent, r.file, r.gpu_dur, r.gpu_idle
+                   r.attrs, r.tid, r.seq, r.id, r.parent, r.file, r.gpu_dur, r.gpu_idle, r.step, r.batch_size
             FROM raw r JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
             WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT f.is_agent
             UNION ALL

@@ -18,7 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from ._analysis import FIELD_ALIASES, job_bounds, prepare
-from ._engine import Job, sql_string
+from ._engine import (
+    COLUMNS,
+    CORE_COLUMNS,
+    EXPORT_FORMAT,
+    EXPORT_META,
+    EXPORT_VERSION,
+    RARE_FIELDS,
+    Job,
+    find_export,
+    sql_string,
+)
 
 #: pid of the launcher (agent) track: after every rank.
 AGENT_PID = 1_000_000
@@ -146,3 +156,62 @@ def _metadata(job: Job, ranks: list[int] | None) -> list[dict[str, Any]]:
         pid = AGENT_PID if rank is None else rank
         meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid or 0, "args": {"name": name}})
     return meta
+
+
+#: The Parquet export's columns besides the partition ``rank``, in order (docs/format.md, "Parquet export").
+PARQUET_COLUMNS = (
+    "file",
+    *(f for f in CORE_COLUMNS if f != "attrs"),
+    "attrs",
+    "step",
+    "batch_size",
+    *(f for f in RARE_FIELDS if f != "rank"),
+)
+
+
+def export_parquet(job: Job, out: str | os.PathLike[str]) -> dict[str, Any]:
+    """Write the job's records as Parquet under the folder ``out``, one ``rank=N`` folder per rank.
+
+    Every command reads the folder as it reads the JSON-lines files, with the same answers. A previous
+    export there is replaced; any other non-empty folder is refused (nothing of the user's is deleted).
+    """
+    out_path = Path(out)
+    if out_path.exists() and (not out_path.is_dir() or (any(out_path.iterdir()) and find_export([out_path]) is None)):
+        raise ValueError(f"{out_path}: exists and is not a traintrace Parquet export; choose a new folder")
+    spec = "{" + ", ".join(f'"{k}":"{COLUMNS[k]}"' for k in RARE_FIELDS) + "}"
+    core = ", ".join(f'r."{k}"' for k in CORE_COLUMNS if k != "attrs")
+    rare = ", ".join(f'x."{k}" AS "{k}"' for k in RARE_FIELDS if k != "rank")
+    sql = f"""
+        SELECT r.file, h.rank, {core}, r.attrs::VARCHAR AS attrs, r.step, r.batch_size, {rare}
+        FROM (SELECT *, json_transform(rare, '{spec}') AS x FROM raw) r
+        LEFT JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+    """
+    with tempfile.TemporaryDirectory(prefix="traintrace-parquet-", dir=job.scratch) as tmp:
+        staged = Path(tmp) / "export"
+        row = job.con.execute(
+            f"COPY ({sql}) TO {sql_string(str(staged))} (FORMAT parquet, COMPRESSION zstd, PARTITION_BY (rank))"
+        ).fetchone()
+        records = int(row[0]) if row else 0
+        meta = {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            "records": records,
+            "world_size": job.manifest_world_size,
+            "ignored_spans": job.ignored_spans,
+            "files": [
+                {"path": f.path, "size": f.size, "truncated_last_line": f.truncated_last_line} for f in job.files
+            ],
+            "columns": {"rank": "BIGINT (partition)", **_parquet_types()},
+        }
+        (staged / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        if out_path.exists():
+            shutil.rmtree(out_path)
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(staged), str(out_path))
+    ranks = sorted(p.name for p in out_path.iterdir() if p.is_dir() and p.name.startswith("rank="))
+    return {"path": str(out_path), "format": "parquet", "records": records, "partitions": len(ranks)}
+
+
+def _parquet_types() -> dict[str, str]:
+    extra = {"file": "BIGINT", "attrs": "VARCHAR (JSON text)", "step": "BIGINT", "batch_size": "BIGINT"}
+    return {name: extra.get(name) or COLUMNS[name] for name in PARQUET_COLUMNS}

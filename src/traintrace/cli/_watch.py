@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -262,6 +261,8 @@ def _mark_suspects(rows: list[RankRow], hang_after_s: float) -> None:
     times = [r.step_time_s for r in running if r.step_time_s]
     if len(running) < 2:
         return
+    import statistics  # not at module level: it is part of every command's start-up
+
     top = max(steps, default=None)
     for row in running:
         if row.note:
