@@ -286,7 +286,7 @@ def sustained(folder: Path, total: int) -> list[Row]:
         rows.append(
             {
                 "case": f"sustained: iteration spans to disk, blocking, incl. writer and close, statistics "
-                f"{'on' if statistics else 'off'} ({core} writer)",
+                f"{'on' if statistics else 'off'} ({core} core)",
                 "spans_per_s": total / elapsed,
                 "cpu_us_per_span": cpu / total * 1e6,
                 "writer_us_per_span": None if writer0 is None or writer1 is None else (writer1 - writer0) / total * 1e6,
@@ -319,7 +319,7 @@ def print_sustained(rows: list[Row]) -> None:
         if "spans_per_s" not in row:
             continue
         writer = row.get("writer_us_per_span")
-        label = f"{row.get('core', '?')} writer, statistics {'on' if row.get('statistics') else 'off'}"
+        label = f"{row.get('core', '?')} core, statistics {'on' if row.get('statistics') else 'off'}"
         print(
             f"{label:44} {row['spans_per_s']:10,.0f} {row.get('cpu_us_per_span', float('nan')):12.2f} "
             f"{'' if writer is None else f'{writer:.2f}':>15}  {row.get('dropped')}"
@@ -330,7 +330,7 @@ def print_sustained(rows: list[Row]) -> None:
             by_core.setdefault(row.get("core", "?"), {})[bool(row.get("statistics"))] = row["spans_per_s"]
     for core, pair in by_core.items():
         if True in pair and False in pair:
-            print(f"statistics cost ({core} writer): {1 - pair[True] / pair[False]:.0%} of throughput")
+            print(f"statistics cost ({core} core): {1 - pair[True] / pair[False]:.0%} of throughput")
 
 
 def print_table(rows: list[Row]) -> None:
@@ -374,8 +374,13 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
         return
-    print(f"python {sys.version.split()[0]}, traintrace {tt.__version__}, pid {os.getpid()}, cpus {os.cpu_count()}")
-    print(f"writer core: {core_name()}; load average {os.getloadavg()[0]:.1f} (a loaded machine slows every row)")
+    from traintrace._recorder import CORE
+
+    print(
+        f"python {sys.version.split()[0]}, traintrace {tt.__version__} ({CORE} core; TRAINTRACE_PURE=1 for the other),"
+        f" pid {os.getpid()}, cpus {os.cpu_count()}"
+    )
+    print(f"writer encoder: {core_name()}; load average {os.getloadavg()[0]:.1f} (a loaded machine slows every row)")
     rows = run(args.quick)
     if not args.no_pure and core_name() == "native":
         rows.extend(sustained_pure(300_000 if args.quick else 1_000_000))

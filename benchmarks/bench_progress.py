@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "per_update_in_iteration_ns": round((med["it_with"] - med["it_without"]) / 2, 1),
         "budget_ns": 100,
     }
+    from traintrace._recorder import CORE
+
+    result["core"] = CORE
+    print(f"{CORE} core (TRAINTRACE_PURE=1 for the pure-Python one); python {result['python']}")
     print(f"empty `with` statement (machine)     {med['floor_loop']:8.1f} ns   (bench_core's floor)")
     print(f"store floor (one int64 store)        {store:8.1f} ns")
     print(f"update as traintrace does it         {update:8.1f} ns   ({result['update_over_store']}x the floor)")

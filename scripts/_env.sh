@@ -21,3 +21,6 @@ if [ "$want" != "$have" ]; then
     "$PY" -m pip install -q -e ".[$EXTRAS]" >&2
     echo "$want" > "$VENV/.traintrace-deps"
 fi
+# The native core (src/native/*.c) in place beside the sources: cheap when up to date, and a
+# missing compiler only warns (the pure-Python core runs then).
+"$PY" setup.py -q build_ext --inplace >&2 || echo "could not build the native core: testing the pure-Python core only" >&2

@@ -15,9 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = ROOT / "src" / "traintrace" / "schema" / "record-v1.schema.json"
 
 
+def core_env() -> dict[str, str]:
+    """``TRAINTRACE_PURE`` when this test run forces the pure-Python core, for a child's environment."""
+    pure = os.environ.get("TRAINTRACE_PURE")
+    return {} if pure is None else {"TRAINTRACE_PURE": pure}
+
+
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment for a child Python: this checkout's sources, no TRAINTRACE_* leaking in."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINTRACE_")}
+    """The environment for a child Python: this checkout's sources, no TRAINTRACE_* leaking in
+    (but ``TRAINTRACE_PURE``: the child runs the core this test run tests)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINTRACE_") or k == "TRAINTRACE_PURE"}
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("PYTHONFAULTHANDLER", None)
     env.update(extra)

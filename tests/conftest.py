@@ -15,6 +15,7 @@ import pytest
 from hypothesis import settings
 
 import traintrace as tt
+from tests._reliability import core_env
 from traintrace import _recorder
 from traintrace.backends._scalars import framework_logs
 
@@ -173,6 +174,8 @@ def _subprocess_tests_are_marked(request: pytest.FixtureRequest) -> Iterator[Non
 @pytest.fixture(autouse=True)
 def _clean_traintrace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     for key in list(os.environ):
+        if key == "TRAINTRACE_PURE":
+            continue  # which recording core the whole run tests (scripts/test runs both)
         if key.startswith(("TRAINTRACE_", "OTEL_")) or key in (
             "RANK",
             "WORLD_SIZE",
@@ -213,6 +216,6 @@ def cpu_example_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=True,
         capture_output=True,
         timeout=300,
-        env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), **core_env()},
     )
     return logs / "demo"

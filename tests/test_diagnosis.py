@@ -26,7 +26,7 @@ pytest.importorskip("duckdb")
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "diag_worker.py"
 ENV = {
-    **{k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "OTEL_"))},
+    **{k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "OTEL_")) or k == "TRAINTRACE_PURE"},
     "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT),
     "OMP_NUM_THREADS": "1",
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _faults, _recorder
 from ._config import ConfigError
@@ -161,19 +161,37 @@ def _helper(name: str, doc: str, span_class: type[Span] = Span) -> Callable[...,
     inert = InertSpan(name, None, level)
 
     def helper(metrics: Mapping[str, Any] | Callable[..., Any] | None = None, **attrs: Any) -> Any:
-        if callable(metrics):
+        if metrics is None:  # the common case first: no call made for it
+            if not attrs:
+                rec = _recorder._active
+                if rec is None or level > rec.max_level:
+                    return inert
+                return span_class(name, None, level)
+        elif callable(metrics):
             return span_class(name, attrs or None, level)(metrics)
         rec = _recorder._active
         if rec is None or level > rec.max_level:
             return inert
-        given: dict[str, Any] | None = _attrs_arg(metrics)
+        given: dict[str, Any] | None = None if metrics is None else _attrs_arg(metrics)
         if attrs:
             given = {**given, **attrs} if given else attrs
         return span_class(name, given, level)
 
     helper.__name__ = helper.__qualname__ = name
     helper.__doc__ = doc + "\n\nA context manager and a decorator; ``metrics`` are written with the span."
-    return helper
+    return _fast(helper, span_class, name, level, inert, iteration=False)
+
+
+def _fast(
+    helper: Callable[..., Any], cls: type[Span], name: str, level: int, inert: Span, *, iteration: bool
+) -> Callable[..., Any]:
+    """The native core's version of ``helper`` (the same results, made in C when called with
+    no argument, or an iteration's int step), or ``helper`` itself on the pure core."""
+    native = _recorder._native
+    if native is None:
+        return helper
+    made: Callable[..., Any] = native.Factory(helper, cls, name, level, inert, iteration)
+    return made
 
 
 distributed_init = _helper(
@@ -225,6 +243,12 @@ def training_iteration(step: int | Callable[..., Any] | None = None, metrics: Ma
     if metrics:
         return Span(SpanName.ITERATION, {"step": step, **metrics}, _ITERATION_LEVEL)
     return Span(SpanName.ITERATION, {"step": step}, _ITERATION_LEVEL)
+
+
+if not TYPE_CHECKING:
+    training_iteration = _fast(
+        training_iteration, Span, SpanName.ITERATION, _ITERATION_LEVEL, _INERT_ITERATION, iteration=True
+    )
 
 
 def checkpoint_save_finalization(async_save: Span | None = None, metrics: Mapping[str, Any] | None = None) -> Span:

@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib
 import inspect
 import itertools
+import os
 import sys
 import threading
 import traceback
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from time import perf_counter_ns
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ._names import EventName, SpanStatus, Verbosity
+from ._names import EventName, SpanName, SpanStatus, Verbosity
 from ._progress import COLLECTIVE_CODE as _COLLECTIVE
 from ._progress import COUNTER_STEP as _COUNTER_STEP
 from ._progress import ITERATION_CODE as _ITERATION
@@ -62,7 +64,32 @@ _START_DROPPED = 3
 _INFO = int(Verbosity.INFO)
 _ERROR = int(Verbosity.ERROR)
 
-_ids = itertools.count(1)
+
+def _load_native() -> Any:
+    """The native core (``traintrace._span``), or None: not built, or ``TRAINTRACE_PURE=1``."""
+    if os.environ.get("TRAINTRACE_PURE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return None
+    try:
+        module = importlib.import_module("traintrace._span")
+    except ImportError:
+        return None
+    from . import _progress as progress
+
+    expected = {name: getattr(progress, name) for name in module.SLOTS if name.startswith("S_")}
+    expected["START_DROPPED"] = _START_DROPPED
+    if dict(module.SLOTS) != expected:  # a stale build: its slots are not this version's
+        return None
+    if not all(hasattr(module, name) for name in ("SpanCore", "RecorderCore", "Counter", "Factory", "install")):
+        return None  # a stale build, from before a part was added
+    return module
+
+
+_native: Any = _load_native()
+#: Which recording core runs spans on the caller's thread: ``"native"`` (C) or ``"pure"`` (Python).
+CORE = "native" if _native is not None else "pure"
+#: Span ids, shared by spans started (in C when native) and spans recorded whole (``record_span``).
+_ids: Any = _native.Counter(1, 1) if _native is not None else itertools.count(1)
+_counter: Any = _native.Counter if _native is not None else itertools.count
 _current: contextvars.ContextVar[Span | None] = contextvars.ContextVar("traintrace_current_span", default=None)
 _get_ident = threading.get_ident
 
@@ -150,11 +177,12 @@ def as_attrs(metrics: object) -> dict[str, Any] | None:
         return None
 
 
-class Span:
-    """A timed phase. A context manager, a decorator, and a handle for ``stop``.
+class _PySpanCore:
+    """The pure-Python core of :class:`Span`: its fields, start and stop.
 
-    Add metrics with :meth:`add_metrics` while it is open; they are written
-    with the span's end.
+    ``_span.SpanCore`` (src/native/span.c) is the same in C and replaces it
+    when the extension is built, unless ``TRAINTRACE_PURE=1``; this class is
+    the reference for its semantics.
     """
 
     __slots__ = (
@@ -200,10 +228,10 @@ class Span:
     def __enter__(self) -> Span:
         rec = _active
         if rec is None or self.level > rec.max_level:
-            return self
+            return self  # type: ignore[return-value] # always a Span
         if self._rec is not None:
             warn_once("span_reused", f"span {_label(self.name)} entered twice; make a new span for each use")
-            return self
+            return self  # type: ignore[return-value] # always a Span
         parent = _current.get()
         while parent is not None and parent.t1 is not None:
             parent = parent.parent
@@ -215,7 +243,7 @@ class Span:
         self.written = 0
         self.t1 = None
         self._rec = rec
-        _current.set(self)
+        _current.set(self)  # type: ignore[arg-type] # the pure core's self is always a Span
         if rec._listeners:
             for listener in rec._listeners:
                 listener.span_started(self)
@@ -247,7 +275,7 @@ class Span:
         elif not rec._pipeline.overflow(self, 0):
             # Counted when its stop is dropped too (or at close, if it never stops).
             self.written = _START_DROPPED
-        return self
+        return self  # type: ignore[return-value] # always a Span
 
     def __exit__(
         self,
@@ -301,6 +329,27 @@ class Span:
                 rec._queue.append(self)
             else:
                 rec._pipeline.overflow(self)
+
+
+def _warn_reused(span: Span) -> None:
+    """The native core's warning for a span entered twice."""
+    warn_once("span_reused", f"span {_label(span.name)} entered twice; make a new span for each use")
+
+
+if TYPE_CHECKING:
+    _SpanBase = _PySpanCore
+else:
+    _SpanBase = _native.SpanCore if _native is not None else _PySpanCore
+
+
+class Span(_SpanBase):
+    """A timed phase. A context manager, a decorator, and a handle for ``stop``.
+
+    Add metrics with :meth:`add_metrics` while it is open; they are written
+    with the span's end.
+    """
+
+    __slots__ = ()
 
     # -- decorator -------------------------------------------------------
     def __call__(self, func: F) -> F:
@@ -386,6 +435,11 @@ class InertSpan(Span):
     def __exit__(self, *exc: object) -> None:
         return None
 
+    if _native is not None and not TYPE_CHECKING:
+        # The same, in C: a `with` over a disabled span costs no Python frame.
+        __enter__ = _native.SpanCore._noop_enter
+        __exit__ = _native.SpanCore._noop_exit
+
     def __call__(self, func: F) -> F:
         return Span(self.name, self.attrs, self.level)(func)
 
@@ -446,7 +500,13 @@ class RecordSink(Protocol):
         ...
 
 
-class Recorder:
+if TYPE_CHECKING:
+    _RecorderBase = object
+else:
+    _RecorderBase = _native.RecorderCore if _native is not None else object
+
+
+class Recorder(_RecorderBase):
     """The low-level API: ``start``/``stop``/``event``/``error``/``close``.
 
     Made by :func:`traintrace.configure`. Methods never raise after
@@ -476,9 +536,9 @@ class Recorder:
         self._progress: memoryview | None = None
         self._progress_file: Any = None
         self._progress_tid = 0
-        self._progress_seq = itertools.count(_COUNTER_STEP, _COUNTER_STEP)
-        self._progress_iterations = itertools.count(1)
-        self._progress_steps_done = itertools.count(1)
+        self._progress_seq: Iterator[int] = _counter(_COUNTER_STEP, _COUNTER_STEP)
+        self._progress_iterations: Iterator[int] = _counter(1)
+        self._progress_steps_done: Iterator[int] = _counter(1)
         self._progress_error = False
 
     # -- hot path --------------------------------------------------------
@@ -490,7 +550,7 @@ class Recorder:
         else:
             self._pipeline.overflow(item)
 
-    def _late_stop(self, span: Span, t1: int) -> None:
+    def _late_stop(self, span: _PySpanCore, t1: int) -> None:
         if self.closed:
             warn_once("stop_after_close", f"span {_label(span.name)} stopped after close(); not recorded")
             if span.t1 is None:
@@ -505,7 +565,7 @@ class Recorder:
         attrs = as_attrs(metrics)
         self.put((EVENT, name, attrs, span_id, _get_ident(), perf_counter_ns(), level))
 
-    def _span_failed(self, span: Span, exc: BaseException, when: int) -> None:
+    def _span_failed(self, span: _PySpanCore, exc: BaseException, when: int) -> None:
         if isinstance(exc, Exception):
             span.status = SpanStatus.ERROR
             if span.parent is None:
@@ -748,8 +808,10 @@ class Recorder:
         return self._pipeline.dropped
 
     def stats(self) -> dict[str, Any]:
-        """What was recorded and lost so far (see :func:`traintrace.stats`)."""
-        return self._pipeline.stats()
+        """What was recorded and lost so far (see :func:`traintrace.stats`), and the core that ran."""
+        result = self._pipeline.stats()
+        result["core"] = CORE
+        return result
 
     def __enter__(self) -> Recorder:
         return self
@@ -833,7 +895,8 @@ def stats() -> dict[str, Any]:
     backend that sends elsewhere lost, by reason (``queue_full``, ``failed``,
     ``abandoned``; ``failed_exports`` for metrics); ``backends``: each backend's
     own figures (OTLP: ``exported``, ``dropped``, ``failed``, ``abandoned``,
-    ``queued``). Empty before ``configure()``. The same losses are in the
+    ``queued``); ``core``: the recording core that ran the spans (``"native"``,
+    the C extension, or ``"pure"``, see ``TRAINTRACE_PURE``). Empty before ``configure()``. The same losses are in the
     stream's ``dropped`` records and its ``close`` record.
     """
     rec = _active or _last
@@ -848,3 +911,19 @@ def stats() -> dict[str, Any]:
 def get_active() -> Recorder | None:
     """The configured recorder, or None."""
     return _active
+
+
+if _native is not None:
+    _native.install(
+        namespace=globals(),
+        current=_current,
+        phases=_PHASES,
+        iteration_code=_ITERATION,
+        collective_code=_COLLECTIVE,
+        iteration_name=SpanName.ITERATION,
+        info=_INFO,
+        ids=_ids,
+        adopt=_progress_adopt,
+        failed=_progress_failed,
+        reused=_warn_reused,
+    )

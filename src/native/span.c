@@ -1,0 +1,1418 @@
+/* traintrace._span: the training thread's half of the native recording core.
+ *
+ * SpanCore is the base of traintrace.Span: the span's fields as C members and
+ * __init__/__enter__/__exit__ in C, with exactly the semantics of the
+ * pure-Python core in _recorder.py (_PySpanCore), which stays the reference.
+ * RecorderCore is the base of traintrace's Recorder: the few fields the hot
+ * path reads (queue, capacity, level, listeners, progress file), as C members,
+ * so that a span reads them without a dictionary look-up.
+ *
+ * Rules kept throughout:
+ *  - every pointer into a Python object is owned (a reference held) across any
+ *    call that can run Python code (a listener, a warning, a __hash__ or __eq__
+ *    of a user's name, a finalizer run by a decref);
+ *  - the progress file's pointer is re-read after any such call, never cached;
+ *  - slow or rare paths (warnings, a full queue, a failed progress store, a
+ *    span stopped twice or after close, an exception leaving a span) call the
+ *    same Python functions the pure core calls.
+ *
+ * SpanCore is not tracked by the garbage collector (no Py_TPFLAGS_HAVE_GC): a
+ * queued span is invisible to it, so a full queue never makes a collection
+ * slow. The price: a reference cycle through a span (a span in its own attrs
+ * or metrics) is never collected.
+ */
+#if defined(__GNUC__)
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* The progress file's int64 slots (_progress.py; checked against it at import). */
+#define S_COUNTER 8
+#define S_STEP 9
+#define S_PHASE_T0 11
+#define S_UPDATED 12
+#define S_COLLECTIVE 13
+#define S_ITERATIONS 16
+#define S_STEP_T0 18
+#define S_LAST_STEP_NS 19
+#define S_COLLECTIVE_T0 20
+#define S_STEPS_DONE 21
+#define N_SLOTS 22
+
+/* Span.written when its start did not fit in the queue (_recorder._START_DROPPED). */
+#define START_DROPPED 3
+
+static inline int64_t
+now_ns(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t = 0;
+    (void)PyTime_PerfCounterRaw(&t);
+    return (int64_t)t;
+#else
+    return (int64_t)_PyTime_GetPerfCounter();
+#endif
+}
+
+/* ------------------------------------------------------------------ state */
+
+static int installed = 0;
+static PyObject *g_namespace = NULL;   /* _recorder's globals: _active is read from it */
+static PyObject *g_current = NULL;     /* the _current ContextVar */
+static PyObject *g_phases = NULL;      /* _progress.PHASE_CODES */
+static long g_iteration_code = -1;
+static long g_collective_code = -1;
+static PyObject *g_iteration_name = NULL;
+static PyObject *g_info = NULL;        /* the default level */
+static PyObject *g_ids = NULL;         /* the span id Counter, shared with record_span */
+static PyObject *g_adopt = NULL;       /* _progress.adopt(rec, span) */
+static PyObject *g_failed = NULL;      /* _progress.failed(rec, span=None, t0=0) */
+static PyObject *g_reused = NULL;      /* warns once: a span entered twice */
+
+static PyObject *s_active, *s_span_started, *s_span_stopped, *s_overflow, *s_start_resolved;
+static PyObject *s_late_stop, *s_span_failed, *s_step, *s_ok, *s_append;
+
+/* ---------------------------------------------------------------- Counter */
+
+typedef struct {
+    PyObject_HEAD
+    int64_t value;
+    int64_t step;
+} Counter;
+
+static PyTypeObject CounterType;
+
+static PyObject *
+counter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    long long start = 0, step = 1;
+    static char *kwlist[] = {"start", "step", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|LL:Counter", kwlist, &start, &step))
+        return NULL;
+    Counter *self = (Counter *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->value = start;
+    self->step = step;
+    return (PyObject *)self;
+}
+
+static PyObject *
+counter_next(Counter *self)
+{
+    int64_t value = self->value;
+    if (__builtin_add_overflow(value, self->step, &self->value)) {
+        self->value = value;
+        PyErr_SetString(PyExc_OverflowError, "Counter past int64");
+        return NULL;
+    }
+    return PyLong_FromLongLong(value);
+}
+
+static PyObject *
+counter_repr(Counter *self)
+{
+    return PyUnicode_FromFormat("Counter(%lld, %lld)", (long long)self->value, (long long)self->step);
+}
+
+static PyTypeObject CounterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traintrace._span.Counter",
+    .tp_basicsize = sizeof(Counter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "itertools.count for int64 values, read directly by the native core.",
+    .tp_new = counter_new,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)counter_next,
+    .tp_repr = (reprfunc)counter_repr,
+};
+
+/* The next value of a counter (a Counter, or any iterator of ints). */
+static int
+next_value(PyObject *it, int64_t *out)
+{
+    if (Py_IS_TYPE(it, &CounterType)) {
+        Counter *c = (Counter *)it;
+        int64_t value = c->value;
+        if (__builtin_add_overflow(value, c->step, &c->value)) {
+            c->value = value;
+            PyErr_SetString(PyExc_OverflowError, "Counter past int64");
+            return -1;
+        }
+        *out = value;
+        return 0;
+    }
+    if (!PyIter_Check(it)) {
+        PyErr_SetString(PyExc_TypeError, "not an iterator");
+        return -1;
+    }
+    Py_INCREF(it);
+    PyObject *value = PyIter_Next(it);
+    Py_DECREF(it);
+    if (value == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetNone(PyExc_StopIteration);
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* ----------------------------------------------------------- RecorderCore */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *queue;
+    PyObject *append;      /* queue.append, bound once */
+    Py_ssize_t cap;
+    PyObject *max_level;
+    PyObject *listeners;   /* a tuple */
+    PyObject *pipeline;
+    int closed;
+    PyObject *progress;    /* None, or the int64 view the pointer below belongs to */
+    Py_buffer buf;
+    int64_t *prog;         /* NULL when there is no progress file */
+    unsigned long progress_tid;
+    PyObject *seq;
+    PyObject *iterations;
+    PyObject *steps_done;
+} RecorderCore;
+
+static PyTypeObject RecorderCoreType;
+#define RecorderCore_Check(op) PyObject_TypeCheck(op, &RecorderCoreType)
+
+static PyObject *
+recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    RecorderCore *self = (RecorderCore *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->queue = Py_NewRef(Py_None);
+    self->append = Py_NewRef(Py_None);
+    self->max_level = PyLong_FromLong(-1);
+    self->listeners = PyTuple_New(0);
+    self->pipeline = Py_NewRef(Py_None);
+    self->progress = Py_NewRef(Py_None);
+    self->seq = Py_NewRef(Py_None);
+    self->iterations = Py_NewRef(Py_None);
+    self->steps_done = Py_NewRef(Py_None);
+    if (self->max_level == NULL || self->listeners == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void
+recorder_release_progress(RecorderCore *self)
+{
+    if (self->prog != NULL) {
+        self->prog = NULL;
+        PyBuffer_Release(&self->buf);
+    }
+}
+
+static int
+recorder_traverse(RecorderCore *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->queue);
+    Py_VISIT(self->append);
+    Py_VISIT(self->max_level);
+    Py_VISIT(self->listeners);
+    Py_VISIT(self->pipeline);
+    Py_VISIT(self->progress);
+    if (self->prog != NULL)
+        Py_VISIT(self->buf.obj);
+    Py_VISIT(self->seq);
+    Py_VISIT(self->iterations);
+    Py_VISIT(self->steps_done);
+    return 0;
+}
+
+static int
+recorder_clear(RecorderCore *self)
+{
+    recorder_release_progress(self);
+    Py_CLEAR(self->queue);
+    Py_CLEAR(self->append);
+    Py_CLEAR(self->max_level);
+    Py_CLEAR(self->listeners);
+    Py_CLEAR(self->pipeline);
+    Py_CLEAR(self->progress);
+    Py_CLEAR(self->seq);
+    Py_CLEAR(self->iterations);
+    Py_CLEAR(self->steps_done);
+    return 0;
+}
+
+static void
+recorder_dealloc(RecorderCore *self)
+{
+    PyObject_GC_UnTrack(self);
+    recorder_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+#define NO_DELETE(value, what)                                              \
+    if ((value) == NULL) {                                                  \
+        PyErr_SetString(PyExc_TypeError, "cannot delete " what);            \
+        return -1;                                                          \
+    }
+
+/* A plain object field: get it, set anything, never delete. */
+#define OBJECT_FIELD(T, field, pyname)                                      \
+    static PyObject *T##_get_##field(T *self, void *closure)                \
+    {                                                                       \
+        return Py_NewRef(self->field);                                      \
+    }                                                                       \
+    static int T##_set_##field(T *self, PyObject *value, void *closure)     \
+    {                                                                       \
+        NO_DELETE(value, pyname)                                            \
+        Py_SETREF(self->field, Py_NewRef(value));                           \
+        return 0;                                                           \
+    }
+
+OBJECT_FIELD(RecorderCore, max_level, "max_level")
+OBJECT_FIELD(RecorderCore, pipeline, "_pipeline")
+OBJECT_FIELD(RecorderCore, seq, "_progress_seq")
+OBJECT_FIELD(RecorderCore, iterations, "_progress_iterations")
+OBJECT_FIELD(RecorderCore, steps_done, "_progress_steps_done")
+
+static PyObject *
+RecorderCore_get_queue(RecorderCore *self, void *closure)
+{
+    return Py_NewRef(self->queue);
+}
+
+static int
+RecorderCore_set_queue(RecorderCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "_queue")
+    PyObject *append = PyObject_GetAttr(value, s_append);
+    if (append == NULL)
+        return -1;
+    Py_SETREF(self->queue, Py_NewRef(value));
+    Py_SETREF(self->append, append);
+    return 0;
+}
+
+static PyObject *
+RecorderCore_get_listeners(RecorderCore *self, void *closure)
+{
+    return Py_NewRef(self->listeners);
+}
+
+static int
+RecorderCore_set_listeners(RecorderCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "_listeners")
+    if (!PyTuple_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "_listeners must be a tuple");
+        return -1;
+    }
+    Py_SETREF(self->listeners, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+RecorderCore_get_cap(RecorderCore *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->cap);
+}
+
+static int
+RecorderCore_set_cap(RecorderCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "_cap")
+    Py_ssize_t cap = PyNumber_AsSsize_t(value, PyExc_OverflowError);
+    if (cap == -1 && PyErr_Occurred())
+        return -1;
+    self->cap = cap;
+    return 0;
+}
+
+static PyObject *
+RecorderCore_get_closed(RecorderCore *self, void *closure)
+{
+    return PyBool_FromLong(self->closed);
+}
+
+static int
+RecorderCore_set_closed(RecorderCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "closed")
+    int truth = PyObject_IsTrue(value);
+    if (truth < 0)
+        return -1;
+    self->closed = truth;
+    return 0;
+}
+
+static PyObject *
+RecorderCore_get_progress_tid(RecorderCore *self, void *closure)
+{
+    return PyLong_FromUnsignedLong(self->progress_tid);
+}
+
+static int
+RecorderCore_set_progress_tid(RecorderCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "_progress_tid")
+    unsigned long tid = PyLong_AsUnsignedLong(value);
+    if (tid == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    self->progress_tid = tid;
+    return 0;
+}
+
+static PyObject *
+RecorderCore_get_progress(RecorderCore *self, void *closure)
+{
+    return Py_NewRef(self->progress);
+}
+
+/* None, or a writable, C-contiguous buffer of int64 holding every slot the hot path stores. */
+static int
+RecorderCore_set_progress(RecorderCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "_progress")
+    if (value == Py_None) {
+        recorder_release_progress(self);
+        Py_SETREF(self->progress, Py_NewRef(Py_None));
+        return 0;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(value, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *format = buf.format ? buf.format : "B";
+    if (format[0] == '@' || format[0] == '=' || format[0] == '<')
+        format++;
+    if (buf.itemsize != 8 || (strcmp(format, "q") != 0 && strcmp(format, "l") != 0) ||
+        buf.len < (Py_ssize_t)(N_SLOTS * sizeof(int64_t)) || ((uintptr_t)buf.buf % sizeof(int64_t)) != 0) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_TypeError, "_progress must be None or an int64 view of the progress file");
+        return -1;
+    }
+    recorder_release_progress(self);
+    self->buf = buf;
+    self->prog = (int64_t *)buf.buf;
+    Py_SETREF(self->progress, Py_NewRef(value));
+    return 0;
+}
+
+static PyGetSetDef recorder_getset[] = {
+    {"_queue", (getter)RecorderCore_get_queue, (setter)RecorderCore_set_queue, NULL, NULL},
+    {"_cap", (getter)RecorderCore_get_cap, (setter)RecorderCore_set_cap, NULL, NULL},
+    {"max_level", (getter)RecorderCore_get_max_level, (setter)RecorderCore_set_max_level, NULL, NULL},
+    {"_listeners", (getter)RecorderCore_get_listeners, (setter)RecorderCore_set_listeners, NULL, NULL},
+    {"_pipeline", (getter)RecorderCore_get_pipeline, (setter)RecorderCore_set_pipeline, NULL, NULL},
+    {"closed", (getter)RecorderCore_get_closed, (setter)RecorderCore_set_closed, NULL, NULL},
+    {"_progress", (getter)RecorderCore_get_progress, (setter)RecorderCore_set_progress, NULL, NULL},
+    {"_progress_tid", (getter)RecorderCore_get_progress_tid, (setter)RecorderCore_set_progress_tid, NULL, NULL},
+    {"_progress_seq", (getter)RecorderCore_get_seq, (setter)RecorderCore_set_seq, NULL, NULL},
+    {"_progress_iterations", (getter)RecorderCore_get_iterations, (setter)RecorderCore_set_iterations, NULL, NULL},
+    {"_progress_steps_done", (getter)RecorderCore_get_steps_done, (setter)RecorderCore_set_steps_done, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject RecorderCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traintrace._span.RecorderCore",
+    .tp_basicsize = sizeof(RecorderCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The fields of a Recorder that the native span reads.",
+    .tp_new = recorder_new,
+    .tp_dealloc = (destructor)recorder_dealloc,
+    .tp_traverse = (traverseproc)recorder_traverse,
+    .tp_clear = (inquiry)recorder_clear,
+    .tp_getset = recorder_getset,
+};
+
+/* --------------------------------------------------------------- SpanCore */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *name;
+    PyObject *attrs;
+    PyObject *level;
+    PyObject *link;
+    PyObject *rec;       /* None or a RecorderCore */
+    PyObject *parent;    /* None or a SpanCore */
+    PyObject *status;
+    PyObject *metrics;
+    int64_t id;
+    int64_t t0;
+    int64_t t1;
+    unsigned long tid;
+    long written;
+    int has_t1;          /* t1 is not None */
+} SpanCore;
+
+static PyTypeObject SpanCoreType;
+#define SpanCore_Check(op) PyObject_TypeCheck(op, &SpanCoreType)
+static int untracked_layout(PyTypeObject *type);
+
+static PyObject *
+span_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    SpanCore *self = (SpanCore *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->name = Py_NewRef(Py_None);
+    self->attrs = Py_NewRef(Py_None);
+    self->level = Py_NewRef(g_info != NULL ? g_info : Py_None);
+    self->link = Py_NewRef(Py_None);
+    self->rec = Py_NewRef(Py_None);
+    self->parent = Py_NewRef(Py_None);
+    self->status = Py_NewRef(s_ok);
+    self->metrics = Py_NewRef(Py_None);
+    if (PyType_IS_GC(type) && untracked_layout(type))
+        PyObject_GC_UnTrack(self);
+    return (PyObject *)self;
+}
+
+/* Since Python 3.11 every heap type's instances are tracked by the garbage
+ * collector, so traintrace.Span (a Python subclass with __slots__ = ()) would be.
+ * A subclass that adds no field (no __dict__, no slot, no __weakref__) holds
+ * nothing the collector could follow but the C fields above, which it never
+ * visits: its instances are untracked as they are made. A subclass with a
+ * __dict__ stays tracked (a cycle through its __dict__ is collected). */
+static int
+untracked_layout(PyTypeObject *type)
+{
+    if (type->tp_basicsize != SpanCoreType.tp_basicsize || type->tp_dictoffset != 0 || type->tp_weaklistoffset != 0)
+        return 0;
+#ifdef Py_TPFLAGS_MANAGED_DICT
+    if (type->tp_flags & Py_TPFLAGS_MANAGED_DICT)
+        return 0;
+#endif
+#ifdef Py_TPFLAGS_MANAGED_WEAKREF
+    if (type->tp_flags & Py_TPFLAGS_MANAGED_WEAKREF)
+        return 0;
+#endif
+    return 1;
+}
+
+/* Span(name, attrs=None, level=INFO, link=None) */
+static int
+span_init(SpanCore *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *name, *attrs = Py_None, *level = g_info != NULL ? g_info : Py_None, *link = Py_None;
+    if (kwds == NULL || PyDict_GET_SIZE(kwds) == 0) {
+        Py_ssize_t n = PyTuple_GET_SIZE(args);
+        if (n < 1 || n > 4) {
+            PyErr_Format(PyExc_TypeError, "Span() takes from 1 to 4 positional arguments (%zd given)", n);
+            return -1;
+        }
+        name = PyTuple_GET_ITEM(args, 0);
+        if (n > 1)
+            attrs = PyTuple_GET_ITEM(args, 1);
+        if (n > 2)
+            level = PyTuple_GET_ITEM(args, 2);
+        if (n > 3)
+            link = PyTuple_GET_ITEM(args, 3);
+    }
+    else {
+        static char *kwlist[] = {"name", "attrs", "level", "link", NULL};
+        if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO:Span", kwlist, &name, &attrs, &level, &link))
+            return -1;
+    }
+    Py_SETREF(self->name, Py_NewRef(name));
+    Py_SETREF(self->attrs, Py_NewRef(attrs));
+    Py_SETREF(self->level, Py_NewRef(level));
+    Py_SETREF(self->link, Py_NewRef(link));
+    Py_SETREF(self->rec, Py_NewRef(Py_None));
+    return 0;
+}
+
+/* Frees a chain of parents (or links) one by one: a chain of a million unstopped
+ * spans must not recurse a million deep in dealloc. */
+static void
+release_chain(PyObject *obj, int use_link)
+{
+    while (obj != NULL && Py_REFCNT(obj) == 1 && SpanCore_Check(obj)) {
+        SpanCore *span = (SpanCore *)obj;
+        PyObject **slot = use_link ? &span->link : &span->parent;
+        PyObject *next = *slot;
+        *slot = Py_NewRef(Py_None);
+        Py_DECREF(obj);
+        obj = next;
+    }
+    Py_XDECREF(obj);
+}
+
+static void
+span_dealloc(SpanCore *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    if (PyType_IS_GC(type))
+        PyObject_GC_UnTrack(self); /* a user's subclass with a __dict__ */
+    PyObject *parent = self->parent, *link = self->link;
+    self->parent = NULL;
+    self->link = NULL;
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->attrs);
+    Py_CLEAR(self->level);
+    Py_CLEAR(self->rec);
+    Py_CLEAR(self->status);
+    Py_CLEAR(self->metrics);
+    release_chain(parent, 0);
+    release_chain(link, 1);
+    type->tp_free((PyObject *)self);
+}
+
+OBJECT_FIELD(SpanCore, name, "name")
+OBJECT_FIELD(SpanCore, attrs, "attrs")
+OBJECT_FIELD(SpanCore, level, "level")
+OBJECT_FIELD(SpanCore, link, "link")
+OBJECT_FIELD(SpanCore, status, "status")
+OBJECT_FIELD(SpanCore, metrics, "metrics")
+
+static PyObject *
+SpanCore_get_rec(SpanCore *self, void *closure)
+{
+    return Py_NewRef(self->rec);
+}
+
+static int
+SpanCore_set_rec(SpanCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "_rec")
+    if (value != Py_None && !RecorderCore_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "_rec must be None or a Recorder");
+        return -1;
+    }
+    Py_SETREF(self->rec, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+SpanCore_get_parent(SpanCore *self, void *closure)
+{
+    return Py_NewRef(self->parent);
+}
+
+static int
+SpanCore_set_parent(SpanCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "parent")
+    if (value != Py_None && !SpanCore_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "parent must be None or a Span");
+        return -1;
+    }
+    Py_SETREF(self->parent, Py_NewRef(value));
+    return 0;
+}
+
+static int
+as_int64(PyObject *value, int64_t *out)
+{
+    if (!PyLong_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "an int is required");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+#define INT64_FIELD(field, pyname)                                           \
+    static PyObject *SpanCore_get_##field(SpanCore *self, void *closure)     \
+    {                                                                        \
+        return PyLong_FromLongLong(self->field);                             \
+    }                                                                        \
+    static int SpanCore_set_##field(SpanCore *self, PyObject *value, void *c) \
+    {                                                                        \
+        NO_DELETE(value, pyname)                                             \
+        return as_int64(value, &self->field);                                \
+    }
+
+INT64_FIELD(id, "id")
+INT64_FIELD(t0, "t0")
+
+static PyObject *
+SpanCore_get_t1(SpanCore *self, void *closure)
+{
+    if (!self->has_t1)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(self->t1);
+}
+
+static int
+SpanCore_set_t1(SpanCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "t1")
+    if (value == Py_None) {
+        self->has_t1 = 0;
+        return 0;
+    }
+    if (as_int64(value, &self->t1) < 0)
+        return -1;
+    self->has_t1 = 1;
+    return 0;
+}
+
+static PyObject *
+SpanCore_get_tid(SpanCore *self, void *closure)
+{
+    return PyLong_FromUnsignedLong(self->tid);
+}
+
+static int
+SpanCore_set_tid(SpanCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "tid")
+    unsigned long tid = PyLong_AsUnsignedLong(value);
+    if (tid == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    self->tid = tid;
+    return 0;
+}
+
+static PyObject *
+SpanCore_get_written(SpanCore *self, void *closure)
+{
+    return PyLong_FromLong(self->written);
+}
+
+static int
+SpanCore_set_written(SpanCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "written")
+    long written = PyLong_AsLong(value);
+    if (written == -1 && PyErr_Occurred())
+        return -1;
+    self->written = written;
+    return 0;
+}
+
+/* ----------------------------------------------------------- the hot path */
+
+/* self.level > rec.max_level, as Python compares them. */
+static int
+level_above(PyObject *level, PyObject *max_level)
+{
+    if (PyLong_CheckExact(level) && PyLong_CheckExact(max_level)) {
+        int o1 = 0, o2 = 0;
+        long a = PyLong_AsLongAndOverflow(level, &o1);
+        long b = PyLong_AsLongAndOverflow(max_level, &o2);
+        if (!o1 && !o2)
+            return a > b;
+    }
+    Py_INCREF(level);
+    Py_INCREF(max_level);
+    int above = PyObject_RichCompareBool(level, max_level, Py_GT);
+    Py_DECREF(level);
+    Py_DECREF(max_level);
+    return above;
+}
+
+/* `name in PHASE_CODES`: 1 (and *code), 0, or -1 with an exception (a user's __hash__). */
+static int
+phase_code(PyObject *name, long *code)
+{
+    Py_INCREF(name);
+    PyObject *value = PyDict_GetItemWithError(g_phases, name);
+    Py_DECREF(name);
+    if (value == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    *code = PyLong_AsLong(value);
+    return 1;
+}
+
+/* A progress store raised: as the pure core's `except Exception`, call
+ * _progress.failed; anything else (KeyboardInterrupt) propagates. */
+static int
+progress_failed(PyObject *rec, PyObject *span, int64_t t0)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    PyObject *result;
+    if (span == NULL) {
+        result = PyObject_CallOneArg(g_failed, rec);
+    }
+    else {
+        PyObject *when = PyLong_FromLongLong(t0);
+        if (when == NULL)
+            return -1;
+        result = PyObject_CallFunctionObjArgs(g_failed, rec, span, when, NULL);
+        Py_DECREF(when);
+    }
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+static int
+progress_enter(SpanCore *self, RecorderCore *R, int64_t t0)
+{
+    PyObject *rec = (PyObject *)R;
+    long code = 0;
+    int found = phase_code(self->name, &code);
+    if (found <= 0)
+        return found < 0 ? progress_failed(rec, (PyObject *)self, t0) : 0;
+    int64_t step = -1, iterations = 0, seq = 0;
+    int iteration = code == g_iteration_code, collective = code == g_collective_code;
+    if (iteration) {
+        PyObject *attrs = Py_NewRef(self->attrs);
+        if (PyDict_CheckExact(attrs)) {
+            PyObject *value = PyDict_GetItemWithError(attrs, s_step);
+            if (value != NULL && PyLong_CheckExact(value)) {
+                int overflow = 0;
+                long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+                if (overflow) {
+                    Py_DECREF(attrs);
+                    PyErr_SetString(PyExc_ValueError, "step is no int64");
+                    return progress_failed(rec, (PyObject *)self, t0);
+                }
+                step = v;
+            }
+            else if (value == NULL && PyErr_Occurred()) {
+                Py_DECREF(attrs);
+                return progress_failed(rec, (PyObject *)self, t0);
+            }
+        }
+        Py_DECREF(attrs);
+        if (next_value(R->iterations, &iterations) < 0)
+            return progress_failed(rec, (PyObject *)self, t0);
+    }
+    if (next_value(R->seq, &seq) < 0)
+        return progress_failed(rec, (PyObject *)self, t0);
+    volatile int64_t *prog = R->prog; /* read after every call that could have released it */
+    if (prog == NULL)
+        return 0;
+    if (iteration) {
+        prog[S_STEP] = step;
+        prog[S_STEP_T0] = t0;
+        prog[S_ITERATIONS] = iterations;
+    }
+    else if (collective) {
+        int64_t count = prog[S_COLLECTIVE];
+        if (count == INT64_MAX) {
+            PyErr_SetString(PyExc_ValueError, "collective count past int64");
+            return progress_failed(rec, (PyObject *)self, t0);
+        }
+        prog[S_COLLECTIVE] = count + 1;
+        prog[S_COLLECTIVE_T0] = t0;
+    }
+    prog[S_PHASE_T0] = t0;
+    prog[S_COUNTER] = seq | code;
+    return 0;
+}
+
+static int
+progress_exit(SpanCore *self, RecorderCore *R, int64_t t1)
+{
+    PyObject *rec = (PyObject *)R;
+    long code = 0, outer = 0;
+    int found = phase_code(self->name, &code);
+    if (found <= 0)
+        return found < 0 ? progress_failed(rec, NULL, 0) : 0;
+    int iteration = code == g_iteration_code, collective = code == g_collective_code;
+    int64_t done = 0, last = 0, seq = 0;
+    if (iteration) {
+        if (next_value(R->steps_done, &done) < 0)
+            return progress_failed(rec, NULL, 0);
+        if (__builtin_sub_overflow(t1, self->t0, &last)) {
+            PyErr_SetString(PyExc_ValueError, "duration is no int64");
+            return progress_failed(rec, NULL, 0);
+        }
+    }
+    /* Back in the enclosing standard phase (0: none). */
+    PyObject *parent = Py_NewRef(self->parent);
+    while (parent != Py_None) {
+        int in_phase = phase_code(((SpanCore *)parent)->name, &outer);
+        if (in_phase < 0) {
+            Py_DECREF(parent);
+            return progress_failed(rec, NULL, 0);
+        }
+        if (in_phase)
+            break;
+        PyObject *next = Py_NewRef(((SpanCore *)parent)->parent);
+        Py_DECREF(parent);
+        parent = next;
+    }
+    if (parent == Py_None)
+        outer = 0;
+    Py_DECREF(parent);
+    if (next_value(R->seq, &seq) < 0)
+        return progress_failed(rec, NULL, 0);
+    volatile int64_t *prog = R->prog;
+    if (prog == NULL)
+        return 0;
+    if (iteration) {
+        prog[S_STEPS_DONE] = done;
+        prog[S_LAST_STEP_NS] = last;
+    }
+    else if (collective && prog[S_COLLECTIVE] > 0) {
+        prog[S_COLLECTIVE] -= 1;
+    }
+    prog[S_UPDATED] = t1;
+    prog[S_COUNTER] = seq | outer;
+    return 0;
+}
+
+/* The listeners' span_started/span_stopped (NVTX), in order; an exception propagates. */
+static int
+call_listeners(RecorderCore *R, PyObject *method, PyObject *span)
+{
+    PyObject *listeners = Py_NewRef(R->listeners);
+    Py_ssize_t n = PyTuple_GET_SIZE(listeners);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *result = PyObject_CallMethodOneArg(PyTuple_GET_ITEM(listeners, i), method, span);
+        if (result == NULL) {
+            Py_DECREF(listeners);
+            return -1;
+        }
+        Py_DECREF(result);
+    }
+    Py_DECREF(listeners);
+    return 0;
+}
+
+static int
+queue_append(RecorderCore *R, PyObject *item)
+{
+    PyObject *append = Py_NewRef(R->append);
+    PyObject *result = PyObject_CallOneArg(append, item);
+    Py_DECREF(append);
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+/* len(rec._queue) < rec._cap: 1, 0, or -1 with an exception. */
+static int
+queue_has_room(RecorderCore *R)
+{
+    PyObject *queue = Py_NewRef(R->queue);
+    Py_ssize_t length = PyObject_Length(queue);
+    Py_DECREF(queue);
+    if (length < 0)
+        return -1;
+    return length < R->cap;
+}
+
+static PyObject *
+span_enter(SpanCore *self, PyObject *unused)
+{
+    if (!installed)
+        return Py_NewRef(self);
+    PyObject *rec = PyDict_GetItemWithError(g_namespace, s_active);
+    if (rec == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return Py_NewRef(self);
+    }
+    if (rec == Py_None || !RecorderCore_Check(rec))
+        return Py_NewRef(self);
+    Py_INCREF(rec);
+    RecorderCore *R = (RecorderCore *)rec;
+    PyObject *current = NULL;
+
+    int above = level_above(self->level, R->max_level);
+    if (above != 0) {
+        Py_DECREF(rec);
+        return above < 0 ? NULL : Py_NewRef(self);
+    }
+    if (self->rec != Py_None) {
+        PyObject *result = PyObject_CallOneArg(g_reused, (PyObject *)self);
+        Py_DECREF(rec);
+        if (result == NULL)
+            return NULL;
+        Py_DECREF(result);
+        return Py_NewRef(self);
+    }
+    /* The innermost open span of this context: closed parents are skipped. */
+    if (PyContextVar_Get(g_current, Py_None, &current) < 0)
+        goto error;
+    while (current != Py_None && SpanCore_Check(current) && ((SpanCore *)current)->has_t1) {
+        PyObject *next = Py_NewRef(((SpanCore *)current)->parent);
+        Py_DECREF(current);
+        current = next;
+    }
+    if (current != Py_None && !SpanCore_Check(current))
+        Py_SETREF(current, Py_NewRef(Py_None));
+    Py_SETREF(self->parent, current); /* the reference moves */
+    current = NULL;
+    if (next_value(g_ids, &self->id) < 0)
+        goto error;
+    self->tid = PyThread_get_thread_ident();
+    Py_SETREF(self->metrics, Py_NewRef(Py_None));
+    Py_SETREF(self->status, Py_NewRef(s_ok));
+    self->written = 0;
+    self->has_t1 = 0;
+    Py_SETREF(self->rec, Py_NewRef(rec));
+    PyObject *token = PyContextVar_Set(g_current, (PyObject *)self);
+    if (token == NULL)
+        goto error;
+    Py_DECREF(token);
+    if (PyTuple_GET_SIZE(R->listeners) && call_listeners(R, s_span_started, (PyObject *)self) < 0)
+        goto error;
+    int64_t t0 = now_ns();
+    self->t0 = t0;
+    if (R->prog != NULL) {
+        int ours = self->tid == R->progress_tid;
+        if (!ours) {
+            /* _progress.adopt: only an iteration can make this the training thread. */
+            PyObject *name = self->name;
+            int maybe = 1;
+            if (PyUnicode_CheckExact(name))
+                maybe = PyUnicode_Compare(name, g_iteration_name) == 0;
+            if (maybe) {
+                PyObject *result = PyObject_CallFunctionObjArgs(g_adopt, rec, (PyObject *)self, NULL);
+                if (result == NULL)
+                    goto error;
+                ours = PyObject_IsTrue(result);
+                Py_DECREF(result);
+                if (ours < 0)
+                    goto error;
+            }
+        }
+        if (ours && R->prog != NULL && progress_enter(self, R, t0) < 0)
+            goto error;
+    }
+    int room = queue_has_room(R);
+    if (room < 0)
+        goto error;
+    if (room) {
+        if (queue_append(R, (PyObject *)self) < 0)
+            goto error;
+    }
+    else {
+        /* Counted when its stop is dropped too (or at close, if it never stops). */
+        PyObject *pipeline = Py_NewRef(R->pipeline);
+        PyObject *zero = PyLong_FromLong(0);
+        PyObject *result = zero ? PyObject_CallMethodObjArgs(pipeline, s_overflow, (PyObject *)self, zero, NULL) : NULL;
+        Py_XDECREF(zero);
+        Py_DECREF(pipeline);
+        if (result == NULL)
+            goto error;
+        int queued = PyObject_IsTrue(result);
+        Py_DECREF(result);
+        if (queued < 0)
+            goto error;
+        if (!queued)
+            self->written = START_DROPPED;
+    }
+    Py_DECREF(rec);
+    return Py_NewRef(self);
+error:
+    Py_XDECREF(current);
+    Py_DECREF(rec);
+    return NULL;
+}
+
+static PyObject *
+span_exit(SpanCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t t1 = now_ns();
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "__exit__ takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *exc = args[1];
+    if (self->rec == Py_None)
+        Py_RETURN_NONE;
+    PyObject *rec = Py_NewRef(self->rec);
+    RecorderCore *R = (RecorderCore *)rec;
+    PyObject *when = NULL, *result = NULL, *value = NULL;
+
+    if (self->has_t1 || R->closed) {
+        when = PyLong_FromLongLong(t1);
+        if (when == NULL)
+            goto error;
+        result = PyObject_CallMethodObjArgs(rec, s_late_stop, (PyObject *)self, when, NULL);
+        if (result == NULL)
+            goto error;
+        goto done;
+    }
+    if (exc != Py_None) {
+        when = PyLong_FromLongLong(t1);
+        if (when == NULL)
+            goto error;
+        Py_INCREF(exc);
+        result = PyObject_CallMethodObjArgs(rec, s_span_failed, (PyObject *)self, exc, when, NULL);
+        Py_DECREF(exc);
+        if (result == NULL)
+            goto error;
+        Py_CLEAR(result);
+    }
+    self->t1 = t1;
+    self->has_t1 = 1;
+    if (PyContextVar_Get(g_current, Py_None, &value) < 0)
+        goto error;
+    if (value == (PyObject *)self) {
+        /* Not a reset token: holding one per queued span doubles the objects the
+         * garbage collector walks. A closed parent is skipped at the next start. */
+        PyObject *parent = Py_NewRef(self->parent);
+        PyObject *token = PyContextVar_Set(g_current, parent);
+        Py_DECREF(parent);
+        if (token == NULL)
+            goto error;
+        Py_DECREF(token);
+    }
+    Py_CLEAR(value);
+    if (PyTuple_GET_SIZE(R->listeners) && call_listeners(R, s_span_stopped, (PyObject *)self) < 0)
+        goto error;
+    if (R->prog != NULL && self->tid == R->progress_tid && progress_exit(self, R, t1) < 0)
+        goto error;
+    if (self->written != START_DROPPED) {
+        /* No room check: the queue exceeds its bound by at most the open spans. */
+        if (queue_append(R, (PyObject *)self) < 0)
+            goto error;
+    }
+    else {
+        PyObject *pipeline = Py_NewRef(R->pipeline);
+        result = PyObject_CallMethodNoArgs(pipeline, s_start_resolved);
+        Py_DECREF(pipeline);
+        if (result == NULL)
+            goto error;
+        Py_CLEAR(result);
+        int room = queue_has_room(R);
+        if (room < 0)
+            goto error;
+        if (room) {
+            self->written = 0; /* the writer sees it once, ended: one complete record */
+            if (queue_append(R, (PyObject *)self) < 0)
+                goto error;
+        }
+        else {
+            pipeline = Py_NewRef(R->pipeline);
+            result = PyObject_CallMethodOneArg(pipeline, s_overflow, (PyObject *)self);
+            Py_DECREF(pipeline);
+            if (result == NULL)
+                goto error;
+        }
+    }
+done:
+    Py_XDECREF(result);
+    Py_XDECREF(when);
+    Py_DECREF(rec);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(value);
+    Py_XDECREF(when);
+    Py_DECREF(rec);
+    return NULL;
+}
+
+/* InertSpan's start and stop: nothing, at the cost of a C call. */
+static PyObject *
+span_noop_enter(PyObject *self, PyObject *unused)
+{
+    return Py_NewRef(self);
+}
+
+static PyObject *
+span_noop_exit(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef span_methods[] = {
+    {"_noop_enter", (PyCFunction)span_noop_enter, METH_NOARGS, "__enter__ of a span that records nothing."},
+    {"_noop_exit", (PyCFunction)(void (*)(void))span_noop_exit, METH_FASTCALL, "__exit__ of a span that records nothing."},
+    {"__enter__", (PyCFunction)span_enter, METH_NOARGS, "Start the span (when a recorder is configured)."},
+    {"__exit__", (PyCFunction)(void (*)(void))span_exit, METH_FASTCALL, "Stop the span."},
+    {NULL},
+};
+
+static PyGetSetDef span_getset[] = {
+    {"name", (getter)SpanCore_get_name, (setter)SpanCore_set_name, NULL, NULL},
+    {"attrs", (getter)SpanCore_get_attrs, (setter)SpanCore_set_attrs, NULL, NULL},
+    {"level", (getter)SpanCore_get_level, (setter)SpanCore_set_level, NULL, NULL},
+    {"link", (getter)SpanCore_get_link, (setter)SpanCore_set_link, NULL, NULL},
+    {"_rec", (getter)SpanCore_get_rec, (setter)SpanCore_set_rec, NULL, NULL},
+    {"parent", (getter)SpanCore_get_parent, (setter)SpanCore_set_parent, NULL, NULL},
+    {"id", (getter)SpanCore_get_id, (setter)SpanCore_set_id, NULL, NULL},
+    {"tid", (getter)SpanCore_get_tid, (setter)SpanCore_set_tid, NULL, NULL},
+    {"t0", (getter)SpanCore_get_t0, (setter)SpanCore_set_t0, NULL, NULL},
+    {"t1", (getter)SpanCore_get_t1, (setter)SpanCore_set_t1, NULL, NULL},
+    {"status", (getter)SpanCore_get_status, (setter)SpanCore_set_status, NULL, NULL},
+    {"written", (getter)SpanCore_get_written, (setter)SpanCore_set_written, NULL, NULL},
+    {"metrics", (getter)SpanCore_get_metrics, (setter)SpanCore_set_metrics, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject SpanCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traintrace._span.SpanCore",
+    .tp_basicsize = sizeof(SpanCore),
+    /* No Py_TPFLAGS_HAVE_GC on purpose: see the top of this file. */
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "The native base of traintrace.Span.",
+    .tp_new = span_new,
+    .tp_init = (initproc)span_init,
+    .tp_dealloc = (destructor)span_dealloc,
+    .tp_methods = span_methods,
+    .tp_getset = span_getset,
+};
+
+/* ---------------------------------------------------------------- Factory */
+
+/* The span helpers' fast path (tt.forward(), tt.training_iteration(step)): a callable
+ * that makes the span itself in the common cases (no argument; an iteration's int
+ * step) exactly as the Python helper it wraps would, and calls that helper for
+ * everything else. Its attributes (__doc__, __name__, __wrapped__...) are the helper's. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *fallback;   /* the Python helper */
+    PyObject *cls;        /* the span class it makes */
+    PyObject *name;
+    PyObject *level;
+    PyObject *inert;      /* what it returns when nothing would record */
+    int iteration;        /* training_iteration(step): attrs {"step": step} */
+    vectorcallfunc vectorcall;
+} Factory;
+
+static PyTypeObject FactoryType;
+
+static PyObject *
+make_span(Factory *self, PyObject *attrs)
+{
+    PyObject *obj = span_new((PyTypeObject *)self->cls, NULL, NULL);
+    if (obj == NULL)
+        return NULL;
+    SpanCore *span = (SpanCore *)obj;
+    Py_SETREF(span->name, Py_NewRef(self->name));
+    Py_SETREF(span->attrs, Py_NewRef(attrs));
+    Py_SETREF(span->level, Py_NewRef(self->level));
+    return obj;
+}
+
+static PyObject *
+factory_vectorcall(Factory *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int plain = (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0) &&
+                (nargs == 0 || (self->iteration && nargs == 1 && PyLong_CheckExact(args[0])));
+    if (plain && installed) {
+        PyObject *rec = PyDict_GetItemWithError(g_namespace, s_active);
+        if (rec == NULL && PyErr_Occurred())
+            return NULL;
+        if (rec == NULL || rec == Py_None)
+            return Py_NewRef(self->inert);
+        if (RecorderCore_Check(rec)) {
+            Py_INCREF(rec);
+            int above = level_above(self->level, ((RecorderCore *)rec)->max_level);
+            Py_DECREF(rec);
+            if (above < 0)
+                return NULL;
+            if (above)
+                return Py_NewRef(self->inert);
+            if (nargs == 0)
+                return make_span(self, Py_None);
+            PyObject *attrs = PyDict_New();
+            if (attrs == NULL || PyDict_SetItem(attrs, s_step, args[0]) < 0) {
+                Py_XDECREF(attrs);
+                return NULL;
+            }
+            PyObject *span = make_span(self, attrs);
+            Py_DECREF(attrs);
+            return span;
+        }
+    }
+    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+}
+
+static PyObject *
+factory_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *fallback, *cls, *name, *level, *inert;
+    int iteration;
+    if (!PyArg_ParseTuple(args, "OO!OOOp:Factory", &fallback, &PyType_Type, &cls, &name, &level, &inert, &iteration))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)cls, &SpanCoreType) || ((PyTypeObject *)cls)->tp_new != span_new ||
+        ((PyTypeObject *)cls)->tp_init != (initproc)span_init) {
+        PyErr_SetString(PyExc_TypeError, "Factory: the class must be a Span that keeps SpanCore's __new__ and __init__");
+        return NULL;
+    }
+    Factory *self = (Factory *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->fallback = Py_NewRef(fallback);
+    self->cls = Py_NewRef(cls);
+    self->name = Py_NewRef(name);
+    self->level = Py_NewRef(level);
+    self->inert = Py_NewRef(inert);
+    self->iteration = iteration;
+    self->vectorcall = (vectorcallfunc)factory_vectorcall;
+    return (PyObject *)self;
+}
+
+static int
+factory_traverse(Factory *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->cls);
+    Py_VISIT(self->name);
+    Py_VISIT(self->level);
+    Py_VISIT(self->inert);
+    return 0;
+}
+
+static int
+factory_clear(Factory *self)
+{
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->cls);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->level);
+    Py_CLEAR(self->inert);
+    return 0;
+}
+
+static void
+factory_dealloc(Factory *self)
+{
+    PyObject_GC_UnTrack(self);
+    factory_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The helper's own attributes: its name, documentation and signature (via __wrapped__). */
+static PyObject *
+factory_getattro(Factory *self, PyObject *name)
+{
+    if (PyUnicode_Check(name)) {
+        if (PyUnicode_CompareWithASCIIString(name, "__wrapped__") == 0)
+            return Py_NewRef(self->fallback);
+        if (PyUnicode_CompareWithASCIIString(name, "__class__") != 0 &&
+            PyUnicode_CompareWithASCIIString(name, "__call__") != 0 && PyUnicode_GET_LENGTH(name) > 4 &&
+            PyUnicode_READ_CHAR(name, 0) == '_' && PyUnicode_READ_CHAR(name, 1) == '_' && self->fallback != NULL)
+            return PyObject_GetAttr(self->fallback, name);
+    }
+    PyObject *found = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (found == NULL && self->fallback != NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return PyObject_GetAttr(self->fallback, name);
+    }
+    return found;
+}
+
+static PyObject *
+factory_repr(Factory *self)
+{
+    return PyObject_Repr(self->fallback);
+}
+
+static PyTypeObject FactoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traintrace._span.Factory",
+    .tp_basicsize = sizeof(Factory),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = factory_new,
+    .tp_dealloc = (destructor)factory_dealloc,
+    .tp_traverse = (traverseproc)factory_traverse,
+    .tp_clear = (inquiry)factory_clear,
+    .tp_vectorcall_offset = offsetof(Factory, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_getattro = (getattrofunc)factory_getattro,
+    .tp_repr = (reprfunc)factory_repr,
+};
+
+/* ----------------------------------------------------------------- module */
+
+static PyObject *
+install(PyObject *module, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"namespace", "current", "phases", "iteration_code", "collective_code", "iteration_name",
+                             "info", "ids", "adopt", "failed", "reused", NULL};
+    PyObject *namespace, *current, *phases, *iteration_name, *info, *ids, *adopt, *failed, *reused;
+    long iteration_code, collective_code;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!llUOO!OOO:install", kwlist, &PyDict_Type, &namespace,
+                                     &current, &PyDict_Type, &phases, &iteration_code, &collective_code,
+                                     &iteration_name, &info, &CounterType, &ids, &adopt, &failed, &reused))
+        return NULL;
+    if (!PyContextVar_CheckExact(current)) {
+        PyErr_SetString(PyExc_TypeError, "current must be a ContextVar");
+        return NULL;
+    }
+    Py_XSETREF(g_namespace, Py_NewRef(namespace));
+    Py_XSETREF(g_current, Py_NewRef(current));
+    Py_XSETREF(g_phases, Py_NewRef(phases));
+    Py_XSETREF(g_iteration_name, Py_NewRef(iteration_name));
+    Py_XSETREF(g_info, Py_NewRef(info));
+    Py_XSETREF(g_ids, Py_NewRef(ids));
+    Py_XSETREF(g_adopt, Py_NewRef(adopt));
+    Py_XSETREF(g_failed, Py_NewRef(failed));
+    Py_XSETREF(g_reused, Py_NewRef(reused));
+    g_iteration_code = iteration_code;
+    g_collective_code = collective_code;
+    installed = 1;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"install", (PyCFunction)(void (*)(void))install, METH_VARARGS | METH_KEYWORDS,
+     "Hand the native core the recorder module's state (called once by _recorder)."},
+    {NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "traintrace._span",
+    .m_doc = "The native recording core: span start and stop on the training thread.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__span(void)
+{
+#define INTERN(var, text)                                  \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) \
+        return NULL;
+    INTERN(s_active, "_active")
+    INTERN(s_span_started, "span_started")
+    INTERN(s_span_stopped, "span_stopped")
+    INTERN(s_overflow, "overflow")
+    INTERN(s_start_resolved, "start_resolved")
+    INTERN(s_late_stop, "_late_stop")
+    INTERN(s_span_failed, "_span_failed")
+    INTERN(s_step, "step")
+    INTERN(s_ok, "ok")
+    INTERN(s_append, "append")
+#undef INTERN
+    if (PyType_Ready(&CounterType) < 0 || PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&SpanCoreType) < 0 ||
+        PyType_Ready(&FactoryType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    PyObject *slots = Py_BuildValue("{sisisisisisisisisisisi}", "S_COUNTER", S_COUNTER, "S_STEP", S_STEP,
+                                    "S_PHASE_T0", S_PHASE_T0, "S_UPDATED", S_UPDATED, "S_COLLECTIVE", S_COLLECTIVE,
+                                    "S_ITERATIONS", S_ITERATIONS, "S_STEP_T0", S_STEP_T0, "S_LAST_STEP_NS",
+                                    S_LAST_STEP_NS, "S_COLLECTIVE_T0", S_COLLECTIVE_T0, "S_STEPS_DONE", S_STEPS_DONE,
+                                    "START_DROPPED", START_DROPPED);
+    if (slots == NULL || PyModule_AddObject(module, "SLOTS", slots) < 0) {
+        Py_XDECREF(slots);
+        Py_DECREF(module);
+        return NULL;
+    }
+    Py_INCREF(&CounterType);
+    Py_INCREF(&RecorderCoreType);
+    Py_INCREF(&SpanCoreType);
+    Py_INCREF(&FactoryType);
+    if (PyModule_AddObject(module, "Factory", (PyObject *)&FactoryType) < 0 ||
+        PyModule_AddObject(module, "Counter", (PyObject *)&CounterType) < 0 ||
+        PyModule_AddObject(module, "RecorderCore", (PyObject *)&RecorderCoreType) < 0 ||
+        PyModule_AddObject(module, "SpanCore", (PyObject *)&SpanCoreType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
