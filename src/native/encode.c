@@ -633,6 +633,7 @@ typedef struct {
     int mode; /* 0: no observer; 1: the statistics observer only; 2: others (Python sees every end) */
     Py_ssize_t steps_left;
     int want_t0;
+    int interval_done; /* the iteration that completes the interval was counted: Python emits its event */
     Stats st; /* mode 1 */
 } Ctx;
 
@@ -792,8 +793,16 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             if (state == W_OPEN) NEED(hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
             obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field);
             NEED(obs != OBS_PYTHON);
-            /* The iteration that completes an interval is left to Python: its event goes before its end record. */
-            NEED(obs != OBS_ITERATION || (e->iter_n + 1 < c->steps_left && t1 - t0 < (1LL << 53)));
+            if (obs == OBS_ITERATION) {
+                NEED(t1 - t0 < (1LL << 53));
+                if (e->iter_n + 1 >= c->steps_left) {
+                    /* The iteration that completes an interval: its event goes before its end record, so a
+                       span whose start alone is written is left to Python; one already written whole is
+                       counted here and convert() returns for Python to add the event after it. */
+                    NEED(state != W_OPEN);
+                    c->interval_done = 1;
+                }
+            }
         }
         if (state == W_OPEN) {
             Rec r = {.kind = "end", .ts = c->wall0 + t1, .name = f[F_NAME], .has_id = 1, .has_dur = 1};
@@ -908,7 +917,8 @@ out:
 /*
  * convert(popleft, n, wall0, seq, mode, steps_left, want_t0, stats) -> (taken, seq, item)
  * Pops up to n items (fewer once CHUNK_BYTES are buffered); ``item`` is the one handed
- * back to Python (None when it stopped without one).
+ * back to Python (None when it stopped without one; True when it counted the iteration that
+ * completes the statistics' interval, for Python to add the interval's event and call again).
  */
 static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
     PyObject *popleft;
@@ -919,6 +929,7 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
                           &stats))
         return NULL;
     memset(&c.st, 0, sizeof c.st);
+    c.interval_done = 0;
     if (c.mode == 1) {
         /* (phase_fields, phase_sum, phase_count, metric_sum, metric_count, metric_last, buckets, inv_log) */
         if (!PyArg_ParseTuple(stats, "O!O!O!O!O!O!O!d", &PyDict_Type, &c.st.phase_fields, &PyDict_Type,
@@ -943,10 +954,16 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
             rc = do_span(e, item, &c);
         if (rc == RC_OK) {
             Py_DECREF(item);
+            if (c.interval_done) {
+                /* Python emits the interval's event now, then calls again for the rest of the chunk. */
+                back = Py_NewRef(Py_True);
+                break;
+            }
             /* The GIL is held throughout: a chunk of huge records ends early, the rest waits for the next. */
             if (e->buf.len > CHUNK_BYTES) break;
             continue;
         }
+        c.interval_done = 0; /* an item handed back changed nothing */
         PyErr_Clear(); /* -1 (no memory): Python converts it */
         back = item;
         break;

@@ -662,6 +662,10 @@ class Pipeline:
                 self.native = None
                 break
             left -= taken
+            # True: the encoder counted an interval's last iteration and stopped for its event.
+            more = item is not None
+            if item is True:
+                item = None
             out: list[tuple[int, dict[str, Any]]] = []
             if stats is not None:
                 counted = encoder.take_iterations()
@@ -675,7 +679,7 @@ class Pipeline:
                 self._convert(queue, out, 1)
             if out:
                 self._encode_python(out, native, dicts)
-            if item is None:
+            if not more:
                 break  # the queue is empty, or the chunk's bytes are many: the rest in the next chunk
         data, count, first, last = encoder.take()
         wrote = False

@@ -369,9 +369,11 @@ class IterationStats:
     def absorb(self, batch: tuple[Any, ...], out: Out) -> None:
         """Iterations the native encoder counted (``_encode.Encoder.take_iterations``), as ``_iteration`` would.
 
-        Each was a completed step with plain values and no per-step samples, tokens or FLOPs,
-        none the last of an interval (that one comes through ``span_ended``). The encoder
-        already added their metrics and histogram buckets (``native_state``).
+        Each was a completed step with plain values and no per-step samples, tokens or FLOPs.
+        The last may complete the interval (when its record was already written whole; one
+        whose start alone is written comes through ``span_ended``, its event going before its
+        end record): its event is added here. The encoder already added their metrics and
+        histogram buckets (``native_state``).
         """
         n, total, low, high, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident = batch
         if self._interval_start is None:
