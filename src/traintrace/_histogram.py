@@ -53,19 +53,27 @@ class LogHistogram:
         """Nearest-rank quantiles (0 < q <= 1) in ``qs`` order: the value ranked ``ceil(q * count)``."""
         if not self.count:
             return [math.nan for _ in qs]
-        order = sorted(range(len(qs)), key=lambda i: qs[i])
+        count = self.count
+        buckets = self._buckets
+        keys = sorted(buckets)
+        last = len(keys) - 1
+        low, high, gamma = self.min, self.max, self.gamma
+        ceil = math.ceil
         out = [0.0] * len(qs)
-        keys = sorted(self._buckets)
         seen = 0
         index = 0
-        for position in order:
-            rank = max(math.ceil(qs[position] * self.count) - 1, 0)
-            while index < len(keys) and seen + self._buckets[keys[index]] <= rank:
-                seen += self._buckets[keys[index]]
+        for position in sorted(range(len(qs)), key=qs.__getitem__):
+            rank = max(ceil(qs[position] * count) - 1, 0)
+            # Walk up to the bucket that holds the value of this rank (ranks grow with q).
+            while index <= last:
+                here = buckets[keys[index]]
+                if seen + here > rank:
+                    break
+                seen += here
                 index += 1
-            key = keys[min(index, len(keys) - 1)]
-            value = 0.0 if key == -(1 << 30) else self.gamma ** (key + 0.5)
-            out[position] = min(max(value, self.min), self.max)
+            key = keys[min(index, last)]
+            value = 0.0 if key == -(1 << 30) else gamma ** (key + 0.5)
+            out[position] = min(max(value, low), high)
         return out
 
     def clear(self) -> None:

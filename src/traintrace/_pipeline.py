@@ -218,6 +218,8 @@ class Pipeline:
         self._close_abandoned = 0
         #: The native encoder when the extension is there and a file backend is the main consumer.
         self.native: NativeWriter | None = self._native_writer()
+        #: Set while the statistics absorb the encoder's iterations: events they add are encoded in C.
+        self._direct: NativeWriter | None = None
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
@@ -670,10 +672,14 @@ class Pipeline:
             if stats is not None:
                 counted = encoder.take_iterations()
                 if counted is not None:
+                    # The interval's event goes straight into the encoder's buffer (see emit_event).
+                    self._direct = native
                     try:
                         stats.absorb(counted, out)
                     except Exception:
                         log.exception("traintrace: span observer failed")
+                    finally:
+                        self._direct = None
             if item is not None:
                 queue.appendleft(item)
                 self._convert(queue, out, 1)
@@ -802,6 +808,16 @@ class Pipeline:
         level: int,
     ) -> None:
         """Add an event made on the writer thread (writer thread only)."""
+        direct = self._direct
+        if direct is not None and not out:
+            # Nothing is waiting in ``out`` ahead of it: the native encoder writes the event's line now,
+            # the same line as the Python path's; it hands back anything unusual, done below as usual.
+            item = (EVENT, name, attrs, span_id, ident, mono, level)
+            wall0 = self._anchor_wall - self._anchor_mono
+            _, seq, back = direct.encoder.convert(iter((item,)).__next__, 1, wall0, self._seq, 0, _NO_INTERVAL, False)
+            if back is None:
+                self._seq = seq
+                return
         tid = self._threads.get(ident) or self._thread_id(ident, out)
         record = self._record(RecordKind.EVENT, mono)
         record["name"] = _name(name)
