@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from itertools import accumulate
 
 
 class LogHistogram:
@@ -56,22 +58,15 @@ class LogHistogram:
         count = self.count
         buckets = self._buckets
         keys = sorted(buckets)
+        # cumulative[i]: values in the buckets up to keys[i]; a rank's bucket is the first that exceeds it.
+        cumulative = list(accumulate(map(buckets.__getitem__, keys)))
         last = len(keys) - 1
         low, high, gamma = self.min, self.max, self.gamma
         ceil = math.ceil
         out = [0.0] * len(qs)
-        seen = 0
-        index = 0
-        for position in sorted(range(len(qs)), key=qs.__getitem__):
-            rank = max(ceil(qs[position] * count) - 1, 0)
-            # Walk up to the bucket that holds the value of this rank (ranks grow with q).
-            while index <= last:
-                here = buckets[keys[index]]
-                if seen + here > rank:
-                    break
-                seen += here
-                index += 1
-            key = keys[min(index, last)]
+        for position, q in enumerate(qs):
+            rank = max(ceil(q * count) - 1, 0)
+            key = keys[min(bisect_right(cumulative, rank), last)]
             value = 0.0 if key == -(1 << 30) else gamma ** (key + 0.5)
             out[position] = min(max(value, low), high)
         return out
