@@ -235,7 +235,10 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
 #define TYPE_CACHE 4
 /* convert() stops once this much is buffered (the training thread waits for the GIL meanwhile). */
 #define CHUNK_BYTES (1 << 20)
-#define HBINS 8
+/* Histogram buckets counted in C between flushes to the Python dict: an open-addressing table
+   (a power of two), flushed once it is HBINS_FULL full or the interval ends. */
+#define HBINS 256
+#define HBINS_FULL 192
 
 typedef struct {
     PyTypeObject *type;    /* strong reference */
@@ -267,9 +270,9 @@ typedef struct {
     int next_map;
     /* histogram buckets counted since the last hist_flush, for the dict hbuckets */
     PyObject *hbuckets;
-    int hn;
-    long long hkey[HBINS];
-    long long hcount[HBINS];
+    int hn;                  /* slots in use */
+    long long hkey[HBINS];   /* a slot's bucket key, valid where its count is not 0 */
+    long long hcount[HBINS]; /* 0: the slot is free */
 } Encoder;
 
 static void clear_batch(Encoder *e) {
@@ -306,6 +309,7 @@ static int Encoder_clear(Encoder *e) {
     Py_CLEAR(e->reserved);
     Py_CLEAR(e->hbuckets);
     e->hn = 0;
+    memset(e->hcount, 0, sizeof e->hcount);
     clear_batch(e);
     for (int i = 0; i < TYPE_CACHE; i++) Py_CLEAR(e->maps[i].type);
     return 0;
@@ -521,12 +525,17 @@ static PyObject *ZERO_F, *ZERO_I, *ONE;
 /* Add the bucket counts kept in C to the histogram's dict. */
 static int hist_flush(Encoder *e) {
     int rc = 0;
-    for (int i = 0; i < e->hn && rc == 0; i++) {
-        PyObject *key = PyLong_FromLongLong(e->hkey[i]);
-        PyObject *count = PyLong_FromLongLong(e->hcount[i]);
-        rc = (key && count) ? add_to(e->hbuckets, key, count, ZERO_I) : -1;
-        Py_XDECREF(key);
-        Py_XDECREF(count);
+    for (int i = 0; i < HBINS && e->hn; i++) {
+        if (e->hcount[i] == 0) continue;
+        if (rc == 0) {
+            PyObject *key = PyLong_FromLongLong(e->hkey[i]);
+            PyObject *count = PyLong_FromLongLong(e->hcount[i]);
+            rc = (key && count) ? add_to(e->hbuckets, key, count, ZERO_I) : -1;
+            Py_XDECREF(key);
+            Py_XDECREF(count);
+        }
+        e->hcount[i] = 0; /* after a failure too: the table is left empty */
+        e->hn--;
     }
     e->hn = 0;
     Py_CLEAR(e->hbuckets);
@@ -561,20 +570,15 @@ static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attr
     }
     /* LogHistogram.add_many's bucket, for this duration (counted here, added to the dict in hist_flush) */
     long long key = dur > 0 ? (long long)floor(log((double)dur) * st->inv_log) : -(1LL << 30);
-    if (e->hbuckets != st->buckets) {
+    if (e->hbuckets != st->buckets || e->hn >= HBINS_FULL) {
         if (hist_flush(e) < 0) return -1;
         e->hbuckets = Py_NewRef(st->buckets);
     }
-    int bin = 0;
-    while (bin < e->hn && e->hkey[bin] != key) bin++;
-    if (bin == HBINS) {
-        if (hist_flush(e) < 0) return -1;
-        e->hbuckets = Py_NewRef(st->buckets);
-        bin = 0;
-    }
-    if (bin == e->hn) {
+    /* hn < HBINS_FULL < HBINS: probing finds the key's slot or a free one */
+    unsigned bin = (unsigned)(((unsigned long long)key * 0x9E3779B97F4A7C15ULL) >> 56) & (HBINS - 1);
+    while (e->hcount[bin] != 0 && e->hkey[bin] != key) bin = (bin + 1) & (HBINS - 1);
+    if (e->hcount[bin] == 0) {
         e->hkey[bin] = key;
-        e->hcount[bin] = 0;
         e->hn++;
     }
     e->hcount[bin]++;

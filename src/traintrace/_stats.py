@@ -455,11 +455,13 @@ class IterationStats:
         if info.get("num_iterations") is not None:
             attrs["num_iterations"] = info["num_iterations"]
 
-        self._release_held(out, cpu_only=cpu_only)
+        if self._held or self._tensors:
+            self._release_held(out, cpu_only=cpu_only)
         if steps:
             seconds = 1e-9
-            self._hist.add_many(self._durations)
-            self._durations.clear()
+            if self._durations:
+                self._hist.add_many(self._durations)
+                self._durations.clear()
             attrs["average_iteration_time"] = self._sum / steps * seconds
             attrs["iteration_time_min"] = self._hist.min * seconds
             attrs["iteration_time_max"] = self._hist.max * seconds
