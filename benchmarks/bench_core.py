@@ -259,32 +259,36 @@ def core_name() -> str:
     return "native" if getattr(_pipeline, "_native", None) is not None else "pure"
 
 
-def sustained(folder: Path, total: int) -> list[Row]:
+def sustained(folder: Path, total: int, repeats: int = 3) -> list[Row]:
     """Iteration spans to disk as fast as the loop makes them, statistics off and on (default settings).
 
     Blocking mode: nothing is dropped, so spans/s is what the writer keeps up with.
     Also the CPU per span of the whole process (training thread, writer, close) and
     of the writer thread alone (measured up to the last flush, before close).
+    Off and on alternate ``repeats`` times; each row is the repeat with the best throughput
+    (a shared machine only ever slows a run down).
     """
-    rows: list[Row] = []
+    best: dict[bool, Row] = {}
     core = core_name()
-    for statistics in (False, True):
-        job = f"throughput-{statistics}-{core}"
-        tt.configure(job_id=job, log_dir=str(folder), backends={"log": False}, blocking=True, statistics=statistics)
-        writer0 = writer_cpu_s()
-        cpu0 = process_cpu_s()
-        started = time.perf_counter_ns()
-        with tt.training_loop():
-            traintrace_loop(total)
-        tt.flush(120)
-        writer1 = writer_cpu_s()
-        recorder = tt.get_recorder()
-        tt.close()
-        elapsed = (time.perf_counter_ns() - started) / 1e9
-        cpu = process_cpu_s() - cpu0
-        size = (folder / job / "rank0.jsonl").stat().st_size
-        rows.append(
-            {
+    for repeat in range(repeats):
+        for statistics in (False, True):
+            job = f"throughput-{statistics}-{core}-{repeat}"
+            tt.configure(
+                job_id=job, log_dir=str(folder), backends={"log": False}, blocking=True, statistics=statistics
+            )
+            writer0 = writer_cpu_s()
+            cpu0 = process_cpu_s()
+            started = time.perf_counter_ns()
+            with tt.training_loop():
+                traintrace_loop(total)
+            tt.flush(120)
+            writer1 = writer_cpu_s()
+            recorder = tt.get_recorder()
+            tt.close()
+            elapsed = (time.perf_counter_ns() - started) / 1e9
+            cpu = process_cpu_s() - cpu0
+            size = (folder / job / "rank0.jsonl").stat().st_size
+            row = {
                 "case": f"sustained: iteration spans to disk, blocking, incl. writer and close, statistics "
                 f"{'on' if statistics else 'off'} ({core} core)",
                 "spans_per_s": total / elapsed,
@@ -294,9 +298,11 @@ def sustained(folder: Path, total: int) -> list[Row]:
                 "bytes": size,
                 "core": core,
                 "statistics": statistics,
+                "repeats": repeats,
             }
-        )
-    return rows
+            if statistics not in best or row["spans_per_s"] > best[statistics]["spans_per_s"]:
+                best[statistics] = row
+    return [best[False], best[True]]
 
 
 def sustained_pure(total: int) -> list[Row]:
