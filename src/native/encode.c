@@ -35,6 +35,7 @@
 #define MAX_KEY 256
 #define MAX_ITEMS 256
 #define MAX_STRING 4096
+#define MAX_NODES 4096 /* _sanitize.MAX_NODES */
 
 enum { F_NAME, F_ATTRS, F_LEVEL, F_LINK, F_PARENT, F_ID, F_TID, F_T0, F_T1, F_STATUS, F_WRITTEN, F_METRICS, NF };
 static const char *field_names[NF] = {"name", "attrs",  "level",  "link",    "parent",  "id",
@@ -173,8 +174,27 @@ static int put_float(Buf *b, double v, int style) {
  * redactor names (``cache``: Redactor._cache, keys known not secret map to
  * False; NULL: no redaction). Anything else is left to Python.
  */
-static int attrs_plain(PyObject *d, PyObject *cache) {
+/* A scalar value the encoder writes as the Python path would (clean_attrs leaves it as it is). */
+static int value_plain(PyObject *v) {
+    if (PyFloat_CheckExact(v)) return isfinite(PyFloat_AS_DOUBLE(v)) ? RC_OK : RC_YIELD;
+    if (PyLong_CheckExact(v)) {
+        int overflow = 0;
+        PyLong_AsLongLongAndOverflow(v, &overflow);
+        return overflow ? RC_YIELD : RC_OK;
+    }
+    if (PyUnicode_CheckExact(v)) return PyUnicode_GET_LENGTH(v) > MAX_STRING ? RC_YIELD : RC_OK;
+    return (v == Py_None || v == Py_True || v == Py_False) ? RC_OK : RC_YIELD;
+}
+
+/*
+ * RC_OK for a dict of string keys (short, judged harmless when redacting) to plain values, or
+ * (at the top level only) to dicts of the same: a lifecycle event's ``data``. Its nodes stay far
+ * below the sanitizer's MAX_NODES (257 * MAX_ITEMS could not), so nothing is cut.
+ */
+static int attrs_plain_at(PyObject *d, PyObject *cache, int nested, Py_ssize_t *nodes) {
     if (!PyDict_CheckExact(d) || PyDict_GET_SIZE(d) > MAX_ITEMS) return RC_YIELD;
+    *nodes += PyDict_GET_SIZE(d);
+    if (*nodes > MAX_NODES) return RC_YIELD;
     Py_ssize_t pos = 0;
     PyObject *k, *v;
     while (PyDict_Next(d, &pos, &k, &v)) {
@@ -186,19 +206,15 @@ static int attrs_plain(PyObject *d, PyObject *cache) {
                 return RC_YIELD;
             }
         }
-        if (PyFloat_CheckExact(v)) {
-            if (!isfinite(PyFloat_AS_DOUBLE(v))) return RC_YIELD;
-        } else if (PyLong_CheckExact(v)) {
-            int overflow = 0;
-            PyLong_AsLongLongAndOverflow(v, &overflow);
-            if (overflow) return RC_YIELD;
-        } else if (PyUnicode_CheckExact(v)) {
-            if (PyUnicode_GET_LENGTH(v) > MAX_STRING) return RC_YIELD;
-        } else if (v != Py_None && v != Py_True && v != Py_False) {
-            return RC_YIELD;
-        }
+        if (value_plain(v) == RC_OK) continue;
+        if (nested || !PyDict_CheckExact(v) || attrs_plain_at(v, cache, 1, nodes) != RC_OK) return RC_YIELD;
     }
     return RC_OK;
+}
+
+static int attrs_plain(PyObject *d, PyObject *cache) {
+    Py_ssize_t nodes = 0;
+    return attrs_plain_at(d, cache, 0, &nodes);
 }
 
 /* Only after attrs_plain() said RC_OK; still RC_YIELD for strings that are not UTF-8. */
@@ -222,6 +238,8 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
             rc = PUT_LIT(b, "true");
         } else if (v == Py_False) {
             rc = PUT_LIT(b, "false");
+        } else if (PyDict_CheckExact(v)) {
+            rc = put_attrs(b, v, style); /* one level, checked by attrs_plain */
         } else {
             rc = PUT_LIT(b, "null");
         }

@@ -143,13 +143,39 @@ def _link_id(link: object) -> int:
         return 0
 
 
+def _plain_value(value: Any) -> bool:
+    """A scalar that the sanitizer would leave as it is."""
+    kind = type(value)
+    if kind is float:
+        return not (value != value or value in _INFINITIES)  # noqa: PLR0124 - the NaN test
+    if kind is int:
+        return -MAX_INT < value < MAX_INT
+    if kind is str:
+        return len(value) <= 4096
+    return kind in _SAFE_VALUE_TYPES
+
+
+def _inner_state(inner: dict[Any, Any], known: dict[str, bool] | None) -> int:
+    """A nested dict (a lifecycle event's ``data``): 0 if the sanitizer would change it, else
+    1, or 2 when one of its keys still needs the redactor's judgement."""
+    state = 1
+    for key, value in inner.items():
+        if type(key) is not str or len(key) > 256 or not _plain_value(value):
+            return 0
+        if known is not None and known.get(key) is not False:
+            state = 2
+    return state
+
+
 def clean_attrs(attrs: Mapping[str, Any], redactor: Redactor | None = None) -> dict[str, Any]:
-    """``attrs`` as JSON-safe data, secrets redacted; the common case (str keys, plain numbers)
-    passes as is (with only its top-level keys to check)."""
+    """``attrs`` as JSON-safe data, secrets redacted; the common case (str keys, plain numbers,
+    dicts of those one level down) passes as is (nested dicts copied), with only its keys to check."""
     if type(attrs) is dict and len(attrs) <= 256:
         # Keys the redactor already judged harmless (its cache) need no second pass.
         known = redactor.judged if redactor else None
         unjudged = False
+        nodes = len(attrs)
+        nested = False
         for key, value in attrs.items():
             kind = type(value)
             if type(key) is not str or len(key) > 256:
@@ -165,9 +191,18 @@ def clean_attrs(attrs: Mapping[str, Any], redactor: Redactor | None = None) -> d
             elif kind is str:
                 if len(value) > 4096:
                     break
+            elif kind is dict:
+                nodes += len(value)
+                state = _inner_state(value, known) if len(value) <= 256 and nodes <= 4096 else 0
+                if not state:
+                    break
+                unjudged = unjudged or state == 2
+                nested = True
             elif kind not in _SAFE_VALUE_TYPES:
                 break
         else:
+            if nested:  # the record must not change with the caller's dict
+                attrs = {k: dict(v) if type(v) is dict else v for k, v in attrs.items()}
             return redactor.apply(attrs) if unjudged and redactor else attrs
     return convert_mapping(attrs, redactor.secret if redactor else None)
 
