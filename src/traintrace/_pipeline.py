@@ -149,7 +149,7 @@ def _plain_value(value: Any) -> bool:
     if kind is float:
         return not (value != value or value in _INFINITIES)  # noqa: PLR0124 - the NaN test
     if kind is int:
-        return -MAX_INT < value < MAX_INT
+        return bool(-MAX_INT < value < MAX_INT)
     if kind is str:
         return len(value) <= 4096
     return kind in _SAFE_VALUE_TYPES
