@@ -83,3 +83,37 @@ def test_only_errors_on_other_ranks(tmp_path: Path, captured: list[logging.LogRe
     tt.close()
     kinds = [parse_line(r.getMessage())["kind"] for r in captured]
     assert "error" in kinds and "span" not in kinds
+
+
+def test_lifecycle_events_follow_the_loggers_level(tmp_path: Path) -> None:
+    """While the log's logger skips INFO, events go to the file alone (the native encoder
+    writes them); once it is enabled they are logged too, and the file has every event."""
+    from traintrace import events
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("traintrace.records")
+    handler = Keep()
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        tt.configure(job_id="ev", log_dir=str(tmp_path))
+        events.record(events.EventType.WORKER_EXIT, worker_id=0, exit_code=0, data={"epoch": 1, "loss": 0.5})
+        tt.flush()
+        assert not [r for r in records if "worker_exit" in r.getMessage()]
+        logger.setLevel(logging.INFO)
+        events.record(events.EventType.WORKER_EXIT, worker_id=1, exit_code=0, data={"epoch": 2, "loss": 0.25})
+        tt.flush()
+        tt.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    logged = [parse_line(r.getMessage()) for r in records if "worker_exit" in r.getMessage()]
+    assert [line["worker_id"] for line in logged] == ["1"]
+    written = [json.loads(line) for line in (tmp_path / "ev" / "rank0.jsonl").read_text().splitlines()]
+    exits = [r["attrs"] for r in written if r.get("name") == "worker_exit"]
+    assert [(a["worker_id"], a["data"]) for a in exits] == [(0, {"epoch": 1, "loss": 0.5}), (1, {"epoch": 2, "loss": 0.25})]

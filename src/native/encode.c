@@ -1041,7 +1041,16 @@ static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
     return out;
 }
 
+/* set_dict_level(level): records at this level or below are wanted as dicts (handed back to Python). */
+static PyObject *Encoder_set_dict_level(Encoder *e, PyObject *arg) {
+    long level = PyLong_AsLong(arg);
+    if (level == -1 && PyErr_Occurred()) return NULL;
+    e->dict_level = level;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Encoder_methods[] = {
+    {"set_dict_level", (PyCFunction)Encoder_set_dict_level, METH_O, "The level up to which records go to Python."},
     {"convert", (PyCFunction)Encoder_convert, METH_VARARGS, "Convert queued items into JSON lines."},
     {"take", (PyCFunction)Encoder_take, METH_NOARGS, "The buffered lines, and empty the buffer."},
     {"extend", (PyCFunction)Encoder_extend, METH_VARARGS, "Add lines encoded in Python."},

@@ -60,6 +60,8 @@ class NativeWriter:
     encoder: Any
     route: Route
     others: list[Route]
+    #: The level up to which the encoder hands records back now (see ``Pipeline._dict_level``).
+    dict_level: int = -1
 
     @property
     def level(self) -> int:
@@ -655,7 +657,7 @@ class Pipeline:
         encoder = _native.Encoder(
             self._threads, self._open, cache, PYTHON_NAMES, RESERVED, files[0].level, dict_level, style
         )
-        return NativeWriter(encoder, files[0], others)
+        return NativeWriter(encoder, files[0], others, dict_level)
 
     def _convert_native(self, queue: deque[Any], native: NativeWriter) -> bool:
         """Convert a chunk with the native encoder; True if anything was written.
@@ -671,6 +673,11 @@ class Pipeline:
                 self._deliver(batch)
             return bool(batch)
         encoder = native.encoder
+        if native.others:
+            level = self._dict_level(native.others)
+            if level != native.dict_level:
+                encoder.set_dict_level(level)
+                native.dict_level = level
         observers = self.observers
         stats = None
         mode = 0
@@ -734,6 +741,26 @@ class Pipeline:
             wrote = True
             self._deliver(dicts, native.others)
         return wrote
+
+    @staticmethod
+    def _dict_level(others: list[Route]) -> int:
+        """The level up to which the routes besides the file want records as dicts now.
+
+        The log backend logs the records the encoder writes (spans, events) at INFO and
+        skips them while its logger is not enabled for INFO (the default): then it does
+        not need them, and the encoder writes them itself. Errors still go through Python.
+        """
+        from .backends._log import LogBackend
+
+        return max(
+            (
+                route.level
+                for route in others
+                if type(route.backend) is not LogBackend
+                or route.backend.logger.isEnabledFor(logging.INFO)
+            ),
+            default=-1,
+        )
 
     def _encode_python(
         self, out: list[tuple[int, dict[str, Any]]], native: NativeWriter, dicts: list[tuple[int, dict[str, Any]]]
