@@ -116,4 +116,5 @@ def test_lifecycle_events_follow_the_loggers_level(tmp_path: Path) -> None:
     assert [line["worker_id"] for line in logged] == ["1"]
     written = [json.loads(line) for line in (tmp_path / "ev" / "rank0.jsonl").read_text().splitlines()]
     exits = [r["attrs"] for r in written if r.get("name") == "worker_exit"]
-    assert [(a["worker_id"], a["data"]) for a in exits] == [(0, {"epoch": 1, "loss": 0.5}), (1, {"epoch": 2, "loss": 0.25})]
+    expected = [(0, {"epoch": 1, "loss": 0.5}), (1, {"epoch": 2, "loss": 0.25})]
+    assert [(a["worker_id"], a["data"]) for a in exits] == expected
