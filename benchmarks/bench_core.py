@@ -273,9 +273,7 @@ def sustained(folder: Path, total: int, repeats: int = 3) -> list[Row]:
     for repeat in range(repeats):
         for statistics in (False, True):
             job = f"throughput-{statistics}-{core}-{repeat}"
-            tt.configure(
-                job_id=job, log_dir=str(folder), backends={"log": False}, blocking=True, statistics=statistics
-            )
+            tt.configure(job_id=job, log_dir=str(folder), backends={"log": False}, blocking=True, statistics=statistics)
             writer0 = writer_cpu_s()
             cpu0 = process_cpu_s()
             started = time.perf_counter_ns()

@@ -756,8 +756,7 @@ class Pipeline:
             (
                 route.level
                 for route in others
-                if type(route.backend) is not LogBackend
-                or route.backend.logger.isEnabledFor(logging.INFO)
+                if type(route.backend) is not LogBackend or route.backend.logger.isEnabledFor(logging.INFO)
             ),
             default=-1,
         )
