@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -157,3 +159,20 @@ def test_import_is_light() -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(traintrace.__file__).parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() in ("", "orjson")
+
+
+@pytest.mark.subprocess
+def test_submodules_are_attributes_of_the_package_as_before_the_lazy_api() -> None:
+    """``import traintrace`` loads its API on first use; ``traintrace.events`` still works."""
+    script = (
+        "import traintrace as tt, sys\n"
+        "assert 'traintrace._api' not in sys.modules\n"
+        "assert tt.events.record is not None and tt._setup.start_stream is not None\n"
+        "assert tt.span is not None\n"
+        "try:\n"
+        "    tt.no_such_name\n"
+        "except AttributeError:\n"
+        "    print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert result.stdout.strip() == "ok", result.stderr

@@ -163,6 +163,14 @@ _LAZY: dict[str, str] = {
 def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
+        if not name.startswith("__"):
+            # A submodule (``traintrace.events``), reachable as an attribute as before the API
+            # became lazy, when importing the API imported it.
+            try:
+                return _import_module(f"{__name__}.{name}")
+            except ModuleNotFoundError as exc:
+                if exc.name != f"{__name__}.{name}":
+                    raise
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(_import_module(module, __name__), name)
     globals()[name] = value
