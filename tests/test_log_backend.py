@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,9 @@ import traintrace as tt
 from traintrace.logfmt import parse_line
 
 
-@pytest.fixture
-def captured() -> list[logging.LogRecord]:
+@contextlib.contextmanager
+def _keep_log_records(level: int) -> Iterator[list[logging.LogRecord]]:
+    """What the log backend's logger emits at ``level``, collected in a list."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -23,10 +26,18 @@ def captured() -> list[logging.LogRecord]:
     logger = logging.getLogger("traintrace.records")
     handler = Keep()
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(logging.NOTSET)
+    logger.setLevel(level)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+
+
+@pytest.fixture
+def captured() -> Iterator[list[logging.LogRecord]]:
+    with _keep_log_records(logging.INFO) as records:
+        yield records
 
 
 def test_lines_parse_back_with_identity(tmp_path: Path, captured: list[logging.LogRecord]) -> None:
@@ -90,17 +101,8 @@ def test_lifecycle_events_follow_the_loggers_level(tmp_path: Path) -> None:
     writes them); once it is enabled they are logged too, and the file has every event."""
     from traintrace import events
 
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
     logger = logging.getLogger("traintrace.records")
-    handler = Keep()
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING)
-    try:
+    with _keep_log_records(logging.WARNING) as records:
         tt.configure(job_id="ev", log_dir=str(tmp_path))
         events.record(events.EventType.WORKER_EXIT, worker_id=0, exit_code=0, data={"epoch": 1, "loss": 0.5})
         tt.flush()
@@ -109,9 +111,6 @@ def test_lifecycle_events_follow_the_loggers_level(tmp_path: Path) -> None:
         events.record(events.EventType.WORKER_EXIT, worker_id=1, exit_code=0, data={"epoch": 2, "loss": 0.25})
         tt.flush()
         tt.close()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(logging.NOTSET)
     logged = [parse_line(r.getMessage()) for r in records if "worker_exit" in r.getMessage()]
     assert [line["worker_id"] for line in logged] == ["1"]
     written = [json.loads(line) for line in (tmp_path / "ev" / "rank0.jsonl").read_text().splitlines()]
