@@ -332,3 +332,14 @@ def test_missing_duckdb_names_the_extra(tmp_path: Path) -> None:
     )
     assert result.returncode == EXIT_MISSING_EXTRA
     assert "pip install 'traintrace[analysis]'" in result.stderr
+
+
+def test_ranks_names_a_single_straggler_as_a_rank_not_a_count() -> None:
+    """One straggler, rank 0: the line must not read "stragglers: 0" (no stragglers?)."""
+    from traintrace.cli._render import render_ranks
+
+    ranks = [{"rank": 0, "steps": 3, "median_s": 0.03, "p90_s": 0.03, "p99_s": 0.03, "score": 0.5}]
+    one = {"job_median_s": 0.07, "threshold": 1.1, "ranks": ranks, "top": [0], "stragglers": [0], "notes": []}
+    assert "straggler: rank 0" in render_ranks(one)
+    two = {**one, "stragglers": [0, 13]}
+    assert "stragglers: ranks 0, 13" in render_ranks(two)

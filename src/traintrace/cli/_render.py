@@ -173,7 +173,10 @@ def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
         f"(outside collectives, data loading, checkpoint saves) is >= {r['threshold']} x the other ranks' median"
     ]
     if r["stragglers"]:
-        out.append("stragglers: " + ", ".join(str(x) for x in r["stragglers"]))
+        # "straggler: rank 0", not "stragglers: 0" (which reads as a count).
+        ranks = r["stragglers"]
+        listed = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        out.append(("straggler: " if len(ranks) == 1 else "stragglers: ") + listed)
     else:
         out.append("no stragglers")
     out.append("")
