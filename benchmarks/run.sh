@@ -11,4 +11,8 @@ fi
 "$VENV/bin/python" -m pip install -q aidot-training-telemetry==1.1.2 orjson -e "$ROOT" >&2
 script=${1:-bench_core.py}
 shift || true
+if [ "$script" = bench_mlp.py ]; then
+    # A real training step: torch pinned, as everywhere (an unpinned torch pulls a CUDA build).
+    "$VENV/bin/python" -m pip install -q "${TRAINTRACE_TORCH_PIN:-torch==2.13.0}" >&2
+fi
 exec "$VENV/bin/python" "$ROOT/benchmarks/$script" "$@"
