@@ -26,6 +26,8 @@ class Script:
     step_s: float = 0.1
     straggler: int | None = 2
     straggler_factor: float = 1.5
+    straggler_from: int = 0  # the straggler's steps before this one take step_s
+    extra_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (rank, step): seconds added (noise)
     init_s: float = 1.0
     checkpoint_every: int = 10
     save_s: float = 0.5
@@ -40,6 +42,11 @@ class Script:
     def step_dur(self, rank: int) -> int:
         factor = self.straggler_factor if rank == self.straggler else 1.0
         return round(self.step_s * factor * S)
+
+    def step_dur_at(self, rank: int, step: int) -> int:
+        """One step's duration; ``expected`` assumes ``step_dur`` (no ``straggler_from`` or ``extra_s``)."""
+        d = self.step_dur(rank) if step >= self.straggler_from else round(self.step_s * S)
+        return d + round(self.extra_s.get((rank, step), 0.0) * S)
 
 
 def _line(record: dict[str, Any]) -> str:
@@ -110,6 +117,7 @@ def _attempt(  # noqa: PLR0917
     rec("start", now, name="training_loop", id=loop, parent=1, tid=tid)
     failed = False
     for step in range(first, last):
+        d = script.step_dur_at(rank, step)
         name = script.name_prefix + "iteration" if script.name_prefix else "iteration"
         if restart == 0 and step == script.fail_step:
             if rank == script.fail_rank:

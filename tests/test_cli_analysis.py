@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,25 @@ def test_ranks_finds_the_straggler_and_its_score(tmp_path: Path) -> None:
     assert by_rank[1]["score"] == pytest.approx(1.5)
     assert by_rank[0]["score"] == pytest.approx(1.0)
     assert by_rank[1]["slow_since_window"] == 0
+
+
+@pytest.mark.parametrize("noisy", [(), (6, 7), (5, 7), (2, 6, 7)])
+def test_ranks_onset_is_not_pulled_earlier_by_noisy_steps_before_it(tmp_path: Path, noisy: tuple[int, ...]) -> None:
+    """Rank 1 is 40 ms slower from step 8; a few of its earlier steps are 4-5 ms slow by noise (enough for the
+    ratio and floor tests, as on CI's busy 2-core machine): the onset is still step 8."""
+    extra = {(1, step): 0.004 + 0.0005 * i for i, step in enumerate(noisy)}
+    script = Script(
+        ranks=3, steps=30, step_s=0.03, fail_rank=None, fail_step=None, straggler=1, extra_s=extra,
+        straggler_from=8, straggler_factor=70 / 30,
+    )  # fmt: skip
+    write_job(tmp_path / "job", script)
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [1]
+    slow = next(x for x in r["ranks"] if x["rank"] == 1)
+    assert slow["slow_in"] == "compute"
+    assert slow["slow_since_step"] == 8
+    step8 = next(json.loads(line) for line in script.files[1].read_text().splitlines() if '"step":8' in line)
+    assert slow["slow_since_ns"] == step8["ts"]
 
 
 def test_errors_names_the_first_error_and_what_each_rank_was_doing(tmp_path: Path) -> None:

@@ -450,12 +450,27 @@ def _step_parts(job: Job) -> None:
     )
 
 
+def _change_point(flags: list[bool]) -> int | None:
+    """The index that classifies the most flags right (fast before it, slow from it on; the earliest of equals),
+    or None when fewer than ``ONSET_SHARE`` of the flags from it on are slow."""
+    n = len(flags)
+    best, best_at, right = -1, 0, sum(flags)  # right: flags classified right with the change at i (all slow)
+    for i in range(n):
+        if right > best:
+            best, best_at = right, i
+        right += 1 if not flags[i] else -1  # flag i moves to the fast side
+    if not n or sum(flags[best_at:]) < ONSET_SHARE * (n - best_at):
+        return None
+    return best_at
+
+
 def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> dict[str, Any]:
     """From which step (and when) ``part`` became slow on ``rank`` (docs/analysis.md, "ranks").
 
     Each step is slow when its value is ``threshold`` times the other ranks' median for the same step and
     exceeds it by ``floor`` seconds. The onset is the change point that classifies the most steps right
-    (fast before it, slow from it on), so a few noisy steps on either side do not move it.
+    (fast before it, slow from it on), so a few noisy steps on either side do not move it; then once more
+    with steps counted slow only above the halfway mark between the excess before and after that point.
     """
     table, value = {"compute": ("step_parts", "comp"), "data_loading": ("loading_parts", "dur")}.get(part, (None, None))
     if table is None:
@@ -470,22 +485,28 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
         """,
         {"r": rank},
     )
+    if not rows:
+        return {}
     floor_ns = floor * NS
+    excess = [None if mine is None or not ref else float(mine - ref) for _, _, mine, ref, _, _ in rows]
     flags = [
         bool(mine is not None and ref and mine / ref >= threshold and mine - ref >= floor_ns)
         for _, _, mine, ref, _, _ in rows
     ]
-    n = len(flags)
-    if not n:
+    at = _change_point(flags)
+    if at is None:
         return {}
-    best, best_at, right = -1, 0, sum(flags)  # right: steps classified right with the change at i (all slow)
-    for i in range(n):
-        if right > best:
-            best, best_at = right, i
-        right += 1 if not flags[i] else -1  # step i moves to the fast side
-    if sum(flags[best_at:]) < ONSET_SHARE * (n - best_at):
-        return {}
-    restart, k, _, _, ts, step = rows[best_at]
+    # A second look with the bar halfway between the levels before and after that change: on a busy machine
+    # single steps pass the ratio and floor tests by noise, and a few of them just before the onset would
+    # otherwise pull it earlier; a real slow-down is far above the halfway bar.
+    before = [e for e in excess[:at] if e is not None]
+    after = [e for e in excess[at:] if e is not None]
+    bar = max(floor_ns, (_median(before) + _median(after)) / 2 if before else 0.0)
+    refined = [flag and e is not None and e >= bar for flag, e in zip(flags, excess, strict=True)]
+    second = _change_point(refined)
+    if second is not None:
+        at = second
+    restart, k, _, _, ts, step = rows[at]
     start = job_bounds(job)[0]
     return {
         "slow_since_step": int(step) if step is not None else int(k) - 1,
