@@ -236,10 +236,9 @@ def _busy(seconds: float) -> subprocess.Popen[bytes]:
 def _run_child(mode: str, seconds: float, rate: int, wait: str) -> dict[str, Any] | None:
     env = {**os.environ, "TRAINTRACE_PURE": "1" if mode == "pure" else "0"}
     with tempfile.TemporaryDirectory(prefix="traintrace-stalls-") as folder:
-        command = [sys.executable, __file__, "--child", mode, "--seconds", str(seconds), "--rate", str(rate), "--wait", wait]
-        result = subprocess.run(
-            [*command, "--folder", folder], capture_output=True, text=True, env=env, check=False
-        )
+        command = [sys.executable, __file__, "--child", mode, "--seconds", str(seconds), "--rate", str(rate)]
+        command += ["--wait", wait]
+        result = subprocess.run([*command, "--folder", folder], capture_output=True, text=True, env=env, check=False)
     if result.returncode != 0:
         if mode == "reference" and "training_telemetry" in result.stderr:
             return None
@@ -263,7 +262,8 @@ def print_rows(rows: list[dict[str, Any]], seconds: float, rate: int, wait: str)
         f"load {os.getloadavg()[0]:.1f}, cpus {os.cpu_count()}"
     )
     head = f"{'mode':<34} {'spans':>8} {'spans/s':>8} {'dropped':>8} {'p50 µs':>7} {'p99 µs':>7}"
-    print(f"{head} {'p99.9 µs':>9} {'max ms':>7} {'>1 ms':>6} {'>5 ms':>6} {'blocked>1ms':>11} {'max':>6} {'preempted>1ms':>13}")
+    head += f" {'p99.9 µs':>9} {'max ms':>7} {'>1 ms':>6} {'>5 ms':>6}"
+    print(f"{head} {'blocked>1ms':>11} {'max':>6} {'preempted>1ms':>13}")
     floor = next((r for r in rows if r["mode"] == "none"), None)
     for row in rows:
         dropped = "" if row.get("dropped") is None else f"{row['dropped']:,}"

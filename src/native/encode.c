@@ -25,6 +25,9 @@
 #include <time.h>
 #include <unistd.h>
 #endif
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #define RC_OK 0
 #define RC_YIELD 1
@@ -1134,6 +1137,14 @@ static PyObject *mod_write_pause(PyObject *mod, PyObject *args) {
     int hurry = 0;
     if (!PyArg_ParseTuple(args, "iy*L|p", &fd, &view, &pause_ns, &hurry)) return NULL;
     int64_t *wanted = hurry ? gil_wanted : NULL;
+#ifdef __linux__
+    /* The writer thread's sleeps end on time: 1 µs of timer slack for this thread instead of 50. */
+    static _Thread_local int slack_set = 0;
+    if (!slack_set) {
+        slack_set = 1;
+        (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+    }
+#endif
     Py_ssize_t n;
     int err;
     for (;;) {

@@ -783,12 +783,13 @@ class Pipeline:
         if count:
             wrote = True
             # The slice is over and more is queued: the write lets the training thread in.
-            yielded = (
-                bool(queue) and self._deadline is None and clock() >= slice_end and not dicts and _WRITE_PAUSE
-            )
+            yielded = bool(queue) and self._deadline is None and clock() >= slice_end and not dicts and _WRITE_PAUSE
             write = None
             if yielded:
-                write = self._write_hurrying if len(queue) >= self.capacity // 8 else self._write_yielding
+                # Behind (non-blocking mode, where falling behind drops): the training thread lets the
+                # writer back in at its next span stop. In blocking mode a full queue waits instead.
+                behind = not self.blocking and len(queue) >= self.capacity // 8
+                write = self._write_hurrying if behind else self._write_yielding
             try:
                 native.route.backend.write_lines(data, count, first, last, write)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - as in _deliver
