@@ -23,8 +23,8 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ._engine import (
-    CORE_COLUMNS,
     COLUMNS,
+    CORE_COLUMNS,
     ITERATION,
     RARE_FIELDS,
     RARE_KINDS,
@@ -83,7 +83,12 @@ def spark_session() -> Any:
     )
     if master.startswith("local"):
         # A local job is small: a few shuffle partitions, not Spark's 200.
-        builder = builder.config("spark.sql.shuffle.partitions", str(max(2, (os.cpu_count() or 2))))
+        # Adaptive planning and code generation cost more than they save on the many small statements.
+        builder = (
+            builder.config("spark.sql.shuffle.partitions", str(max(2, (os.cpu_count() or 2))))
+            .config("spark.sql.adaptive.enabled", "false")
+            .config("spark.sql.codegen.wholeStage", "false")
+        )
     try:
         session = builder.getOrCreate()
     except Exception as exc:  # noqa: BLE001 - the JVM did not start: said plainly, no traceback
@@ -104,10 +109,10 @@ def translate(sql: str) -> list[tuple[str, str | None, bool, str]]:
     from sqlglot import exp
 
     out: list[tuple[str, str | None, bool, str]] = []
-    for statement in sqlglot.parse(sql, read="duckdb"):
-        if statement is None:
+    for parsed in sqlglot.parse(sql, read="duckdb"):
+        if parsed is None:
             continue
-        statement = statement.transform(_spark_functions)
+        statement = parsed.transform(_spark_functions)
         if isinstance(statement, exp.Create) and statement.expression is not None:
             kind = str(statement.args.get("kind") or "").upper()
             target = statement.this
@@ -240,7 +245,7 @@ class SparkJob(Job):
     spark: Any = None
 
     @classmethod
-    def open(  # type: ignore[override]
+    def open(
         cls,
         paths: Sequence[str | os.PathLike[str]],
         *,
@@ -354,7 +359,8 @@ class SparkJob(Job):
         con.register(
             "rare",
             self.spark.sql(
-                f"SELECT file, kind, ts, seq, {', '.join(RARE_FIELDS)} FROM _traintrace_base WHERE rare AND NOT coalesce({bad}, false)"
+                f"SELECT file, kind, ts, seq, {', '.join(RARE_FIELDS)} FROM _traintrace_base "
+                f"WHERE rare AND NOT coalesce({bad}, false)"
             ),
             cache=True,
         )
@@ -367,7 +373,7 @@ class SparkJob(Job):
 
     def _read_json(self) -> tuple[Any, list[str]]:
         """The JSON-lines files as a DataFrame with a ``file`` column, and the path of each file number."""
-        from pyspark.sql import functions as F  # noqa: N812 - Spark's convention
+        from pyspark.sql import functions as F
         from pyspark.sql.types import StructField, StructType
 
         types = {k: ("double" if k in _ROUNDED else _SPARK_TYPES[v]) for k, v in COLUMNS.items()}
@@ -388,7 +394,7 @@ class SparkJob(Job):
             self.paths = [Path(uri) for uri in uris]
             number = {uri: i for i, uri in enumerate(uris)}
         else:
-            reads = self._names_to_read_cached
+            reads = self._reads
             by_path = {str(Path(r)): i for i, r in enumerate(reads)}
             number = {}
             for uri in uris:
@@ -399,11 +405,12 @@ class SparkJob(Job):
         frame = frame.join(F.broadcast(mapping), "_path").drop("_path")
         return frame, [f.path for f in self.files]
 
-    _names_to_read_cached: list[str] = []
+    #: The paths Spark was given (``_names_to_read``: links for names with glob characters), by file number.
+    _reads: tuple[str, ...] = ()
 
     def _names_to_read(self) -> list[str]:
-        self._names_to_read_cached = super()._names_to_read()
-        return self._names_to_read_cached
+        self._reads = tuple(super()._names_to_read())
+        return list(self._reads)
 
 
 def _spark_type(name: str) -> Any:
@@ -415,4 +422,3 @@ def _spark_type(name: str) -> Any:
         "double": types.DoubleType(),
         "boolean": types.BooleanType(),
     }[name]
-
