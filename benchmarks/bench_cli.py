@@ -1,6 +1,7 @@
 """Time the traintrace command on synthetic jobs against a json.loads loop and DuckDB itself, in the same run.
 
     python benchmarks/bench_cli.py [--ranks 1,4,16,64] [--iterations 20000] [--dir /tmp/traintrace-bench]
+                                   [--engine spark]
 
 For each number of ranks, writes the job with benchmarks/gen_job.py (unless it is already there), then
 runs, each as its own process so that wall time and peak memory (ru_maxrss from wait4) are end to end:
@@ -10,7 +11,9 @@ runs, each as its own process so that wall time and peak memory (ru_maxrss from 
   computes from the iterations (count, time and quantiles per rank and status, last step);
 * ``traintrace summary``, ``ranks``, ``errors`` on the JSON-lines folder;
 * ``traintrace export --format parquet`` once, then ``summary``, ``ranks``, ``errors`` on the export;
-* with ``--export``, ``export`` (chrome) of all ranks and of 4 ranks.
+* with ``--export``, ``export`` (chrome) of all ranks and of 4 ranks;
+* with ``--engine spark``, ``summary``, ``ranks``, ``errors`` with ``--engine spark`` on the folder and on the
+  export (checking that they answer as DuckDB does).
 
 The fixed cost is ``traintrace summary`` of a one-rank job of 10 iterations. Prints records/s, the ratio to
 the baseline and to DuckDB's scan, peak RSS, and writes the figures as JSON.
@@ -98,6 +101,11 @@ def bench(folder: Path, records: int, args: argparse.Namespace) -> dict[str, dic
     commands["export --format parquet"] = [*cli, "export", str(folder), "--format", "parquet", "-o", str(parquet), "-q"]
     for command in ("summary", "ranks", "errors"):
         commands[f"{command} (parquet)"] = [*cli, command, str(parquet), "--json", "--quiet"]
+    if args.engine == "spark":
+        # The same commands on Spark (local mode, every core, a JVM started per command as a user would).
+        for command in ("summary", "ranks", "errors"):
+            commands[f"{command} (spark)"] = [*commands[command], "--engine", "spark"]
+            commands[f"{command} (parquet, spark)"] = [*commands[f"{command} (parquet)"], "--engine", "spark"]
     if args.export:
         trace = folder.parent / (folder.name + "-trace.json")
         commands["export (all ranks)"] = [*cli, "export", str(folder), "-o", str(trace), "--quiet"]
@@ -113,6 +121,9 @@ def bench(folder: Path, records: int, args: argparse.Namespace) -> dict[str, dic
         if command == "summary":  # the step-time stddev differs in the last bits from run to run
             a, b = {**a, "step_time": None}, {**b, "step_time": None}
         assert a == b, f"{command}: the Parquet export answers differently"
+        for other in (f"{command} (spark)", f"{command} (parquet, spark)"):
+            if other in answers:
+                assert _rounded(answers[command]) == _rounded(answers[other]), f"{other}: answers differently"
     summary = answers["summary"]
     print(
         f"  summary says: goodput {summary['goodput']:.3f}, steps {summary['steps_completed']:,}, "
@@ -136,6 +147,17 @@ def bench(folder: Path, records: int, args: argparse.Namespace) -> dict[str, dic
     return results
 
 
+def _rounded(value: Any) -> Any:
+    """Floats to 9 significant digits (the engines' parallel sums differ in the last bits)."""
+    if isinstance(value, float):
+        return float(f"{value:.9g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="1,4,16,64", help="comma-separated rank counts (default 1,4,16,64)")
@@ -144,6 +166,12 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="folder for the jobs (default /tmp)")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--export", action="store_true", help="also time export --format chrome")
+    parser.add_argument(
+        "--engine",
+        choices=["duckdb", "spark"],
+        default="duckdb",
+        help="spark: also time summary, ranks and errors with --engine spark (needs traintrace[spark] and Java)",
+    )
     args = parser.parse_args()
     root = Path(args.dir or "/tmp")
     cli = [sys.executable, "-m", "traintrace.cli"]

@@ -112,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
             help="keep a finished job's tables in $TRAINTRACE_CACHE_DIR (default ~/.cache/traintrace) and reuse "
             "them while the files are unchanged",
         )
+        if name in ("summary", "ranks", "errors"):
+            p.add_argument(
+                "--engine",
+                choices=["duckdb", "spark"],
+                default="duckdb",
+                help="duckdb (default, embedded) or spark: the same analysis as Spark SQL, for jobs beyond one "
+                "machine; reads local paths or object-storage URLs (needs pip install 'traintrace[spark]' and Java)",
+            )
         p.add_argument("--threads", type=_count(1, 1024), default=None, help="DuckDB threads (default: all cores)")
         p.add_argument(
             "--memory-limit",
@@ -311,6 +319,8 @@ def _run(args: argparse.Namespace) -> int:
     from ._engine import Job, LoadError, MissingExtra, parse_ranks
 
     progress = not args.quiet and sys.stderr.isatty()
+    if getattr(args, "engine", "duckdb") == "spark":
+        return _run_spark(args)
     try:
         job = Job.open(
             args.paths,
@@ -341,6 +351,39 @@ def _run(args: argparse.Namespace) -> int:
         traceback.print_exc()
         print("traintrace: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _run_spark(args: argparse.Namespace) -> int:
+    """summary, ranks or errors with ``--engine spark`` (docs/analysis.md, "Engines: DuckDB and Spark")."""
+    from ._engine import LoadError, MissingExtra, parse_ranks
+
+    if args.cache:
+        print("traintrace: --cache applies to --engine duckdb only", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        from ._spark import SparkJob, SparkUnavailable
+    except MissingExtra as exc:  # pragma: no cover - _spark imports nothing optional at module level
+        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
+        return EXIT_MISSING_EXTRA
+    try:
+        job = SparkJob.open(args.paths, lean=True)
+    except MissingExtra as exc:
+        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
+        return EXIT_MISSING_EXTRA
+    except SparkUnavailable as exc:
+        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
+        return EXIT_USAGE
+    except LoadError as exc:
+        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return _dispatch(args, job, parse_ranks)
+    except Exception:  # noqa: BLE001 - turned into an exit code
+        traceback.print_exc()
+        print("traintrace: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
+        return EXIT_INTERNAL
+    finally:
+        job.close()
 
 
 def _export_without_duckdb(args: argparse.Namespace) -> int:

@@ -432,10 +432,19 @@ def _step_parts(job: Job) -> None:
         ), col AS (
             SELECT stream, ts, dur FROM spans_small
             WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
+        ), placed AS (
+            -- Each collective with the start of the latest step that began at or before it (an as-of join,
+            -- written as a running maximum so that every engine runs it).
+            SELECT stream, ts, dur, o, max(its) OVER (
+                PARTITION BY stream ORDER BY ts, o ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS its
+            FROM (SELECT stream, ts, NULL::BIGINT AS dur, ts AS its, 0 AS o FROM it
+                  UNION ALL SELECT stream, ts, dur, NULL::BIGINT AS its, 1 AS o FROM col)
+        ), ends AS (
+            SELECT stream, ts AS its, max(ts + dur) AS iend FROM it GROUP BY stream, ts
         ), inside AS (
-            SELECT c.stream, i.ts AS its, sum(least(c.ts + c.dur, i.ts + i.dur) - c.ts) AS coll
-            FROM col c ASOF JOIN it i ON c.stream = i.stream AND c.ts >= i.ts
-            WHERE c.ts < i.ts + i.dur GROUP BY ALL
+            SELECT c.stream, c.its, sum(least(c.ts + c.dur, e.iend) - c.ts) AS coll
+            FROM placed c JOIN ends e ON c.stream = e.stream AND c.its = e.its
+            WHERE c.o = 1 AND c.ts < e.iend GROUP BY c.stream, c.its
         )
         SELECT it.rank, it.restart, it.k, it.step, it.ts, it.dur, coalesce(inside.coll, 0) AS coll,
                inside.coll IS NOT NULL AS has_coll,
@@ -600,15 +609,19 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         """
     )
     last_records = {
-        row[0]: {"kind": row[1]["kind"], "name": row[1]["name"], "ts": row[2]}
+        row[0]: {"kind": row[1], "name": row[2], "ts": row[3]}
         for row in job.rows(
             """
-            SELECT stream, arg_max({'kind': kind, 'name': name}, (ts, seq)), max(ts) FROM (
-                SELECT stream, kind, name, ts, coalesce(seq, 0) AS seq FROM other
-                UNION ALL
-                SELECT stream, 'span', 'iteration', ts, seq FROM (
-                    SELECT stream, max(ts) AS ts, max(seq) AS seq FROM iterations GROUP BY stream)
-            ) GROUP BY stream
+            SELECT stream, kind, name, ts FROM (
+                SELECT stream, kind, name, ts,
+                       row_number() OVER (PARTITION BY stream ORDER BY ts DESC, seq DESC NULLS LAST) AS n
+                FROM (
+                    SELECT stream, kind, name, ts, coalesce(seq, 0) AS seq FROM other
+                    UNION ALL
+                    SELECT stream, 'span', 'iteration', ts, seq FROM (
+                        SELECT stream, max(ts) AS ts, max(seq) AS seq FROM iterations GROUP BY stream)
+                )
+            ) WHERE n = 1
             """
         )
     }

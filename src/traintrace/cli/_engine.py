@@ -507,10 +507,9 @@ class Job:
                    s.link, s.ts, e.dur, e.gpu_dur, e.gpu_idle, coalesce(e.status, 'open'),
                    CASE WHEN e.attrs IS NULL THEN s.attrs WHEN s.attrs IS NULL THEN e.attrs
                         ELSE json_merge_patch(s.attrs, e.attrs) END,
-                   CASE WHEN e.a IS NULL THEN s.a ELSE struct_pack(
-                       """
-            + ", ".join(f'"{f}" := coalesce(e.a."{f}", s.a."{f}")' for f in ATTR_FIELDS)
-            + """)
+                   CASE WHEN e.a IS NULL THEN s.a ELSE {"""
+            + ", ".join(f"'{f}': coalesce(e.a.{f}, s.a.{f})" for f in ATTR_FIELDS)
+            + """}
                    END,
                    e.id IS NULL, NULL
             FROM (SELECT * FROM other WHERE kind = 'start') s
@@ -616,28 +615,31 @@ class Job:
                     WHERE kind = 'error' AND (name IN ({hang}) OR error_type IN ({hang})) GROUP BY stream) h
                 WHERE NOT EXISTS (SELECT 1 FROM other o WHERE o.stream = h.stream AND o.kind = 'event'
                                   AND o.name = '{EventName.HANG_RESOLVED}' AND o.ts >= h.last_ts)
+            ), hang_raw AS (
+                -- Where each hang began: the end of the stream's last iteration before its hang_suspected record.
+                SELECT hang.stream, max(r.ts + r.dur) AS iter_end
+                FROM hang JOIN headers h USING (stream)
+                JOIN raw r ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+                WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND r.ts + r.dur <= hang.hang_ts
+                GROUP BY hang.stream
+            ), hang_pairs AS (
+                SELECT hang.stream, max(s.ts + s.dur) AS iter_end
+                FROM hang JOIN spans_small s USING (stream)
+                WHERE s.name = '{ITERATION}' AND NOT s.open AND s.ts + s.dur <= hang.hang_ts
+                GROUP BY hang.stream
             )
             SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
                    (NOT s.closed AND r.stream IS NULL) OR bad.stream IS NOT NULL AS failed,
                    r.stream IS NOT NULL AND NOT s.closed AS running,
                    CASE WHEN a.savers = a.ranks THEN ck.ckpt_end ELSE a.any_end END AS ckpt_end,
-                   hang.hang_ts, h.lo, h.hi
+                   hang.hang_ts, h.lo, h.hi,
+                   CASE WHEN hang.hang_ts IS NOT NULL
+                        THEN greatest(coalesce(hr.iter_end, 0), coalesce(hp.iter_end, 0), s.start_ts) END AS hang_from
             FROM streams s JOIN headers h USING (stream)
             LEFT JOIN attempt a ON a.restart = s.restart AND NOT s.is_agent
             LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN hang USING (stream)
             LEFT JOIN running_streams r USING (stream)
-            """
-        )
-        # Where each hang began: the end of the stream's last iteration before its hang_suspected record.
-        self.con.execute(
-            f"""
-            ALTER TABLE stream_facts ADD COLUMN hang_from BIGINT;
-            UPDATE stream_facts f SET hang_from = greatest(coalesce((
-                SELECT max(r.ts + r.dur) FROM raw r WHERE r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
-                  AND r.kind = 'span' AND r.name = '{ITERATION}' AND r.ts + r.dur <= f.hang_ts), 0), (
-                SELECT max(s.ts + s.dur) FROM spans_small s WHERE s.stream = f.stream AND s.name = '{ITERATION}'
-                  AND NOT s.open AND s.ts + s.dur <= f.hang_ts), f.start_ts)
-            WHERE f.hang_ts IS NOT NULL
+            LEFT JOIN hang_raw hr USING (stream) LEFT JOIN hang_pairs hp USING (stream)
             """
         )
 
@@ -665,7 +667,11 @@ class Job:
             header = {"pid": pid, "host": host, "ts": start_ts}
             if _stream_state(p, bool(errors), header, last_write, now) == "running":
                 running.append(int(stream))
-        self.con.execute("CREATE TABLE running_streams AS SELECT unnest($s::BIGINT[]) AS stream", {"s": running})
+        self._create_stream_list("running_streams", running)
+
+    def _create_stream_list(self, name: str, streams: list[int]) -> None:
+        """A one-column table ``stream`` of the given stream numbers (the Spark engine builds it its own way)."""
+        self.con.execute(f"CREATE TABLE {name} AS SELECT unnest($s::BIGINT[]) AS stream", {"s": streams})
 
     def progress_files(self) -> dict[int, Any]:
         """rank -> the rank's progress file (``traintrace.progress``), for the folders of the job's files."""
@@ -705,6 +711,9 @@ class Job:
         rows = self.con.execute("SELECT DISTINCT rank FROM headers WHERE NOT is_agent").fetchall()
         seen = {int(r[0]) for r in rows}
         return [r for r in range(world) if r not in seen]
+
+    def close(self) -> None:
+        """Release what the engine holds beyond this object (the Spark engine's cached views); DuckDB: nothing."""
 
     # ------------------------------------------------------------ helpers
 

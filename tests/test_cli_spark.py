@@ -1,0 +1,148 @@
+"""``--engine spark``: summary, ranks and errors from Spark SQL (local mode, a real JVM) equal DuckDB's.
+
+The truth of the analyses is tested on DuckDB (tests/test_cli_analysis.py and others); these tests prove that
+the two engines agree, over the JSON-lines folder and the Parquet export, on the scripted jobs of
+tests/cli_jobs.py, a damaged job, a device-timed job and a real five-process job with injected faults.
+Floats are compared to 1e-9 relative (parallel sums differ in the last bits). One Spark session serves the
+module; each job is loaded once per engine and all three analyses are run on it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("duckdb")
+pytest.importorskip("pyspark.sql")
+pytest.importorskip("sqlglot")
+
+from tests.cli_jobs import Script, write_job
+from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
+from tests.test_cli_parquet import answer, damaged_job, export, run, same
+from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
+from traintrace.cli import EXIT_MISSING_EXTRA, EXIT_USAGE, _analysis, _jsonable
+from traintrace.cli._engine import Job
+from traintrace.cli._spark import SparkJob, translate
+
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow, pytest.mark.xdist_group("spark")]
+
+if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+    pytest.skip("no Java runtime for Spark", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("traintrace-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "1")
+        .config("spark.sql.adaptive.enabled", "false")
+        .config("spark.sql.codegen.wholeStage", "false")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+def analyses(job: Job) -> dict[str, Any]:
+    """What summary, ranks and errors print with --json, from one loaded job."""
+    try:
+        out = {
+            "summary": _analysis.summary(job),
+            "ranks": _analysis.ranks(job),
+            "errors": _analysis.errors(job),
+        }
+    finally:
+        job.close()
+    return _jsonable(out)  # type: ignore[no-any-return]
+
+
+def check_engines_agree(path: Path, spark: Any) -> dict[str, Any]:
+    duck = analyses(Job.open([path], lean=True))
+    sparks = analyses(SparkJob.open([path], lean=True, spark=spark))
+    for command in ("summary", "ranks", "errors"):
+        same(duck[command], sparks[command], command)
+    return duck
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        Script(),
+        Script(world_size=6, fail_step=None, fail_rank=None),
+    ],
+    ids=["failure-and-restart", "missing-ranks"],
+)
+def test_scripted_jobs_answer_the_same_on_spark(script: Script, tmp_path: Path, spark: Any) -> None:
+    write_job(tmp_path / "job", script)
+    check_engines_agree(tmp_path / "job", spark)
+
+
+def test_the_parquet_export_answers_the_same_on_spark(tmp_path: Path, spark: Any) -> None:
+    job = damaged_job(tmp_path / "job")
+    out = tmp_path / "job.parquet"
+    export(job, out)
+    duck = check_engines_agree(out, spark)
+    notes = " ".join(duck["summary"]["notes"])
+    assert "cut short" in notes and "2 spans without a possible duration" in notes
+
+
+def test_a_damaged_job_answers_the_same_on_spark_notes_included(tmp_path: Path, spark: Any) -> None:
+    job = damaged_job(tmp_path / "job")
+    summary = check_engines_agree(job, spark)["summary"]
+    notes = " ".join(summary["notes"])
+    assert "cut short" in notes and "2 spans without a possible duration" in notes
+    assert "no traintrace header" in notes and "ranks missing entirely" in notes
+
+
+def test_a_device_timed_job_answers_the_same_on_spark(device: FakeDevice, tmp_path: Path, spark: Any) -> None:  # noqa: F811
+    _write_job(tmp_path, device, "gpu")
+    summary = check_engines_agree(tmp_path / "logs", spark)["summary"]
+    assert summary["device"]["phase_means_s"]
+
+
+def test_the_real_faults_job_answers_the_same_on_spark(faults_job: Path, spark: Any) -> None:  # noqa: F811
+    errors = check_engines_agree(faults_job, spark)["errors"]
+    assert errors["culprit"] is not None
+
+
+def test_the_command_runs_spark_and_says_what_is_missing(
+    tmp_path: Path, spark: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``traintrace ranks --engine spark`` prints DuckDB's answer; no Java or no pyspark is said plainly."""
+    write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
+    same(answer("ranks", tmp_path / "job"), answer("ranks", tmp_path / "job", "--engine", "spark"), "ranks")
+    code, _, err = run("summary", str(tmp_path / "job"), "--engine", "spark", "--cache")
+    assert code == EXIT_USAGE and "--engine duckdb only" in err
+    # No Java runtime and no session running: a configuration error (exit 2), no traceback.
+    spark.stop()
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    code, _, err = run("summary", str(tmp_path / "job"), "--engine", "spark")
+    assert code == EXIT_USAGE and "needs a Java runtime" in err and "Traceback" not in err
+    monkeypatch.setitem(__import__("sys").modules, "pyspark.sql", None)
+    code, _, err = run("summary", str(tmp_path / "job"), "--engine", "spark")
+    assert code == EXIT_MISSING_EXTRA and "pip install 'traintrace[spark]'" in err
+
+
+def test_every_statement_translates_for_spark() -> None:
+    """The translation is one step: DuckDB's as-of join would not translate, so the SQL no longer uses it."""
+    [(action, name, if_not_exists, text)] = translate("CREATE TEMP TABLE IF NOT EXISTS t AS SELECT median(x) FROM y")
+    assert (action, name, if_not_exists) == ("table", "t", True)
+    assert "percentile(x, 0.5)" in text.lower()
+    [(action, _, _, text)] = translate("SELECT quantile_cont(d, 0.9) FROM i WHERE rank = $r")
+    assert action == "query" and ":r" in text and "percentile(d, 0.9)" in text.lower()
+    source = "".join(
+        (Path(_analysis.__file__).parent / name).read_text() for name in ("_analysis.py", "_engine.py", "_diagnosis.py")
+    )
+    assert "ASOF" not in source and "UPDATE " not in source
