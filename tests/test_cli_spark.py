@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,19 +40,22 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 def spark() -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("traintrace-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "1")
-        .config("spark.sql.adaptive.enabled", "false")
-        .config("spark.sql.codegen.wholeStage", "false")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
+    with pytest.MonkeyPatch.context() as patch:
+        # The Python UDF's workers: this interpreter (which imports traintrace), not whatever python3 PATH has.
+        patch.setenv("PYSPARK_PYTHON", sys.executable)
+        session = (
+            SparkSession.builder.master("local[2]")
+            .appName("traintrace-tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", "1")
+            .config("spark.sql.adaptive.enabled", "false")
+            .config("spark.sql.codegen.wholeStage", "false")
+            .getOrCreate()
+        )
+        session.sparkContext.setLogLevel("ERROR")
+        yield session
+        session.stop()
 
 
 def analyses(job: Job) -> dict[str, Any]:
