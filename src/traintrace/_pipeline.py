@@ -27,9 +27,6 @@ try:
 except ImportError:  # not built (no compiler), or the pure-Python core asked for
     _native = None
 
-#: The native writer's write-and-yield (not on Windows, where the writer sleeps apart).
-_WRITE_PAUSE = _native is not None and hasattr(_native, "write_pause")
-
 if TYPE_CHECKING:
     from ._config import Config
     from .backends._base import Backend
@@ -42,16 +39,8 @@ _ERROR_LEVEL = int(Verbosity.ERROR)
 # written; _DONE its whole record is written; _HELD an observer keeps it back.
 _OPEN, _DONE, _HELD = 1, 2, 4
 
-# At most how many queued items the writer converts before writing them out.
+# How many queued items the writer converts before letting other threads run.
 _CHUNK = 512
-# The writer holds the GIL for at most about this long (ns) before it lets a waiting thread
-# in (``Pipeline._yield``): CPython hands the GIL over to a waiting thread only after the
-# switch interval (5 ms) unless the holder lets go, so a longer slice stalls the training thread.
-_SLICE_NS = 400_000
-# Items the pure-Python writer converts between two looks at the clock.
-_PURE_STEP = 64
-# Nanoseconds the writer sleeps between slices, long enough for a waiting thread to wake and take the GIL.
-_YIELD_NS = 50_000
 # Seconds of the close budget kept for the close record and the local files.
 _CLOSE_RESERVE = 0.25
 # Seconds close() waits for the writer beyond its budget (the writer keeps to the budget).
@@ -423,25 +412,25 @@ class Pipeline:
     def _cycle_body(self, drain: bool, waiters: list[threading.Event]) -> None:
         self._refresh_anchor()
         wrote = False
+        chunks = 0
         queue = self.queue
         budget = len(queue)
-        clock = time.perf_counter_ns
-        slice_end = clock() + _SLICE_NS
         while queue and (drain or budget > 0):
             if self._deadline is not None and time.monotonic() > self._drain_deadline():
                 self._abandon_queue()  # close() is out of time: say what is not written
                 break
-            yielded = False
+            budget -= _CHUNK
             if self.native is not None:
-                taken, written, yielded = self._convert_native(queue, self.native, slice_end)
+                wrote = self._convert_native(queue, self.native) or wrote
             else:
-                taken, written = self._convert_pure(queue, slice_end)
-            budget -= max(taken, 1)
-            wrote = written or wrote
-            if clock() >= slice_end:
-                if not yielded and queue and self._deadline is None:
-                    self._yield()
-                slice_end = clock() + _SLICE_NS
+                batch: list[tuple[int, dict[str, Any]]] = []
+                self._convert(queue, batch)
+                if batch:
+                    self._deliver(batch)
+                    wrote = True
+            chunks += 1
+            if chunks % 16 == 0:
+                time.sleep(0)  # let the training thread have the GIL now and then
         if self._signal_events:
             signalled: list[tuple[int, dict[str, Any]]] = []
             while self._signal_events:
@@ -479,28 +468,6 @@ class Pipeline:
         if wrote or waiters:
             self._flush_backends()
         self.cycles += 1
-
-    def _yield(self) -> None:
-        """Let a thread waiting for the GIL (the training thread) take it now.
-
-        Releasing the GIL for an instant is not enough: the writer takes it back before
-        the waiting thread wakes, and that thread waits on for the switch interval. The
-        writer sleeps long enough for it to wake; not at close, which nobody waits through.
-        """
-        time.sleep(_YIELD_NS / 1e9)
-
-    @staticmethod
-    def _write_yielding(fd: int, data: memoryview) -> int:
-        """``os.write`` that also yields (``_yield``), in one release of the GIL (the native writer's)."""
-        written: int = _native.write_pause(fd, data, _YIELD_NS)
-        return written
-
-    @staticmethod
-    def _write_hurrying(fd: int, data: memoryview) -> int:
-        """``_write_yielding`` when the writer is behind: the training thread lets the writer
-        back in at its next span stop, not after a switch interval (``span.c``: ``let_writer_in``)."""
-        written: int = _native.write_pause(fd, data, _YIELD_NS, True)
-        return written
 
     def _clean(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
         try:
@@ -543,28 +510,13 @@ class Pipeline:
         out.append((int(Verbosity.INFO), record))
         return native
 
-    def _convert_pure(self, queue: deque[Any], slice_end: int) -> tuple[int, bool]:
-        """Convert and deliver up to a chunk, in steps until the slice's time is up; (items taken, wrote)."""
-        batch: list[tuple[int, dict[str, Any]]] = []
-        taken = 0
-        clock = time.perf_counter_ns
-        while queue and taken < _CHUNK:
-            taken += self._convert(queue, batch, min(_PURE_STEP, _CHUNK - taken))
-            if clock() >= slice_end:
-                break
-        if batch:
-            self._deliver(batch)
-        return taken, bool(batch)
-
-    def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]], limit: int = _CHUNK) -> int:
-        """Convert up to ``limit`` queued items into ``out``; returns how many were taken."""
-        count = min(len(queue), limit)
+    def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]], limit: int = _CHUNK) -> None:
         # One iterator for the chunk: after a bad item the loop resumes where it stopped.
-        rounds = iter(range(count))
+        rounds = iter(range(min(len(queue), limit)))
         while True:
             try:
                 self._convert_items(queue, rounds, out)
-                return count
+                return
             except BaseException as exc:  # noqa: BLE001 - a user's value may raise anything
                 self._bad_item(exc, out)
 
@@ -707,16 +659,19 @@ class Pipeline:
         )
         return NativeWriter(encoder, files[0], others, dict_level)
 
-    def _convert_native(self, queue: deque[Any], native: NativeWriter, slice_end: int) -> tuple[int, bool, bool]:
-        """Convert a chunk with the native encoder, stopping at ``slice_end`` (perf_counter_ns);
-        (items taken, True if anything was written, True if its write yielded: ``_write_yielding``).
+    def _convert_native(self, queue: deque[Any], native: NativeWriter) -> bool:
+        """Convert a chunk with the native encoder; True if anything was written.
 
         Items it hands back (anything unusual) are converted by ``_convert_items`` and
         their records encoded in place, so the file's lines keep their order.
         """
         wall0 = self._anchor_wall - self._anchor_mono
         if not -(2**62) < wall0 < 2**62:  # a clock the encoder's 64-bit sums cannot hold
-            return (*self._convert_pure(queue, slice_end), False)
+            batch: list[tuple[int, dict[str, Any]]] = []
+            self._convert(queue, batch)
+            if batch:
+                self._deliver(batch)
+            return bool(batch)
         encoder = native.encoder
         if native.others:
             level = self._dict_level(native.others)
@@ -734,12 +689,8 @@ class Pipeline:
                     mode = 1  # only the statistics, which the encoder knows
         dicts: list[tuple[int, dict[str, Any]]] = []
         popleft = queue.popleft
-        left = chunk = min(len(queue), _CHUNK)
-        clock = time.perf_counter_ns
+        left = min(len(queue), _CHUNK)
         while left > 0:
-            budget = slice_end - clock()
-            if budget <= 0 and left < chunk:
-                break  # the slice is over: write what is converted, the rest after the yield
             if stats is not None:
                 steps_left = max(stats.log_interval - stats._steps, 1)
                 want_t0 = bool(stats.step_info)
@@ -748,7 +699,7 @@ class Pipeline:
                 steps_left, want_t0, state = _NO_INTERVAL, False, None
             try:
                 taken, self._seq, item = encoder.convert(
-                    popleft, left, wall0, self._seq, mode, steps_left, want_t0, state, max(budget, 1)
+                    popleft, left, wall0, self._seq, mode, steps_left, want_t0, state
                 )
             except Exception:  # out of memory in C: the Python path takes over for good
                 log.exception("traintrace: the native encoder failed; the pure-Python writer takes over")
@@ -779,25 +730,17 @@ class Pipeline:
             if not more:
                 break  # the queue is empty, or the chunk's bytes are many: the rest in the next chunk
         data, count, first, last = encoder.take()
-        wrote = yielded = False
+        wrote = False
         if count:
             wrote = True
-            # The slice is over and more is queued: the write lets the training thread in.
-            yielded = bool(queue) and self._deadline is None and clock() >= slice_end and not dicts and _WRITE_PAUSE
-            write = None
-            if yielded:
-                # Behind (non-blocking mode, where falling behind drops): the training thread lets the
-                # writer back in at its next span stop. In blocking mode a full queue waits instead.
-                behind = not self.blocking and len(queue) >= self.capacity // 8
-                write = self._write_hurrying if behind else self._write_yielding
             try:
-                native.route.backend.write_lines(data, count, first, last, write)  # type: ignore[attr-defined]
+                native.route.backend.write_lines(data, count, first, last)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - as in _deliver
                 self._backend_failed(native.route, exc, count)
         if dicts:
             wrote = True
             self._deliver(dicts, native.others)
-        return chunk - left, wrote, yielded
+        return wrote
 
     @staticmethod
     def _dict_level(others: list[Route]) -> int:
