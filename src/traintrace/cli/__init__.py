@@ -360,11 +360,8 @@ def _run_spark(args: argparse.Namespace) -> int:
     if args.cache:
         print("traintrace: --cache applies to --engine duckdb only", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        from ._spark import SparkJob, SparkUnavailable
-    except MissingExtra as exc:  # pragma: no cover - _spark imports nothing optional at module level
-        print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
-        return EXIT_MISSING_EXTRA
+    from ._spark import SparkJob, SparkUnavailable  # imports nothing optional until a job is opened
+
     try:
         job = SparkJob.open(args.paths, lean=True)
     except MissingExtra as exc:
