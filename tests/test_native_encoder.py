@@ -484,3 +484,86 @@ def test_encoder_failure_hands_over_to_python(tmp_path: Path, caplog: pytest.Log
     records = [json.loads(line) for line in (tmp_path / "j" / "rank0.jsonl").read_text().splitlines()]
     assert [r["seq"] for r in records] == list(range(len(records)))
     assert sum(r.get("name") == "iteration" for r in records) == 1000
+
+
+#: Values whose sum depends on the order of the additions (0.1 + 1e16 - 1e16 is 0.0, 1e16 - 1e16 + 0.1 is 0.1).
+_ORDERED = [0.1, 1e16, -1e16, 0.3, 1e-300, -0.0, 2.5e-5, 1e16, 0.7, -1e16, 3.0, 1.7976931348623157e308 / 4, 1e-7]
+
+
+def _iteration_span(step: int, parent: Span, span_id: int, *, t0: int, t1: int, metrics: Any) -> Span:
+    it = Span("iteration", {"step": step}, 3)
+    it.parent, it.id, it.tid, it.status, it.written = parent, span_id, _IDENTS[0], "ok", 0
+    it.metrics, it.t0, it.t1 = metrics, t0, t1
+    return it
+
+
+@pytest.mark.parametrize("log_interval", [7, 100, 1500])
+def test_interval_means_sum_in_pythons_order(tmp_path: Path, log_interval: int) -> None:
+    """The encoder's C sums of metrics and phases end as the Python path's sequential sums, bit for bit.
+
+    Float metrics whose sum depends on the order of additions, more keys than the encoder's table
+    holds at once (it writes them back mid-chunk), keys that come and go, equal keys that are different
+    str objects, intervals longer than a chunk (the sum continues from the dict's value), iterations
+    the statistics take in Python mid-interval (``tokens``), and phase sums beyond 64 bits.
+    """
+    items: list[Any] = []
+    clock = 10_000
+    loop = Span("training_loop", None, 1)
+    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
+    loop.written, loop.t0, loop.t1 = 0, clock, None
+    items.append(loop)
+    next_id = 2
+    for step in range(3000):
+        value = _ORDERED[step % len(_ORDERED)] * (1 + step % 5)
+        metrics: dict[str, Any] = {"".join(["lo", "ss"]): value, "lr": _ORDERED[(step * 7) % len(_ORDERED)]}
+        if step % 11 < 4:
+            metrics.update({f"m{k}": _ORDERED[(step + k) % len(_ORDERED)] for k in range(step % 60)})
+        if step % 97 == 0:
+            metrics["tokens"] = 100  # a reserved count: this iteration goes through Python
+        if step % 13 == 5:
+            metrics = {"acc": step}  # no float: keys disappear for a while
+        t0 = clock
+        clock += 1000 + (step * 7919) % 90_000
+        it = _iteration_span(step, loop, next_id, t0=t0, t1=clock, metrics=metrics)
+        fwd = Span("model_forward", None, 4)
+        fwd.parent, fwd.id, fwd.tid, fwd.status, fwd.written = it, next_id + 1, _IDENTS[0], "ok", 0
+        fwd.metrics, fwd.t0, fwd.t1 = None, t0 + 10, t0 + 500
+        items.extend([it, fwd, fwd, it])
+        next_id += 2
+        if step % 400 == 399:
+            # phases of 2**61 - 2 ns each: the interval's phase sum passes 2**63
+            for _ in range(6):
+                big = Span("model_backward", None, 4)
+                big.parent, big.id, big.tid, big.status, big.written = it, next_id, _IDENTS[0], "ok", 0
+                big.metrics, big.t0, big.t1 = None, 1, 2**61 - 1
+                items.extend([big, big])
+                next_id += 1
+    items.append(_Stop(loop, clock + 1))
+    native_lines, python_lines = run_both(tmp_path, items, observer="stats", log_interval=log_interval, redact=False)
+    assert native_lines == python_lines
+    events = [json.loads(line)["attrs"] for line in native_lines if b'"training_iterations"' in line]
+    assert len(events) == 3000 // log_interval + 1
+    assert any("m30" in e for e in events) and any("average_backward_time" in e for e in events)
+
+
+def test_interval_means_match_a_python_sum(tmp_path: Path) -> None:
+    """One interval over several chunks: the mean written is Python's sum in order, divided by the count."""
+    finite = [value for value in _ORDERED if abs(value) < 1e300]
+    values = [finite[i % len(finite)] for i in range(2000)]
+    loop = Span("training_loop", None, 1)
+    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
+    loop.written, loop.t0, loop.t1 = 0, 1000, None
+    items: list[Any] = [loop]
+    for step, value in enumerate(values):
+        items.extend(
+            [_iteration_span(step, loop, step + 2, t0=2000 + step * 10, t1=2005 + step * 10, metrics={"x": value})] * 2
+        )
+    items.append(_Stop(loop, 10**8))
+    native_lines, python_lines = run_both(tmp_path, items, observer="stats", log_interval=10_000, redact=False)
+    assert native_lines == python_lines
+    total = 0.0
+    for value in values:
+        total += value
+    assert total != math.fsum(values)  # the order of the additions shows
+    (event,) = [json.loads(line)["attrs"] for line in native_lines if b'"training_iterations"' in line]
+    assert event["x"] == total / len(values)

@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -257,6 +258,7 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
    (a power of two), flushed once it is HBINS_FULL full or the interval ends. */
 #define HBINS 256
 #define HBINS_FULL 192
+#define KCACHE 64 /* a power of two */
 
 typedef struct {
     PyTypeObject *type;    /* strong reference */
@@ -291,6 +293,9 @@ typedef struct {
     int hn;                  /* slots in use */
     long long hkey[HBINS];   /* a slot's bucket key, valid where its count is not 0 */
     long long hcount[HBINS]; /* 0: the slot is free */
+    /* What RESERVED makes of an attribute key (K_*), by the key object: most spans reuse the same few. */
+    PyObject *kkey[KCACHE]; /* strong references */
+    unsigned char kclass[KCACHE];
 } Encoder;
 
 static void clear_batch(Encoder *e) {
@@ -330,6 +335,7 @@ static int Encoder_clear(Encoder *e) {
     memset(e->hcount, 0, sizeof e->hcount);
     clear_batch(e);
     for (int i = 0; i < TYPE_CACHE; i++) Py_CLEAR(e->maps[i].type);
+    for (int i = 0; i < KCACHE; i++) Py_CLEAR(e->kkey[i]);
     return 0;
 }
 
@@ -453,12 +459,35 @@ static inline int short_str(PyObject *v, Py_ssize_t limit) {
 /* What the statistics observer (_stats.IterationStats) does with an ended span. */
 enum { OBS_NOTHING, OBS_ITERATION, OBS_PHASE, OBS_PYTHON };
 
+/*
+ * An interval sum kept in C while convert() runs, instead of a new float and int per value in the
+ * dicts: a metric's sum and count (metric_sum, metric_count) or a phase's (phase_sum, phase_count).
+ * A slot starts from the dicts' values and adds in the order Python would, so the float it writes
+ * back is the one the sequential Python sums would hold (float addition is not associative: a
+ * partial sum added to the old one could differ in the last bit). acc_flush() writes the slots
+ * back before Python can read the dicts: when convert() returns, or when the table is full.
+ */
+#define ACC_SLOTS 64 /* a power of two */
+#define ACC_FULL 48
+enum { ACC_METRIC, ACC_PHASE };
+
+typedef struct {
+    PyObject *key; /* strong reference; NULL: the slot is free */
+    Py_hash_t hash;
+    int kind;      /* ACC_METRIC: fsum; ACC_PHASE: isum */
+    int python;    /* the dicts hold what C cannot continue exactly (not a float, an int beyond 64 bits) */
+    double fsum;
+    long long isum, count;
+} Acc;
+
 /* The statistics' state for one convert() call (see _pipeline._convert_native). */
 typedef struct {
     PyObject *phase_fields; /* dict: span name -> field (PHASE_FIELDS) */
     PyObject *phase_sum, *phase_count, *metric_sum, *metric_count, *metric_last; /* the interval's dicts */
     PyObject *buckets; /* the interval's LogHistogram._buckets */
     double inv_log;
+    int acc_n; /* slots in use */
+    Acc acc[ACC_SLOTS];
 } Stats;
 
 static int plain_value(PyObject *v) {
@@ -468,7 +497,7 @@ static int plain_value(PyObject *v) {
 
 /* hold(): False without side effects? (iteration with plain values, or a name it ignores) */
 static int hold_is_noop(Encoder *e, PyObject *name, PyObject *attrs, PyObject *metrics) {
-    int is_iter = PyUnicode_Compare(name, S_ITERATION) == 0;
+    int is_iter = name == S_ITERATION || PyUnicode_Compare(name, S_ITERATION) == 0;
     if (!is_iter) return PySet_Contains(e->python_names, name) == 0;
     PyObject *values[2] = {attrs, metrics};
     for (int i = 0; i < 2; i++) {
@@ -483,9 +512,30 @@ static int hold_is_noop(Encoder *e, PyObject *name, PyObject *attrs, PyObject *m
     return 1;
 }
 
+/* An attribute key of an iteration: averaged (K_PLAIN), its step, num_iterations, or another reserved key. */
+enum { K_PLAIN = 1, K_STEP, K_NUM_ITERATIONS, K_RESERVED };
+
 static int is_step_key(PyObject *k) {
     return PyUnicode_Compare(k, S_STEP) == 0 || PyUnicode_Compare(k, S_CURRENT_ITERATION) == 0 ||
            PyUnicode_Compare(k, S_ITERATION) == 0;
+}
+
+/* The K_* of an exact str key (the set look-up and comparisons once per key object, not per span). */
+static int key_class(Encoder *e, PyObject *k) {
+    unsigned i = (unsigned)((((uintptr_t)k >> 4) * 0x9E3779B97F4A7C15ULL) >> 58) & (KCACHE - 1);
+    if (e->kkey[i] == k) return e->kclass[i];
+    int reserved = PySet_Contains(e->reserved, k);
+    if (reserved < 0) {
+        PyErr_Clear();
+        return K_RESERVED; /* left to Python, which raises the same way */
+    }
+    int c = !reserved                                      ? K_PLAIN
+            : is_step_key(k)                               ? K_STEP
+            : PyUnicode_Compare(k, S_NUM_ITERATIONS) == 0 ? K_NUM_ITERATIONS
+                                                           : K_RESERVED;
+    Py_XSETREF(e->kkey[i], Py_NewRef(k));
+    e->kclass[i] = (unsigned char)c;
+    return c;
 }
 
 /*
@@ -496,7 +546,7 @@ static int is_step_key(PyObject *k) {
  */
 static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyObject *metrics, PyObject *status,
                     PyObject **field) {
-    if (PyUnicode_Compare(name, S_ITERATION) != 0) {
+    if (name != S_ITERATION && PyUnicode_Compare(name, S_ITERATION) != 0) {
         PyObject *f = PyDict_GetItemWithError(st->phase_fields, name);
         if (f != NULL) {
             *field = f;
@@ -511,7 +561,8 @@ static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyOb
         if (n >= 15 && PyUnicode_Tailmatch(name, S_INIT_SUFFIX, 0, n, 1) != 0) return OBS_PYTHON;
         return OBS_NOTHING;
     }
-    if (status == NULL || !PyUnicode_Check(status) || PyUnicode_Compare(status, S_OK) != 0) return OBS_PYTHON;
+    if (status == NULL || !PyUnicode_Check(status) || (status != S_OK && PyUnicode_Compare(status, S_OK) != 0))
+        return OBS_PYTHON;
     PyObject *values[2] = {attrs, metrics};
     for (int i = 0; i < 2; i++) {
         PyObject *d = values[i];
@@ -521,8 +572,7 @@ static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyOb
         PyObject *k, *v;
         while (PyDict_Next(d, &pos, &k, &v)) {
             if (!PyUnicode_CheckExact(k) || !plain_value(v)) return OBS_PYTHON;
-            if (PySet_Contains(e->reserved, k) != 0 && !is_step_key(k) && PyUnicode_Compare(k, S_NUM_ITERATIONS) != 0)
-                return OBS_PYTHON; /* batch_size, tokens, flops, skipped */
+            if (key_class(e, k) == K_RESERVED) return OBS_PYTHON; /* batch_size, tokens, flops, skipped */
         }
     }
     return OBS_ITERATION;
@@ -560,6 +610,145 @@ static int hist_flush(Encoder *e) {
     return rc;
 }
 
+/* An int from a sums dict as C continues it: 0 when absent; RC_YIELD when not an exact int within 64 bits. */
+static int load_i64(PyObject *dict, PyObject *key, long long *out) {
+    PyObject *v = PyDict_GetItemWithError(dict, key);
+    *out = 0;
+    if (v == NULL) return PyErr_Occurred() ? -1 : RC_OK;
+    return as_i64(v, out);
+}
+
+/* Write a slot's sum and count back into its dicts (already holding the key, so nothing is reordered). */
+static int acc_store(Stats *st, Acc *a) {
+    PyObject *sums = a->kind == ACC_METRIC ? st->metric_sum : st->phase_sum;
+    PyObject *counts = a->kind == ACC_METRIC ? st->metric_count : st->phase_count;
+    PyObject *sum = a->kind == ACC_METRIC ? PyFloat_FromDouble(a->fsum) : PyLong_FromLongLong(a->isum);
+    PyObject *count = PyLong_FromLongLong(a->count);
+    int rc = (sum && count && PyDict_SetItem(sums, a->key, sum) == 0 && PyDict_SetItem(counts, a->key, count) == 0)
+                 ? 0
+                 : -1;
+    Py_XDECREF(sum);
+    Py_XDECREF(count);
+    return rc;
+}
+
+/* Every slot back into the dicts, and the table emptied (after a failure too: those values are lost). */
+static int acc_flush(Stats *st) {
+    int rc = 0;
+    for (int i = 0; i < ACC_SLOTS && st->acc_n; i++) {
+        Acc *a = &st->acc[i];
+        if (a->key == NULL) continue;
+        if (!a->python && acc_store(st, a) < 0) {
+            PyErr_Clear();
+            rc = -1;
+        }
+        Py_CLEAR(a->key);
+        st->acc_n--;
+    }
+    st->acc_n = 0;
+    return rc;
+}
+
+/*
+ * The slot of (kind, key), set up on first sight from the dicts' values, the key added to the dicts
+ * now (with its values so far) so that they keep the order Python's first insertion gives them.
+ * NULL on failure (an error set).
+ */
+static Acc *acc_slot(Stats *st, PyObject *key, int kind, int *fresh) {
+    *fresh = 0;
+    Py_hash_t hash = PyObject_Hash(key); /* a str: cached */
+    if (hash == -1) return NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        unsigned i = (unsigned)((((unsigned long long)hash ^ (unsigned long long)kind) * 0x9E3779B97F4A7C15ULL) >> 58);
+        for (;; i = (i + 1) & (ACC_SLOTS - 1)) {
+            Acc *a = &st->acc[i];
+            if (a->key == NULL) break;
+            if (a->kind == kind &&
+                (a->key == key || (a->hash == hash && PyUnicode_Compare(a->key, key) == 0)))
+                return a;
+        }
+        if (st->acc_n < ACC_FULL) break;
+        acc_flush(st); /* full: nothing is lost, the values are in the dicts */
+    }
+    unsigned i = (unsigned)((((unsigned long long)hash ^ (unsigned long long)kind) * 0x9E3779B97F4A7C15ULL) >> 58);
+    while (st->acc[i].key != NULL) i = (i + 1) & (ACC_SLOTS - 1);
+    Acc *a = &st->acc[i];
+    PyObject *sums = kind == ACC_METRIC ? st->metric_sum : st->phase_sum;
+    PyObject *counts = kind == ACC_METRIC ? st->metric_count : st->phase_count;
+    int rc_count = load_i64(counts, key, &a->count);
+    if (rc_count < 0) return NULL;
+    a->python = rc_count != RC_OK;
+    a->fsum = 0.0;
+    a->isum = 0;
+    if (kind == ACC_METRIC) {
+        PyObject *v = PyDict_GetItemWithError(sums, key);
+        if (v == NULL && PyErr_Occurred()) return NULL;
+        if (v != NULL) {
+            if (PyFloat_CheckExact(v))
+                a->fsum = PyFloat_AS_DOUBLE(v);
+            else
+                a->python = 1;
+        }
+    } else {
+        int rc_sum = load_i64(sums, key, &a->isum);
+        if (rc_sum < 0) return NULL;
+        if (rc_sum != RC_OK) a->python = 1;
+    }
+    a->key = Py_NewRef(key);
+    a->hash = hash;
+    a->kind = kind;
+    st->acc_n++;
+    *fresh = 1;
+    return a;
+}
+
+/* Python's ``sums[key] = sums.get(key, start) + value; counts[key] = counts.get(key, 0) + 1``. */
+static int add_python(Stats *st, Acc *a, PyObject *value, PyObject *start) {
+    PyObject *sums = a->kind == ACC_METRIC ? st->metric_sum : st->phase_sum;
+    PyObject *counts = a->kind == ACC_METRIC ? st->metric_count : st->phase_count;
+    if (add_to(sums, a->key, value, start) < 0) return -1;
+    return add_to(counts, a->key, ONE, ZERO_I);
+}
+
+static int acc_metric(Stats *st, PyObject *key, PyObject *value) {
+    int fresh;
+    Acc *a = acc_slot(st, key, ACC_METRIC, &fresh);
+    if (a == NULL) return -1;
+    if (!a->python && a->count < LLONG_MAX) {
+        a->fsum += PyFloat_AS_DOUBLE(value);
+        a->count++;
+        /* A slot new since the last flush writes its first value at once: a new key enters the dicts in
+           the order Python's first insertion would give it. */
+        return fresh ? acc_store(st, a) : 0;
+    }
+    if (!a->python) {
+        a->python = 1;
+        if (acc_store(st, a) < 0) return -1;
+    }
+    return add_python(st, a, value, ZERO_F);
+}
+
+static int acc_phase(Stats *st, PyObject *key, long long dur) {
+    int fresh;
+    Acc *a = acc_slot(st, key, ACC_PHASE, &fresh);
+    if (a == NULL) return -1;
+    int fits = dur >= 0 ? a->isum <= LLONG_MAX - dur : a->isum >= LLONG_MIN - dur;
+    if (!a->python && fits && a->count < LLONG_MAX) {
+        a->isum += dur;
+        a->count++;
+        return fresh ? acc_store(st, a) : 0;
+    }
+    if (!a->python) {
+        a->python = 1; /* beyond 64 bits: Python ints from here on */
+        if (acc_store(st, a) < 0) return -1;
+    }
+    PyObject *d = PyLong_FromLongLong(dur);
+    if (d == NULL) return -1;
+    int rc = add_python(st, a, d, ZERO_I);
+    Py_DECREF(d);
+    return rc;
+}
+
 /* _iteration's sums for a checked iteration: metric means and last values, the histogram, the interval. */
 static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attrs, PyObject *metrics, long long t0,
                            long long t1, int want_t0) {
@@ -573,14 +762,14 @@ static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attr
         Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(d, &pos, &k, &v)) {
-            if (PySet_Contains(e->reserved, k) != 0) {
-                if (is_step_key(k)) step = v;
+            int cls = key_class(e, k);
+            if (cls != K_PLAIN) {
+                if (cls == K_STEP) step = v;
                 continue;
             }
             if (shadow && i == 0 && PyDict_Contains(metrics, k) != 0) continue;
             if (PyFloat_CheckExact(v)) {
-                if (add_to(st->metric_sum, k, v, ZERO_F) < 0 || add_to(st->metric_count, k, ONE, ZERO_I) < 0)
-                    return -1;
+                if (acc_metric(st, k, v) < 0) return -1;
             } else if (v != Py_None) {
                 if (PyDict_SetItem(st->metric_last, k, v) < 0) return -1;
             }
@@ -639,12 +828,7 @@ static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attr
 }
 
 static int count_phase(Stats *st, PyObject *field, long long t0, long long t1) {
-    PyObject *dur = PyLong_FromLongLong(t1 - t0);
-    if (dur == NULL) return -1;
-    int rc = add_to(st->phase_sum, field, dur, ZERO_I);
-    Py_DECREF(dur);
-    if (rc < 0) return -1;
-    return add_to(st->phase_count, field, ONE, ZERO_I);
+    return acc_phase(st, field, t1 - t0);
 }
 
 /* ------------------------------------------------------------------ records */
@@ -990,6 +1174,8 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
         back = item;
         break;
     }
+    /* Python reads the sums next (the interval's event, an item handed back): they are in the dicts. */
+    if (c.mode == 1) acc_flush(&c.st);
     return Py_BuildValue("nLN", taken, c.seq, back ? back : Py_NewRef(Py_None));
 }
 
