@@ -567,3 +567,20 @@ def test_interval_means_match_a_python_sum(tmp_path: Path) -> None:
     assert total != math.fsum(values)  # the order of the additions shows
     (event,) = [json.loads(line)["attrs"] for line in native_lines if b'"training_iterations"' in line]
     assert event["x"] == total / len(values)
+
+
+def test_recurring_floats_are_written_as_python_writes_them(tmp_path: Path) -> None:
+    """The encoder keeps the text of recent floats by their bits: recurring, colliding and signed zeros."""
+    pool = [0.0, -0.0, 1e-5, -1e-5, 1.5e-5, 1e-4, 3e-4, 1e15, 1e16, -1e16, 0.1, 1 / 3, 5e-324, 2.5e-5, 1e-7]
+    pool += [step * 1.000000001e-3 for step in range(600)]  # more values than the cache holds
+    items: list[Any] = []
+    for step in range(3000):
+        value = pool[(step * 37) % len(pool)]
+        attrs = {"step": step, "lr": pool[step % 15], "loss": value, "neg": -value}
+        span = Span("my_phase", attrs, 3)
+        span.parent, span.id, span.tid, span.metrics, span.status = None, step + 1, _IDENTS[0], None, "ok"
+        span.written, span.t0, span.t1 = 0, 1000 * step + 1, 1000 * step + 500
+        items.extend([span, span])
+    for observer in ("none", "stats"):
+        native_lines, python_lines = run_both(tmp_path, items, observer=observer, log_interval=10, redact=False)
+        assert native_lines == python_lines

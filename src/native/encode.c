@@ -138,7 +138,7 @@ static int put_str(Buf *b, PyObject *u) {
  * repr's digits; json (style 0) as Python's repr, orjson (style 1) in fixed
  * notation for decimal exponents -5..15 and otherwise as 1e-7 / 1e+16.
  */
-static int put_float(Buf *b, double v, int style) {
+static int format_float(Buf *b, double v, int style) {
     char *r = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
     if (r == NULL) return -1;
     int rc = 0;
@@ -163,6 +163,38 @@ static int put_float(Buf *b, double v, int style) {
         }
     }
     PyMem_Free(r);
+    return rc;
+}
+
+/*
+ * The text of recent floats, by their bits: the shortest repr costs thousands of instructions
+ * (big-number arithmetic) and many values recur, in the statistics' events (percentiles of
+ * histogram buckets, zero times) and in metrics (a learning rate). A hit writes the same bytes
+ * format_float wrote for the same bits.
+ */
+#define FCACHE 256 /* a power of two */
+#define FTEXT 32   /* the longest text is 24 bytes (-2.2250738585072014e-308, -0.0000 and 17 digits) */
+
+typedef struct {
+    uint64_t bits[FCACHE];
+    unsigned char len[FCACHE]; /* 0: empty */
+    char text[FCACHE][FTEXT];
+} FloatCache;
+
+static int put_float(Buf *b, double v, int style, FloatCache *fc) {
+    if (fc == NULL) return format_float(b, v, style);
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    unsigned i = (unsigned)((bits * 0x9E3779B97F4A7C15ULL) >> 56) & (FCACHE - 1);
+    if (fc->len[i] && fc->bits[i] == bits) return buf_put(b, fc->text[i], fc->len[i]);
+    Py_ssize_t mark = b->len;
+    int rc = format_float(b, v, style);
+    Py_ssize_t n = b->len - mark;
+    if (rc == 0 && n > 0 && n < FTEXT) {
+        memcpy(fc->text[i], b->data + mark, (size_t)n);
+        fc->len[i] = (unsigned char)n;
+        fc->bits[i] = bits;
+    }
     return rc;
 }
 
@@ -219,7 +251,7 @@ static int attrs_plain(PyObject *d, PyObject *cache) {
 }
 
 /* Only after attrs_plain() said RC_OK; still RC_YIELD for strings that are not UTF-8. */
-static int put_attrs(Buf *b, PyObject *d, int style) {
+static int put_attrs(Buf *b, PyObject *d, int style, FloatCache *fc) {
     Py_ssize_t pos = 0;
     PyObject *k, *v;
     int first = 1, rc;
@@ -230,7 +262,7 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
         if ((rc = put_str(b, k)) != RC_OK) return rc;
         if (PUT_LIT(b, ":") < 0) return -1;
         if (PyFloat_CheckExact(v)) {
-            rc = put_float(b, PyFloat_AS_DOUBLE(v), style);
+            rc = put_float(b, PyFloat_AS_DOUBLE(v), style, fc);
         } else if (PyLong_CheckExact(v)) {
             rc = put_i64(b, PyLong_AsLongLong(v));
         } else if (PyUnicode_CheckExact(v)) {
@@ -240,7 +272,7 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
         } else if (v == Py_False) {
             rc = PUT_LIT(b, "false");
         } else if (PyDict_CheckExact(v)) {
-            rc = put_attrs(b, v, style); /* one level, checked by attrs_plain */
+            rc = put_attrs(b, v, style, fc); /* one level, checked by attrs_plain */
         } else {
             rc = PUT_LIT(b, "null");
         }
@@ -296,6 +328,7 @@ typedef struct {
     /* What RESERVED makes of an attribute key (K_*), by the key object: most spans reuse the same few. */
     PyObject *kkey[KCACHE]; /* strong references */
     unsigned char kclass[KCACHE];
+    FloatCache *floats; /* NULL: not allocated (out of memory), floats are formatted every time */
 } Encoder;
 
 static void clear_batch(Encoder *e) {
@@ -343,6 +376,7 @@ static void Encoder_dealloc(Encoder *e) {
     PyObject_GC_UnTrack(e);
     Encoder_clear(e);
     PyMem_Free(e->buf.data);
+    PyMem_Free(e->floats);
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
@@ -372,6 +406,7 @@ static PyObject *Encoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     e->style = style;
     e->first_seq = Py_NewRef(Py_None);
     e->last_seq = Py_NewRef(Py_None);
+    e->floats = PyMem_Calloc(1, sizeof(FloatCache)); /* optional: NULL formats every float */
     return (PyObject *)e;
 }
 
@@ -903,7 +938,7 @@ static int put_record(Encoder *e, long long seq, Rec *r) {
     }
     if (r->attrs != NULL) {
         if ((rc = PUT_LIT(b, ",\"attrs\":")) != RC_OK) goto done;
-        if ((rc = put_attrs(b, r->attrs, e->style)) != RC_OK) goto done;
+        if ((rc = put_attrs(b, r->attrs, e->style, e->floats)) != RC_OK) goto done;
     }
     rc = end_line(e, seq);
 done:
@@ -1266,7 +1301,7 @@ static PyObject *mod_encode_attrs(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOi", &attrs, &cache, &style)) return NULL;
     if (attrs_plain(attrs, cache == Py_None ? NULL : cache) != RC_OK) Py_RETURN_NONE;
     Buf b = {0};
-    int rc = put_attrs(&b, attrs, style);
+    int rc = put_attrs(&b, attrs, style, NULL);
     PyObject *out;
     if (rc < 0)
         out = NULL;
