@@ -317,6 +317,9 @@ typedef struct {
     /* iterations the statistics observer has not absorbed yet */
     Py_ssize_t iter_n;
     PyObject *t0s, *last_step, *loop_id, *ident;
+    /* Read when the batch is taken, not per iteration (names, ids and tids do not change once queued):
+       the parent of the latest iterations, not yet looked at, and the latest iteration (its tid). */
+    PyObject *parent_pending, *last_span;
     long long first_t0, last_t1, max_t1, sum_dur, min_dur, max_dur;
     FieldMap maps[TYPE_CACHE];
     int next_map;
@@ -337,6 +340,8 @@ static void clear_batch(Encoder *e) {
     Py_CLEAR(e->last_step);
     Py_CLEAR(e->loop_id);
     Py_CLEAR(e->ident);
+    Py_CLEAR(e->parent_pending);
+    Py_CLEAR(e->last_span);
 }
 
 static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
@@ -352,6 +357,8 @@ static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
     Py_VISIT(e->last_step);
     Py_VISIT(e->loop_id);
     Py_VISIT(e->ident);
+    Py_VISIT(e->parent_pending);
+    Py_VISIT(e->last_span);
     return 0;
 }
 
@@ -580,7 +587,7 @@ static int key_class(Encoder *e, PyObject *k) {
  * statistics ignore; OBS_PYTHON for everything else.
  */
 static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyObject *metrics, PyObject *status,
-                    PyObject **field) {
+                    PyObject **field, PyObject **step, int *counted) {
     if (name != S_ITERATION && PyUnicode_Compare(name, S_ITERATION) != 0) {
         PyObject *f = PyDict_GetItemWithError(st->phase_fields, name);
         if (f != NULL) {
@@ -607,7 +614,12 @@ static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyOb
         PyObject *k, *v;
         while (PyDict_Next(d, &pos, &k, &v)) {
             if (!PyUnicode_CheckExact(k) || !plain_value(v)) return OBS_PYTHON;
-            if (key_class(e, k) == K_RESERVED) return OBS_PYTHON; /* batch_size, tokens, flops, skipped */
+            int cls = key_class(e, k);
+            if (cls == K_RESERVED) return OBS_PYTHON; /* batch_size, tokens, flops, skipped */
+            if (cls == K_STEP)
+                *step = v; /* borrowed: the caller takes a reference */
+            else if (cls == K_PLAIN && v != Py_None)
+                *counted = 1; /* a mean or a last value for count_iteration */
         }
     }
     return OBS_ITERATION;
@@ -785,23 +797,36 @@ static int acc_phase(Stats *st, PyObject *key, long long dur) {
 }
 
 /* _iteration's sums for a checked iteration: metric means and last values, the histogram, the interval. */
+/* The pending parent's id becomes the loop's if it is a training loop (_iteration's ``self._loop_id``). */
+static void resolve_parent(Encoder *e) {
+    PyObject *parent = e->parent_pending;
+    if (parent == NULL) return;
+    e->parent_pending = NULL;
+    if (parent != Py_None) {
+        PyObject *pname = get(e, parent, F_NAME);
+        if (pname != NULL && PyUnicode_Check(pname) && PyUnicode_Compare(pname, S_TRAINING_LOOP) == 0) {
+            PyObject *pid = get(e, parent, F_ID);
+            if (pid != NULL) Py_XSETREF(e->loop_id, pid);
+        }
+        Py_XDECREF(pname);
+    }
+    Py_DECREF(parent);
+    PyErr_Clear();
+}
+
+/* ``step``: observed()'s (the last step key's value, or Py_None); ``counted``: whether any key is averaged or kept. */
 static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attrs, PyObject *metrics, long long t0,
-                           long long t1, int want_t0) {
+                           long long t1, int want_t0, PyObject *step, int counted) {
     long long dur = t1 - t0;
-    PyObject *step = Py_None;
     int shadow = attrs != Py_None && PyDict_GET_SIZE(attrs) && metrics != Py_None && PyDict_GET_SIZE(metrics);
     PyObject *values[2] = {attrs, metrics};
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2 && counted; i++) {
         PyObject *d = values[i];
         if (d == Py_None) continue;
         Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(d, &pos, &k, &v)) {
-            int cls = key_class(e, k);
-            if (cls != K_PLAIN) {
-                if (cls == K_STEP) step = v;
-                continue;
-            }
+            if (key_class(e, k) != K_PLAIN) continue;
             if (shadow && i == 0 && PyDict_Contains(metrics, k) != 0) continue;
             if (PyFloat_CheckExact(v)) {
                 if (acc_metric(st, k, v) < 0) return -1;
@@ -845,19 +870,15 @@ static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attr
     e->last_t1 = t1;
     if (t1 > e->max_t1) e->max_t1 = t1;
     Py_XSETREF(e->last_step, Py_NewRef(step));
+    /* Consecutive iterations share their parent: it is looked at once, when another follows or the batch is taken. */
     PyObject *parent = get(e, span, F_PARENT);
-    if (parent != NULL && parent != Py_None) {
-        PyObject *pname = get(e, parent, F_NAME);
-        if (pname != NULL && PyUnicode_Check(pname) && PyUnicode_Compare(pname, S_TRAINING_LOOP) == 0) {
-            PyObject *pid = get(e, parent, F_ID);
-            if (pid != NULL) Py_XSETREF(e->loop_id, pid);
-        }
-        Py_XDECREF(pname);
+    if (parent != NULL && parent != e->parent_pending) {
+        resolve_parent(e);
+        e->parent_pending = parent;
+    } else {
+        Py_XDECREF(parent);
     }
-    Py_XDECREF(parent);
-    PyErr_Clear();
-    PyObject *tid = get(e, span, F_TID);
-    if (tid != NULL) Py_XSETREF(e->ident, tid);
+    Py_XSETREF(e->last_span, Py_NewRef(span));
     e->iter_n++;
     return 0;
 }
@@ -1001,7 +1022,7 @@ static int do_event(Encoder *e, PyObject *item, Ctx *c) {
 
 static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     PyObject *f[NF] = {NULL};
-    PyObject *merged = NULL;
+    PyObject *merged = NULL, *step = NULL;
     int rc = RC_YIELD;
     long long state;
     f[F_WRITTEN] = get(e, span, F_WRITTEN);
@@ -1021,7 +1042,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
 
     if (state != 0) {
         /* Second sighting: the span's stop. */
-        int obs = OBS_NOTHING;
+        int obs = OBS_NOTHING, counted = 0;
         PyObject *field = NULL;
         if (state != W_OPEN && c->mode == 0) {
             rc = RC_OK;
@@ -1032,8 +1053,10 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
         NEED(f[F_STATUS] != NULL);
         if (c->mode == 1) {
             if (state == W_OPEN) NEED(hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
-            obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field);
+            PyObject *step_seen = Py_None;
+            obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field, &step_seen, &counted);
             NEED(obs != OBS_PYTHON);
+            step = Py_NewRef(step_seen); /* setting ``written`` below may run Python code that changes attrs */
             if (obs == OBS_ITERATION) {
                 NEED(t1 - t0 < (1LL << 53));
                 if (e->iter_n + 1 >= c->steps_left) {
@@ -1073,7 +1096,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             if (set(e, span, F_WRITTEN, SMALL[W_DONE]) < 0) PyErr_Clear();
         }
         if (obs == OBS_ITERATION &&
-            count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0) < 0)
+            count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0, step, counted) < 0)
             PyErr_Clear();
         if (obs == OBS_PHASE && count_phase(&c->st, field, t0, t1) < 0) PyErr_Clear();
         rc = RC_OK;
@@ -1151,6 +1174,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     rc = RC_OK;
 out:
     Py_XDECREF(merged);
+    Py_XDECREF(step);
     for (int i = 0; i < NF; i++) Py_XDECREF(f[i]);
     return rc;
 }
@@ -1253,6 +1277,12 @@ static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
     (void)unused;
     if (e->hn && hist_flush(e) < 0) PyErr_Clear();
     if (e->iter_n == 0) Py_RETURN_NONE;
+    resolve_parent(e);
+    if (e->last_span != NULL) {
+        PyObject *tid = get(e, e->last_span, F_TID);
+        if (tid != NULL) Py_XSETREF(e->ident, tid);
+        Py_CLEAR(e->last_span);
+    }
     PyObject *out = Py_BuildValue("nLLLOLLLOOO", e->iter_n, e->sum_dur, e->min_dur, e->max_dur,
                                   e->t0s ? e->t0s : Py_None, e->first_t0, e->last_t1, e->max_t1,
                                   e->last_step ? e->last_step : Py_None, e->loop_id ? e->loop_id : Py_None,
