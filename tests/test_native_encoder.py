@@ -584,3 +584,39 @@ def test_recurring_floats_are_written_as_python_writes_them(tmp_path: Path) -> N
     for observer in ("none", "stats"):
         native_lines, python_lines = run_both(tmp_path, items, observer=observer, log_interval=10, redact=False)
         assert native_lines == python_lines
+
+
+def test_sums_the_encoder_cannot_continue_in_c_go_on_in_python() -> None:
+    """Dict values C does not hold (an int sum, counts past 64 bits) and a phase sum passing 2**63."""
+    from traintrace._stats import PHASE_FIELDS, PYTHON_NAMES, RESERVED
+
+    threads = {_IDENTS[0]: 7}
+    encoder = native.Encoder(threads, {}, None, PYTHON_NAMES, RESERVED, 4, -1, STYLE)
+    spans: list[Span] = []
+    for index in range(6):
+        it = Span("iteration", {"step": index}, 3)
+        it.parent, it.id, it.tid, it.status, it.written = None, 10 + index, _IDENTS[0], "ok", 0
+        it.metrics, it.t0, it.t1 = {"a": 0.1, "b": 1e16, "c": 0.3}, 1000 + index, 2000 + index
+        fwd = Span("model_forward", None, 4)
+        fwd.parent, fwd.id, fwd.tid, fwd.status, fwd.written = it, 20 + index, _IDENTS[0], "ok", 0
+        fwd.metrics, fwd.t0, fwd.t1 = None, 1, 2**61 - 1
+        spans.extend([it, it, fwd, fwd])
+    metric_sum: dict[str, Any] = {"a": 10**30, "c": -1e16}
+    metric_count: dict[str, int] = {"a": 3, "b": 2**70, "c": 5}
+    phase_sum: dict[str, int] = {"average_forward_time": 2**62}
+    phase_count: dict[str, int] = {}
+    state = (PHASE_FIELDS, phase_sum, phase_count, metric_sum, metric_count, {}, {}, 1.0)
+    queue = list(spans)
+    taken, _, back = encoder.convert(iter(queue).__next__, len(queue), 0, 1, 1, 1000, False, state)
+    assert (taken, back) == (len(queue), None)
+    expected_sum: dict[str, Any] = {"a": 10**30, "c": -1e16}
+    expected_count: dict[str, int] = {"a": 3, "b": 2**70, "c": 5}
+    for _ in range(6):
+        for key, value in (("a", 0.1), ("b", 1e16), ("c", 0.3)):
+            expected_sum[key] = expected_sum.get(key, 0.0) + value
+            expected_count[key] = expected_count.get(key, 0) + 1
+    assert metric_sum == expected_sum and list(metric_sum) == ["a", "c", "b"]
+    assert metric_count == expected_count
+    assert all(type(metric_sum[k]) is type(expected_sum[k]) for k in expected_sum)
+    assert phase_sum == {"average_forward_time": 2**62 + 6 * (2**61 - 2)}
+    assert phase_count == {"average_forward_time": 6}
