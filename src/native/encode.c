@@ -280,6 +280,8 @@ typedef struct {
     PyObject *reserved;     /* iteration attributes the statistics read rather than average (_stats.RESERVED) */
     long file_level, dict_level;
     int style;
+    /* spans first seen already stopped, less stops of such spans seen since (_pipeline._whole_unstopped) */
+    Py_ssize_t whole_unstopped;
     /* iterations the statistics observer has not absorbed yet */
     Py_ssize_t iter_n;
     PyObject *t0s, *last_step, *loop_id, *ident;
@@ -805,6 +807,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
         int obs = OBS_NOTHING;
         PyObject *field = NULL;
         if (state != W_OPEN && c->mode == 0) {
+            e->whole_unstopped--;
             rc = RC_OK;
             goto out;
         }
@@ -857,6 +860,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0) < 0)
             PyErr_Clear();
         if (obs == OBS_PHASE && count_phase(&c->st, field, t0, t1) < 0) PyErr_Clear();
+        if (state != W_OPEN) e->whole_unstopped--;
         rc = RC_OK;
         goto out;
     }
@@ -929,6 +933,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     }
     c->seq++;
     if (set(e, span, F_WRITTEN, SMALL[stopped ? W_DONE : W_OPEN]) < 0) PyErr_Clear();
+    if (stopped) e->whole_unstopped++;
     rc = RC_OK;
 out:
     Py_XDECREF(merged);
@@ -1058,6 +1063,12 @@ static PyMethodDef Encoder_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Encoder_members[] = {
+    {"whole_unstopped", T_PYSSIZET, offsetof(Encoder, whole_unstopped), 0,
+     "Spans first seen already stopped, less the stops of such spans seen since (the writer resets it)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject EncoderType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traintrace._encode.Encoder",
     .tp_basicsize = sizeof(Encoder),
@@ -1067,6 +1078,7 @@ static PyTypeObject EncoderType = {
     .tp_traverse = (traverseproc)Encoder_traverse,
     .tp_clear = (inquiry)Encoder_clear,
     .tp_methods = Encoder_methods,
+    .tp_members = Encoder_members,
     .tp_doc = "The writer's record encoder (see _pipeline.NativeWriter).",
 };
 

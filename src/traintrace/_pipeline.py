@@ -41,6 +41,8 @@ _OPEN, _DONE, _HELD = 1, 2, 4
 
 # How many queued items the writer converts before letting other threads run.
 _CHUNK = 512
+# Items a cycle converts past its budget to reach the stops of spans it wrote whole (see _cycle_body).
+_PAST_BUDGET = 8 * _CHUNK
 # Seconds of the close budget kept for the close record and the local files.
 _CLOSE_RESERVE = 0.25
 # Seconds close() waits for the writer beyond its budget (the writer keeps to the budget).
@@ -240,6 +242,8 @@ class Pipeline:
         self._signal_events: list[tuple[dict[str, Any], int, int, int]] = []
         self._seq = 1  # the header is 0
         self._open: dict[int, Span] = {}
+        #: Spans this cycle saw first already ended (written whole or held) less their stops seen since.
+        self._whole_unstopped = 0
         self._threads: dict[int, int] = {}
         self._anchor_wall = 0
         self._anchor_mono = 0
@@ -415,10 +419,21 @@ class Pipeline:
         chunks = 0
         queue = self.queue
         budget = len(queue)
-        while queue and (drain or budget > 0):
+        past = _PAST_BUDGET
+        self._whole_unstopped = 0
+        native = self.native
+        if native is not None:
+            native.encoder.whole_unstopped = 0
+        # A span that ended after the cycle began is written whole where its start stands in
+        # the queue; its events stand between that and its stop. The cycle goes on to the
+        # stop (within _PAST_BUDGET), or a backend flushed now would send the span without
+        # them (OTLP: an event after its span is exported cannot join it).
+        while queue and (drain or budget > 0 or (past > 0 and self._stops_pending())):
             if self._deadline is not None and time.monotonic() > self._drain_deadline():
                 self._abandon_queue()  # close() is out of time: say what is not written
                 break
+            if budget <= 0:
+                past -= _CHUNK
             budget -= _CHUNK
             if self.native is not None:
                 wrote = self._convert_native(queue, self.native) or wrote
@@ -468,6 +483,13 @@ class Pipeline:
         if wrote or waiters:
             self._flush_backends()
         self.cycles += 1
+
+    def _stops_pending(self) -> bool:
+        """Whether a span seen whole in this cycle still has its stop (and maybe events) in the queue."""
+        pending = self._whole_unstopped
+        if self.native is not None:
+            pending += self.native.encoder.whole_unstopped
+        return pending > 0
 
     def _clean(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
         try:
@@ -536,11 +558,15 @@ class Pipeline:
                     state = span.written
                     if state:
                         # Second sighting: the span's stop.
+                        if state != _OPEN:
+                            self._whole_unstopped -= 1
                         if state == _OPEN or observers:
                             self._seq = seq
                             self._stopped(span, state, out)
                             seq = self._seq
                         continue
+                    if span.t1 is not None:
+                        self._whole_unstopped += 1
                     if observers and span.t1 is not None:
                         self._seq = seq
                         held = self._hold(span, False)
