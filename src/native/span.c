@@ -57,6 +57,50 @@ now_ns(void)
 #endif
 }
 
+/* ------------------------------------------------------------------ letting the writer in */
+
+#ifndef _WIN32
+#include <pthread.h>
+#include <time.h>
+#define HANDOFF 1
+/*
+ * When (now_ns) the writer thread began to wait for the GIL with records still queued
+ * (traintrace._encode.write_pause sets it, 0 once it has the GIL). A thread holding the GIL
+ * lets it go only when it blocks or after the switch interval (5 ms), and a training loop
+ * that runs Python back to back would hand it over once per interval: the writer would fall
+ * behind and drop, and each hand-over would stall the loop for the writer's whole turn. Here
+ * the training thread lets the writer in at its next span stop instead; the writer keeps its
+ * turn short (_pipeline._SLICE_NS).
+ */
+static int64_t gil_wanted_since = 0;
+/* A wish older than this is stale (the writer thread is gone: interpreter shutdown). */
+#define HANDOFF_STALE_NS 50000000LL
+/* How long the training thread waits for the writer to take the GIL it let go. */
+#define HANDOFF_WAIT_NS 200000LL
+
+static void
+handoff_reset_child(void)
+{
+    gil_wanted_since = 0; /* the writer thread does not exist in a forked child */
+}
+
+static void
+let_writer_in(int64_t now)
+{
+    int64_t since = __atomic_load_n(&gil_wanted_since, __ATOMIC_RELAXED);
+    if (since == 0 || now - since > HANDOFF_STALE_NS)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    /* Sleep, not spin: the writer wakes on the core this thread leaves free. */
+    struct timespec step = {0, 20000};
+    int64_t until = now + HANDOFF_WAIT_NS;
+    do
+        nanosleep(&step, NULL);
+    while (__atomic_load_n(&gil_wanted_since, __ATOMIC_ACQUIRE) != 0 && now_ns() < until);
+    Py_END_ALLOW_THREADS
+}
+#endif
+
 /* ------------------------------------------------------------------ state */
 
 static int installed = 0;
@@ -1101,6 +1145,9 @@ done:
     Py_XDECREF(result);
     Py_XDECREF(when);
     Py_DECREF(rec);
+#ifdef HANDOFF
+    let_writer_in(t1);
+#endif
     Py_RETURN_NONE;
 error:
     Py_XDECREF(value);
@@ -1407,6 +1454,15 @@ PyInit__span(void)
     Py_INCREF(&RecorderCoreType);
     Py_INCREF(&SpanCoreType);
     Py_INCREF(&FactoryType);
+#ifdef HANDOFF
+    PyObject *wanted = PyCapsule_New(&gil_wanted_since, "traintrace._span._gil_wanted", NULL);
+    if (wanted == NULL || PyModule_AddObject(module, "_gil_wanted", wanted) < 0) {
+        Py_XDECREF(wanted);
+        Py_DECREF(module);
+        return NULL;
+    }
+    pthread_atfork(NULL, NULL, handoff_reset_child);
+#endif
     if (PyModule_AddObject(module, "Factory", (PyObject *)&FactoryType) < 0 ||
         PyModule_AddObject(module, "Counter", (PyObject *)&CounterType) < 0 ||
         PyModule_AddObject(module, "RecorderCore", (PyObject *)&RecorderCoreType) < 0 ||
