@@ -133,3 +133,22 @@ def test_hostile_values_are_valid_json(tmp_path: Path) -> None:
     assert attrs["set"] == [1, 2, 3]
     assert len(attrs["huge"]) < 5000
     assert attrs["7"] == "int key"
+
+
+def test_a_moved_file_is_noticed_at_the_next_write_cycle(tmp_path: Path) -> None:
+    """The backend looks for a moved file at the first write after each flush (the writer flushes at
+    the end of every write cycle): the rest of the cycle goes to the moved file, nothing is lost,
+    and the next cycle starts a new file at the path with the header again."""
+    path = tmp_path / "s.jsonl"
+    backend = FileBackend(path, fsync_on_close=False)
+    backend.open({"kind": "header", "seq": 0})
+    backend.write_lines(b'{"seq":1}\n', 1, 1, 1)
+    path.rename(tmp_path / "s.jsonl.1")
+    backend.write_lines(b'{"seq":2}\n', 1, 2, 2)  # the same cycle: to the moved file
+    backend.flush()
+    backend.write_lines(b'{"seq":3}\n', 1, 3, 3)
+    backend.close()
+    moved = [json.loads(line) for line in (tmp_path / "s.jsonl.1").read_text().splitlines()]
+    new = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["seq"] for r in moved] == [0, 1, 2]
+    assert [r["seq"] for r in new] == [0, 3] and new[0]["kind"] == "header"

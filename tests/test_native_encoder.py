@@ -184,11 +184,13 @@ def run_pipeline(
     redact: bool,
     dict_route: bool = False,
     step_info: bool = False,
+    flush: bool = False,
+    queue_size: int = 100_000,
 ) -> bytes:
     saved = _pipeline._native
     _pipeline._native = native if use_native else None
     try:
-        config = Config(queue_size=100_000, flush_interval=3600.0)
+        config = Config(queue_size=queue_size, flush_interval=3600.0)
         config.redact_keys = DEFAULT_REDACT_KEYS if redact else ()
         backend = FileBackend(path, fsync_on_close=False)
         backend.open(HEADER)
@@ -211,6 +213,8 @@ def run_pipeline(
     elif observer == "other":
         pipeline.observers.append(_Other())
     pipeline.queue.extend(items)
+    if flush:
+        assert pipeline.flush(30.0)  # a write cycle before close: the writer yields between slices
     pipeline.close(30.0)
     return path.read_bytes()
 
@@ -416,6 +420,58 @@ def test_long_plain_run_is_identical(tmp_path: Path, log_interval: int) -> None:
     assert len(events) == 3000 // log_interval + 1  # the intervals and the loop's end
     assert events[0]["attrs"]["interval"] == log_interval and events[-1]["attrs"]["final"] is True
     assert all(not math.isnan(e["attrs"].get("average_iteration_time", 0.0)) for e in events)
+
+
+def _training_items(steps: int) -> list[Any]:
+    """A training loop's queue: iterations with a loss inside a loop span, two phases each."""
+    loop = Span("training_loop", None, 1)
+    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
+    loop.written, loop.t0, loop.t1 = 0, 1000, None
+    items: list[Any] = [loop]
+    clock = 1000
+    for step in range(steps):
+        it = Span("iteration", {"step": step}, 3)
+        it.parent, it.id, it.tid, it.status, it.written = loop, 2 * step + 2, _IDENTS[0], "ok", 0
+        it.metrics = {"loss": 1.0 / (step + 1)}
+        it.t0, it.t1 = clock, clock + 5000 + step % 977
+        fwd = Span("model_forward", None, 4)
+        fwd.parent, fwd.id, fwd.tid, fwd.status, fwd.written = it, 2 * step + 3, _IDENTS[0], "ok", 0
+        fwd.metrics, fwd.t0, fwd.t1 = None, clock + 10, clock + 900
+        clock = it.t1
+        items.extend([it, fwd, fwd, it])
+    items.append(_Stop(loop, clock + 1))
+    return items
+
+
+def test_any_slice_length_writes_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer stops converting when its slice of time is up (mid-chunk, mid-interval) and lets the
+    training thread in: with slices so short that each call converts a few items, both paths still
+    write the file that one long slice writes."""
+    items = _training_items(1500)
+    options: dict[str, Any] = {"observer": "stats", "log_interval": 7, "redact": True, "flush": True}
+    whole, _ = run_both(tmp_path, items, **options)
+    monkeypatch.setattr(_pipeline, "_SLICE_NS", 1)
+    monkeypatch.setattr(_pipeline, "_PURE_STEP", 5)
+    # A small bound: most of the queue is past an eighth of it, where the writer hurries.
+    native_lines, python_lines = run_both(tmp_path, items, queue_size=8000, **options)
+    assert native_lines == python_lines == whole
+    assert sum(b'"kind":"span"' in line for line in whole) == 3000
+
+
+def test_write_pause_writes_like_os_write(tmp_path: Path) -> None:
+    """The writer's write-and-yield: the bytes written and their count, as ``os.write``; errors as OSError."""
+    import os
+
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        assert native.write_pause(fd, b"abc\n", 1000) == 4
+        assert native.write_pause(fd, memoryview(b"xdef\n")[1:], 0, True) == 4
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"abc\ndef\n"
+    with pytest.raises(OSError):
+        native.write_pause(fd, b"closed", 1000, True)
 
 
 class _Impostor:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import traintrace as tt
+from traintrace import _recorder
 
 
 class SlowBackend(tt.BaseBackend):
@@ -104,3 +108,68 @@ def test_slow_backend_does_not_delay_close_beyond_timeout(tmp_path: Path) -> Non
     started = time.monotonic()
     tt.close()
     assert time.monotonic() - started < 2.5
+
+
+class CallLog(tt.BaseBackend):
+    """Keeps every write (its records) and every flush, in the order they came."""
+
+    def __init__(self, verbosity: int) -> None:
+        self.verbosity = verbosity
+        self.calls: list[tuple[str, list[dict[str, Any]]]] = []
+
+    def write(self, records: Sequence[Any]) -> None:
+        self.calls.append(("write", [dict(r) for r in records]))
+
+    def flush(self) -> None:
+        self.calls.append(("flush", []))
+
+    def call_with(self, kind: str, name: str) -> int:
+        """The index of the write holding the record of that kind and name."""
+        (index,) = [
+            i for i, (call, records) in enumerate(self.calls)
+            if any(r["kind"] == kind and r.get("name") == name for r in records)
+        ]  # fmt: skip
+        return index
+
+
+@pytest.mark.parametrize("beside_file", [False, True], ids=["dicts_only", "beside_the_native_file_writer"])
+def test_no_flush_between_a_span_written_whole_and_its_events(tmp_path: Path, beside_file: bool) -> None:
+    """A span that ends while the writer is mid-cycle, its event queued past the cycle's budget.
+
+    The writer writes it whole where its start stands in the queue; the cycle must go on to
+    its stop before flushing the backends, or a backend that attaches events to their span
+    (OTLP traces) would have sent it already when the event comes.
+    """
+    calls = CallLog(int(tt.Verbosity.TRACING))
+    # Beside a file at a finer level the native encoder writes the file and hands the
+    # records the other backend wants to Python: the two count the span together.
+    backends: Any = {"file": {"verbosity": "profiling"}, "log": False} if beside_file else []
+    rec = tt.configure(
+        job_id="late", log_dir=str(tmp_path), backends=backends, extra_backends=[calls], flush_interval=5.0
+    )
+    if beside_file and _recorder.CORE == "native":
+        assert rec._pipeline.native is not None
+    stalled, resume = threading.Event(), threading.Event()
+
+    class Stall:
+        def __repr__(self) -> str:  # converted on the writer thread, which waits here
+            stalled.set()
+            resume.wait(10)
+            return "stall"
+
+    with tt.span("outer"):
+        tt.flush()  # the writer is idle now, for flush_interval
+        tt.event("filler", {"stall": Stall()})
+        for i in range(510):  # the cycle's first chunk (512 items) ends with the span's start
+            tt.event("filler", {"i": i})
+        span = tt.start("late_span")
+        rec._pipeline.wake()
+        assert stalled.wait(10), "the writer did not begin a cycle"
+        tt.event("inside_late_span")  # past the cycle's budget
+        tt.stop(span)
+        resume.set()
+    tt.close()
+    written = calls.call_with("span", "late_span")
+    event = calls.call_with("event", "inside_late_span")
+    assert written <= event
+    assert ("flush", []) not in calls.calls[written:event]

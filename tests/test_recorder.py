@@ -348,3 +348,34 @@ def test_current_span_reports_innermost_open(memory: tt.MemoryBackend) -> None:
             assert tt.current_span() is inner
         assert tt.current_span() is outer
     assert tt.current_span() is None
+
+
+def test_after_a_span_stops_everything_sees_its_parent(memory: tt.MemoryBackend) -> None:
+    """A stop leaves the context on the stopped span; every reader moves on to the open parent.
+
+    Events, errors, lifecycle events, new spans and asyncio tasks created after a child
+    stopped all belong to the parent, and nested stops unwind to the outermost open span.
+    """
+    from traintrace import events
+
+    async def in_task() -> int:
+        with tt.span("task_child") as child:
+            pass
+        return child.parent.id if child.parent is not None else 0
+
+    with tt.span("outer") as outer:
+        with tt.span("middle"):
+            with tt.span("inner"):
+                pass
+        tt.event("after")
+        events.record(events.EventType.WORKER_START)
+        tt.error("noted")
+        with tt.span("sibling") as sibling:
+            pass
+        task_parent = asyncio.run(in_task())
+        assert tt.current_span() is outer
+    assert tt.current_span() is None
+    tt.flush()
+    assert sibling.parent is outer and task_parent == outer.id
+    attached = [r for r in memory.records if r["kind"] in ("event", "error")]
+    assert [r.get("span") for r in attached] == [outer.id] * len(attached) and len(attached) >= 3

@@ -329,15 +329,20 @@ import traintrace as tt
 
 log_dir = sys.argv[1]
 stop = threading.Event()
+warm = threading.Event()
 
 def reconfigure():
     while not stop.is_set():
         tt.configure(job_id="busy", log_dir=log_dir, backends={"file": False, "log": False}, statistics=False,
                      handle_sigterm=False, fault_handler=False)
+        warm.set()
 
 thread = threading.Thread(target=reconfigure, daemon=True)
 thread.start()
-time.sleep(0.2)
+# Not before the first configure is done: a fork while that thread imports a module for the
+# first time leaves the child waiting on importlib's lock for it (any library's lazy import).
+warm.wait(60)
+time.sleep(0.05)
 hung = 0
 for child in range(12):
     pid = os.fork()

@@ -21,6 +21,14 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <errno.h>
+#ifndef _WIN32
+#include <time.h>
+#include <unistd.h>
+#endif
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 
 #define RC_OK 0
 #define RC_YIELD 1
@@ -314,6 +322,8 @@ typedef struct {
     PyObject *reserved;     /* iteration attributes the statistics read rather than average (_stats.RESERVED) */
     long file_level, dict_level;
     int style;
+    /* spans first seen already stopped, less stops of such spans seen since (_pipeline._whole_unstopped) */
+    Py_ssize_t whole_unstopped;
     /* iterations the statistics observer has not absorbed yet */
     Py_ssize_t iter_n;
     PyObject *t0s, *last_step, *loop_id, *ident;
@@ -1045,6 +1055,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
         int obs = OBS_NOTHING, counted = 0;
         PyObject *field = NULL;
         if (state != W_OPEN && c->mode == 0) {
+            e->whole_unstopped--;
             rc = RC_OK;
             goto out;
         }
@@ -1099,6 +1110,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0, step, counted) < 0)
             PyErr_Clear();
         if (obs == OBS_PHASE && count_phase(&c->st, field, t0, t1) < 0) PyErr_Clear();
+        if (state != W_OPEN) e->whole_unstopped--;
         rc = RC_OK;
         goto out;
     }
@@ -1171,6 +1183,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     }
     c->seq++;
     if (set(e, span, F_WRITTEN, SMALL[stopped ? W_DONE : W_OPEN]) < 0) PyErr_Clear();
+    if (stopped) e->whole_unstopped++;
     rc = RC_OK;
 out:
     Py_XDECREF(merged);
@@ -1179,20 +1192,38 @@ out:
     return rc;
 }
 
+/* time.perf_counter_ns(), callable without the GIL. */
+static long long mono_ns(void) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyTime_t t = 0;
+    (void)PyTime_PerfCounterRaw(&t);
+    return (long long)t;
+#else
+    return (long long)_PyTime_GetPerfCounter();
+#endif
+}
+
+/* Items converted between two looks at the clock when a time budget is given. */
+#define CLOCK_EVERY 16
+
 /*
- * convert(popleft, n, wall0, seq, mode, steps_left, want_t0, stats) -> (taken, seq, item)
- * Pops up to n items (fewer once CHUNK_BYTES are buffered); ``item`` is the one handed
- * back to Python (None when it stopped without one; True when it counted the iteration that
- * completes the statistics' interval, for Python to add the interval's event and call again).
+ * convert(popleft, n, wall0, seq, mode, steps_left, want_t0, stats=None, budget_ns=0) -> (taken, seq, item)
+ * Pops up to n items (fewer once CHUNK_BYTES are buffered, or once ``budget_ns`` nanoseconds
+ * have passed, when given: the GIL is held throughout, and a thread waiting for it waits that
+ * long); ``item`` is the one handed back to Python (None when it stopped without one; True
+ * when it counted the iteration that completes the statistics' interval, for Python to add the
+ * interval's event and call again).
  */
 static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
     PyObject *popleft;
     Py_ssize_t n;
     Ctx c;
     PyObject *stats = Py_None;
-    if (!PyArg_ParseTuple(args, "OnLLini|O", &popleft, &n, &c.wall0, &c.seq, &c.mode, &c.steps_left, &c.want_t0,
-                          &stats))
+    long long budget_ns = 0;
+    if (!PyArg_ParseTuple(args, "OnLLini|OL", &popleft, &n, &c.wall0, &c.seq, &c.mode, &c.steps_left, &c.want_t0,
+                          &stats, &budget_ns))
         return NULL;
+    long long until = budget_ns > 0 ? mono_ns() + budget_ns : 0;
     memset(&c.st, 0, sizeof c.st);
     c.interval_done = 0;
     if (c.mode == 1) {
@@ -1226,6 +1257,7 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
             }
             /* The GIL is held throughout: a chunk of huge records ends early, the rest waits for the next. */
             if (e->buf.len > CHUNK_BYTES) break;
+            if (until && taken % CLOCK_EVERY == 0 && mono_ns() >= until) break;
             continue;
         }
         c.interval_done = 0; /* an item handed back changed nothing */
@@ -1309,6 +1341,12 @@ static PyMethodDef Encoder_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Encoder_members[] = {
+    {"whole_unstopped", T_PYSSIZET, offsetof(Encoder, whole_unstopped), 0,
+     "Spans first seen already stopped, less the stops of such spans seen since (the writer resets it)."},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject EncoderType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traintrace._encode.Encoder",
     .tp_basicsize = sizeof(Encoder),
@@ -1318,6 +1356,7 @@ static PyTypeObject EncoderType = {
     .tp_traverse = (traverseproc)Encoder_traverse,
     .tp_clear = (inquiry)Encoder_clear,
     .tp_methods = Encoder_methods,
+    .tp_members = Encoder_members,
     .tp_doc = "The writer's record encoder (see _pipeline.NativeWriter).",
 };
 
@@ -1343,8 +1382,66 @@ static PyObject *mod_encode_attrs(PyObject *mod, PyObject *args) {
     return out;
 }
 
+/*
+ * write_pause(fd, data, pause_ns) -> int: os.write(fd, data), then a sleep of pause_ns, both in one
+ * release of the GIL. The writer thread ends a slice of work with it: a thread waiting for the GIL
+ * wakes while the writer writes and sleeps, and takes the GIL; with a separate write and sleep it
+ * may take it at the write, and the writer then waits a whole switch interval (5 ms) before its sleep.
+ */
+#ifndef _WIN32
+/* traintrace._span's gil_wanted_since (NULL without it): see let_writer_in there. */
+static int64_t *gil_wanted = NULL;
+
+static PyObject *mod_write_pause(PyObject *mod, PyObject *args) {
+    (void)mod;
+    int fd;
+    Py_buffer view;
+    long long pause_ns;
+    int hurry = 0;
+    if (!PyArg_ParseTuple(args, "iy*L|p", &fd, &view, &pause_ns, &hurry)) return NULL;
+    int64_t *wanted = hurry ? gil_wanted : NULL;
+#ifdef __linux__
+    /* The writer thread's sleeps end on time: 1 µs of timer slack for this thread instead of 50. */
+    static _Thread_local int slack_set = 0;
+    if (!slack_set) {
+        slack_set = 1;
+        (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+    }
+#endif
+    Py_ssize_t n;
+    int err;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        n = write(fd, view.buf, (size_t)view.len);
+        err = errno;
+        if (pause_ns > 0 && !(n < 0 && err == EINTR)) {
+            struct timespec ts = {(time_t)(pause_ns / 1000000000LL), (long)(pause_ns % 1000000000LL)};
+            nanosleep(&ts, NULL);
+        }
+        /* Behind: ask the training thread to let the writer in at its next span stop. */
+        if (wanted != NULL) __atomic_store_n(wanted, (int64_t)mono_ns(), __ATOMIC_RELEASE);
+        Py_END_ALLOW_THREADS
+        if (wanted != NULL) __atomic_store_n(wanted, 0, __ATOMIC_RELEASE);
+        if (n >= 0 || err != EINTR) break;
+        if (PyErr_CheckSignals() < 0) { /* as os.write: a signal handler that raises ends it */
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+    }
+    PyBuffer_Release(&view);
+    if (n < 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(n);
+}
+#endif
+
 static PyMethodDef module_methods[] = {
     {"encode_attrs", mod_encode_attrs, METH_VARARGS, "An attrs dict as the encoder writes it (None: left to Python)."},
+#ifndef _WIN32
+    {"write_pause", mod_write_pause, METH_VARARGS, "os.write, then a short sleep, in one release of the GIL."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -1368,6 +1465,10 @@ PyMODINIT_FUNC PyInit__encode(void) {
         return NULL;
     for (int i = 0; i < 5; i++)
         if ((SMALL[i] = PyLong_FromLong(i)) == NULL) return NULL;
+#ifndef _WIN32
+    gil_wanted = PyCapsule_Import("traintrace._span._gil_wanted", 0);
+    if (gil_wanted == NULL) PyErr_Clear(); /* no native span core: no hand-over */
+#endif
     if (PyType_Ready(&EncoderType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -57,6 +57,50 @@ now_ns(void)
 #endif
 }
 
+/* ------------------------------------------------------------------ letting the writer in */
+
+#ifndef _WIN32
+#include <pthread.h>
+#include <time.h>
+#define HANDOFF 1
+/*
+ * When (now_ns) the writer thread began to wait for the GIL with records still queued
+ * (traintrace._encode.write_pause sets it, 0 once it has the GIL). A thread holding the GIL
+ * lets it go only when it blocks or after the switch interval (5 ms), and a training loop
+ * that runs Python back to back would hand it over once per interval: the writer would fall
+ * behind and drop, and each hand-over would stall the loop for the writer's whole turn. Here
+ * the training thread lets the writer in at its next span stop instead; the writer keeps its
+ * turn short (_pipeline._SLICE_NS).
+ */
+static int64_t gil_wanted_since = 0;
+/* A wish older than this is stale (the writer thread is gone: interpreter shutdown). */
+#define HANDOFF_STALE_NS 50000000LL
+/* How long the training thread waits for the writer to take the GIL it let go. */
+#define HANDOFF_WAIT_NS 200000LL
+
+static void
+handoff_reset_child(void)
+{
+    gil_wanted_since = 0; /* the writer thread does not exist in a forked child */
+}
+
+static void
+let_writer_in(int64_t now)
+{
+    int64_t since = __atomic_load_n(&gil_wanted_since, __ATOMIC_RELAXED);
+    if (since == 0 || now - since > HANDOFF_STALE_NS)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    /* Sleep, not spin: the writer wakes on the core this thread leaves free. */
+    struct timespec step = {0, 20000};
+    int64_t until = now + HANDOFF_WAIT_NS;
+    do
+        nanosleep(&step, NULL);
+    while (__atomic_load_n(&gil_wanted_since, __ATOMIC_ACQUIRE) != 0 && now_ns() < until);
+    Py_END_ALLOW_THREADS
+}
+#endif
+
 /* ------------------------------------------------------------------ state */
 
 static int installed = 0;
@@ -1028,7 +1072,7 @@ span_exit(SpanCore *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     PyObject *rec = Py_NewRef(self->rec);
     RecorderCore *R = (RecorderCore *)rec;
-    PyObject *when = NULL, *result = NULL, *value = NULL;
+    PyObject *when = NULL, *result = NULL;
 
     if (self->has_t1 || R->closed) {
         when = PyLong_FromLongLong(t1);
@@ -1052,19 +1096,9 @@ span_exit(SpanCore *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->t1 = t1;
     self->has_t1 = 1;
-    if (PyContextVar_Get(g_current, Py_None, &value) < 0)
-        goto error;
-    if (value == (PyObject *)self) {
-        /* Not a reset token: holding one per queued span doubles the objects the
-         * garbage collector walks. A closed parent is skipped at the next start. */
-        PyObject *parent = Py_NewRef(self->parent);
-        PyObject *token = PyContextVar_Set(g_current, parent);
-        Py_DECREF(parent);
-        if (token == NULL)
-            goto error;
-        Py_DECREF(token);
-    }
-    Py_CLEAR(value);
+    /* _current is left on this span, as in the pure core: every reader skips closed spans up
+     * to the innermost open one, and a set per stop (a new context mapping and a token) cost
+     * about 100 ns of the span's 500. The next start in this context moves it on. */
     if (PyTuple_GET_SIZE(R->listeners) && call_listeners(R, s_span_stopped, (PyObject *)self) < 0)
         goto error;
     if (R->prog != NULL && self->tid == R->progress_tid && progress_exit(self, R, t1) < 0)
@@ -1101,9 +1135,11 @@ done:
     Py_XDECREF(result);
     Py_XDECREF(when);
     Py_DECREF(rec);
+#ifdef HANDOFF
+    let_writer_in(t1);
+#endif
     Py_RETURN_NONE;
 error:
-    Py_XDECREF(value);
     Py_XDECREF(when);
     Py_DECREF(rec);
     return NULL;
@@ -1407,6 +1443,15 @@ PyInit__span(void)
     Py_INCREF(&RecorderCoreType);
     Py_INCREF(&SpanCoreType);
     Py_INCREF(&FactoryType);
+#ifdef HANDOFF
+    PyObject *wanted = PyCapsule_New(&gil_wanted_since, "traintrace._span._gil_wanted", NULL);
+    if (wanted == NULL || PyModule_AddObject(module, "_gil_wanted", wanted) < 0) {
+        Py_XDECREF(wanted);
+        Py_DECREF(module);
+        return NULL;
+    }
+    pthread_atfork(NULL, NULL, handoff_reset_child);
+#endif
     if (PyModule_AddObject(module, "Factory", (PyObject *)&FactoryType) < 0 ||
         PyModule_AddObject(module, "Counter", (PyObject *)&CounterType) < 0 ||
         PyModule_AddObject(module, "RecorderCore", (PyObject *)&RecorderCoreType) < 0 ||

@@ -27,6 +27,9 @@ try:
 except ImportError:  # not built (no compiler), or the pure-Python core asked for
     _native = None
 
+#: The native writer's write-and-yield (not on Windows, where the writer sleeps apart).
+_WRITE_PAUSE = _native is not None and hasattr(_native, "write_pause")
+
 if TYPE_CHECKING:
     from ._config import Config
     from .backends._base import Backend
@@ -39,8 +42,18 @@ _ERROR_LEVEL = int(Verbosity.ERROR)
 # written; _DONE its whole record is written; _HELD an observer keeps it back.
 _OPEN, _DONE, _HELD = 1, 2, 4
 
-# How many queued items the writer converts before letting other threads run.
+# At most how many queued items the writer converts before writing them out.
 _CHUNK = 512
+# Items a cycle converts past its budget to reach the stops of spans it wrote whole (see _cycle_body).
+_PAST_BUDGET = 8 * _CHUNK
+# The writer holds the GIL for at most about this long (ns) before it lets a waiting thread
+# in (``Pipeline._yield``): CPython hands the GIL over to a waiting thread only after the
+# switch interval (5 ms) unless the holder lets go, so a longer slice stalls the training thread.
+_SLICE_NS = 400_000
+# Items the pure-Python writer converts between two looks at the clock.
+_PURE_STEP = 64
+# Nanoseconds the writer sleeps between slices, long enough for a waiting thread to wake and take the GIL.
+_YIELD_NS = 50_000
 # Seconds of the close budget kept for the close record and the local files.
 _CLOSE_RESERVE = 0.25
 # Seconds close() waits for the writer beyond its budget (the writer keeps to the budget).
@@ -240,6 +253,8 @@ class Pipeline:
         self._signal_events: list[tuple[dict[str, Any], int, int, int]] = []
         self._seq = 1  # the header is 0
         self._open: dict[int, Span] = {}
+        #: Spans this cycle saw first already ended (written whole or held) less their stops seen since.
+        self._whole_unstopped = 0
         self._threads: dict[int, int] = {}
         self._anchor_wall = 0
         self._anchor_mono = 0
@@ -412,25 +427,39 @@ class Pipeline:
     def _cycle_body(self, drain: bool, waiters: list[threading.Event]) -> None:
         self._refresh_anchor()
         wrote = False
-        chunks = 0
         queue = self.queue
         budget = len(queue)
-        while queue and (drain or budget > 0):
+        past = _PAST_BUDGET
+        self._whole_unstopped = 0
+        native = self.native
+        if native is not None:
+            native.encoder.whole_unstopped = 0
+        # A span that ended after the cycle began is written whole where its start stands in
+        # the queue; its events stand between that and its stop. The cycle goes on to the
+        # stop (within _PAST_BUDGET), or a backend flushed now would send the span without
+        # them (OTLP: an event after its span is exported cannot join it).
+        clock = time.perf_counter_ns
+        slice_end = clock() + _SLICE_NS
+        while queue and (drain or budget > 0 or (past > 0 and self._stops_pending())):
             if self._deadline is not None and time.monotonic() > self._drain_deadline():
                 self._abandon_queue()  # close() is out of time: say what is not written
                 break
-            budget -= _CHUNK
+            yielded = False
+            # What was queued when the cycle began, exactly: past it, only to reach a stop (above).
+            limit = min(budget, _CHUNK) if budget > 0 and not drain else _CHUNK
             if self.native is not None:
-                wrote = self._convert_native(queue, self.native) or wrote
+                taken, written, yielded = self._convert_native(queue, self.native, slice_end, limit)
             else:
-                batch: list[tuple[int, dict[str, Any]]] = []
-                self._convert(queue, batch)
-                if batch:
-                    self._deliver(batch)
-                    wrote = True
-            chunks += 1
-            if chunks % 16 == 0:
-                time.sleep(0)  # let the training thread have the GIL now and then
+                taken, written = self._convert_pure(queue, slice_end, limit)
+            taken = max(taken, 1)
+            if budget <= 0:
+                past -= taken
+            budget -= taken
+            wrote = written or wrote
+            if clock() >= slice_end:
+                if not yielded and queue and self._deadline is None:
+                    self._yield()
+                slice_end = clock() + _SLICE_NS
         if self._signal_events:
             signalled: list[tuple[int, dict[str, Any]]] = []
             while self._signal_events:
@@ -468,6 +497,35 @@ class Pipeline:
         if wrote or waiters:
             self._flush_backends()
         self.cycles += 1
+
+    def _stops_pending(self) -> bool:
+        """Whether a span seen whole in this cycle still has its stop (and maybe events) in the queue."""
+        pending = self._whole_unstopped
+        if self.native is not None:
+            pending += self.native.encoder.whole_unstopped
+        return pending > 0
+
+    def _yield(self) -> None:
+        """Let a thread waiting for the GIL (the training thread) take it now.
+
+        Releasing the GIL for an instant is not enough: the writer takes it back before
+        the waiting thread wakes, and that thread waits on for the switch interval. The
+        writer sleeps long enough for it to wake; not at close, which nobody waits through.
+        """
+        time.sleep(_YIELD_NS / 1e9)
+
+    @staticmethod
+    def _write_yielding(fd: int, data: memoryview) -> int:
+        """``os.write`` that also yields (``_yield``), in one release of the GIL (the native writer's)."""
+        written: int = _native.write_pause(fd, data, _YIELD_NS)
+        return written
+
+    @staticmethod
+    def _write_hurrying(fd: int, data: memoryview) -> int:
+        """``_write_yielding`` when the writer is behind: the training thread lets the writer
+        back in at its next span stop, not after a switch interval (``span.c``: ``let_writer_in``)."""
+        written: int = _native.write_pause(fd, data, _YIELD_NS, True)
+        return written
 
     def _clean(self, attrs: Mapping[str, Any]) -> dict[str, Any]:
         try:
@@ -510,13 +568,28 @@ class Pipeline:
         out.append((int(Verbosity.INFO), record))
         return native
 
-    def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]], limit: int = _CHUNK) -> None:
+    def _convert_pure(self, queue: deque[Any], slice_end: int, limit: int = _CHUNK) -> tuple[int, bool]:
+        """Convert and deliver up to ``limit`` items, in steps until the slice's time is up; (items taken, wrote)."""
+        batch: list[tuple[int, dict[str, Any]]] = []
+        taken = 0
+        clock = time.perf_counter_ns
+        while queue and taken < limit:
+            taken += self._convert(queue, batch, min(_PURE_STEP, limit - taken))
+            if clock() >= slice_end:
+                break
+        if batch:
+            self._deliver(batch)
+        return taken, bool(batch)
+
+    def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]], limit: int = _CHUNK) -> int:
+        """Convert up to ``limit`` queued items into ``out``; returns how many were taken."""
+        count = min(len(queue), limit)
         # One iterator for the chunk: after a bad item the loop resumes where it stopped.
-        rounds = iter(range(min(len(queue), limit)))
+        rounds = iter(range(count))
         while True:
             try:
                 self._convert_items(queue, rounds, out)
-                return
+                return count
             except BaseException as exc:  # noqa: BLE001 - a user's value may raise anything
                 self._bad_item(exc, out)
 
@@ -536,11 +609,15 @@ class Pipeline:
                     state = span.written
                     if state:
                         # Second sighting: the span's stop.
+                        if state != _OPEN:
+                            self._whole_unstopped -= 1
                         if state == _OPEN or observers:
                             self._seq = seq
                             self._stopped(span, state, out)
                             seq = self._seq
                         continue
+                    if span.t1 is not None:
+                        self._whole_unstopped += 1
                     if observers and span.t1 is not None:
                         self._seq = seq
                         held = self._hold(span, False)
@@ -659,19 +736,18 @@ class Pipeline:
         )
         return NativeWriter(encoder, files[0], others, dict_level)
 
-    def _convert_native(self, queue: deque[Any], native: NativeWriter) -> bool:
-        """Convert a chunk with the native encoder; True if anything was written.
+    def _convert_native(
+        self, queue: deque[Any], native: NativeWriter, slice_end: int, limit: int = _CHUNK
+    ) -> tuple[int, bool, bool]:
+        """Convert a chunk with the native encoder, stopping at ``slice_end`` (perf_counter_ns);
+        (items taken, True if anything was written, True if its write yielded: ``_write_yielding``).
 
         Items it hands back (anything unusual) are converted by ``_convert_items`` and
         their records encoded in place, so the file's lines keep their order.
         """
         wall0 = self._anchor_wall - self._anchor_mono
         if not -(2**62) < wall0 < 2**62:  # a clock the encoder's 64-bit sums cannot hold
-            batch: list[tuple[int, dict[str, Any]]] = []
-            self._convert(queue, batch)
-            if batch:
-                self._deliver(batch)
-            return bool(batch)
+            return (*self._convert_pure(queue, slice_end, limit), False)
         encoder = native.encoder
         if native.others:
             level = self._dict_level(native.others)
@@ -689,8 +765,12 @@ class Pipeline:
                     mode = 1  # only the statistics, which the encoder knows
         dicts: list[tuple[int, dict[str, Any]]] = []
         popleft = queue.popleft
-        left = min(len(queue), _CHUNK)
+        left = chunk = min(len(queue), limit)
+        clock = time.perf_counter_ns
         while left > 0:
+            budget = slice_end - clock()
+            if budget <= 0 and left < chunk:
+                break  # the slice is over: write what is converted, the rest after the yield
             if stats is not None:
                 steps_left = max(stats.log_interval - stats._steps, 1)
                 want_t0 = bool(stats.step_info)
@@ -699,7 +779,7 @@ class Pipeline:
                 steps_left, want_t0, state = _NO_INTERVAL, False, None
             try:
                 taken, self._seq, item = encoder.convert(
-                    popleft, left, wall0, self._seq, mode, steps_left, want_t0, state
+                    popleft, left, wall0, self._seq, mode, steps_left, want_t0, state, max(budget, 1)
                 )
             except Exception:  # out of memory in C: the Python path takes over for good
                 log.exception("traintrace: the native encoder failed; the pure-Python writer takes over")
@@ -730,17 +810,25 @@ class Pipeline:
             if not more:
                 break  # the queue is empty, or the chunk's bytes are many: the rest in the next chunk
         data, count, first, last = encoder.take()
-        wrote = False
+        wrote = yielded = False
         if count:
             wrote = True
+            # The slice is over and more is queued: the write lets the training thread in.
+            yielded = bool(queue) and self._deadline is None and clock() >= slice_end and not dicts and _WRITE_PAUSE
+            write = None
+            if yielded:
+                # Behind (non-blocking mode, where falling behind drops): the training thread lets the
+                # writer back in at its next span stop. In blocking mode a full queue waits instead.
+                behind = not self.blocking and len(queue) >= self.capacity // 8
+                write = self._write_hurrying if behind else self._write_yielding
             try:
-                native.route.backend.write_lines(data, count, first, last)  # type: ignore[attr-defined]
+                native.route.backend.write_lines(data, count, first, last, write)  # type: ignore[attr-defined]
             except Exception as exc:  # noqa: BLE001 - as in _deliver
                 self._backend_failed(native.route, exc, count)
         if dicts:
             wrote = True
             self._deliver(dicts, native.others)
-        return wrote
+        return chunk - left, wrote, yielded
 
     @staticmethod
     def _dict_level(others: list[Route]) -> int:

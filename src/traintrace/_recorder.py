@@ -293,10 +293,9 @@ class _PySpanCore:
         if exc is not None:
             rec._span_failed(self, exc, t1)
         self.t1 = t1
-        if _current.get() is self:
-            # Not a reset token: holding one per queued span doubles the objects the
-            # garbage collector walks. A closed parent is skipped at the next start.
-            _current.set(self.parent)
+        # _current is left on this span: every reader skips closed spans up to the innermost
+        # open one, and a set per stop (a new context mapping, a token) cost about 100 ns of a
+        # native span's 500. The next start in this context moves it on.
         if rec._listeners:
             for listener in rec._listeners:
                 listener.span_stopped(self)

@@ -7,7 +7,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,8 @@ class FileBackend:
         self._failing = False
         self._reopened = False
         self._identity: tuple[int, int] = (-1, -1)
+        #: Look for a moved or deleted file before the next write (once per write cycle: see ``flush``).
+        self._check_due = True
         self.bytes_written = 0
 
     def open(self, header: Record) -> None:
@@ -135,17 +137,29 @@ class FileBackend:
         first, last = seq_range(records)
         self.write_lines(dumps_lines(records), len(records), first, last)
 
-    def write_lines(self, payload: bytes, count: int, first_seq: int | None, last_seq: int | None) -> None:
+    def write_lines(
+        self,
+        payload: bytes,
+        count: int,
+        first_seq: int | None,
+        last_seq: int | None,
+        write: Callable[[int, memoryview], int] | None = None,
+    ) -> None:
         """Append ``count`` records already encoded as JSON lines (the writer's native encoder).
 
         ``first_seq``/``last_seq``: their sequence numbers, for the note if the write fails.
+        ``write``: makes the first ``os.write`` call instead of it (the writer's, which also
+        lets the training thread take the GIL: ``_pipeline.Pipeline._yield``).
         """
         if not count:
             return
-        self._check_replaced()
+        if self._check_due:
+            # Once per write cycle: each look is two system calls, and each lets go of the GIL.
+            self._check_due = False
+            self._check_replaced()
         if self._lost and not self._failing:
             payload = self._lost_note() + payload
-        if self._write_bytes(payload):
+        if self._write_bytes(payload, write):
             if self._lost and self._failing:
                 self._failing = False
                 self._write_bytes(self._lost_note())
@@ -171,7 +185,7 @@ class FileBackend:
         self._lost, self._lost_first, self._lost_last = 0, None, None
         return dumps(note) + b"\n"
 
-    def _write_bytes(self, data: bytes) -> bool:
+    def _write_bytes(self, data: bytes, write: Callable[[int, memoryview], int] | None = None) -> bool:
         if self._fd < 0:
             try:
                 self._open_file()
@@ -187,6 +201,8 @@ class FileBackend:
         view = memoryview(data)
         written = 0
         try:
+            if write is not None:
+                written = write(self._fd, view)
             while written < len(view):
                 written += os.write(self._fd, view[written:])
         except OSError as exc:
@@ -213,7 +229,8 @@ class FileBackend:
             )
 
     def flush(self) -> None:
-        return None
+        # The end of a write cycle: the next cycle's first write looks for a moved file.
+        self._check_due = True
 
     def close(self) -> None:
         if self._fd < 0:
