@@ -540,3 +540,139 @@ def test_encoder_failure_hands_over_to_python(tmp_path: Path, caplog: pytest.Log
     records = [json.loads(line) for line in (tmp_path / "j" / "rank0.jsonl").read_text().splitlines()]
     assert [r["seq"] for r in records] == list(range(len(records)))
     assert sum(r.get("name") == "iteration" for r in records) == 1000
+
+
+#: Values whose sum depends on the order of the additions (0.1 + 1e16 - 1e16 is 0.0, 1e16 - 1e16 + 0.1 is 0.1).
+_ORDERED = [0.1, 1e16, -1e16, 0.3, 1e-300, -0.0, 2.5e-5, 1e16, 0.7, -1e16, 3.0, 1.7976931348623157e308 / 4, 1e-7]
+
+
+def _iteration_span(step: int, parent: Span, span_id: int, *, t0: int, t1: int, metrics: Any) -> Span:
+    it = Span("iteration", {"step": step}, 3)
+    it.parent, it.id, it.tid, it.status, it.written = parent, span_id, _IDENTS[0], "ok", 0
+    it.metrics, it.t0, it.t1 = metrics, t0, t1
+    return it
+
+
+@pytest.mark.parametrize("log_interval", [7, 100, 1500])
+def test_interval_means_sum_in_pythons_order(tmp_path: Path, log_interval: int) -> None:
+    """The encoder's C sums of metrics and phases end as the Python path's sequential sums, bit for bit.
+
+    Float metrics whose sum depends on the order of additions, more keys than the encoder's table
+    holds at once (it writes them back mid-chunk), keys that come and go, equal keys that are different
+    str objects, intervals longer than a chunk (the sum continues from the dict's value), iterations
+    the statistics take in Python mid-interval (``tokens``), and phase sums beyond 64 bits.
+    """
+    items: list[Any] = []
+    clock = 10_000
+    loop = Span("training_loop", None, 1)
+    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
+    loop.written, loop.t0, loop.t1 = 0, clock, None
+    items.append(loop)
+    next_id = 2
+    for step in range(3000):
+        value = _ORDERED[step % len(_ORDERED)] * (1 + step % 5)
+        metrics: dict[str, Any] = {"".join(["lo", "ss"]): value, "lr": _ORDERED[(step * 7) % len(_ORDERED)]}
+        if step % 11 < 4:
+            metrics.update({f"m{k}": _ORDERED[(step + k) % len(_ORDERED)] for k in range(step % 60)})
+        if step % 97 == 0:
+            metrics["tokens"] = 100  # a reserved count: this iteration goes through Python
+        if step % 13 == 5:
+            metrics = {"acc": step}  # no float: keys disappear for a while
+        t0 = clock
+        clock += 1000 + (step * 7919) % 90_000
+        it = _iteration_span(step, loop, next_id, t0=t0, t1=clock, metrics=metrics)
+        fwd = Span("model_forward", None, 4)
+        fwd.parent, fwd.id, fwd.tid, fwd.status, fwd.written = it, next_id + 1, _IDENTS[0], "ok", 0
+        fwd.metrics, fwd.t0, fwd.t1 = None, t0 + 10, t0 + 500
+        items.extend([it, fwd, fwd, it])
+        next_id += 2
+        if step % 400 == 399:
+            # phases of 2**61 - 2 ns each: the interval's phase sum passes 2**63
+            for _ in range(6):
+                big = Span("model_backward", None, 4)
+                big.parent, big.id, big.tid, big.status, big.written = it, next_id, _IDENTS[0], "ok", 0
+                big.metrics, big.t0, big.t1 = None, 1, 2**61 - 1
+                items.extend([big, big])
+                next_id += 1
+    items.append(_Stop(loop, clock + 1))
+    native_lines, python_lines = run_both(tmp_path, items, observer="stats", log_interval=log_interval, redact=False)
+    assert native_lines == python_lines
+    events = [json.loads(line)["attrs"] for line in native_lines if b'"training_iterations"' in line]
+    assert len(events) == 3000 // log_interval + 1
+    assert any("m30" in e for e in events) and any("average_backward_time" in e for e in events)
+
+
+def test_interval_means_match_a_python_sum(tmp_path: Path) -> None:
+    """One interval over several chunks: the mean written is Python's sum in order, divided by the count."""
+    finite = [value for value in _ORDERED if abs(value) < 1e300]
+    values = [finite[i % len(finite)] for i in range(2000)]
+    loop = Span("training_loop", None, 1)
+    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
+    loop.written, loop.t0, loop.t1 = 0, 1000, None
+    items: list[Any] = [loop]
+    for step, value in enumerate(values):
+        items.extend(
+            [_iteration_span(step, loop, step + 2, t0=2000 + step * 10, t1=2005 + step * 10, metrics={"x": value})] * 2
+        )
+    items.append(_Stop(loop, 10**8))
+    native_lines, python_lines = run_both(tmp_path, items, observer="stats", log_interval=10_000, redact=False)
+    assert native_lines == python_lines
+    total = 0.0
+    for value in values:
+        total += value
+    assert total != math.fsum(values)  # the order of the additions shows
+    (event,) = [json.loads(line)["attrs"] for line in native_lines if b'"training_iterations"' in line]
+    assert event["x"] == total / len(values)
+
+
+def test_recurring_floats_are_written_as_python_writes_them(tmp_path: Path) -> None:
+    """The encoder keeps the text of recent floats by their bits: recurring, colliding and signed zeros."""
+    pool = [0.0, -0.0, 1e-5, -1e-5, 1.5e-5, 1e-4, 3e-4, 1e15, 1e16, -1e16, 0.1, 1 / 3, 5e-324, 2.5e-5, 1e-7]
+    pool += [step * 1.000000001e-3 for step in range(600)]  # more values than the cache holds
+    items: list[Any] = []
+    for step in range(3000):
+        value = pool[(step * 37) % len(pool)]
+        attrs = {"step": step, "lr": pool[step % 15], "loss": value, "neg": -value}
+        span = Span("my_phase", attrs, 3)
+        span.parent, span.id, span.tid, span.metrics, span.status = None, step + 1, _IDENTS[0], None, "ok"
+        span.written, span.t0, span.t1 = 0, 1000 * step + 1, 1000 * step + 500
+        items.extend([span, span])
+    for observer in ("none", "stats"):
+        native_lines, python_lines = run_both(tmp_path, items, observer=observer, log_interval=10, redact=False)
+        assert native_lines == python_lines
+
+
+def test_sums_the_encoder_cannot_continue_in_c_go_on_in_python() -> None:
+    """Dict values C does not hold (an int sum, counts past 64 bits) and a phase sum passing 2**63."""
+    from traintrace._stats import PHASE_FIELDS, PYTHON_NAMES, RESERVED
+
+    threads = {_IDENTS[0]: 7}
+    encoder = native.Encoder(threads, {}, None, PYTHON_NAMES, RESERVED, 4, -1, STYLE)
+    spans: list[Span] = []
+    for index in range(6):
+        it = Span("iteration", {"step": index}, 3)
+        it.parent, it.id, it.tid, it.status, it.written = None, 10 + index, _IDENTS[0], "ok", 0
+        it.metrics, it.t0, it.t1 = {"a": 0.1, "b": 1e16, "c": 0.3}, 1000 + index, 2000 + index
+        fwd = Span("model_forward", None, 4)
+        fwd.parent, fwd.id, fwd.tid, fwd.status, fwd.written = it, 20 + index, _IDENTS[0], "ok", 0
+        fwd.metrics, fwd.t0, fwd.t1 = None, 1, 2**61 - 1
+        spans.extend([it, it, fwd, fwd])
+    metric_sum: dict[str, Any] = {"a": 10**30, "c": -1e16}
+    metric_count: dict[str, int] = {"a": 3, "b": 2**70, "c": 5}
+    phase_sum: dict[str, int] = {"average_forward_time": 2**62}
+    phase_count: dict[str, int] = {}
+    state = (PHASE_FIELDS, phase_sum, phase_count, metric_sum, metric_count, {}, {}, 1.0)
+    queue = list(spans)
+    taken, _, back = encoder.convert(iter(queue).__next__, len(queue), 0, 1, 1, 1000, False, state)
+    assert (taken, back) == (len(queue), None)
+    expected_sum: dict[str, Any] = {"a": 10**30, "c": -1e16}
+    expected_count: dict[str, int] = {"a": 3, "b": 2**70, "c": 5}
+    for _ in range(6):
+        for key, value in (("a", 0.1), ("b", 1e16), ("c", 0.3)):
+            expected_sum[key] = expected_sum.get(key, 0.0) + value
+            expected_count[key] = expected_count.get(key, 0) + 1
+    assert metric_sum == expected_sum and list(metric_sum) == ["a", "c", "b"]
+    assert metric_count == expected_count
+    assert all(type(metric_sum[k]) is type(expected_sum[k]) for k in expected_sum)
+    assert phase_sum == {"average_forward_time": 2**62 + 6 * (2**61 - 2)}
+    assert phase_count == {"average_forward_time": 6}

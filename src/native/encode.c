@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -145,7 +146,7 @@ static int put_str(Buf *b, PyObject *u) {
  * repr's digits; json (style 0) as Python's repr, orjson (style 1) in fixed
  * notation for decimal exponents -5..15 and otherwise as 1e-7 / 1e+16.
  */
-static int put_float(Buf *b, double v, int style) {
+static int format_float(Buf *b, double v, int style) {
     char *r = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
     if (r == NULL) return -1;
     int rc = 0;
@@ -170,6 +171,38 @@ static int put_float(Buf *b, double v, int style) {
         }
     }
     PyMem_Free(r);
+    return rc;
+}
+
+/*
+ * The text of recent floats, by their bits: the shortest repr costs thousands of instructions
+ * (big-number arithmetic) and many values recur, in the statistics' events (percentiles of
+ * histogram buckets, zero times) and in metrics (a learning rate). A hit writes the same bytes
+ * format_float wrote for the same bits.
+ */
+#define FCACHE 256 /* a power of two */
+#define FTEXT 32   /* the longest text is 24 bytes (-2.2250738585072014e-308, -0.0000 and 17 digits) */
+
+typedef struct {
+    uint64_t bits[FCACHE];
+    unsigned char len[FCACHE]; /* 0: empty */
+    char text[FCACHE][FTEXT];
+} FloatCache;
+
+static int put_float(Buf *b, double v, int style, FloatCache *fc) {
+    if (fc == NULL) return format_float(b, v, style);
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    unsigned i = (unsigned)((bits * 0x9E3779B97F4A7C15ULL) >> 56) & (FCACHE - 1);
+    if (fc->len[i] && fc->bits[i] == bits) return buf_put(b, fc->text[i], fc->len[i]);
+    Py_ssize_t mark = b->len;
+    int rc = format_float(b, v, style);
+    Py_ssize_t n = b->len - mark;
+    if (rc == 0 && n > 0 && n < FTEXT) {
+        memcpy(fc->text[i], b->data + mark, (size_t)n);
+        fc->len[i] = (unsigned char)n;
+        fc->bits[i] = bits;
+    }
     return rc;
 }
 
@@ -226,7 +259,7 @@ static int attrs_plain(PyObject *d, PyObject *cache) {
 }
 
 /* Only after attrs_plain() said RC_OK; still RC_YIELD for strings that are not UTF-8. */
-static int put_attrs(Buf *b, PyObject *d, int style) {
+static int put_attrs(Buf *b, PyObject *d, int style, FloatCache *fc) {
     Py_ssize_t pos = 0;
     PyObject *k, *v;
     int first = 1, rc;
@@ -237,7 +270,7 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
         if ((rc = put_str(b, k)) != RC_OK) return rc;
         if (PUT_LIT(b, ":") < 0) return -1;
         if (PyFloat_CheckExact(v)) {
-            rc = put_float(b, PyFloat_AS_DOUBLE(v), style);
+            rc = put_float(b, PyFloat_AS_DOUBLE(v), style, fc);
         } else if (PyLong_CheckExact(v)) {
             rc = put_i64(b, PyLong_AsLongLong(v));
         } else if (PyUnicode_CheckExact(v)) {
@@ -247,7 +280,7 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
         } else if (v == Py_False) {
             rc = PUT_LIT(b, "false");
         } else if (PyDict_CheckExact(v)) {
-            rc = put_attrs(b, v, style); /* one level, checked by attrs_plain */
+            rc = put_attrs(b, v, style, fc); /* one level, checked by attrs_plain */
         } else {
             rc = PUT_LIT(b, "null");
         }
@@ -265,6 +298,7 @@ static int put_attrs(Buf *b, PyObject *d, int style) {
    (a power of two), flushed once it is HBINS_FULL full or the interval ends. */
 #define HBINS 256
 #define HBINS_FULL 192
+#define KCACHE 64 /* a power of two */
 
 typedef struct {
     PyTypeObject *type;    /* strong reference */
@@ -293,6 +327,9 @@ typedef struct {
     /* iterations the statistics observer has not absorbed yet */
     Py_ssize_t iter_n;
     PyObject *t0s, *last_step, *loop_id, *ident;
+    /* Read when the batch is taken, not per iteration (names, ids and tids do not change once queued):
+       the parent of the latest iterations, not yet looked at, and the latest iteration (its tid). */
+    PyObject *parent_pending, *last_span;
     long long first_t0, last_t1, max_t1, sum_dur, min_dur, max_dur;
     FieldMap maps[TYPE_CACHE];
     int next_map;
@@ -301,6 +338,10 @@ typedef struct {
     int hn;                  /* slots in use */
     long long hkey[HBINS];   /* a slot's bucket key, valid where its count is not 0 */
     long long hcount[HBINS]; /* 0: the slot is free */
+    /* What RESERVED makes of an attribute key (K_*), by the key object: most spans reuse the same few. */
+    PyObject *kkey[KCACHE]; /* strong references */
+    unsigned char kclass[KCACHE];
+    FloatCache *floats; /* NULL: not allocated (out of memory), floats are formatted every time */
 } Encoder;
 
 static void clear_batch(Encoder *e) {
@@ -309,6 +350,8 @@ static void clear_batch(Encoder *e) {
     Py_CLEAR(e->last_step);
     Py_CLEAR(e->loop_id);
     Py_CLEAR(e->ident);
+    Py_CLEAR(e->parent_pending);
+    Py_CLEAR(e->last_span);
 }
 
 static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
@@ -324,6 +367,8 @@ static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
     Py_VISIT(e->last_step);
     Py_VISIT(e->loop_id);
     Py_VISIT(e->ident);
+    Py_VISIT(e->parent_pending);
+    Py_VISIT(e->last_span);
     return 0;
 }
 
@@ -340,6 +385,7 @@ static int Encoder_clear(Encoder *e) {
     memset(e->hcount, 0, sizeof e->hcount);
     clear_batch(e);
     for (int i = 0; i < TYPE_CACHE; i++) Py_CLEAR(e->maps[i].type);
+    for (int i = 0; i < KCACHE; i++) Py_CLEAR(e->kkey[i]);
     return 0;
 }
 
@@ -347,6 +393,7 @@ static void Encoder_dealloc(Encoder *e) {
     PyObject_GC_UnTrack(e);
     Encoder_clear(e);
     PyMem_Free(e->buf.data);
+    PyMem_Free(e->floats);
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
@@ -376,6 +423,7 @@ static PyObject *Encoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     e->style = style;
     e->first_seq = Py_NewRef(Py_None);
     e->last_seq = Py_NewRef(Py_None);
+    e->floats = PyMem_Calloc(1, sizeof(FloatCache)); /* optional: NULL formats every float */
     return (PyObject *)e;
 }
 
@@ -463,12 +511,35 @@ static inline int short_str(PyObject *v, Py_ssize_t limit) {
 /* What the statistics observer (_stats.IterationStats) does with an ended span. */
 enum { OBS_NOTHING, OBS_ITERATION, OBS_PHASE, OBS_PYTHON };
 
+/*
+ * An interval sum kept in C while convert() runs, instead of a new float and int per value in the
+ * dicts: a metric's sum and count (metric_sum, metric_count) or a phase's (phase_sum, phase_count).
+ * A slot starts from the dicts' values and adds in the order Python would, so the float it writes
+ * back is the one the sequential Python sums would hold (float addition is not associative: a
+ * partial sum added to the old one could differ in the last bit). acc_flush() writes the slots
+ * back before Python can read the dicts: when convert() returns, or when the table is full.
+ */
+#define ACC_SLOTS 64 /* a power of two */
+#define ACC_FULL 48
+enum { ACC_METRIC, ACC_PHASE };
+
+typedef struct {
+    PyObject *key; /* strong reference; NULL: the slot is free */
+    Py_hash_t hash;
+    int kind;      /* ACC_METRIC: fsum; ACC_PHASE: isum */
+    int python;    /* the dicts hold what C cannot continue exactly (not a float, an int beyond 64 bits) */
+    double fsum;
+    long long isum, count;
+} Acc;
+
 /* The statistics' state for one convert() call (see _pipeline._convert_native). */
 typedef struct {
     PyObject *phase_fields; /* dict: span name -> field (PHASE_FIELDS) */
     PyObject *phase_sum, *phase_count, *metric_sum, *metric_count, *metric_last; /* the interval's dicts */
     PyObject *buckets; /* the interval's LogHistogram._buckets */
     double inv_log;
+    int acc_n; /* slots in use */
+    Acc acc[ACC_SLOTS];
 } Stats;
 
 static int plain_value(PyObject *v) {
@@ -478,7 +549,7 @@ static int plain_value(PyObject *v) {
 
 /* hold(): False without side effects? (iteration with plain values, or a name it ignores) */
 static int hold_is_noop(Encoder *e, PyObject *name, PyObject *attrs, PyObject *metrics) {
-    int is_iter = PyUnicode_Compare(name, S_ITERATION) == 0;
+    int is_iter = name == S_ITERATION || PyUnicode_Compare(name, S_ITERATION) == 0;
     if (!is_iter) return PySet_Contains(e->python_names, name) == 0;
     PyObject *values[2] = {attrs, metrics};
     for (int i = 0; i < 2; i++) {
@@ -493,9 +564,30 @@ static int hold_is_noop(Encoder *e, PyObject *name, PyObject *attrs, PyObject *m
     return 1;
 }
 
+/* An attribute key of an iteration: averaged (K_PLAIN), its step, num_iterations, or another reserved key. */
+enum { K_PLAIN = 1, K_STEP, K_NUM_ITERATIONS, K_RESERVED };
+
 static int is_step_key(PyObject *k) {
     return PyUnicode_Compare(k, S_STEP) == 0 || PyUnicode_Compare(k, S_CURRENT_ITERATION) == 0 ||
            PyUnicode_Compare(k, S_ITERATION) == 0;
+}
+
+/* The K_* of an exact str key (the set look-up and comparisons once per key object, not per span). */
+static int key_class(Encoder *e, PyObject *k) {
+    unsigned i = (unsigned)((((uintptr_t)k >> 4) * 0x9E3779B97F4A7C15ULL) >> 58) & (KCACHE - 1);
+    if (e->kkey[i] == k) return e->kclass[i];
+    int reserved = PySet_Contains(e->reserved, k);
+    if (reserved < 0) {
+        PyErr_Clear();
+        return K_RESERVED; /* left to Python, which raises the same way */
+    }
+    int c = !reserved                                      ? K_PLAIN
+            : is_step_key(k)                               ? K_STEP
+            : PyUnicode_Compare(k, S_NUM_ITERATIONS) == 0 ? K_NUM_ITERATIONS
+                                                           : K_RESERVED;
+    Py_XSETREF(e->kkey[i], Py_NewRef(k));
+    e->kclass[i] = (unsigned char)c;
+    return c;
 }
 
 /*
@@ -505,8 +597,8 @@ static int is_step_key(PyObject *k) {
  * statistics ignore; OBS_PYTHON for everything else.
  */
 static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyObject *metrics, PyObject *status,
-                    PyObject **field) {
-    if (PyUnicode_Compare(name, S_ITERATION) != 0) {
+                    PyObject **field, PyObject **step, int *counted) {
+    if (name != S_ITERATION && PyUnicode_Compare(name, S_ITERATION) != 0) {
         PyObject *f = PyDict_GetItemWithError(st->phase_fields, name);
         if (f != NULL) {
             *field = f;
@@ -521,7 +613,8 @@ static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyOb
         if (n >= 15 && PyUnicode_Tailmatch(name, S_INIT_SUFFIX, 0, n, 1) != 0) return OBS_PYTHON;
         return OBS_NOTHING;
     }
-    if (status == NULL || !PyUnicode_Check(status) || PyUnicode_Compare(status, S_OK) != 0) return OBS_PYTHON;
+    if (status == NULL || !PyUnicode_Check(status) || (status != S_OK && PyUnicode_Compare(status, S_OK) != 0))
+        return OBS_PYTHON;
     PyObject *values[2] = {attrs, metrics};
     for (int i = 0; i < 2; i++) {
         PyObject *d = values[i];
@@ -531,8 +624,12 @@ static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyOb
         PyObject *k, *v;
         while (PyDict_Next(d, &pos, &k, &v)) {
             if (!PyUnicode_CheckExact(k) || !plain_value(v)) return OBS_PYTHON;
-            if (PySet_Contains(e->reserved, k) != 0 && !is_step_key(k) && PyUnicode_Compare(k, S_NUM_ITERATIONS) != 0)
-                return OBS_PYTHON; /* batch_size, tokens, flops, skipped */
+            int cls = key_class(e, k);
+            if (cls == K_RESERVED) return OBS_PYTHON; /* batch_size, tokens, flops, skipped */
+            if (cls == K_STEP)
+                *step = v; /* borrowed: the caller takes a reference */
+            else if (cls == K_PLAIN && v != Py_None)
+                *counted = 1; /* a mean or a last value for count_iteration */
         }
     }
     return OBS_ITERATION;
@@ -570,27 +667,179 @@ static int hist_flush(Encoder *e) {
     return rc;
 }
 
+/* An int from a sums dict as C continues it: 0 when absent; RC_YIELD when not an exact int within 64 bits. */
+static int load_i64(PyObject *dict, PyObject *key, long long *out) {
+    PyObject *v = PyDict_GetItemWithError(dict, key);
+    *out = 0;
+    if (v == NULL) return PyErr_Occurred() ? -1 : RC_OK;
+    return as_i64(v, out);
+}
+
+/* Write a slot's sum and count back into its dicts (already holding the key, so nothing is reordered). */
+static int acc_store(Stats *st, Acc *a) {
+    PyObject *sums = a->kind == ACC_METRIC ? st->metric_sum : st->phase_sum;
+    PyObject *counts = a->kind == ACC_METRIC ? st->metric_count : st->phase_count;
+    PyObject *sum = a->kind == ACC_METRIC ? PyFloat_FromDouble(a->fsum) : PyLong_FromLongLong(a->isum);
+    PyObject *count = PyLong_FromLongLong(a->count);
+    int rc = (sum && count && PyDict_SetItem(sums, a->key, sum) == 0 && PyDict_SetItem(counts, a->key, count) == 0)
+                 ? 0
+                 : -1;
+    Py_XDECREF(sum);
+    Py_XDECREF(count);
+    return rc;
+}
+
+/* Every slot back into the dicts, and the table emptied (after a failure too: those values are lost). */
+static int acc_flush(Stats *st) {
+    int rc = 0;
+    for (int i = 0; i < ACC_SLOTS && st->acc_n; i++) {
+        Acc *a = &st->acc[i];
+        if (a->key == NULL) continue;
+        if (!a->python && acc_store(st, a) < 0) {
+            PyErr_Clear();
+            rc = -1;
+        }
+        Py_CLEAR(a->key);
+        st->acc_n--;
+    }
+    st->acc_n = 0;
+    return rc;
+}
+
+/*
+ * The slot of (kind, key), set up on first sight from the dicts' values, the key added to the dicts
+ * now (with its values so far) so that they keep the order Python's first insertion gives them.
+ * NULL on failure (an error set).
+ */
+static Acc *acc_slot(Stats *st, PyObject *key, int kind, int *fresh) {
+    *fresh = 0;
+    Py_hash_t hash = PyObject_Hash(key); /* a str: cached */
+    if (hash == -1) return NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        unsigned i = (unsigned)((((unsigned long long)hash ^ (unsigned long long)kind) * 0x9E3779B97F4A7C15ULL) >> 58);
+        for (;; i = (i + 1) & (ACC_SLOTS - 1)) {
+            Acc *a = &st->acc[i];
+            if (a->key == NULL) break;
+            if (a->kind == kind &&
+                (a->key == key || (a->hash == hash && PyUnicode_Compare(a->key, key) == 0)))
+                return a;
+        }
+        if (st->acc_n < ACC_FULL) break;
+        acc_flush(st); /* full: nothing is lost, the values are in the dicts */
+    }
+    unsigned i = (unsigned)((((unsigned long long)hash ^ (unsigned long long)kind) * 0x9E3779B97F4A7C15ULL) >> 58);
+    while (st->acc[i].key != NULL) i = (i + 1) & (ACC_SLOTS - 1);
+    Acc *a = &st->acc[i];
+    PyObject *sums = kind == ACC_METRIC ? st->metric_sum : st->phase_sum;
+    PyObject *counts = kind == ACC_METRIC ? st->metric_count : st->phase_count;
+    int rc_count = load_i64(counts, key, &a->count);
+    if (rc_count < 0) return NULL;
+    a->python = rc_count != RC_OK;
+    a->fsum = 0.0;
+    a->isum = 0;
+    if (kind == ACC_METRIC) {
+        PyObject *v = PyDict_GetItemWithError(sums, key);
+        if (v == NULL && PyErr_Occurred()) return NULL;
+        if (v != NULL) {
+            if (PyFloat_CheckExact(v))
+                a->fsum = PyFloat_AS_DOUBLE(v);
+            else
+                a->python = 1;
+        }
+    } else {
+        int rc_sum = load_i64(sums, key, &a->isum);
+        if (rc_sum < 0) return NULL;
+        if (rc_sum != RC_OK) a->python = 1;
+    }
+    a->key = Py_NewRef(key);
+    a->hash = hash;
+    a->kind = kind;
+    st->acc_n++;
+    *fresh = 1;
+    return a;
+}
+
+/* Python's ``sums[key] = sums.get(key, start) + value; counts[key] = counts.get(key, 0) + 1``. */
+static int add_python(Stats *st, Acc *a, PyObject *value, PyObject *start) {
+    PyObject *sums = a->kind == ACC_METRIC ? st->metric_sum : st->phase_sum;
+    PyObject *counts = a->kind == ACC_METRIC ? st->metric_count : st->phase_count;
+    if (add_to(sums, a->key, value, start) < 0) return -1;
+    return add_to(counts, a->key, ONE, ZERO_I);
+}
+
+static int acc_metric(Stats *st, PyObject *key, PyObject *value) {
+    int fresh;
+    Acc *a = acc_slot(st, key, ACC_METRIC, &fresh);
+    if (a == NULL) return -1;
+    if (!a->python && a->count < LLONG_MAX) {
+        a->fsum += PyFloat_AS_DOUBLE(value);
+        a->count++;
+        /* A slot new since the last flush writes its first value at once: a new key enters the dicts in
+           the order Python's first insertion would give it. */
+        return fresh ? acc_store(st, a) : 0;
+    }
+    if (!a->python) {
+        a->python = 1;
+        if (acc_store(st, a) < 0) return -1;
+    }
+    return add_python(st, a, value, ZERO_F);
+}
+
+static int acc_phase(Stats *st, PyObject *key, long long dur) {
+    int fresh;
+    Acc *a = acc_slot(st, key, ACC_PHASE, &fresh);
+    if (a == NULL) return -1;
+    int fits = dur >= 0 ? a->isum <= LLONG_MAX - dur : a->isum >= LLONG_MIN - dur;
+    if (!a->python && fits && a->count < LLONG_MAX) {
+        a->isum += dur;
+        a->count++;
+        return fresh ? acc_store(st, a) : 0;
+    }
+    if (!a->python) {
+        a->python = 1; /* beyond 64 bits: Python ints from here on */
+        if (acc_store(st, a) < 0) return -1;
+    }
+    PyObject *d = PyLong_FromLongLong(dur);
+    if (d == NULL) return -1;
+    int rc = add_python(st, a, d, ZERO_I);
+    Py_DECREF(d);
+    return rc;
+}
+
 /* _iteration's sums for a checked iteration: metric means and last values, the histogram, the interval. */
+/* The pending parent's id becomes the loop's if it is a training loop (_iteration's ``self._loop_id``). */
+static void resolve_parent(Encoder *e) {
+    PyObject *parent = e->parent_pending;
+    if (parent == NULL) return;
+    e->parent_pending = NULL;
+    if (parent != Py_None) {
+        PyObject *pname = get(e, parent, F_NAME);
+        if (pname != NULL && PyUnicode_Check(pname) && PyUnicode_Compare(pname, S_TRAINING_LOOP) == 0) {
+            PyObject *pid = get(e, parent, F_ID);
+            if (pid != NULL) Py_XSETREF(e->loop_id, pid);
+        }
+        Py_XDECREF(pname);
+    }
+    Py_DECREF(parent);
+    PyErr_Clear();
+}
+
+/* ``step``: observed()'s (the last step key's value, or Py_None); ``counted``: whether any key is averaged or kept. */
 static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attrs, PyObject *metrics, long long t0,
-                           long long t1, int want_t0) {
+                           long long t1, int want_t0, PyObject *step, int counted) {
     long long dur = t1 - t0;
-    PyObject *step = Py_None;
     int shadow = attrs != Py_None && PyDict_GET_SIZE(attrs) && metrics != Py_None && PyDict_GET_SIZE(metrics);
     PyObject *values[2] = {attrs, metrics};
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2 && counted; i++) {
         PyObject *d = values[i];
         if (d == Py_None) continue;
         Py_ssize_t pos = 0;
         PyObject *k, *v;
         while (PyDict_Next(d, &pos, &k, &v)) {
-            if (PySet_Contains(e->reserved, k) != 0) {
-                if (is_step_key(k)) step = v;
-                continue;
-            }
+            if (key_class(e, k) != K_PLAIN) continue;
             if (shadow && i == 0 && PyDict_Contains(metrics, k) != 0) continue;
             if (PyFloat_CheckExact(v)) {
-                if (add_to(st->metric_sum, k, v, ZERO_F) < 0 || add_to(st->metric_count, k, ONE, ZERO_I) < 0)
-                    return -1;
+                if (acc_metric(st, k, v) < 0) return -1;
             } else if (v != Py_None) {
                 if (PyDict_SetItem(st->metric_last, k, v) < 0) return -1;
             }
@@ -631,30 +880,21 @@ static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attr
     e->last_t1 = t1;
     if (t1 > e->max_t1) e->max_t1 = t1;
     Py_XSETREF(e->last_step, Py_NewRef(step));
+    /* Consecutive iterations share their parent: it is looked at once, when another follows or the batch is taken. */
     PyObject *parent = get(e, span, F_PARENT);
-    if (parent != NULL && parent != Py_None) {
-        PyObject *pname = get(e, parent, F_NAME);
-        if (pname != NULL && PyUnicode_Check(pname) && PyUnicode_Compare(pname, S_TRAINING_LOOP) == 0) {
-            PyObject *pid = get(e, parent, F_ID);
-            if (pid != NULL) Py_XSETREF(e->loop_id, pid);
-        }
-        Py_XDECREF(pname);
+    if (parent != NULL && parent != e->parent_pending) {
+        resolve_parent(e);
+        e->parent_pending = parent;
+    } else {
+        Py_XDECREF(parent);
     }
-    Py_XDECREF(parent);
-    PyErr_Clear();
-    PyObject *tid = get(e, span, F_TID);
-    if (tid != NULL) Py_XSETREF(e->ident, tid);
+    Py_XSETREF(e->last_span, Py_NewRef(span));
     e->iter_n++;
     return 0;
 }
 
 static int count_phase(Stats *st, PyObject *field, long long t0, long long t1) {
-    PyObject *dur = PyLong_FromLongLong(t1 - t0);
-    if (dur == NULL) return -1;
-    int rc = add_to(st->phase_sum, field, dur, ZERO_I);
-    Py_DECREF(dur);
-    if (rc < 0) return -1;
-    return add_to(st->phase_count, field, ONE, ZERO_I);
+    return acc_phase(st, field, t1 - t0);
 }
 
 /* ------------------------------------------------------------------ records */
@@ -729,7 +969,7 @@ static int put_record(Encoder *e, long long seq, Rec *r) {
     }
     if (r->attrs != NULL) {
         if ((rc = PUT_LIT(b, ",\"attrs\":")) != RC_OK) goto done;
-        if ((rc = put_attrs(b, r->attrs, e->style)) != RC_OK) goto done;
+        if ((rc = put_attrs(b, r->attrs, e->style, e->floats)) != RC_OK) goto done;
     }
     rc = end_line(e, seq);
 done:
@@ -792,7 +1032,7 @@ static int do_event(Encoder *e, PyObject *item, Ctx *c) {
 
 static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     PyObject *f[NF] = {NULL};
-    PyObject *merged = NULL;
+    PyObject *merged = NULL, *step = NULL;
     int rc = RC_YIELD;
     long long state;
     f[F_WRITTEN] = get(e, span, F_WRITTEN);
@@ -812,7 +1052,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
 
     if (state != 0) {
         /* Second sighting: the span's stop. */
-        int obs = OBS_NOTHING;
+        int obs = OBS_NOTHING, counted = 0;
         PyObject *field = NULL;
         if (state != W_OPEN && c->mode == 0) {
             e->whole_unstopped--;
@@ -824,8 +1064,10 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
         NEED(f[F_STATUS] != NULL);
         if (c->mode == 1) {
             if (state == W_OPEN) NEED(hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
-            obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field);
+            PyObject *step_seen = Py_None;
+            obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field, &step_seen, &counted);
             NEED(obs != OBS_PYTHON);
+            step = Py_NewRef(step_seen); /* setting ``written`` below may run Python code that changes attrs */
             if (obs == OBS_ITERATION) {
                 NEED(t1 - t0 < (1LL << 53));
                 if (e->iter_n + 1 >= c->steps_left) {
@@ -865,7 +1107,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             if (set(e, span, F_WRITTEN, SMALL[W_DONE]) < 0) PyErr_Clear();
         }
         if (obs == OBS_ITERATION &&
-            count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0) < 0)
+            count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0, step, counted) < 0)
             PyErr_Clear();
         if (obs == OBS_PHASE && count_phase(&c->st, field, t0, t1) < 0) PyErr_Clear();
         if (state != W_OPEN) e->whole_unstopped--;
@@ -945,6 +1187,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     rc = RC_OK;
 out:
     Py_XDECREF(merged);
+    Py_XDECREF(step);
     for (int i = 0; i < NF; i++) Py_XDECREF(f[i]);
     return rc;
 }
@@ -1022,6 +1265,8 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
         back = item;
         break;
     }
+    /* Python reads the sums next (the interval's event, an item handed back): they are in the dicts. */
+    if (c.mode == 1) acc_flush(&c.st);
     return Py_BuildValue("nLN", taken, c.seq, back ? back : Py_NewRef(Py_None));
 }
 
@@ -1064,6 +1309,12 @@ static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
     (void)unused;
     if (e->hn && hist_flush(e) < 0) PyErr_Clear();
     if (e->iter_n == 0) Py_RETURN_NONE;
+    resolve_parent(e);
+    if (e->last_span != NULL) {
+        PyObject *tid = get(e, e->last_span, F_TID);
+        if (tid != NULL) Py_XSETREF(e->ident, tid);
+        Py_CLEAR(e->last_span);
+    }
     PyObject *out = Py_BuildValue("nLLLOLLLOOO", e->iter_n, e->sum_dur, e->min_dur, e->max_dur,
                                   e->t0s ? e->t0s : Py_None, e->first_t0, e->last_t1, e->max_t1,
                                   e->last_step ? e->last_step : Py_None, e->loop_id ? e->loop_id : Py_None,
@@ -1119,7 +1370,7 @@ static PyObject *mod_encode_attrs(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOi", &attrs, &cache, &style)) return NULL;
     if (attrs_plain(attrs, cache == Py_None ? NULL : cache) != RC_OK) Py_RETURN_NONE;
     Buf b = {0};
-    int rc = put_attrs(&b, attrs, style);
+    int rc = put_attrs(&b, attrs, style, NULL);
     PyObject *out;
     if (rc < 0)
         out = NULL;
