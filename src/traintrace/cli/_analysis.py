@@ -432,15 +432,18 @@ def _step_parts(job: Job) -> None:
         ), col AS (
             SELECT stream, ts, dur FROM spans_small
             WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
+        ), timed AS (
+            -- Only streams with collectives need the steps placed: the running maximum sorts every step.
+            SELECT stream, ts, dur FROM it WHERE stream IN (SELECT stream FROM col)
         ), placed AS (
             -- Each collective with the start of the latest step that began at or before it (an as-of join,
             -- written as a running maximum so that every engine runs it).
             SELECT stream, ts, dur, o, max(its) OVER (
                 PARTITION BY stream ORDER BY ts, o ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS its
-            FROM (SELECT stream, ts, NULL::BIGINT AS dur, ts AS its, 0 AS o FROM it
+            FROM (SELECT stream, ts, NULL::BIGINT AS dur, ts AS its, 0 AS o FROM timed
                   UNION ALL SELECT stream, ts, dur, NULL::BIGINT AS its, 1 AS o FROM col)
         ), ends AS (
-            SELECT stream, ts AS its, max(ts + dur) AS iend FROM it GROUP BY stream, ts
+            SELECT stream, ts AS its, max(ts + dur) AS iend FROM timed GROUP BY stream, ts
         ), inside AS (
             SELECT c.stream, c.its, sum(least(c.ts + c.dur, e.iend) - c.ts) AS coll
             FROM placed c JOIN ends e ON c.stream = e.stream AND c.its = e.its
