@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,81 @@ def test_discover_and_tail_check(tmp_path: Path) -> None:
     assert sorted(p.name for p in discover([tmp_path])) == ["rank0.jsonl", "rank1.jsonl"]
     assert not check_tail(good).truncated_last_line
     assert check_tail(cut).truncated_last_line
+
+
+def _small_job(folder: Path, ranks: int = 2, steps: int = 5) -> Path:
+    """A finished job written record by record: header, iterations, one error, close."""
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = 1_790_000_000_000_000_000
+    for rank in range(ranks):
+        lines = [
+            {
+                "seq": 0,
+                "kind": "header",
+                "ts": t0,
+                "schema": "traintrace",
+                "schema_version": 1,
+                "rank": rank,
+                "world_size": ranks,
+                "restart": 0,
+                "host": "h",
+                "pid": 100 + rank,
+                "job": "j",
+            },
+        ]
+        ts = t0 + 1000
+        for step in range(steps):
+            lines.append(
+                {
+                    "seq": len(lines),
+                    "kind": "span",
+                    "ts": ts,
+                    "name": "iteration",
+                    "id": step + 1,
+                    "tid": 1,
+                    "dur": 1_000_000,
+                    "status": "ok",
+                    "attrs": {"step": step, "batch_size": 8},
+                }
+            )
+            ts += 1_000_000
+        lines.append(
+            {
+                "seq": len(lines),
+                "kind": "error",
+                "ts": ts,
+                "name": "exception",
+                "error_type": "ValueError",
+                "message": "bad",
+                "tid": 1,
+            }
+        )
+        lines.append({"seq": len(lines), "kind": "close", "ts": ts + 1})
+        (folder / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("command", ["summary", "ranks", "errors"])
+def test_commands_import_nothing_they_do_not_use(tmp_path: Path, command: str) -> None:
+    """summary, ranks and errors pay for DuckDB and the analyses only: no dataframe libraries, no SQL translator,
+    no recording side of the library (their import time is most of a small job's cost)."""
+    job = _small_job(tmp_path / "job")
+    code = (
+        "import json, sys\n"
+        "from traintrace.cli import main\n"
+        f"code = main([{command!r}, {str(job)!r}, '--json', '--quiet'])\n"
+        "sys.stdout = sys.__stdout__\n"
+        "print('MODULES', json.dumps(sorted(sys.modules)))\n"
+        "sys.exit(code)\n"
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    modules = set(json.loads(result.stdout.rsplit("MODULES ", 1)[1]))
+    assert "duckdb" in modules
+    unwanted = {"pandas", "pyarrow", "numpy", "sqlglot", "pyspark", "traintrace.events", "traintrace._recorder"}
+    assert not unwanted & modules, sorted(unwanted & modules)

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .._faults import FAULTS_SUFFIX
+from .._lifecycle import EventType  # not ..events: it would import the recorder
 from .._names import EventName, SpanName, SpanStatus
-from ..events import EventType
 from ._engine import Job
 
 #: Messages of errors that are the consequence of another rank's failure, not a cause.
