@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -131,3 +132,39 @@ def test_commands_import_nothing_they_do_not_use(tmp_path: Path, command: str) -
     assert "duckdb" in modules
     unwanted = {"pandas", "pyarrow", "numpy", "sqlglot", "pyspark", "traintrace.events", "traintrace._recorder"}
     assert not unwanted & modules, sorted(unwanted & modules)
+
+
+class _Recording:
+    """A DuckDB connection that keeps the text of every statement run on it."""
+
+    def __init__(self, con: Any, log: list[str]) -> None:
+        self._con = con
+        self._log = log
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        self._log.append(sql)
+        return self._con.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._con, name)
+
+
+def test_each_command_reads_each_file_once_with_its_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a job is one read_json of all its files, with the columns given (nothing sampled), and the
+    analyses never read the files again: every table they use is derived from that one scan."""
+    from traintrace.cli import _analysis
+    from traintrace.cli._engine import Job
+
+    job_dir = _small_job(tmp_path / "job", ranks=3)
+    log: list[str] = []
+    connect = Job._connect
+    monkeypatch.setattr(Job, "_connect", lambda self: _Recording(connect(self), log))
+    job = Job.open([job_dir], lean=True)
+    reads = [sql for sql in log if "read_json" in sql]
+    assert len(reads) == 1, reads
+    assert "columns=" in reads[0] and "$files" in reads[0]
+    del log[:]
+    _analysis.summary(job)
+    _analysis.ranks(job)
+    _analysis.errors(job)
+    assert log and not [sql for sql in log if "read_json" in sql or "read_parquet" in sql]
