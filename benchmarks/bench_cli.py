@@ -147,6 +147,28 @@ def bench(folder: Path, records: int, args: argparse.Namespace) -> dict[str, dic
     return results
 
 
+def _print_scaling(jobs: dict[int, Any]) -> None:
+    """Records/s of each command at every rank count, with its ratios to the two baselines of the same job:
+    a cost linear in records shows as a flat row."""
+    counts = sorted(jobs)
+    names = [n for n in ("summary", "ranks", "errors", "summary (parquet)") if n in jobs[counts[0]]["results"]]
+    print(
+        "\nrecords/s (x json.loads loop, x duckdb scan) by ranks: "
+        + ", ".join(f"{r} ranks {jobs[r]['records']:,} records" for r in counts)
+    )
+    for name in names:
+        cells = []
+        for r in counts:
+            results = jobs[r]["results"]
+            mine = results[name]["seconds"]
+            base = results.get("json.loads loop", {}).get("seconds")
+            scan = results.get("duckdb read_ndjson scan", {}).get("seconds")
+            ratios = f" ({base / mine:.1f}x, {scan / mine:.2f}x)" if base and scan else ""
+            cells.append(f"{jobs[r]['records'] / mine:>10,.0f}{ratios}")
+        print(f"  {name:18} " + "  ".join(cells))
+    print("  peak MB: " + ", ".join(f"{r} ranks {jobs[r]['results']['summary']['peak_mb']:.0f}" for r in counts))
+
+
 def _rounded(value: Any) -> Any:
     """Floats to 9 significant digits (the engines' parallel sums differ in the last bits)."""
     if isinstance(value, float):
@@ -201,6 +223,7 @@ def main() -> None:
         results = bench(folder, records, args)
         everything["jobs"][ranks] = {"records": records, "bytes": size, "results": results}
     everything["load_average_after"] = os.getloadavg()
+    _print_scaling(everything["jobs"])
     out_file = root / f"traintrace-bench-{args.iterations}-results.json"
     out_file.write_text(json.dumps(everything, indent=2))
     print(f"figures written to {out_file}")

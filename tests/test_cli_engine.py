@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -50,3 +54,117 @@ def test_discover_and_tail_check(tmp_path: Path) -> None:
     assert sorted(p.name for p in discover([tmp_path])) == ["rank0.jsonl", "rank1.jsonl"]
     assert not check_tail(good).truncated_last_line
     assert check_tail(cut).truncated_last_line
+
+
+def _small_job(folder: Path, ranks: int = 2, steps: int = 5) -> Path:
+    """A finished job written record by record: header, iterations, one error, close."""
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = 1_790_000_000_000_000_000
+    for rank in range(ranks):
+        lines = [
+            {
+                "seq": 0,
+                "kind": "header",
+                "ts": t0,
+                "schema": "traintrace",
+                "schema_version": 1,
+                "rank": rank,
+                "world_size": ranks,
+                "restart": 0,
+                "host": "h",
+                "pid": 100 + rank,
+                "job": "j",
+            },
+        ]
+        ts = t0 + 1000
+        for step in range(steps):
+            lines.append(
+                {
+                    "seq": len(lines),
+                    "kind": "span",
+                    "ts": ts,
+                    "name": "iteration",
+                    "id": step + 1,
+                    "tid": 1,
+                    "dur": 1_000_000,
+                    "status": "ok",
+                    "attrs": {"step": step, "batch_size": 8},
+                }
+            )
+            ts += 1_000_000
+        lines.append(
+            {
+                "seq": len(lines),
+                "kind": "error",
+                "ts": ts,
+                "name": "exception",
+                "error_type": "ValueError",
+                "message": "bad",
+                "tid": 1,
+            }
+        )
+        lines.append({"seq": len(lines), "kind": "close", "ts": ts + 1})
+        (folder / f"rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return folder
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("command", ["summary", "ranks", "errors"])
+def test_commands_import_nothing_they_do_not_use(tmp_path: Path, command: str) -> None:
+    """summary, ranks and errors pay for DuckDB and the analyses only: no dataframe libraries, no SQL translator,
+    no recording side of the library (their import time is most of a small job's cost)."""
+    job = _small_job(tmp_path / "job")
+    code = (
+        "import json, sys\n"
+        "from traintrace.cli import main\n"
+        f"code = main([{command!r}, {str(job)!r}, '--json', '--quiet'])\n"
+        "sys.stdout = sys.__stdout__\n"
+        "print('MODULES', json.dumps(sorted(sys.modules)))\n"
+        "sys.exit(code)\n"
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    modules = set(json.loads(result.stdout.rsplit("MODULES ", 1)[1]))
+    assert "duckdb" in modules
+    unwanted = {"pandas", "pyarrow", "numpy", "sqlglot", "pyspark", "traintrace.events", "traintrace._recorder"}
+    assert not unwanted & modules, sorted(unwanted & modules)
+
+
+class _Recording:
+    """A DuckDB connection that keeps the text of every statement run on it."""
+
+    def __init__(self, con: Any, log: list[str]) -> None:
+        self._con = con
+        self._log = log
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        self._log.append(sql)
+        return self._con.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._con, name)
+
+
+def test_each_command_reads_each_file_once_with_its_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a job is one read_json of all its files, with the columns given (nothing sampled), and the
+    analyses never read the files again: every table they use is derived from that one scan."""
+    from traintrace.cli import _analysis
+    from traintrace.cli._engine import Job
+
+    job_dir = _small_job(tmp_path / "job", ranks=3)
+    log: list[str] = []
+    connect = Job._connect
+    monkeypatch.setattr(Job, "_connect", lambda self: _Recording(connect(self), log))
+    job = Job.open([job_dir], lean=True)
+    reads = [sql for sql in log if "read_json" in sql]
+    assert len(reads) == 1, reads
+    assert "columns=" in reads[0] and "$files" in reads[0]
+    del log[:]
+    _analysis.summary(job)
+    _analysis.ranks(job)
+    _analysis.errors(job)
+    assert log and not [sql for sql in log if "read_json" in sql or "read_parquet" in sql]

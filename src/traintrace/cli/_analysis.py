@@ -132,10 +132,11 @@ def summary(job: Job) -> dict[str, Any]:
     breakdown = {cat: sum(c[cat] for c in per_rank.values()) / n_ranks for cat in CATEGORIES}
     goodput = breakdown["productive"] / (wall / NS)
 
+    # The completed steps' statistics and their samples, in one pass over the iterations.
     stats = job.one(
         """
         SELECT count(*), avg(dur), quantile_cont(dur, 0.5), quantile_cont(dur, 0.9), quantile_cont(dur, 0.99),
-               min(dur), max(dur), stddev_samp(dur)
+               min(dur), max(dur), stddev_samp(dur), sum(batch_size)
         FROM iterations WHERE status = 'ok'
         """
     )
@@ -143,18 +144,17 @@ def summary(job: Job) -> dict[str, Any]:
     if stats and stats[0]:
         keys = ("count", "mean_s", "median_s", "p90_s", "p99_s", "min_s", "max_s", "stddev_s")
         step_stats = {
-            k: (int(v) if k == "count" else (None if v is None else v / NS)) for k, v in zip(keys, stats, strict=True)
+            k: (int(v) if k == "count" else (None if v is None else v / NS))
+            for k, v in zip(keys, stats[: len(keys)], strict=True)
         }
     counts = _count_medians(step_counts)
     progress = _progress_fields(job)
     steps_completed = int(counts[1]) if counts and counts[1] is not None else 0
     samples = progress.get("consumed_samples")
     samples_source = "training_iterations events" if samples is not None else None
-    if samples is None:
-        row = job.one("SELECT sum(batch_size) FROM iterations WHERE status = 'ok'")
-        if row and row[0] is not None:
-            samples = int(row[0])
-            samples_source = "sum of iteration batch_size over all ranks (includes redone steps)"
+    if samples is None and stats and stats[8] is not None:
+        samples = int(stats[8])
+        samples_source = "sum of iteration batch_size over all ranks (includes redone steps)"
     productive_s = breakdown["productive"]
     failures = job.one(
         "SELECT count(*) FILTER (failed AND NOT is_agent), count(DISTINCT restart), "
@@ -258,23 +258,24 @@ def _mean_per_rank(job: Job, sql: str, n_ranks: int) -> float:
 
 def _progress_fields(job: Job) -> dict[str, Any]:
     """Last counters and mean rates from ``training_iterations`` events, whatever helper wrote them."""
-    out: dict[str, Any] = {}
     names = _names(PROGRESS_EVENTS)
+    counters = ("consumed_samples", "consumed_tokens", "last_step")
+    figures = []
     for key, aliases in FIELD_ALIASES.items():
-        expr = "coalesce(" + ", ".join(f"try_cast(a.{a} AS DOUBLE)" for a in aliases) + ")"
-        if key in ("consumed_samples", "consumed_tokens", "last_step"):
-            row = job.one(f"SELECT max({expr}) FROM other WHERE kind = 'event' AND name IN ({names})")
-            if row and row[0] is not None:
-                out[key] = int(row[0])
-        else:
-            # Rates are per rank or per job depending on the writer: take rank 0's (or the lowest rank's).
-            row = job.one(
-                f"""SELECT avg({expr}) FROM other WHERE kind = 'event' AND name IN ({names})
-                    AND stream_rank = (SELECT min(stream_rank) FROM other
-                                       WHERE kind = 'event' AND name IN ({names}))"""
-            )
-            if row and row[0] is not None:
-                out[key] = float(row[0])
+        expr = "coalesce(" + ", ".join(f"try_cast(e.a.{a} AS DOUBLE)" for a in aliases) + ")"
+        # Rates are per rank or per job depending on the writer: take rank 0's (or the lowest rank's).
+        figures.append(f"max({expr})" if key in counters else f"avg(CASE WHEN e.stream_rank = l.r THEN {expr} END)")
+    # Every field in one statement (a small job's cost is mostly statements).
+    row = job.one(
+        f"""SELECT {", ".join(figures)}
+            FROM other e CROSS JOIN (SELECT min(stream_rank) AS r FROM other
+                                     WHERE kind = 'event' AND name IN ({names})) l
+            WHERE e.kind = 'event' AND e.name IN ({names})"""
+    )
+    out: dict[str, Any] = {}
+    for key, value in zip(FIELD_ALIASES, row or (None,) * len(FIELD_ALIASES), strict=True):
+        if value is not None:
+            out[key] = int(value) if key in counters else float(value)
     return out
 
 
@@ -432,15 +433,18 @@ def _step_parts(job: Job) -> None:
         ), col AS (
             SELECT stream, ts, dur FROM spans_small
             WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
+        ), timed AS (
+            -- Only streams with collectives need the steps placed: the running maximum sorts every step.
+            SELECT stream, ts, dur FROM it WHERE stream IN (SELECT stream FROM col)
         ), placed AS (
             -- Each collective with the start of the latest step that began at or before it (an as-of join,
             -- written as a running maximum so that every engine runs it).
             SELECT stream, ts, dur, o, max(its) OVER (
                 PARTITION BY stream ORDER BY ts, o ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS its
-            FROM (SELECT stream, ts, NULL::BIGINT AS dur, ts AS its, 0 AS o FROM it
+            FROM (SELECT stream, ts, NULL::BIGINT AS dur, ts AS its, 0 AS o FROM timed
                   UNION ALL SELECT stream, ts, dur, NULL::BIGINT AS its, 1 AS o FROM col)
         ), ends AS (
-            SELECT stream, ts AS its, max(ts + dur) AS iend FROM it GROUP BY stream, ts
+            SELECT stream, ts AS its, max(ts + dur) AS iend FROM timed GROUP BY stream, ts
         ), inside AS (
             SELECT c.stream, c.its, sum(least(c.ts + c.dur, e.iend) - c.ts) AS coll
             FROM placed c JOIN ends e ON c.stream = e.stream AND c.its = e.its

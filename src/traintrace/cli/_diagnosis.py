@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .._faults import FAULTS_SUFFIX
+from .._lifecycle import EventType  # not ..events: it would import the recorder
 from .._names import EventName, SpanName, SpanStatus
-from ..events import EventType
 from ._engine import Job
 
 #: Messages of errors that are the consequence of another rank's failure, not a cause.
@@ -111,7 +111,7 @@ def diagnose(job: Job) -> dict[str, Any]:
     last = restarts[-1]
     known = _Facts(job)
     if any(f["running"] for f in attempts[last]) and not any(f["failed"] for f in attempts[last]):
-        states = [_rank_state(job, f, known) for f in attempts[last]]
+        states = _rank_states(job, attempts[last], known)
         if any(s.hang is not None for s in states):
             behind = min(states, key=_hang_key)
             out = _result(
@@ -126,10 +126,10 @@ def diagnose(job: Job) -> dict[str, Any]:
         resolved = _count(len(known.resolved), "rank")
         note = f" (a hang was suspected on {resolved} and resolved)" if known.resolved else ""
         ranks = len({f["rank"] for f in facts})
-        states = [_rank_state(job, f, known) for f in attempts[last]]
+        states = _rank_states(job, attempts[last], known)
         return _result("healthy", f"healthy: {_count(ranks, 'rank')} finished{done}{note}", None, states, last, failed)
     about = failed[-1]
-    states = [_rank_state(job, f, known) for f in attempts[about]]
+    states = _rank_states(job, attempts[about], known)
     culprit, rule = _culprit(states)
     sentence = _sentence(culprit, states)
     if about != last:
@@ -224,7 +224,21 @@ def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
     return out
 
 
-def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
+def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list[RankState]:
+    """The state of each stream's rank; the spans open where each stopped come from one query for all."""
+    started = [_rank_state(job, f, facts) for f in streams]
+    spans = _spans_at(job, [(st.stream, at) for st, at, _ in started])
+    for (st, _, error_span), f in zip(started, streams, strict=True):
+        _locate(st, spans.get(st.stream, []), error_span)
+        last_done_step = facts.last_ok.get(st.stream, (None, None))[1]
+        if st.step is None and last_done_step is not None:
+            st.step = int(last_done_step) + 1  # outside an iteration: the step it was preparing or saving after
+        _from_progress(job, st, f, bool(facts.errors.get(st.stream)))
+    return [st for st, _, _ in started]
+
+
+def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, int | None, int | None]:
+    """The rank's state from its stream's facts, with the time to look for open spans at and its error's span."""
     stream = f["stream"]
     st = RankState(rank=int(f["rank"]), restart=int(f["restart"]), stream=int(stream))
     errors = facts.errors.get(stream, [])
@@ -236,7 +250,7 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
     primary = [e for e in real if not _secondary(e)]
     secondary = [e for e in real if _secondary(e)]
     signals = facts.signals.get(stream, [])
-    st.last_progress_ns, last_done_step = facts.last_ok.get(stream, (None, None))
+    st.last_progress_ns = facts.last_ok.get(stream, (None, None))[0]
     fail = facts.failures.get((st.rank, st.restart))
     if fail:
         st.exit_code, st.signal = fail["exit_code"], fail["signal"]
@@ -277,25 +291,33 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> RankState:
         st.stopped_ns = min(marks) if marks else f["end_ts"]
     # Where it was: at the hang if it hung first, else when it stopped.
     at = hangs[0]["ts"] if hangs and hangs[0]["ts"] <= st.stopped_ns else st.stopped_ns
-    _locate(job, st, at, primary[0]["span"] if primary else None)
-    if st.step is None and last_done_step is not None:
-        st.step = int(last_done_step) + 1  # outside an iteration: the step it was preparing or saving after
-    _from_progress(job, st, f, bool(errors))
-    return st
+    return st, at, primary[0]["span"] if primary else None
 
 
-def _locate(job: Job, st: RankState, at: int, error_span: int | None) -> None:
-    """Step, phase and collective from the spans a failure left open (or ended with it) at time ``at``."""
-    # Open then: still open, or ended after it; spans a failure ended (not ok) may end just before its record.
-    spans = job.dicts(
+def _spans_at(job: Job, wanted: list[tuple[int, int | None]]) -> dict[int, list[dict[str, Any]]]:
+    """stream -> its spans open at the time given for it (still open, or ended after it; spans a failure
+    ended, not ok, may end just before its record), in the order they began."""
+    pairs = ", ".join(f"({int(stream)}, {int(at)})" for stream, at in wanted if at is not None)
+    out: dict[int, list[dict[str, Any]]] = {}
+    if not pairs:
+        return out
+    # The (stream, time) pairs inline: one statement for every rank, in either engine's dialect.
+    for row in job.dicts(
         f"""
-        SELECT id, parent, name, ts, dur, status, open, attrs, tid FROM spans_small
-        WHERE stream = $s AND ts <= $at
-          AND (open OR ts + dur >= $at OR (status <> '{SpanStatus.OK}' AND ts + dur >= $at - {UNWIND_NS}))
-        ORDER BY ts, id
-        """,
-        {"s": st.stream, "at": at},
-    )
+        SELECT s.stream, s.id, s.parent, s.name, s.ts, s.dur, s.status, s.open, s.attrs, s.tid
+        FROM spans_small s JOIN (VALUES {pairs}) AS q(stream, at_ns) ON s.stream = q.stream
+        WHERE s.ts <= q.at_ns
+          AND (s.open OR s.ts + s.dur >= q.at_ns
+               OR (s.status <> '{SpanStatus.OK}' AND s.ts + s.dur >= q.at_ns - {UNWIND_NS}))
+        ORDER BY s.stream, s.ts, s.id
+        """
+    ):
+        out.setdefault(row.pop("stream"), []).append(row)
+    return out
+
+
+def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) -> None:
+    """Step, phase and collective from the spans a failure left open (or ended with it) where the rank stopped."""
     by_id = {s["id"]: s for s in spans}
     chain: list[dict[str, Any]] = []
     if error_span and error_span in by_id:

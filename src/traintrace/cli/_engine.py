@@ -23,7 +23,6 @@ from typing import Any
 
 from .._format import SCHEMA, SCHEMA_VERSION, SQL_COLUMNS
 from .._names import EventName, SpanName, SpanStatus
-from ..progress import read_job_progress, stream_state
 
 __all__ = ["EXPORT_META", "Job", "LoadError", "MissingExtra", "discover", "find_export", "import_duckdb"]
 
@@ -652,13 +651,13 @@ class Job:
             FROM streams s WHERE NOT s.is_agent
             """
         ).fetchall()
-        progress = self.progress_files()
         running: list[int] = []
         now = time.time_ns()
         for stream, _path, rank, restart, host, pid, start_ts, closed, errors, end_ts, last in rows:
             if closed or not last:
                 continue
-            p = progress.get(rank)
+            # Only a stream without a close record needs the progress files (and their module's imports).
+            p = self.progress_files().get(rank)
             if p is not None and getattr(p, "restart", restart) != restart:
                 p = None
             # "Wrote recently" is the stream's last record, not the file's time (a copied file is new);
@@ -676,6 +675,8 @@ class Job:
     def progress_files(self) -> dict[int, Any]:
         """rank -> the rank's progress file (``traintrace.progress``), for the folders of the job's files."""
         if self._progress_cache is None:
+            from ..progress import read_job_progress
+
             self._progress_cache = {}
             folders = sorted({str(Path(f.path).parent) for f in self.files})
             try:
@@ -833,6 +834,8 @@ RECENT_S = 60.0
 
 def _stream_state(progress: Any, errors: bool, header: dict[str, Any], last_write_ns: int, now_ns: int) -> str:
     """running / finished / failed / dead for a stream without a close record."""
+    from ..progress import stream_state
+
     return stream_state(
         progress,
         closed=False,

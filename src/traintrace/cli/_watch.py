@@ -23,9 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from ..progress import DEAD, FAILED, FINISHED, RUNNING, Progress, read_job_progress, stream_state
+if TYPE_CHECKING:
+    from ..progress import Progress
+
+# ..progress is imported where used: the other commands build this parser but never watch.
 
 #: Bytes read from one stream per refresh at most (the rest is read at the next one).
 CHUNK = 8 << 20
@@ -108,6 +111,8 @@ class Watcher:
     history: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def poll(self, now_ns: int | None = None) -> tuple[list[RankRow], list[str]]:
+        from ..progress import read_job_progress
+
         now = time.time_ns() if now_ns is None else now_ns
         messages = self._read_streams()
         progress = read_job_progress(self.folder)
@@ -198,6 +203,8 @@ class Watcher:
 
     # -- rows ---------------------------------------------------------------
     def _row(self, rank: int, progress: Progress | None, now: int) -> RankRow:
+        from ..progress import stream_state
+
         path = self.rank_streams.get(rank)
         tail = self.tails.get(path) if path is not None else None
         state = stream_state(
@@ -245,6 +252,8 @@ def _mark_suspects(rows: list[RankRow], hang_after_s: float) -> None:
     """Hang: no progress for ``hang_after_s`` while others progress (or, when every rank is
     stalled, the stalled ranks outside a collective); straggler: a step time 20% above the
     others' median, or two steps or more behind."""
+    from ..progress import RUNNING
+
     running = [r for r in rows if r.state == RUNNING and r.since_s is not None]
     stalled = [r for r in running if r.since_s is not None and r.since_s >= hang_after_s]
     moving = [r for r in running if r not in stalled]
@@ -309,6 +318,8 @@ def _cells(row: RankRow) -> tuple[str, ...]:
 
 def render_table(job: str, rows: list[RankRow], errors: list[str], color: bool) -> str:
     """The terminal view: a header line, one row per rank, then the latest errors."""
+    from ..progress import DEAD, FAILED, FINISHED, RUNNING
+
     counts = {s: sum(r.state == s for r in rows) for s in (RUNNING, FINISHED, FAILED, DEAD)}
     title = f"traintrace watch {job}  " + "  ".join(f"{n} {s}" for s, n in counts.items() if n)
     title += time.strftime("   %H:%M:%S")
@@ -351,6 +362,8 @@ def render_lines(rows: list[RankRow]) -> str:
 
 def run(args: argparse.Namespace, out: TextIO | None = None, sleep: Callable[[float], None] = time.sleep) -> int:
     """The ``watch`` subcommand; returns the exit code."""
+    from ..progress import RUNNING
+
     stream = out or sys.stdout
     folder = Path(args.paths[0])
     if not folder.is_dir():
