@@ -366,7 +366,12 @@ static int format_float_as(Buf *b, double v, int style, int fast) {
     if (style == 0 || e == NULL) {
         rc = buf_put(b, r, len);
     } else {
-        int exp = atoi(e + 1);
+        int exp = 0; /* the text is not NUL-terminated when float_repr wrote it */
+        const char *q = e + 1;
+        int minus = (*q == '-');
+        if (*q == '-' || *q == '+') q++;
+        for (; q < r + len; q++) exp = exp * 10 + (*q - '0');
+        if (minus) exp = -exp;
         const char *m = r;
         int negative = (*m == '-');
         if (negative) m++;
