@@ -270,20 +270,19 @@ static int shortest_digits(uint64_t bits, char digits[24], int *count, int *exp1
             return 1;
         }
     }
-    /* Fractional digits: everything times ten per digit, the grid stays one. delta < one before
-     * each step (rest = p2 < one was not below it), so nothing passes 10 * 2**60 < 2**64. */
+    /* Fractional digits: everything times ten per digit (dw and dlo once, at the end: both are
+     * below delta), the grid stays one. delta < one before each step (rest = p2 < one was not
+     * below it), so nothing passes 10 * 2**60 < 2**64. */
     uint64_t u = 1;
     while (n < 20) {
         p2 *= 10;
         delta *= 10;
-        dw *= 10;
-        dlo *= 10;
         u *= 10;
         digits[n++] = (char)('0' + (p2 >> shift));
         p2 &= one - 1;
         kappa--;
         if (p2 < delta) {
-            if (!pick_nearest(&digits[n - 1], p2, one, dw, dlo, u)) return 0;
+            if (!pick_nearest(&digits[n - 1], p2, one, dw * u, dlo * u, u)) return 0;
             *count = n;
             *exp10 = kappa - k;
             return 1;
@@ -378,8 +377,8 @@ static int format_float_as(Buf *b, double v, int style, int fast) {
         if (exp == -5) {
             /* 1.5e-05 -> 0.000015 */
             rc = negative ? PUT_LIT(b, "-0.0000") : PUT_LIT(b, "0.0000");
-            for (const char *p = m; rc == 0 && p < e; p++)
-                if (*p != '.') rc = buf_put(b, p, 1);
+            if (rc == 0) rc = buf_put(b, m, 1);
+            if (rc == 0 && m + 1 < e) rc = buf_put(b, m + 2, (Py_ssize_t)(e - m - 2)); /* after the '.' */
         } else {
             char tail[16];
             int k = snprintf(tail, sizeof tail, "e%s%d", exp > 0 ? "+" : "-", exp > 0 ? exp : -exp);
