@@ -48,10 +48,12 @@ def native_extensions() -> list[Extension]:
         return []
     extra = shlex.split(os.environ.get("TRAINTRACE_NATIVE_CFLAGS", ""))
     sources = sorted((HERE / "src" / "native").glob("*.c"))
+    headers = [str(h.relative_to(HERE)) for h in sorted((HERE / "src" / "native").glob("*.h"))]
     return [
         Extension(
             f"traintrace._{source.stem}",
             [str(source.relative_to(HERE))],
+            depends=headers,  # rebuilt when a header changes; shipped in the sdist
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-missing-field-initializers", *extra],
             extra_link_args=extra,
         )

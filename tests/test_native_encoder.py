@@ -642,6 +642,29 @@ def test_recurring_floats_are_written_as_python_writes_them(tmp_path: Path) -> N
         assert native_lines == python_lines
 
 
+def test_floats_of_every_kind_are_written_as_python_writes_them(tmp_path: Path) -> None:
+    """The shortest-digit formatter in files: random doubles, losses, and values it leaves to dtoa."""
+    import random
+    import struct
+
+    rnd = random.Random(7)
+    pool = [struct.unpack("<d", struct.pack("<Q", rnd.getrandbits(64)))[0] for _ in range(6000)]
+    pool = [x for x in pool if math.isfinite(x)]
+    pool += [1.0 / (i + 1) for i in range(2000)] + [1e23, 5e-324, 1.7976931348623157e308, 2.0**-1022, 9.5e15]
+    fallbacks = [x for x in pool if native.float_fast(x) is None]
+    assert fallbacks  # both ways are in the files
+    items: list[Any] = []
+    for step, value in enumerate(pool):
+        attrs = {"step": step, "loss": value, "neg": -value, "scaled": value * 1e-300}
+        span = Span("my_phase", attrs, 3)
+        span.parent, span.id, span.tid, span.metrics, span.status = None, step + 1, _IDENTS[0], None, "ok"
+        span.written, span.t0, span.t1 = 0, 1000 * step + 1, 1000 * step + 500
+        items.extend([span, span])
+    native_lines, python_lines = run_both(tmp_path, items, observer="none", log_interval=10, redact=False)
+    assert native_lines == python_lines
+    assert len(native_lines) >= len(pool)
+
+
 def test_sums_the_encoder_cannot_continue_in_c_go_on_in_python() -> None:
     """Dict values C does not hold (an int sum, counts past 64 bits) and a phase sum passing 2**63."""
     from traintrace._stats import PHASE_FIELDS, PYTHON_NAMES, RESERVED

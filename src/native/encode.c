@@ -141,28 +141,244 @@ static int put_str(Buf *b, PyObject *u) {
     return RC_OK;
 }
 
+/* ------------------------------------------------------------------ shortest float digits */
+
+/*
+ * Python's repr(float) without PyOS_double_to_string's cost (a malloc and big-number arithmetic):
+ * the shortest digits that read back as the double and, of those, the nearest to it, found with
+ * one 64-bit approximation of a power of ten and *proven* from that approximation's error bound,
+ * or "not sure" (0), and then the caller asks PyOS_double_to_string. It never guesses.
+ *
+ * The double v, its rounding interval's bounds lo < v < hi (the midpoints to its neighbours) are
+ * multiplied by c ~ 10**k (float_powers.h, nearest to half a unit), each product rounded to 64
+ * bits: W, Lo, Hi, each less than one unit (u) from the exact w*, lo*, hi* = (v, lo, hi) * 10**k.
+ * So every point of the true interval, bounds included, lies in the open (Lo - u, Hi + u), and
+ * every point of [Lo + u, Hi - u] lies strictly inside the true interval.
+ *
+ *  1. Digits of top = Hi + u, one position at a time, until top truncated to that position's grid
+ *     g (a power of ten) is above bottom = Lo - u. Coarser grids had no point in (bottom, top), so
+ *     none in the true interval: no shorter string reads back as v (whether or not the bounds
+ *     count, as they do in round-half-even reading of an even significand).
+ *  2. C: the grid point nearest W. It is the answer if it is provably strictly inside the true
+ *     interval (Lo + u <= C <= Hi - u) and provably the grid point nearest w* (|C - W| <= g/2 - u:
+ *     no tie, no nearer neighbour): then the shortest length is this grid's, and of its points in
+ *     the interval C is the nearest to v, which is what repr prints. Anything else: not sure.
+ * Near-ties and digits within an error unit of a bound are what fail, a fraction of a percent.
+ */
+#include "float_powers.h"
+
+/* The high 64 bits of a * b, rounded to nearest: at most half a unit off. */
+static inline uint64_t mul_hi_rounded(uint64_t a, uint64_t b) {
+#if defined(__SIZEOF_INT128__) && !defined(TT_NO_INT128)
+    unsigned __int128 p = (unsigned __int128)a * b;
+    return (uint64_t)((p + ((unsigned __int128)1 << 63)) >> 64);
+#else
+    uint64_t a1 = a >> 32, a0 = a & 0xffffffffULL, b1 = b >> 32, b0 = b & 0xffffffffULL;
+    uint64_t p00 = a0 * b0, p01 = a0 * b1, p10 = a1 * b0, p11 = a1 * b1;
+    /* Bits 32..63 of the sum and the rounding half (2**63 = 2**31 in units of 2**32) carry into the top. */
+    uint64_t mid = (p00 >> 32) + (p01 & 0xffffffffULL) + (p10 & 0xffffffffULL) + (1ULL << 31);
+    return p11 + (p01 >> 32) + (p10 >> 32) + (mid >> 32);
+#endif
+}
+
+static inline int clz64(uint64_t x) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_clzll(x);
+#else
+    int n = 0;
+    while (!(x >> 63)) {
+        x <<= 1;
+        n++;
+    }
+    return n;
+#endif
+}
+
+static const uint32_t POW10_32[10] = {1u,      10u,      100u,      1000u,      10000u,
+                                      100000u, 1000000u, 10000000u, 100000000u, 1000000000u};
+
+/*
+ * Step 2 above, with every quantity measured down from top and scaled alike: rest = top - T
+ * (T: top truncated to the grid g), dw = top - W, dlo = top - Lo, u the error unit. On success the
+ * last digit is lowered to C's and 1 comes back.
+ */
+static int pick_nearest(char *last, uint64_t rest, uint64_t g, uint64_t dw, uint64_t dlo, uint64_t u) {
+    uint64_t r = rest; /* top - C */
+    int lowered = 0;
+    while (r < dw && dw - r > g / 2) { /* the next grid point down is nearer W (g is even) */
+        r += g;
+        lowered++;
+    }
+    uint64_t off = r > dw ? r - dw : dw - r;                    /* |C - W| */
+    if (g < 2 * u || off > (g - 2 * u) / 2) return 0;           /* maybe a tie or a nearer point */
+    if (r < 2 * u || dlo < u || r > dlo - u) return 0;          /* maybe outside the interval */
+    if (lowered >= *last - '0') return 0;                       /* implied by the above; a guard */
+    *last = (char)(*last - lowered);
+    return 1;
+}
+
+/*
+ * The shortest digits of a finite double > 0 (bits as stored), without trailing zeros, into
+ * digits[0..*count) with *exp10 the decimal exponent of the last one; 0: not sure (see above).
+ */
+static int shortest_digits(uint64_t bits, char digits[24], int *count, int *exp10) {
+    uint64_t mant = bits & ((1ULL << 52) - 1);
+    int biased = (int)((bits >> 52) & 0x7ff);
+    uint64_t f = biased ? mant | (1ULL << 52) : mant;
+    int e = biased ? biased - 1075 : -1074;
+    if (f == 0 || biased == 0x7ff) return 0;
+    /* hi = (2f + 1) 2**(e-1), normalized; v and lo with the same exponent. */
+    uint64_t upper = 2 * f + 1;
+    int s = clz64(upper);
+    uint64_t hi_sig = upper << s, w_sig = f << (s + 1);
+    /* At a power of two (not the smallest normal) the neighbour below is half as far. */
+    uint64_t lo_sig = (mant == 0 && biased > 1) ? (4 * f - 1) << (s - 1) : (2 * f - 1) << s;
+    int ex = e - 1 - s;
+    /* k: the product's unit 2**E with E in [-60, -32], so its integer part has at most 32 bits. */
+    int k = ((-ex - 47) * 1233) / 4096, E = 0;
+    for (int tries = 0;; tries++) {
+        if (tries > 8 || k < POW10_KMIN || k >= POW10_KMIN + POW10_COUNT) return 0;
+        E = ex + pow10_table[k - POW10_KMIN].e + 64;
+        if (E < -60)
+            k++;
+        else if (E > -32)
+            k--;
+        else
+            break;
+    }
+    uint64_t c = pow10_table[k - POW10_KMIN].sig;
+    uint64_t W = mul_hi_rounded(w_sig, c), Hi = mul_hi_rounded(hi_sig, c), Lo = mul_hi_rounded(lo_sig, c);
+    int shift = -E;
+    uint64_t one = 1ULL << shift;
+    uint64_t top = Hi + 1; /* Hi <= 2**64 - 2: the product of two 64-bit numbers, rounded */
+    uint64_t delta = Hi - Lo + 2, dw = top - W, dlo = top - Lo;
+    uint32_t p1 = (uint32_t)(top >> shift); /* >= 4: both factors >= 2**63, shift <= 60 */
+    uint64_t p2 = top & (one - 1);
+    int n = 0, kappa = 0;
+    while (kappa < 10 && p1 >= POW10_32[kappa]) kappa++;
+    /* Integer digits: the grid 10**kappa is 10**kappa * one units. */
+    while (kappa > 0) {
+        kappa--;
+        uint32_t d = p1 / POW10_32[kappa];
+        p1 %= POW10_32[kappa];
+        digits[n++] = (char)('0' + d);
+        uint64_t rest = ((uint64_t)p1 << shift) + p2;
+        if (rest < delta) {
+            if (!pick_nearest(&digits[n - 1], rest, (uint64_t)POW10_32[kappa] << shift, dw, dlo, 1)) return 0;
+            *count = n;
+            *exp10 = kappa - k;
+            return 1;
+        }
+    }
+    /* Fractional digits: everything times ten per digit (dw and dlo once, at the end: both are
+     * below delta), the grid stays one. delta < one before each step (rest = p2 < one was not
+     * below it), so nothing passes 10 * 2**60 < 2**64. */
+    uint64_t u = 1;
+    while (n < 20) {
+        p2 *= 10;
+        delta *= 10;
+        u *= 10;
+        digits[n++] = (char)('0' + (p2 >> shift));
+        p2 &= one - 1;
+        kappa--;
+        if (p2 < delta) {
+            if (!pick_nearest(&digits[n - 1], p2, one, dw * u, dlo * u, u)) return 0;
+            *count = n;
+            *exp10 = kappa - k;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/*
+ * repr(v) as PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0) writes it, into out (at least
+ * 32 bytes); its length, or 0 when shortest_digits is not sure.
+ */
+static int float_repr(double v, char *out) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    char *o = out;
+    if (bits >> 63) *o++ = '-';
+    if ((bits << 1) == 0) {
+        memcpy(o, "0.0", 3);
+        return (int)(o - out) + 3;
+    }
+    char digits[24];
+    int n, exp10;
+    if (!shortest_digits(bits & ~(1ULL << 63), digits, &n, &exp10)) return 0;
+    int decpt = n + exp10; /* digits[0] is the 10**(decpt-1) digit */
+    if (decpt <= -4 || decpt > 16) {
+        *o++ = digits[0];
+        if (n > 1) {
+            *o++ = '.';
+            memcpy(o, digits + 1, (size_t)(n - 1));
+            o += n - 1;
+        }
+        int x = decpt - 1;
+        *o++ = 'e';
+        *o++ = x < 0 ? '-' : '+';
+        if (x < 0) x = -x;
+        if (x >= 100) *o++ = (char)('0' + x / 100);
+        *o++ = (char)('0' + x / 10 % 10);
+        *o++ = (char)('0' + x % 10);
+    } else if (decpt <= 0) {
+        *o++ = '0';
+        *o++ = '.';
+        for (int i = decpt; i < 0; i++) *o++ = '0';
+        memcpy(o, digits, (size_t)n);
+        o += n;
+    } else if (decpt < n) {
+        memcpy(o, digits, (size_t)decpt);
+        o += decpt;
+        *o++ = '.';
+        memcpy(o, digits + decpt, (size_t)(n - decpt));
+        o += n - decpt;
+    } else {
+        memcpy(o, digits, (size_t)n);
+        o += n;
+        for (int i = n; i < decpt; i++) *o++ = '0';
+        *o++ = '.';
+        *o++ = '0';
+    }
+    return (int)(o - out);
+}
+
 /*
  * A finite float as the active serialiser writes it. Both print the shortest
  * repr's digits; json (style 0) as Python's repr, orjson (style 1) in fixed
  * notation for decimal exponents -5..15 and otherwise as 1e-7 / 1e+16.
+ * fast = 0 (tests only) skips float_repr, so that both ways are compared.
  */
-static int format_float(Buf *b, double v, int style) {
-    char *r = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL);
-    if (r == NULL) return -1;
+static int format_float_as(Buf *b, double v, int style, int fast) {
+    char text[32];
+    char *owned = NULL;
+    const char *r = text;
+    int len = fast ? float_repr(v, text) : 0;
+    if (len == 0) {
+        if ((owned = PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL)) == NULL) return -1;
+        r = owned;
+        len = (int)strlen(owned);
+    }
     int rc = 0;
-    char *e = strchr(r, 'e');
+    const char *e = memchr(r, 'e', (size_t)len);
     if (style == 0 || e == NULL) {
-        rc = buf_put(b, r, (Py_ssize_t)strlen(r));
+        rc = buf_put(b, r, len);
     } else {
-        int exp = atoi(e + 1);
-        char *m = r;
+        int exp = 0; /* the text is not NUL-terminated when float_repr wrote it */
+        const char *q = e + 1;
+        int minus = (*q == '-');
+        if (*q == '-' || *q == '+') q++;
+        for (; q < r + len; q++) exp = exp * 10 + (*q - '0');
+        if (minus) exp = -exp;
+        const char *m = r;
         int negative = (*m == '-');
         if (negative) m++;
         if (exp == -5) {
             /* 1.5e-05 -> 0.000015 */
             rc = negative ? PUT_LIT(b, "-0.0000") : PUT_LIT(b, "0.0000");
-            for (char *p = m; rc == 0 && p < e; p++)
-                if (*p != '.') rc = buf_put(b, p, 1);
+            if (rc == 0) rc = buf_put(b, m, 1);
+            if (rc == 0 && m + 1 < e) rc = buf_put(b, m + 2, (Py_ssize_t)(e - m - 2)); /* after the '.' */
         } else {
             char tail[16];
             int k = snprintf(tail, sizeof tail, "e%s%d", exp > 0 ? "+" : "-", exp > 0 ? exp : -exp);
@@ -170,13 +386,15 @@ static int format_float(Buf *b, double v, int style) {
             if (rc == 0) rc = buf_put(b, tail, k);
         }
     }
-    PyMem_Free(r);
+    PyMem_Free(owned);
     return rc;
 }
 
+static int format_float(Buf *b, double v, int style) { return format_float_as(b, v, style, 1); }
+
 /*
- * The text of recent floats, by their bits: the shortest repr costs thousands of instructions
- * (big-number arithmetic) and many values recur, in the statistics' events (percentiles of
+ * The text of recent floats, by their bits: format_float still costs a few hundred instructions
+ * (thousands where it falls back to big-number arithmetic) and many values recur, in the statistics' events (percentiles of
  * histogram buckets, zero times) and in metrics (a learning rate). A hit writes the same bytes
  * format_float wrote for the same bits.
  */
@@ -1383,6 +1601,40 @@ static PyObject *mod_encode_attrs(PyObject *mod, PyObject *args) {
 }
 
 /*
+ * float_text(x, style, fast=True) -> bytes: a finite float as format_float writes it; fast=False
+ * always asks PyOS_double_to_string. float_fast(x) -> str or None: float_repr's text, None where it
+ * is not sure (the caller then falls back).
+ */
+static PyObject *mod_float_text(PyObject *mod, PyObject *args) {
+    (void)mod;
+    double v;
+    int style, fast = 1;
+    if (!PyArg_ParseTuple(args, "di|p", &v, &style, &fast)) return NULL;
+    if (!isfinite(v)) {
+        PyErr_SetString(PyExc_ValueError, "a finite float");
+        return NULL;
+    }
+    Buf b = {0};
+    PyObject *out = format_float_as(&b, v, style, fast) < 0 ? NULL : PyBytes_FromStringAndSize(b.data, b.len);
+    PyMem_Free(b.data);
+    return out;
+}
+
+static PyObject *mod_float_fast(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    double v = PyFloat_AsDouble(arg);
+    if (v == -1.0 && PyErr_Occurred()) return NULL;
+    if (!isfinite(v)) {
+        PyErr_SetString(PyExc_ValueError, "a finite float");
+        return NULL;
+    }
+    char text[32];
+    int n = float_repr(v, text);
+    if (n == 0) Py_RETURN_NONE;
+    return PyUnicode_FromStringAndSize(text, n);
+}
+
+/*
  * write_pause(fd, data, pause_ns) -> int: os.write(fd, data), then a sleep of pause_ns, both in one
  * release of the GIL. The writer thread ends a slice of work with it: a thread waiting for the GIL
  * wakes while the writer writes and sleeps, and takes the GIL; with a separate write and sleep it
@@ -1439,6 +1691,8 @@ static PyObject *mod_write_pause(PyObject *mod, PyObject *args) {
 
 static PyMethodDef module_methods[] = {
     {"encode_attrs", mod_encode_attrs, METH_VARARGS, "An attrs dict as the encoder writes it (None: left to Python)."},
+    {"float_text", mod_float_text, METH_VARARGS, "A finite float as the encoder writes it (tests)."},
+    {"float_fast", mod_float_fast, METH_O, "repr(x) by the fast formatter, None where it falls back (tests)."},
 #ifndef _WIN32
     {"write_pause", mod_write_pause, METH_VARARGS, "os.write, then a short sleep, in one release of the GIL."},
 #endif
