@@ -382,18 +382,23 @@ def test_native_and_python_files_are_identical(
         json.loads(line)
 
 
+def _open_loop(clock: int) -> Any:
+    """A training_loop span as the queue holds it at its start (id 1, the first thread)."""
+    loop = Span("training_loop", None, 1)
+    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
+    loop.written, loop.t0, loop.t1 = 0, clock, None
+    return loop
+
+
 @pytest.mark.parametrize("log_interval", [100, 1000])
 def test_long_plain_run_is_identical(tmp_path: Path, log_interval: int) -> None:
     """A training loop's shape (iterations with a loss, phases, events) over many chunks and intervals.
 
     At 1,000 steps an interval's durations fill more histogram buckets than the encoder's table
     holds, so it flushes them to the histogram mid-interval."""
-    items: list[Any] = []
     clock = 10_000
-    loop = Span("training_loop", None, 1)
-    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
-    loop.written, loop.t0, loop.t1 = 0, clock, None
-    items.append(loop)
+    loop = _open_loop(clock)
+    items: list[Any] = [loop]
     next_id = 2
     for step in range(3000):
         it = Span("iteration", {"step": step}, 3)
@@ -562,12 +567,9 @@ def test_interval_means_sum_in_pythons_order(tmp_path: Path, log_interval: int) 
     str objects, intervals longer than a chunk (the sum continues from the dict's value), iterations
     the statistics take in Python mid-interval (``tokens``), and phase sums beyond 64 bits.
     """
-    items: list[Any] = []
     clock = 10_000
-    loop = Span("training_loop", None, 1)
-    loop.parent, loop.id, loop.tid, loop.metrics, loop.status = None, 1, _IDENTS[0], None, "ok"
-    loop.written, loop.t0, loop.t1 = 0, clock, None
-    items.append(loop)
+    loop = _open_loop(clock)
+    items: list[Any] = [loop]
     next_id = 2
     for step in range(3000):
         value = _ORDERED[step % len(_ORDERED)] * (1 + step % 5)
