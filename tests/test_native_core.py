@@ -303,3 +303,40 @@ def test_native_helpers_make_what_the_python_helpers_make(tmp_path: Path, config
         assert (native is pure) == isinstance(pure, _recorder.InertSpan), (helper, args)
     assert tt.forward.__name__ == tt.SpanName.FORWARD
     assert "forward pass" in (tt.forward.__doc__ or "")
+
+
+def test_an_iterations_attrs_read_changed_or_replaced_are_what_is_written(tmp_path: Path) -> None:
+    """``training_iteration(step)``'s attrs are ``{"step": step}`` however they are used: never read
+    (the native core makes that dict only when something reads it), read and changed in place, or
+    replaced; the file and the progress file say so on either core."""
+    tt.configure(job_id="attrs", log_dir=str(tmp_path), backends={"log": False}, statistics=False)
+    with tt.training_loop():
+        with tt.training_iteration(0):
+            pass
+        with tt.training_iteration(1) as read:
+            first = read.attrs
+            assert first == {"step": 1} and read.attrs is first
+            first["extra"] = "x"
+        with tt.training_iteration(2) as replaced:
+            replaced.attrs = {"other": 3}
+        with tt.training_iteration(2**70) as huge:  # no int64: not a progress step, still an attribute
+            pass
+        with tt.training_iteration(7):
+            assert tt.current_span() is not None
+            now = read_progress(tmp_path / "attrs" / "rank0.progress")
+            assert now is not None and now.step == 7
+    tt.close()
+    assert huge.attrs == {"step": 2**70}
+    records = [json.loads(line) for line in (tmp_path / "attrs" / "rank0.jsonl").read_text().splitlines()]
+    written: dict[Any, Any] = {}
+    for record in records:
+        if record.get("name") == tt.SpanName.ITERATION and record.get("kind") in ("span", "start", "end"):
+            key = record["id"]
+            written[key] = {**written.get(key, {}), **(record.get("attrs") or {})}
+    assert list(written.values()) == [
+        {"step": 0},
+        {"step": 1, "extra": "x"},
+        {"other": 3},
+        {"step": 2**70},
+        {"step": 7},
+    ]

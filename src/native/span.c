@@ -497,6 +497,10 @@ typedef struct {
     unsigned long tid;
     long written;
     int has_t1;          /* t1 is not None */
+    /* attrs holds the int step of training_iteration(step), and the dict {"step": step} it
+     * stands for is made when attrs is first read (by the writer, most often): not on the
+     * training thread. */
+    int attrs_step;
 } SpanCore;
 
 static PyTypeObject SpanCoreType;
@@ -570,6 +574,7 @@ span_init(SpanCore *self, PyObject *args, PyObject *kwds)
     }
     Py_SETREF(self->name, Py_NewRef(name));
     Py_SETREF(self->attrs, Py_NewRef(attrs));
+    self->attrs_step = 0;
     Py_SETREF(self->level, Py_NewRef(level));
     Py_SETREF(self->link, Py_NewRef(link));
     Py_SETREF(self->rec, Py_NewRef(Py_None));
@@ -613,7 +618,30 @@ span_dealloc(SpanCore *self)
 }
 
 OBJECT_FIELD(SpanCore, name, "name")
-OBJECT_FIELD(SpanCore, attrs, "attrs")
+
+static PyObject *
+SpanCore_get_attrs(SpanCore *self, void *closure)
+{
+    if (self->attrs_step) {
+        PyObject *attrs = PyDict_New();
+        if (attrs == NULL || PyDict_SetItem(attrs, s_step, self->attrs) < 0) {
+            Py_XDECREF(attrs);
+            return NULL;
+        }
+        self->attrs_step = 0;
+        Py_SETREF(self->attrs, attrs);
+    }
+    return Py_NewRef(self->attrs);
+}
+
+static int
+SpanCore_set_attrs(SpanCore *self, PyObject *value, void *closure)
+{
+    NO_DELETE(value, "attrs")
+    self->attrs_step = 0;
+    Py_SETREF(self->attrs, Py_NewRef(value));
+    return 0;
+}
 OBJECT_FIELD(SpanCore, level, "level")
 OBJECT_FIELD(SpanCore, link, "link")
 OBJECT_FIELD(SpanCore, status, "status")
@@ -810,8 +838,8 @@ progress_enter(SpanCore *self, RecorderCore *R, int64_t t0)
     int iteration = code == g_iteration_code, collective = code == g_collective_code;
     if (iteration) {
         PyObject *attrs = Py_NewRef(self->attrs);
-        if (PyDict_CheckExact(attrs)) {
-            PyObject *value = PyDict_GetItemWithError(attrs, s_step);
+        if (self->attrs_step || PyDict_CheckExact(attrs)) {
+            PyObject *value = self->attrs_step ? attrs : PyDict_GetItemWithError(attrs, s_step);
             if (value != NULL && PyLong_CheckExact(value)) {
                 int overflow = 0;
                 long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
@@ -1216,8 +1244,9 @@ typedef struct {
 
 static PyTypeObject FactoryType;
 
+/* attrs_step: attrs is the step of training_iteration(step) (see SpanCore.attrs_step) */
 static PyObject *
-make_span(Factory *self, PyObject *attrs)
+make_span(Factory *self, PyObject *attrs, int attrs_step)
 {
     PyObject *obj = span_new((PyTypeObject *)self->cls, NULL, NULL);
     if (obj == NULL)
@@ -1225,6 +1254,7 @@ make_span(Factory *self, PyObject *attrs)
     SpanCore *span = (SpanCore *)obj;
     Py_SETREF(span->name, Py_NewRef(self->name));
     Py_SETREF(span->attrs, Py_NewRef(attrs));
+    span->attrs_step = attrs_step;
     Py_SETREF(span->level, Py_NewRef(self->level));
     return obj;
 }
@@ -1250,15 +1280,8 @@ factory_vectorcall(Factory *self, PyObject *const *args, size_t nargsf, PyObject
             if (above)
                 return Py_NewRef(self->inert);
             if (nargs == 0)
-                return make_span(self, Py_None);
-            PyObject *attrs = PyDict_New();
-            if (attrs == NULL || PyDict_SetItem(attrs, s_step, args[0]) < 0) {
-                Py_XDECREF(attrs);
-                return NULL;
-            }
-            PyObject *span = make_span(self, attrs);
-            Py_DECREF(attrs);
-            return span;
+                return make_span(self, Py_None, 0);
+            return make_span(self, args[0], 1);
         }
     }
     return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
