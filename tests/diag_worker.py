@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--fault-step", type=int, default=7)
     parser.add_argument("--slow-ms", type=float, default=40.0)
     parser.add_argument("--gloo-timeout", type=float, default=6.0)
+    # Seconds a rank stays alive after an exception left main (and traintrace recorded it), before
+    # exiting: a process slow to tear down on a loaded machine.
+    parser.add_argument("--linger", type=float, default=0.0)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -75,6 +79,14 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_sigterm)  # a user's own handler: traintrace records, then calls it
     tt.configure(hang_timeout=1.5, hang_check_interval=0.25, flush_interval=0.1, log_interval=5)
+    if args.linger:
+        recorded = sys.excepthook
+
+        def linger(*exc_info: Any) -> None:
+            recorded(*exc_info)
+            time.sleep(args.linger)
+
+        sys.excepthook = linger
     mine = rank == args.fault_rank
     fault = args.fault if mine else "none"
     fault_step = args.fault_step

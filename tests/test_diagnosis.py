@@ -247,9 +247,15 @@ def test_a_rank_hung_in_compute(tmp_path: Path) -> None:
     assert summary["breakdown_s"]["hang"] > 0
 
 
-def test_a_rank_hung_in_a_collective(tmp_path: Path) -> None:
-    """Rank 0 waits in an all-reduce its partner never joins; the others wait for rank 0 one step later."""
-    run = launch(tmp_path, 3, "--fault", "hang_collective", "--fault-rank", "0", "--fault-step", "6")
+@pytest.mark.parametrize("linger", ["0", "1.0"])
+def test_a_rank_hung_in_a_collective(tmp_path: Path, linger: str) -> None:
+    """Rank 0 waits in an all-reduce its partner never joins; the others wait for rank 0 one step later.
+
+    When the collective fails at last, the ranks may take a while to exit (``linger``: a second
+    between the exception and the exit): the failed step is not progress, the hang stays the cause."""
+    run = launch(
+        tmp_path, 3, "--fault", "hang_collective", "--fault-rank", "0", "--fault-step", "6", "--linger", linger
+    )
     errors = check_culprit(run, 0, 6, "iteration", "hang")
     assert errors["culprit"]["in_collective"]
     assert "inside a collective" in errors["verdict"]

@@ -92,6 +92,33 @@ def test_watchdog_fires_with_stacks_and_resolves(memory: tt.MemoryBackend) -> No
     assert stuck["dur"] / 1e9 >= LIMIT
 
 
+def test_a_hang_that_ends_in_an_exception_is_not_resolved(memory: tt.MemoryBackend) -> None:
+    """A step that hangs, then fails (a collective's peer gave up), made no progress: the watchdog keeps
+    the hang suspected while the process lives on, and only a step that completes resolves it."""
+    configure(memory)
+
+    def hung() -> bool:
+        return any(e["name"] == "hang_suspected" for e in memory.errors())
+
+    for attempt in range(2):
+        try:
+            with tt.training_loop():
+                for step in range(4):
+                    with tt.training_iteration(step):
+                        if step == 3:
+                            assert wait_for(hung, timeout=LIMIT + 10)
+                            raise RuntimeError("Connection closed by peer")
+        except RuntimeError:
+            pass
+        if attempt == 0:
+            # The process lives on (its exception is being reported, the launcher is slow to stop it).
+            time.sleep(PERIOD * 5)
+            tt.flush()
+            assert not memory.events("hang_resolved")
+    # The second attempt's steps completed: that is progress.
+    assert wait_for(lambda: memory.events("hang_resolved"), timeout=5)
+
+
 def test_watchdog_waits_for_marked_long_phases(memory: tt.MemoryBackend) -> None:
     """A checkpoint longer than hang_timeout but within its own limit is not a hang."""
     configure(memory, phase_timeouts={"checkpoint_save_sync": 30})

@@ -106,7 +106,8 @@ class IterationStats:
         self.consumed_samples = 0
         self.consumed_tokens = 0
         self.last_step: int | None = None
-        #: perf_counter_ns of the latest progress seen (iteration or long phase ended).
+        #: perf_counter_ns of the latest progress seen: an iteration or a long phase that completed.
+        #: One that an exception ended is not progress (the hang watchdog would call a hang resolved).
         self.last_progress = 0
         #: True after a training loop ended, until the next iteration: nothing to watch.
         self.loop_ended = False
@@ -226,7 +227,8 @@ class IterationStats:
             if self._interval_start is not None:
                 self._windows.append((span.t0, t1, field))
                 del self._windows[:-1024]
-            self.last_progress = max(self.last_progress, t1)
+            if span.status not in _FAILED:
+                self.last_progress = max(self.last_progress, t1)
             if name == SpanName.CHECKPOINT_LOAD:
                 self._resumed(span)
             return
@@ -237,9 +239,10 @@ class IterationStats:
             self.loop_ended = True
             self._interval_start = None
             self._windows.clear()
-            self.last_progress = max(self.last_progress, t1)
+            if span.status not in _FAILED:
+                self.last_progress = max(self.last_progress, t1)
             return
-        if name.endswith("_initialization"):
+        if name.endswith("_initialization") and span.status not in _FAILED:
             self.last_progress = max(self.last_progress, t1)
 
     def finish(self, out: Out, open_status: str) -> None:
@@ -278,7 +281,6 @@ class IterationStats:
             self._hist.add_many(durations)
             durations.clear()
         self._last_t1 = t1
-        self.last_progress = max(self.last_progress, t1)
         self.loop_ended = False
         parent = span.parent
         if parent is not None and parent.name == SpanName.TRAINING_LOOP:
@@ -291,6 +293,7 @@ class IterationStats:
                 self._emit(out, t1, final=False)
             return
         self.completed_steps += 1
+        self.last_progress = max(self.last_progress, t1)
 
         step = batch = tokens = flops = None
         sums = self._metric_sum
