@@ -31,6 +31,7 @@ class Script:
     init_s: float = 1.0
     checkpoint_every: int = 10
     save_s: float = 0.5
+    save_extra_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (rank, step saved): seconds added
     load_s: float = 0.5
     fail_rank: int | None = 3
     fail_step: int | None = 25  # the failing rank raises in this step; the others are killed in it
@@ -152,6 +153,7 @@ def _attempt(  # noqa: PLR0917
         ids += 1
         now += d
         if (step + 1) % script.checkpoint_every == 0:
+            save = round((script.save_s + script.save_extra_s.get((rank, step + 1), 0.0)) * S)
             rec(
                 "span",
                 now,
@@ -159,12 +161,12 @@ def _attempt(  # noqa: PLR0917
                 id=ids,
                 parent=loop,
                 tid=tid,
-                dur=round(script.save_s * S),
+                dur=save,
                 status="ok",
                 attrs={"current_iteration": step + 1},
             )
             ids += 1
-            now += round(script.save_s * S)
+            now += save
     if not failed:
         rec("end", now, name="training_loop", id=loop, dur=now - start, status="ok")
         rec("end", now, name="main_function", id=1, dur=now - start, status="ok")

@@ -81,6 +81,30 @@ def test_ranks_onset_is_not_pulled_earlier_by_noisy_steps_before_it(tmp_path: Pa
     assert slow["slow_since_ns"] == step8["ts"]
 
 
+def test_a_rank_is_slow_in_its_checkpoints_only_when_half_its_saves_are(tmp_path: Path) -> None:
+    """Saves take 5 ms. Rank 1's every save takes 300 ms, rank 2's two of three take 40 ms: stragglers.
+    Rank 5 saved twice, one of them 7 ms late (a busy disk, as on CI): not a straggler."""
+    extra = {(1, 10): 0.295, (1, 20): 0.295, (1, 30): 0.295, (2, 10): 0.035, (2, 30): 0.035, (5, 20): 0.007}
+    script = Script(
+        ranks=6, steps=30, step_s=0.01, straggler=None, fail_rank=None, fail_step=None, checkpoint_every=10,
+        save_s=0.005, save_extra_s=extra,
+    )  # fmt: skip
+    write_job(tmp_path / "job", script)
+    # Rank 5 stopped after its second save (it failed there, say): two saves, not three.
+    lines = script.files[5].read_text().splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if '"current_iteration":20' in line)
+    script.files[5].write_text("".join(lines[: cut + 1]))
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    by_rank = {x["rank"]: x for x in r["ranks"]}
+    assert sorted(r["stragglers"]) == [1, 2], r["stragglers"]
+    assert by_rank[1]["slow_in"] == by_rank[2]["slow_in"] == "checkpoint_save"
+    # The figure compared is the lower median of the rank's own saves (this script's own arithmetic).
+    assert by_rank[1]["checkpoint_save_median_s"] == pytest.approx(0.300)
+    assert by_rank[2]["checkpoint_save_median_s"] == pytest.approx(0.040)
+    assert by_rank[5]["checkpoint_save_median_s"] == pytest.approx(0.005)
+    assert not any(by_rank[rank]["straggler"] for rank in (0, 3, 4, 5))
+
+
 def test_errors_names_the_first_error_and_what_each_rank_was_doing(tmp_path: Path) -> None:
     """Root cause: the failing rank's exception; the killed ranks show their open iteration span."""
     write_job(tmp_path / "job", Script(fail_rank=3, fail_step=25))

@@ -314,17 +314,27 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     _step_parts(job)
     parts: dict[int, dict[str, float]] = {}
     for rank, part, value in job.rows(
-        f"""
+        """
         SELECT rank, 'compute', median(comp) / 1e9 FROM step_parts GROUP BY rank
         UNION ALL SELECT rank, 'collective', median(coll) / 1e9 FROM step_parts WHERE has_coll GROUP BY rank
         UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9 FROM loading_parts GROUP BY rank
-        UNION ALL SELECT rank, 'checkpoint_save', median(dur) / 1e9 FROM spans_small
-            WHERE name IN ('{SpanName.CHECKPOINT_SAVE_SYNC}', '{SpanName.CHECKPOINT_SAVE_ASYNC}')
-              AND dur IS NOT NULL AND NOT is_agent
-            GROUP BY rank
         """
     ):
         parts.setdefault(int(rank), {})[part] = float(value)
+    saves: dict[int, list[float]] = {}
+    for rank, seconds in job.rows(
+        f"""
+        SELECT rank, dur / 1e9 FROM spans_small
+        WHERE name IN ('{SpanName.CHECKPOINT_SAVE_SYNC}', '{SpanName.CHECKPOINT_SAVE_ASYNC}')
+          AND dur IS NOT NULL AND NOT is_agent
+        """
+    ):
+        saves.setdefault(int(rank), []).append(float(seconds))
+    for rank, durations in saves.items():
+        # The lower median: a rank is slow in its saves only when at least half of them are slow. A rank
+        # with few saves (one that failed early) is not a straggler for one save a busy disk delayed.
+        durations.sort()
+        parts.setdefault(rank, {})["checkpoint_save"] = durations[(len(durations) - 1) // 2]
     # A part is slow when it is `threshold` times the other ranks' median and the excess matters: at least
     # MIN_EXCESS of the job's median step time (a 10 us zero_grad twice as slow is not a straggler), and
     # never less than MIN_EXCESS_S: scheduling noise on a busy host moves a healthy rank's medians by that much.
