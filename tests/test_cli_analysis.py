@@ -81,6 +81,28 @@ def test_ranks_onset_is_not_pulled_earlier_by_noisy_steps_before_it(tmp_path: Pa
     assert slow["slow_since_ns"] == step8["ts"]
 
 
+def test_a_rank_that_stopped_early_is_not_a_straggler_for_its_last_two_steps(tmp_path: Path) -> None:
+    """A busy start slows every rank's first 8 steps by 4 ms; rank 3 stopped after step 9 and its steps 8 and 9
+    were slow too (as on CI's oversubscribed machine). Its whole-run median is slow, but no slow-down of at least
+    five steps follows any step: not a straggler. Rank 1, 20 ms slower from step 8 of 30, is one."""
+    busy = {(rank, step): 0.004 for rank in range(4) for step in range(8)}
+    late = {(3, 8): 0.004, (3, 9): 0.004}
+    script = Script(
+        ranks=4, steps=30, step_s=0.01, straggler=1, straggler_from=8, straggler_factor=3.0, extra_s={**busy, **late},
+        fail_rank=None, fail_step=None, checkpoint_every=100,
+    )  # fmt: skip
+    write_job(tmp_path / "job", script)
+    lines = script.files[3].read_text().splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if '"step":9,' in line)
+    script.files[3].write_text("".join(lines[: cut + 1]))
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    by_rank = {x["rank"]: x for x in r["ranks"]}
+    assert by_rank[3]["steps"] == 10
+    assert by_rank[3]["compute_score"] > 1.1  # the whole-run medians alone would name it
+    assert r["stragglers"] == [1], r["stragglers"]
+    assert by_rank[1]["slow_since_step"] == 8
+
+
 def test_a_rank_is_slow_in_its_checkpoints_only_when_half_its_saves_are(tmp_path: Path) -> None:
     """Saves take 5 ms. Rank 1's every save takes 300 ms, rank 2's two of three take 40 ms: stragglers.
     Rank 5 saved twice, one of them 7 ms late (a busy disk, as on CI): not a straggler."""

@@ -414,6 +414,9 @@ MIN_EXCESS = 0.05
 MIN_EXCESS_S = 0.002
 #: The share of the steps from the onset on that must be slow.
 ONSET_SHARE = 0.7
+#: ...and how many steps there must be from the onset on: a slow-down is sustained, and the last two steps of a
+#: rank that stopped early, slowed by a busy host, are not one.
+ONSET_MIN_STEPS = 5
 
 
 def _median(values: list[float]) -> float:
@@ -475,14 +478,15 @@ def _step_parts(job: Job) -> None:
 
 def _change_point(flags: list[bool]) -> int | None:
     """The index that classifies the most flags right (fast before it, slow from it on; the earliest of equals),
-    or None when fewer than ``ONSET_SHARE`` of the flags from it on are slow."""
+    or None when fewer than ``ONSET_SHARE`` of the flags from it on are slow, or fewer than ``ONSET_MIN_STEPS``
+    flags follow it."""
     n = len(flags)
     best, best_at, right = -1, 0, sum(flags)  # right: flags classified right with the change at i (all slow)
     for i in range(n):
         if right > best:
             best, best_at = right, i
         right += 1 if not flags[i] else -1  # flag i moves to the fast side
-    if not n or sum(flags[best_at:]) < ONSET_SHARE * (n - best_at):
+    if n - best_at < ONSET_MIN_STEPS or sum(flags[best_at:]) < ONSET_SHARE * (n - best_at):
         return None
     return best_at
 
