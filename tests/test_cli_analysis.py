@@ -81,6 +81,13 @@ def test_ranks_onset_is_not_pulled_earlier_by_noisy_steps_before_it(tmp_path: Pa
     assert slow["slow_since_ns"] == step8["ts"]
 
 
+def _stop_after(path: Path, marker: str) -> None:
+    """Cut a rank's file after the first line holding ``marker``, as if the rank had stopped there."""
+    lines = path.read_text().splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if marker in line)
+    path.write_text("".join(lines[: cut + 1]))
+
+
 def test_a_rank_that_stopped_early_is_not_a_straggler_for_its_last_two_steps(tmp_path: Path) -> None:
     """A busy start slows every rank's first 8 steps by 4 ms; rank 3 stopped after step 9 and its steps 8 and 9
     were slow too (as on CI's oversubscribed machine). Its whole-run median is slow, but no slow-down of at least
@@ -92,9 +99,7 @@ def test_a_rank_that_stopped_early_is_not_a_straggler_for_its_last_two_steps(tmp
         fail_rank=None, fail_step=None, checkpoint_every=100,
     )  # fmt: skip
     write_job(tmp_path / "job", script)
-    lines = script.files[3].read_text().splitlines(keepends=True)
-    cut = next(i for i, line in enumerate(lines) if '"step":9,' in line)
-    script.files[3].write_text("".join(lines[: cut + 1]))
+    _stop_after(script.files[3], '"step":9,')
     r = _analysis.ranks(_open(tmp_path / "job"))
     by_rank = {x["rank"]: x for x in r["ranks"]}
     assert by_rank[3]["steps"] == 10
@@ -113,9 +118,7 @@ def test_a_rank_is_slow_in_its_checkpoints_only_when_half_its_saves_are(tmp_path
     )  # fmt: skip
     write_job(tmp_path / "job", script)
     # Rank 5 stopped after its second save (it failed there, say): two saves, not three.
-    lines = script.files[5].read_text().splitlines(keepends=True)
-    cut = next(i for i, line in enumerate(lines) if '"current_iteration":20' in line)
-    script.files[5].write_text("".join(lines[: cut + 1]))
+    _stop_after(script.files[5], '"current_iteration":20')
     r = _analysis.ranks(_open(tmp_path / "job"))
     by_rank = {x["rank"]: x for x in r["ranks"]}
     assert sorted(r["stragglers"]) == [1, 2], r["stragglers"]
