@@ -87,6 +87,17 @@ with tt.application():
     thread.start(); thread.join()
     t0 = __import__("time").perf_counter_ns()
     rec.record_span("whole", t0, t0 + 1000, metrics={"w": 1})
+    # record_span's cases, the native core's own (the first four) and those it hands to Python
+    with tt.span("holder") as holder:
+        rec.record_span("phase", t0, t0 + 10, parent=holder, level=tt.Verbosity.PROFILING.value)
+        rec.record_span("phase", t0, t0 + 10, parent=holder, metrics={}, status="error", level=1)
+        rec.record_span("phase", t0, t0, metrics={"n": 2, "s": "x"}, level=tt.Verbosity.PROFILING.value + 5)
+        reused = {"k": 1}
+        rec.record_span("phase", t0, t0 + 5, metrics=reused)
+        reused["k"] = 2  # the record holds the value at the call
+        rec.record_span("phase", t0 + 5, t0, parent="not a span", level=tt.Verbosity.PROFILING)
+        rec.record_span(("a", 2), t0, t0 + 1, status=3)
+        rec.record_span("phase", "t0", t0, metrics=[1])
 
     async def task(n):
         with tt.span(f"task{n}"):
@@ -184,6 +195,7 @@ def test_both_cores_write_the_same_records(tmp_path: Path) -> None:
     assert "12345" in names and "across threads" in names and "whole" in names
     assert any(r.get("kind") == "error" and r.get("message") == "boom" for r in native[0])
     assert names.count("twice") == 1
+    assert names.count("phase") == 4 and "('a', 2)" in names  # record_span: one above the level, one bad
     assert "too detailed" not in names
     assert native == pure
     keep = ("step", "phase", "state", "iterations", "steps_done", "step_done", "in_collective", "counter")

@@ -1173,6 +1173,131 @@ error:
     return NULL;
 }
 
+/* --------------------------------------------------------- record_span */
+
+static PyObject *g_span_class = NULL; /* traintrace.Span: what record_span makes */
+#define MAX_NS (((int64_t)1) << 62)   /* _recorder._MAX_NS */
+
+/* An exact int in [0, MAX_NS): 1 (and *out), else 0. */
+static int
+plain_ns(PyObject *value, int64_t *out)
+{
+    if (!PyLong_CheckExact(value))
+        return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow || v < 0 || v >= MAX_NS)
+        return 0; /* (-1 with no error is out of range too) */
+    *out = v;
+    return 1;
+}
+
+/*
+ * Recorder.record_span(name, t0, t1, *, parent=None, metrics=None, level=INFO, status="ok").
+ * The case framework callbacks make per training phase (a str name, two perf_counter_ns
+ * readings in order, an int level, a str status, no metrics or a dict of them, a Span or
+ * no parent) is done here; anything else goes to _record_span_checked, the Python method,
+ * which warns about what it must.
+ */
+static PyObject *
+recorder_record_span(PyObject *self, PyObject *const *args, Py_ssize_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    RecorderCore *R = (RecorderCore *)self;
+    PyObject *parent = Py_None, *metrics = Py_None, *level = g_info, *status = s_ok;
+    int64_t t0 = 0, t1 = 0;
+    int plain = g_span_class != NULL && level != NULL && nargs == 3;
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; plain && i < nkw; i++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i), *value = args[nargs + i];
+        if (PyUnicode_CompareWithASCIIString(key, "parent") == 0)
+            parent = value;
+        else if (PyUnicode_CompareWithASCIIString(key, "metrics") == 0)
+            metrics = value;
+        else if (PyUnicode_CompareWithASCIIString(key, "level") == 0)
+            level = value;
+        else if (PyUnicode_CompareWithASCIIString(key, "status") == 0)
+            status = value;
+        else
+            plain = 0;
+    }
+    plain = plain && PyUnicode_CheckExact(args[0]) && plain_ns(args[1], &t0) && plain_ns(args[2], &t1) && t0 <= t1 &&
+            PyLong_CheckExact(level) && PyUnicode_CheckExact(status) &&
+            (metrics == Py_None || PyDict_CheckExact(metrics)) &&
+            (parent == Py_None || PyObject_TypeCheck(parent, (PyTypeObject *)g_span_class));
+    if (!plain) {
+        PyObject *checked = PyObject_GetAttrString(self, "_record_span_checked");
+        if (checked == NULL)
+            return NULL;
+        PyObject *result = PyObject_Vectorcall(checked, args, nargs, kwnames);
+        Py_DECREF(checked);
+        return result;
+    }
+    if (R->closed)
+        Py_RETURN_NONE;
+    int above = level_above(level, R->max_level);
+    if (above != 0)
+        return above < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *attrs = Py_None;
+    if (metrics != Py_None && PyDict_GET_SIZE(metrics) > 0) {
+        attrs = PyDict_Copy(metrics); /* a snapshot, as as_attrs takes */
+        if (attrs == NULL)
+            return NULL;
+    }
+    else {
+        Py_INCREF(attrs);
+    }
+    PyObject *obj = span_new((PyTypeObject *)g_span_class, NULL, NULL);
+    if (obj == NULL) {
+        Py_DECREF(attrs);
+        return NULL;
+    }
+    SpanCore *span = (SpanCore *)obj;
+    Py_SETREF(span->name, Py_NewRef(args[0]));
+    Py_SETREF(span->attrs, attrs);
+    Py_SETREF(span->level, Py_NewRef(level));
+    Py_SETREF(span->parent, Py_NewRef(parent));
+    Py_SETREF(span->status, Py_NewRef(status));
+    if (next_value(g_ids, &span->id) < 0)
+        goto error;
+    span->tid = PyThread_get_thread_ident();
+    span->written = 0;
+    span->t0 = t0;
+    span->t1 = t1;
+    span->has_t1 = 1;
+    Py_SETREF(span->rec, Py_NewRef(self));
+    /* Seen twice by the writer, like any span: once to write it, once as its end. */
+    int room = queue_has_room(R);
+    if (room < 0)
+        goto error;
+    if (room) {
+        if (queue_append(R, obj) < 0 || queue_append(R, obj) < 0)
+            goto error;
+    }
+    else {
+        PyObject *pipeline = Py_NewRef(R->pipeline);
+        PyObject *result = PyObject_CallMethodOneArg(pipeline, s_overflow, obj);
+        Py_DECREF(pipeline);
+        if (result == NULL)
+            goto error;
+        int queued = PyObject_IsTrue(result);
+        Py_DECREF(result);
+        if (queued < 0 || (queued && queue_append(R, obj) < 0))
+            goto error;
+    }
+    return obj;
+error:
+    Py_DECREF(obj);
+    return NULL;
+}
+
+static PyMethodDef recorder_methods[] = {
+    {"record_span", (PyCFunction)(void (*)(void))recorder_record_span, METH_FASTCALL | METH_KEYWORDS,
+     "record_span(name, t0, t1, *, parent=None, metrics=None, level=INFO, status='ok')\n--\n\n"
+     "Record a span that already ended, timed by two time.perf_counter_ns() readings."},
+    {NULL},
+};
+
 /* InertSpan's start and stop: nothing, at the cost of a C call. */
 static PyObject *
 span_noop_enter(PyObject *self, PyObject *unused)
@@ -1389,13 +1514,19 @@ static PyObject *
 install(PyObject *module, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"namespace", "current", "phases", "iteration_code", "collective_code", "iteration_name",
-                             "info", "ids", "adopt", "failed", "reused", NULL};
-    PyObject *namespace, *current, *phases, *iteration_name, *info, *ids, *adopt, *failed, *reused;
+                             "info", "ids", "adopt", "failed", "reused", "span", NULL};
+    PyObject *namespace, *current, *phases, *iteration_name, *info, *ids, *adopt, *failed, *reused, *span;
     long iteration_code, collective_code;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!llUOO!OOO:install", kwlist, &PyDict_Type, &namespace,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!llUOO!OOOO!:install", kwlist, &PyDict_Type, &namespace,
                                      &current, &PyDict_Type, &phases, &iteration_code, &collective_code,
-                                     &iteration_name, &info, &CounterType, &ids, &adopt, &failed, &reused))
+                                     &iteration_name, &info, &CounterType, &ids, &adopt, &failed, &reused,
+                                     &PyType_Type, &span))
         return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)span, &SpanCoreType) || ((PyTypeObject *)span)->tp_new != span_new ||
+        ((PyTypeObject *)span)->tp_init != (initproc)span_init) {
+        PyErr_SetString(PyExc_TypeError, "span must be a Span that keeps SpanCore's __new__ and __init__");
+        return NULL;
+    }
     if (!PyContextVar_CheckExact(current)) {
         PyErr_SetString(PyExc_TypeError, "current must be a ContextVar");
         return NULL;
@@ -1409,6 +1540,7 @@ install(PyObject *module, PyObject *args, PyObject *kwds)
     Py_XSETREF(g_adopt, Py_NewRef(adopt));
     Py_XSETREF(g_failed, Py_NewRef(failed));
     Py_XSETREF(g_reused, Py_NewRef(reused));
+    Py_XSETREF(g_span_class, Py_NewRef(span));
     g_iteration_code = iteration_code;
     g_collective_code = collective_code;
     installed = 1;
@@ -1446,6 +1578,7 @@ PyInit__span(void)
     INTERN(s_ok, "ok")
     INTERN(s_append, "append")
 #undef INTERN
+    RecorderCoreType.tp_methods = recorder_methods;
     if (PyType_Ready(&CounterType) < 0 || PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&SpanCoreType) < 0 ||
         PyType_Ready(&FactoryType) < 0)
         return NULL;

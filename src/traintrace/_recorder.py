@@ -662,6 +662,12 @@ class Recorder(_RecorderBase):
             queue.append(span)
         return span
 
+    if _native is not None and not TYPE_CHECKING:
+        # The native core does the common case (src/native/span.c: recorder_record_span) and
+        # hands anything it would have to warn about to this method.
+        _record_span_checked = record_span
+        record_span = _native.RecorderCore.record_span
+
     def stop(
         self,
         span: Span,
@@ -925,4 +931,5 @@ if _native is not None:
         adopt=_progress_adopt,
         failed=_progress_failed,
         reused=_warn_reused,
+        span=Span,
     )
