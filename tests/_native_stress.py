@@ -14,6 +14,11 @@ import warnings
 import traintrace as tt
 from traintrace import _recorder
 
+try:
+    import torch
+except ImportError:  # the tensor metrics need torch
+    torch = None
+
 
 class HashRaises:
     def __hash__(self) -> int:
@@ -45,6 +50,11 @@ def hostile(rec: tt.Recorder, rounds: int) -> None:
                 pass
         handle = rec.start("handle")
         threading.Thread(target=rec.stop, args=(handle,)).start()
+        # record_span: the native case (a small queue: some overflow) and the ones it hands on
+        t0 = 1_000 + i
+        parent = span if i % 2 else None
+        rec.record_span("model_forward", t0, t0 + 5, parent=parent, metrics={"k": i} if i % 3 else None, level=4)
+        rec.record_span(name if isinstance(name, str) else "x", [t0, -1, 2**63][i % 3], t0, status=[1, "ok"][i % 2])
 
 
 def main() -> None:
@@ -64,6 +74,8 @@ def main() -> None:
                 with tt.collective():
                     pass
                 it.add_metrics(loss=1.0)
+                if torch is not None and step % 3 == 0:
+                    it.add_metrics(loss=torch.tensor(0.5), tokens=torch.tensor(step), batch_size=8, flops=1.0e9)
         hostile(rec, rounds // 4)
         chain = [rec.start("deep") for _ in range(50_000)]
         for span in reversed(chain):

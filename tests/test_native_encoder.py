@@ -99,15 +99,33 @@ keys = (
     | st.sampled_from([Text("step"), Level.LOW, Hostile(), ("tuple", 1), None])
 )
 attr_dicts = st.none() | st.dictionaries(keys, values, max_size=5)
+try:
+    import torch
+except ImportError:  # the tensor cases need torch
+    torch = None
+#: Tensors as losses come: on the CPU, float32 or float64 (read by the encoder), integer (held in Python).
+_tensors = (
+    st.floats(width=32).map(torch.tensor)
+    | st.floats(allow_nan=False).map(lambda x: torch.tensor(x, dtype=torch.float64))
+    | st.integers(-5, 5).map(torch.tensor)
+    | st.just(torch.ones(2))
+    if torch is not None
+    else st.nothing()
+)
+#: Samples, tokens and FLOPs as frameworks give them per step (or not: then step_info counts).
+_consumption = st.integers(0, 64) | st.floats(0, 2.0**40, width=32) | st.none() | st.text(max_size=2) | _tensors
 #: What training loops put on iterations: a step, a loss, the same key in attrs and metrics.
 _iteration_values = {
-    "loss": st.floats(width=32),
+    "loss": st.floats(width=32) | _tensors,
     "acc": st.integers(-5, 5),
     "tag": st.text(max_size=3),
     "flag": st.booleans(),
     "none": st.none(),
     "current_iteration": st.integers(0, 9),
     "num_iterations": st.integers(0, 9),
+    "batch_size": _consumption,
+    "tokens": _consumption,
+    "flops": _consumption,
 }
 iteration_attrs = st.fixed_dictionaries({"step": st.integers(0, 99)}, optional=_iteration_values)
 iteration_metrics = st.none() | st.fixed_dictionaries({}, optional={**_iteration_values, "step": st.integers(0, 9)})
@@ -701,3 +719,64 @@ def test_sums_the_encoder_cannot_continue_in_c_go_on_in_python() -> None:
     assert all(type(metric_sum[k]) is type(expected_sum[k]) for k in expected_sum)
     assert phase_sum == {"average_forward_time": 2**62 + 6 * (2**61 - 2)}
     assert phase_count == {"average_forward_time": 6}
+
+
+@pytest.mark.parametrize("step_info", [False, True])
+@pytest.mark.parametrize("log_interval", [7, 100])
+def test_framework_iterations_are_counted_in_c_as_in_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_interval: int, step_info: bool
+) -> None:
+    """Iterations as the Lightning and HF callbacks record them: batch_size and flops as attributes
+    (tokens now and then), a loss as a CPU float tensor. The encoder reads the tensor and counts the
+    samples, tokens and FLOPs itself (no iteration goes through the Python statistics), and the file
+    is the Python path's, byte for byte; the interval's figures are the sums this test makes."""
+    torch = pytest.importorskip("torch")
+    python_iterations = 0
+    original = IterationStats._iteration
+
+    def counting(self: IterationStats, span: Span, out: Any) -> None:
+        nonlocal python_iterations
+        python_iterations += 1
+        original(self, span, out)
+
+    monkeypatch.setattr(IterationStats, "_iteration", counting)
+    clock = 10_000
+    loop = _open_loop(clock)
+    items: list[Any] = [loop]
+    truth: list[tuple[int, int, float, float]] = []  # (samples, tokens, flops, loss) per step
+    for step in range(700):
+        batch, flops, loss = 8 + step % 3, 1.0e9 * (1 + step % 4), 1.0 / (step + 1)
+        attrs: dict[str, Any] = {"step": step, "batch_idx": step, "epoch": 0, "batch_size": batch, "flops": flops}
+        tokens = 0
+        if step % 5 == 0:
+            tokens = attrs["tokens"] = 100 + step
+        elif step_info:
+            tokens = 100  # from step_info, as run_pipeline sets it
+        t0 = clock
+        clock += 50_000 + (step * 7919) % 9_000
+        it = Span("iteration", attrs, 3)
+        it.parent, it.id, it.tid, it.status, it.written = loop, step + 2, _IDENTS[0], "ok", 0
+        it.metrics = {"loss": torch.tensor(loss, dtype=torch.float64)}
+        it.t0, it.t1 = t0, clock
+        items.extend([it, it])
+        truth.append((batch, tokens, flops, loss))
+    items.append(_Stop(loop, clock + 1))
+    native_lines, python_lines = run_both(
+        tmp_path, items, observer="stats", log_interval=log_interval, redact=False, step_info=step_info
+    )
+    assert native_lines == python_lines
+    assert python_iterations == 700  # all of them in the Python run, none in the native one
+    events = [json.loads(line)["attrs"] for line in native_lines if b'"training_iterations"' in line]
+    assert len(events) == 700 // log_interval + 1
+    for index, event in enumerate(events[:-1]):
+        chunk = truth[index * log_interval : (index + 1) * log_interval]
+        assert event["interval"] == log_interval
+        assert event["loss"] == pytest.approx(sum(t[3] for t in chunk) / log_interval, rel=1e-12)
+        assert event["batch_size"] == pytest.approx(sum(t[0] for t in chunk) / log_interval)
+        productive = event["interval"] / event["iterations_per_second"]
+        assert event["tflops"] == pytest.approx(sum(t[2] for t in chunk) / productive / 1e12, rel=1e-6)
+        if step_info:
+            assert event["tokens_per_second"] == pytest.approx(sum(t[1] for t in chunk) / productive, rel=1e-6)
+    assert events[-1]["consumed_samples"] == sum(t[0] for t in truth)
+    iterations = [json.loads(line) for line in native_lines if b'"name":"iteration"' in line]
+    assert [r["attrs"]["loss"] for r in iterations] == [t[3] for t in truth]  # read, in order, not held

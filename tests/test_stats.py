@@ -231,8 +231,9 @@ class CountingTensor(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_tensor_metrics_are_read_once_per_interval(memory: tt.MemoryBackend) -> None:
-    """A tensor loss is never read per step: once per interval, on the writer thread."""
+def test_a_cpu_float_tensor_is_read_on_the_writer_and_its_record_is_not_held(memory: tt.MemoryBackend) -> None:
+    """A loss tensor on the CPU is never read on the training thread; the writer reads it at once
+    (a read of memory: no device sync to save), so its record keeps its place in the stream."""
     CountingTensor.reads.clear()
     configure(memory, log_interval=10)
     model, optimizer, x, y = tiny_model()
@@ -243,16 +244,43 @@ def test_tensor_metrics_are_read_once_per_interval(memory: tt.MemoryBackend) -> 
                 loss = train_step(model, optimizer, x, y)
                 it.add_metrics(loss=loss.as_subclass(CountingTensor))
             losses.append(float(loss.detach()))  # the test's own reference values
-    assert CountingTensor.reads == [] or all(t != threading.get_ident() for t in CountingTensor.reads)
-    tt.flush()
-    assert len(CountingTensor.reads) == 4
     assert threading.get_ident() not in CountingTensor.reads
-    records = sorted(memory.spans("iteration"), key=lambda r: r["attrs"]["step"])
-    assert [r["attrs"]["loss"] for r in records] == pytest.approx(losses, rel=1e-6)
+    tt.flush()
+    assert len(CountingTensor.reads) == 40
+    assert threading.get_ident() not in CountingTensor.reads
+    iterations = [r for r in memory.records if r.get("name") == "iteration"]
+    assert [r["attrs"]["step"] for r in iterations] == list(range(40))  # written in order, none held
+    assert [r["attrs"]["loss"] for r in iterations] == pytest.approx(losses, rel=1e-6)
     events = [e for e in memory.events("training_iterations") if e["attrs"]["interval"]]
     for index, event in enumerate(events):
         chunk = losses[index * 10 : index * 10 + 10]
         assert event["attrs"]["loss"] == pytest.approx(sum(chunk) / 10, rel=1e-6)
+        # Each interval's event follows its last iteration's record.
+        last = next(r for r in iterations if r["attrs"]["step"] == index * 10 + 9)
+        assert event["seq"] > last["seq"]
+    assert_valid(memory.records)
+
+
+def test_other_tensor_metrics_are_read_once_per_interval(memory: tt.MemoryBackend) -> None:
+    """A tensor the writer cannot read for free (here an integer one; on a GPU, any) is never read
+    per step: its iteration is held and the interval's tensors are read together, on the writer."""
+    CountingTensor.reads.clear()
+    configure(memory, log_interval=10)
+    counts = [(step * 7) % 5 for step in range(40)]
+    with tt.training_loop():
+        for step in range(40):
+            with tt.training_iteration(step) as it:
+                it.add_metrics(correct=torch.tensor(counts[step]).as_subclass(CountingTensor))
+    assert threading.get_ident() not in CountingTensor.reads
+    tt.flush()
+    assert len(CountingTensor.reads) == 4
+    assert threading.get_ident() not in CountingTensor.reads
+    records = sorted(memory.spans("iteration"), key=lambda r: r["attrs"]["step"])
+    assert [r["attrs"]["correct"] for r in records] == counts
+    events = [e for e in memory.events("training_iterations") if e["attrs"]["interval"]]
+    for index, event in enumerate(events):
+        chunk = counts[index * 10 : index * 10 + 10]
+        assert event["attrs"]["correct"] == pytest.approx(sum(chunk) / 10)
     # Held records keep their sequence numbers in order.
     seqs = [r["seq"] for r in memory.records]
     assert seqs == sorted(seqs)
@@ -362,20 +390,21 @@ def test_statistics_work_with_an_info_only_backend() -> None:
 
 
 def test_flush_writes_held_records_with_one_read(memory: tt.MemoryBackend) -> None:
-    """flush() writes iterations held for their tensors, reading them once, and the interval goes on."""
+    """flush() writes iterations held for their tensors (integer ones: a float on the CPU is read at once),
+    reading them once, and the interval goes on."""
     CountingTensor.reads.clear()
     configure(memory, log_interval=10)
     with tt.training_loop():
         for step in range(5):
             with tt.training_iteration(step) as it:
-                it.add_metrics(loss=torch.tensor(float(step)).as_subclass(CountingTensor))
+                it.add_metrics(loss=torch.tensor(step).as_subclass(CountingTensor))
         tt.flush()
         assert len(CountingTensor.reads) == 1
         assert [r["attrs"]["loss"] for r in memory.spans("iteration")] == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert memory.events("training_iterations") == []
         for step in range(5, 10):
             with tt.training_iteration(step) as it:
-                it.add_metrics(loss=torch.tensor(float(step)).as_subclass(CountingTensor))
+                it.add_metrics(loss=torch.tensor(step).as_subclass(CountingTensor))
     tt.flush()
     assert len(CountingTensor.reads) == 2
     event, final = memory.events("training_iterations")

@@ -545,6 +545,8 @@ typedef struct {
     /* iterations the statistics observer has not absorbed yet */
     Py_ssize_t iter_n;
     PyObject *t0s, *last_step, *loop_id, *ident;
+    /* (t0, batch_size, tokens, flops) of each iteration that gave any of the three (None: not given) */
+    PyObject *consumed;
     /* Read when the batch is taken, not per iteration (names, ids and tids do not change once queued):
        the parent of the latest iterations, not yet looked at, and the latest iteration (its tid). */
     PyObject *parent_pending, *last_span;
@@ -565,6 +567,7 @@ typedef struct {
 static void clear_batch(Encoder *e) {
     e->iter_n = 0;
     Py_CLEAR(e->t0s);
+    Py_CLEAR(e->consumed);
     Py_CLEAR(e->last_step);
     Py_CLEAR(e->loop_id);
     Py_CLEAR(e->ident);
@@ -582,6 +585,7 @@ static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
     Py_VISIT(e->reserved);
     Py_VISIT(e->hbuckets);
     Py_VISIT(e->t0s);
+    Py_VISIT(e->consumed);
     Py_VISIT(e->last_step);
     Py_VISIT(e->loop_id);
     Py_VISIT(e->ident);
@@ -782,8 +786,121 @@ static int hold_is_noop(Encoder *e, PyObject *name, PyObject *attrs, PyObject *m
     return 1;
 }
 
+/* ------------------------------------------------------------------ tensors on the CPU */
+
+static PyObject *S_IS_CPU, *S_IS_FLOATING_POINT, *S_NUMEL, *S_ITEM;
+static PyObject *TENSOR_TYPE; /* torch.Tensor, once torch is imported */
+
+/* torch.Tensor (borrowed), or NULL without an error while torch is not imported. */
+static PyObject *tensor_type(void) {
+    if (TENSOR_TYPE != NULL) return TENSOR_TYPE;
+    PyObject *torch = PyDict_GetItemString(PyImport_GetModuleDict(), "torch");
+    if (torch == NULL) return NULL;
+    PyObject *type = PyObject_GetAttrString(torch, "Tensor");
+    if (type == NULL || !PyType_Check(type)) {
+        Py_XDECREF(type);
+        PyErr_Clear();
+        return NULL;
+    }
+    TENSOR_TYPE = type; /* kept for the process, as sys.modules keeps torch */
+    return type;
+}
+
+/* A bool attribute or no-argument method's answer: 1 for True, else 0 (an error is cleared). */
+static int answers_true(PyObject *v, PyObject *name, int call) {
+    PyObject *r = call ? PyObject_CallMethodNoArgs(v, name) : PyObject_GetAttr(v, name);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int yes = r == Py_True;
+    Py_DECREF(r);
+    return yes;
+}
+
+/*
+ * A one-element floating-point tensor on the CPU, read as a float (a new reference), as the
+ * statistics' _read_cpu_floats and the Python path's .item() read it: a read of memory, no
+ * device sync. NULL (no error) for anything else, left to Python (a tensor on an accelerator
+ * is held for its interval's one read there).
+ */
+static PyObject *cpu_float(PyObject *v) {
+    PyObject *type = tensor_type();
+    if (type == NULL) return NULL;
+    int is = PyObject_IsInstance(v, type);
+    if (is <= 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!answers_true(v, S_IS_CPU, 0) || !answers_true(v, S_IS_FLOATING_POINT, 1)) return NULL;
+    PyObject *n = PyObject_CallMethodNoArgs(v, S_NUMEL);
+    int one = n != NULL && PyLong_CheckExact(n) && PyLong_AsLong(n) == 1;
+    Py_XDECREF(n);
+    if (!one) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *number = PyObject_CallMethodNoArgs(v, S_ITEM);
+    if (number != NULL && PyFloat_CheckExact(number)) return number;
+    Py_XDECREF(number);
+    PyErr_Clear();
+    return NULL;
+}
+
+/* A copy of dict d with its CPU float tensors read (a new reference), or NULL (no error): none read. */
+static PyObject *read_cpu_floats(PyObject *d) {
+    if (d == NULL || !PyDict_CheckExact(d) || PyDict_GET_SIZE(d) == 0 || tensor_type() == NULL) return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    int any = 0;
+    while (PyDict_Next(d, &pos, &k, &v))
+        if (!plain_value(v)) any = 1;
+    if (!any) return NULL;
+    /* A snapshot: reading a tensor runs Python code (a subclass's __torch_function__). */
+    PyObject *items = PyDict_Items(d), *out = PyDict_Copy(d);
+    int read = 0;
+    if (items == NULL || out == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *pair = PyList_GET_ITEM(items, i);
+        PyObject *value = PyTuple_GET_ITEM(pair, 1);
+        if (plain_value(value)) continue;
+        PyObject *number = cpu_float(value);
+        if (number == NULL) continue;
+        int bad = PyDict_SetItem(out, PyTuple_GET_ITEM(pair, 0), number) < 0;
+        Py_DECREF(number);
+        if (bad) goto fail;
+        read = 1;
+    }
+    Py_DECREF(items);
+    if (read) return out;
+    Py_DECREF(out);
+    return NULL;
+fail:
+    Py_XDECREF(items);
+    Py_XDECREF(out);
+    PyErr_Clear();
+    return NULL;
+}
+
+/* An ended span's attrs and metrics with their CPU float tensors read, in the span and in f. */
+static void read_span_tensors(Encoder *e, PyObject *span, PyObject **attrs, PyObject **metrics, int fa, int fm) {
+    PyObject **slots[2] = {attrs, metrics};
+    int fields[2] = {fa, fm};
+    for (int i = 0; i < 2; i++) {
+        PyObject *read = read_cpu_floats(*slots[i]);
+        if (read == NULL) continue;
+        if (set(e, span, fields[i], read) < 0) {
+            PyErr_Clear(); /* left as it was, to Python */
+            Py_DECREF(read);
+            continue;
+        }
+        Py_SETREF(*slots[i], read);
+    }
+}
+
 /* An attribute key of an iteration: averaged (K_PLAIN), its step, num_iterations, or another reserved key. */
-enum { K_PLAIN = 1, K_STEP, K_NUM_ITERATIONS, K_RESERVED };
+enum { K_PLAIN = 1, K_STEP, K_NUM_ITERATIONS, K_RESERVED, K_BATCH, K_TOKENS, K_FLOPS };
+#define N_CONSUMED 3 /* K_BATCH, K_TOKENS, K_FLOPS: what a step consumed */
 
 static int is_step_key(PyObject *k) {
     return PyUnicode_Compare(k, S_STEP) == 0 || PyUnicode_Compare(k, S_CURRENT_ITERATION) == 0 ||
@@ -802,6 +919,9 @@ static int key_class(Encoder *e, PyObject *k) {
     int c = !reserved                                      ? K_PLAIN
             : is_step_key(k)                               ? K_STEP
             : PyUnicode_Compare(k, S_NUM_ITERATIONS) == 0 ? K_NUM_ITERATIONS
+            : PyUnicode_CompareWithASCIIString(k, "batch_size") == 0 ? K_BATCH
+            : PyUnicode_CompareWithASCIIString(k, "tokens") == 0     ? K_TOKENS
+            : PyUnicode_CompareWithASCIIString(k, "flops") == 0      ? K_FLOPS
                                                            : K_RESERVED;
     Py_XSETREF(e->kkey[i], Py_NewRef(k));
     e->kclass[i] = (unsigned char)c;
@@ -815,7 +935,7 @@ static int key_class(Encoder *e, PyObject *k) {
  * statistics ignore; OBS_PYTHON for everything else.
  */
 static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyObject *metrics, PyObject *status,
-                    PyObject **field, PyObject **step, int *counted) {
+                    PyObject **field, PyObject **step, PyObject **consumed, int *counted) {
     if (name != S_ITERATION && PyUnicode_Compare(name, S_ITERATION) != 0) {
         PyObject *f = PyDict_GetItemWithError(st->phase_fields, name);
         if (f != NULL) {
@@ -843,9 +963,11 @@ static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyOb
         while (PyDict_Next(d, &pos, &k, &v)) {
             if (!PyUnicode_CheckExact(k) || !plain_value(v)) return OBS_PYTHON;
             int cls = key_class(e, k);
-            if (cls == K_RESERVED) return OBS_PYTHON; /* batch_size, tokens, flops, skipped */
+            if (cls == K_RESERVED) return OBS_PYTHON; /* skipped */
             if (cls == K_STEP)
                 *step = v; /* borrowed: the caller takes a reference */
+            else if (cls >= K_BATCH)
+                consumed[cls - K_BATCH] = v; /* borrowed, as step; the last given wins, as in _iteration */
             else if (cls == K_PLAIN && v != Py_None)
                 *counted = 1; /* a mean or a last value for count_iteration */
         }
@@ -1044,7 +1166,7 @@ static void resolve_parent(Encoder *e) {
 
 /* ``step``: observed()'s (the last step key's value, or Py_None); ``counted``: whether any key is averaged or kept. */
 static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attrs, PyObject *metrics, long long t0,
-                           long long t1, int want_t0, PyObject *step, int counted) {
+                           long long t1, int want_t0, PyObject *step, PyObject **consumed, int counted) {
     long long dur = t1 - t0;
     int shadow = attrs != Py_None && PyDict_GET_SIZE(attrs) && metrics != Py_None && PyDict_GET_SIZE(metrics);
     PyObject *values[2] = {attrs, metrics};
@@ -1077,7 +1199,17 @@ static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attr
         e->hn++;
     }
     e->hcount[bin]++;
-    if (want_t0) {
+    if (consumed[0] != NULL || consumed[1] != NULL || consumed[2] != NULL) {
+        /* absorb() counts them as _iteration would, looking up step_info for any not given */
+        if (e->consumed == NULL && (e->consumed = PyList_New(0)) == NULL) return -1;
+        PyObject *row = Py_BuildValue("LOOO", t0, consumed[0] ? consumed[0] : Py_None,
+                                      consumed[1] ? consumed[1] : Py_None, consumed[2] ? consumed[2] : Py_None);
+        if (row == NULL || PyList_Append(e->consumed, row) < 0) {
+            Py_XDECREF(row);
+            return -1;
+        }
+        Py_DECREF(row);
+    } else if (want_t0) {
         if (e->t0s == NULL && (e->t0s = PyList_New(0)) == NULL) return -1;
         PyObject *t = PyLong_FromLongLong(t0);
         if (t == NULL || PyList_Append(e->t0s, t) < 0) {
@@ -1251,6 +1383,7 @@ static int do_event(Encoder *e, PyObject *item, Ctx *c) {
 static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     PyObject *f[NF] = {NULL};
     PyObject *merged = NULL, *step = NULL;
+    PyObject *consumed[N_CONSUMED] = {NULL, NULL, NULL};
     int rc = RC_YIELD;
     long long state;
     f[F_WRITTEN] = get(e, span, F_WRITTEN);
@@ -1278,12 +1411,16 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             goto out;
         }
         NEED(c->mode != 2 && stopped);
+        read_span_tensors(e, span, &f[F_ATTRS], &f[F_METRICS], F_ATTRS, F_METRICS);
         f[F_STATUS] = get(e, span, F_STATUS);
         NEED(f[F_STATUS] != NULL);
         if (c->mode == 1) {
             if (state == W_OPEN) NEED(hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
             PyObject *step_seen = Py_None;
-            obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field, &step_seen, &counted);
+            obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field, &step_seen, consumed,
+                           &counted);
+            /* Borrowed until here (released at out, whatever observed() said) */
+            for (int i = 0; i < N_CONSUMED; i++) Py_XINCREF(consumed[i]);
             NEED(obs != OBS_PYTHON);
             step = Py_NewRef(step_seen); /* setting ``written`` below may run Python code that changes attrs */
             if (obs == OBS_ITERATION) {
@@ -1325,7 +1462,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             if (set(e, span, F_WRITTEN, SMALL[W_DONE]) < 0) PyErr_Clear();
         }
         if (obs == OBS_ITERATION &&
-            count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0, step, counted) < 0)
+            count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0, step, consumed, counted) < 0)
             PyErr_Clear();
         if (obs == OBS_PHASE && count_phase(&c->st, field, t0, t1) < 0) PyErr_Clear();
         if (state != W_OPEN) e->whole_unstopped--;
@@ -1334,6 +1471,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     }
 
     /* First sighting: a whole span (already stopped) or its start. */
+    if (stopped && c->mode != 2) read_span_tensors(e, span, &f[F_ATTRS], &f[F_METRICS], F_ATTRS, F_METRICS);
     if (stopped && c->mode != 0) {
         NEED(c->mode == 1 && hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
     }
@@ -1406,6 +1544,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
 out:
     Py_XDECREF(merged);
     Py_XDECREF(step);
+    for (int i = 0; i < N_CONSUMED; i++) Py_XDECREF(consumed[i]);
     for (int i = 0; i < NF; i++) Py_XDECREF(f[i]);
     return rc;
 }
@@ -1522,7 +1661,8 @@ static PyObject *Encoder_extend(Encoder *e, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* take_iterations() -> None or (n, sum, min, max, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident) */
+/* take_iterations() -> None or (n, sum, min, max, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident,
+   consumed) */
 static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
     (void)unused;
     if (e->hn && hist_flush(e) < 0) PyErr_Clear();
@@ -1533,10 +1673,10 @@ static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
         if (tid != NULL) Py_XSETREF(e->ident, tid);
         Py_CLEAR(e->last_span);
     }
-    PyObject *out = Py_BuildValue("nLLLOLLLOOO", e->iter_n, e->sum_dur, e->min_dur, e->max_dur,
+    PyObject *out = Py_BuildValue("nLLLOLLLOOOO", e->iter_n, e->sum_dur, e->min_dur, e->max_dur,
                                   e->t0s ? e->t0s : Py_None, e->first_t0, e->last_t1, e->max_t1,
                                   e->last_step ? e->last_step : Py_None, e->loop_id ? e->loop_id : Py_None,
-                                  e->ident ? e->ident : Py_None);
+                                  e->ident ? e->ident : Py_None, e->consumed ? e->consumed : Py_None);
     if (out == NULL) return NULL;
     clear_batch(e);
     return out;
@@ -1712,7 +1852,11 @@ PyMODINIT_FUNC PyInit__encode(void) {
         (S_ITERATION = PyUnicode_InternFromString("iteration")) == NULL ||
         (S_TRAINING_LOOP = PyUnicode_InternFromString("training_loop")) == NULL ||
         (S_INIT_SUFFIX = PyUnicode_InternFromString("_initialization")) == NULL ||
-        (S_NUM_ITERATIONS = PyUnicode_InternFromString("num_iterations")) == NULL)
+        (S_NUM_ITERATIONS = PyUnicode_InternFromString("num_iterations")) == NULL ||
+        (S_IS_CPU = PyUnicode_InternFromString("is_cpu")) == NULL ||
+        (S_IS_FLOATING_POINT = PyUnicode_InternFromString("is_floating_point")) == NULL ||
+        (S_NUMEL = PyUnicode_InternFromString("numel")) == NULL ||
+        (S_ITEM = PyUnicode_InternFromString("item")) == NULL)
         return NULL;
     if ((ZERO_F = PyFloat_FromDouble(0.0)) == NULL || (ZERO_I = PyLong_FromLong(0)) == NULL ||
         (ONE = PyLong_FromLong(1)) == NULL)

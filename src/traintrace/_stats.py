@@ -24,7 +24,7 @@ from ._histogram import LogHistogram
 from ._names import EventName, SpanName, SpanStatus, Verbosity
 from ._peaks import peak_for
 from ._recorder import Span
-from ._tensors import detach, is_tensor, resolve_tensors
+from ._tensors import detach, is_tensor, read_if_cpu_float, resolve_tensors
 
 if TYPE_CHECKING:
     from ._pipeline import Pipeline
@@ -78,6 +78,24 @@ def _tensor_field(key: str) -> str | None:
     if key in _COUNTED or key not in RESERVED:
         return key
     return None
+
+
+def _read_cpu_floats(values: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``values`` with its one-element float tensors on the CPU read, and whether other tensors are left.
+
+    A CPU float costs a read of memory, and written at once its record stays in order; the
+    others (on an accelerator: a device sync per read) are held for the interval's one read.
+    """
+    out: dict[str, Any] = {}
+    left = False
+    for key, value in values.items():
+        if type(value) not in _PLAIN_TYPES and is_tensor(value):
+            number = read_if_cpu_float(value)
+            left = left or number is None
+            out[key] = value if number is None else number
+        else:
+            out[key] = value
+    return out, left
 
 
 def _number(value: Any) -> float | None:
@@ -191,17 +209,22 @@ class IterationStats:
         name = span.name
         if name == SpanName.ITERATION:
             plain = _PLAIN_TYPES
+            held = False
             attrs = span.attrs
-            metrics = span.metrics
             if attrs:
                 for value in attrs.values():
                     if type(value) not in plain and is_tensor(value):
-                        return self._hold_tensors(span, started)
+                        span.attrs, left = _read_cpu_floats(attrs)
+                        held = held or left
+                        break
+            metrics = span.metrics
             if metrics:
                 for value in metrics.values():
                     if type(value) not in plain and is_tensor(value):
-                        return self._hold_tensors(span, started)
-            return False
+                        span.metrics, left = _read_cpu_floats(metrics)
+                        held = held or left
+                        break
+            return self._hold_tensors(span, started) if held else False
         if name in _DETAILED:
             self._checkpoint_details(span)
         return False
@@ -326,6 +349,12 @@ class IterationStats:
                 elif kind is int or kind is str or kind is bool:
                     self._metric_last[key] = value
         self.last_step = step if type(step) is int else self.completed_steps
+        self._consumed_at(t0, batch, tokens, flops)
+        if self._steps >= self.log_interval:
+            self._emit(out, t1, final=False)
+
+    def _consumed_at(self, t0: int, batch: Any, tokens: Any, flops: Any) -> None:
+        """A completed step's own samples, tokens and FLOPs; ``step_info`` at ``t0`` for any not given (None)."""
         if batch is None or tokens is None or flops is None:
             info = self._info_at(t0) if self.step_info else {}
             if batch is None:
@@ -335,8 +364,6 @@ class IterationStats:
             if flops is None:
                 flops = info.get("flops")
         self._consumed(batch, tokens, flops)
-        if self._steps >= self.log_interval:
-            self._emit(out, t1, final=False)
 
     def _consumed(self, batch: Any, tokens: Any, flops: Any) -> None:
         """A completed step's samples, tokens and FLOPs, as given (ignored unless numbers)."""
@@ -372,13 +399,14 @@ class IterationStats:
     def absorb(self, batch: tuple[Any, ...], out: Out) -> None:
         """Iterations the native encoder counted (``_encode.Encoder.take_iterations``), as ``_iteration`` would.
 
-        Each was a completed step with plain values and no per-step samples, tokens or FLOPs.
+        Each was a completed step with plain values; ``consumed`` holds the samples, tokens and
+        FLOPs of those that gave any (the others' come from ``step_info``).
         The last may complete the interval (when its record was already written whole; one
         whose start alone is written comes through ``span_ended``, its event going before its
         end record): its event is added here. The encoder already added their metrics and
         histogram buckets (``native_state``).
         """
-        n, total, low, high, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident = batch
+        n, total, low, high, t0s, first_t0, last_t1, max_t1, last_step, loop_id, ident, consumed = batch
         if self._interval_start is None:
             self._interval_start = first_t0
         self._steps += n
@@ -395,10 +423,18 @@ class IterationStats:
         self._ident = ident
         self.completed_steps += n
         self.last_step = last_step if type(last_step) is int else self.completed_steps
-        if not self.step_info:
+        plain = n
+        if consumed is not None:
+            # Steps that gave batch_size, tokens or flops: (t0, batch, tokens, flops), None where not given.
+            plain -= len(consumed)
+            for row in consumed:
+                self._consumed_at(*row)
+        if not plain:
+            pass
+        elif not self.step_info:
             self._flops_known = False  # no flops given: as _consumed(None, None, None)
         else:
-            for t0 in t0s if t0s is not None else [first_t0] * n:
+            for t0 in t0s if t0s is not None else [first_t0] * plain:
                 info = self._info_at(t0)
                 self._consumed(info.get("batch_size"), info.get("tokens"), info.get("flops"))
         if self._steps >= self.log_interval:

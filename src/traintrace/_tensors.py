@@ -12,6 +12,21 @@ def is_tensor(value: object) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def read_if_cpu_float(value: Any) -> float | None:
+    """A one-element floating-point tensor on the CPU as a float, else None.
+
+    Reading it is a read of memory (no device synchronisation, 0.1-0.2 us), far cheaper
+    than holding it for the interval's stacked read; other tensors are held as before.
+    """
+    try:
+        if value.is_cpu and value.is_floating_point() and value.numel() == 1:
+            number = value.item()
+            return number if type(number) is float else None
+    except Exception:  # noqa: BLE001 - a tensor that cannot be read here is held
+        pass
+    return None
+
+
 def detach(value: Any) -> Any:
     """The tensor without its autograd graph, so that holding it keeps no activations."""
     try:
