@@ -429,11 +429,9 @@ class IterationStats:
             plain -= len(consumed)
             for row in consumed:
                 self._consumed_at(*row)
-        if not plain:
-            pass
-        elif not self.step_info:
+        if plain and not self.step_info:
             self._flops_known = False  # no flops given: as _consumed(None, None, None)
-        else:
+        elif plain:
             for t0 in t0s if t0s is not None else [first_t0] * plain:
                 info = self._info_at(t0)
                 self._consumed(info.get("batch_size"), info.get("tokens"), info.get("flops"))
