@@ -849,13 +849,14 @@ static PyObject *cpu_float(PyObject *v) {
 
 /* A copy of dict d with its CPU float tensors read (a new reference), or NULL (no error): none read. */
 static PyObject *read_cpu_floats(PyObject *d) {
-    if (d == NULL || !PyDict_CheckExact(d) || PyDict_GET_SIZE(d) == 0 || tensor_type() == NULL) return NULL;
+    if (d == NULL || !PyDict_CheckExact(d) || PyDict_GET_SIZE(d) == 0) return NULL;
     Py_ssize_t pos = 0;
     PyObject *k, *v;
     int any = 0;
-    while (PyDict_Next(d, &pos, &k, &v))
-        if (!plain_value(v)) any = 1;
-    if (!any) return NULL;
+    while (!any && PyDict_Next(d, &pos, &k, &v))
+        any = !plain_value(v);
+    /* torch looked up only now: by name in sys.modules, which costs a string's hash per look */
+    if (!any || tensor_type() == NULL) return NULL;
     /* A snapshot: reading a tensor runs Python code (a subclass's __torch_function__). */
     PyObject *items = PyDict_Items(d), *out = PyDict_Copy(d);
     int read = 0;
