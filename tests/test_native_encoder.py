@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from traintrace import _pipeline
+from traintrace import _pipeline, _recorder
 from traintrace._config import Config
 from traintrace._pipeline import Pipeline, clean_attrs
 from traintrace._recorder import ERROR, EVENT, Span
@@ -35,6 +35,9 @@ from traintrace.backends._file import FileBackend
 native = pytest.importorskip("traintrace._encode")
 
 STYLE = 1 if ENCODER == "orjson" else 0
+#: Makes a span as ``training_iteration(step)`` does on the native core: its attrs are the int step
+#: until something reads them, and the encoder writes ``{"step": ...}`` from the struct (None: pure core).
+STEP_SPAN = getattr(_recorder._native, "_step_span", None)
 _TS = re.compile(rb'"ts":-?\d+')
 
 
@@ -128,6 +131,8 @@ _iteration_values = {
     "flops": _consumption,
 }
 iteration_attrs = st.fixed_dictionaries({"step": st.integers(0, 99)}, optional=_iteration_values)
+#: training_iteration(step)'s step: small, or beyond what the encoder writes itself (left to Python).
+iteration_steps = st.integers(0, 99) | st.sampled_from([-1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 10**30])
 iteration_metrics = st.none() | st.fixed_dictionaries({}, optional={**_iteration_values, "step": st.integers(0, 9)})
 
 
@@ -204,6 +209,7 @@ def run_pipeline(
     step_info: bool = False,
     flush: bool = False,
     queue_size: int = 100_000,
+    keep: list[Pipeline] | None = None,
 ) -> bytes:
     saved = _pipeline._native
     _pipeline._native = native if use_native else None
@@ -234,6 +240,8 @@ def run_pipeline(
     if flush:
         assert pipeline.flush(30.0)  # a write cycle before close: the writer yields between slices
     pipeline.close(30.0)
+    if keep is not None:
+        keep.append(pipeline)
     return path.read_bytes()
 
 
@@ -274,8 +282,12 @@ def workloads(draw: Any) -> list[Any]:
         link = draw(st.integers(0, 5)) if draw(st.integers(0, 9)) == 0 else None
         name = draw(names)
         typical = name == "iteration" and draw(st.integers(0, 3)) > 0
-        attrs = draw(iteration_attrs if typical else attr_dicts)
-        span = Span(name, attrs, draw(st.sampled_from([1, 3, 3, 4])), link)
+        level = draw(st.sampled_from([1, 3, 3, 4]))
+        if typical and STEP_SPAN is not None and draw(st.booleans()):
+            span = STEP_SPAN(Span, name, draw(iteration_steps), level)
+            span.link = link
+        else:
+            span = Span(name, draw(iteration_attrs if typical else attr_dicts), level, link)
         span.parent = spans[draw(st.integers(0, len(spans) - 1))] if spans and draw(st.booleans()) else None
         span.id = index + 1
         span.tid = ident
@@ -306,7 +318,12 @@ class _Stop:
 
 
 def _copy(span: Span, copies: dict[int, Span]) -> Span:
-    new = Span(span.name, span.attrs, span.level, span.link)
+    step = getattr(span, "_attrs_step", None)  # read without making the attrs dict
+    if step is not None:
+        new = STEP_SPAN(type(span), span.name, step, span.level)
+        new.link = span.link
+    else:
+        new = Span(span.name, span.attrs, span.level, span.link)
     parent = span.parent
     new.parent = copies.get(id(parent)) if parent is not None else None
     new.id, new.tid, new.metrics, new.status = span.id, span.tid, span.metrics, span.status
@@ -515,6 +532,85 @@ def test_objects_that_are_not_spans_are_left_to_python(tmp_path: Path) -> None:
     assert native_lines == python_lines
     kinds = [json.loads(line)["kind"] for line in native_lines]
     assert kinds.count("dropped") >= 3 and "span" in kinds
+
+
+def _iterations(spans: list[Span]) -> list[Any]:
+    """Each span stopped before the writer sees it, under one open training loop: the queue's items."""
+    items: list[Any] = [_open_loop(1)]
+    for index, span in enumerate(spans):
+        span.parent, span.id, span.tid, span.status = items[0], index + 2, _IDENTS[0], "ok"
+        span.written, span.t0, span.t1 = 0, 1000 * index + 10, 1000 * index + 500 + index
+        items.extend([span, span])
+    items.append(_Stop(items[0], 1000 * len(spans) + 10))
+    return items
+
+
+@pytest.mark.skipif(STEP_SPAN is None, reason="the native recording core is not built or not used")
+@pytest.mark.parametrize("redact", [False, True])
+def test_a_native_iterations_fields_are_read_from_its_struct(tmp_path: Path, *, redact: bool) -> None:
+    """Spans as training_iteration(step) makes them are written from their C fields, their attrs dict never made.
+
+    Steps the encoder cannot write itself, and metrics that name a step of their own, go through the
+    getters (the dict is then made): the file is the Python path's either way."""
+    steps = [0, 7, 2**63 - 1, 2**63, -5, 10**30]
+    spans = []
+    for index, step in enumerate(steps * 2):
+        span = STEP_SPAN(Span, "iteration", step, 3)
+        span.metrics = {"loss": 0.25 * index} if index % 3 else ({"step": 1} if index == 3 else None)
+        spans.append(span)
+    items = _iterations(spans)
+    native_lines, python_lines = run_both(tmp_path, items, observer="stats", log_interval=4, redact=redact)
+    assert native_lines == python_lines
+    written = [json.loads(line)["attrs"] for line in native_lines if b'"name":"iteration"' in line]
+    expected = [{"step": step, **(span.metrics or {})} for step, span in zip(steps * 2, spans, strict=True)]
+    # (a step beyond 64 bits is bounded as the Python path bounds any int: the same in both files)
+    assert [w for w, e in zip(written, expected, strict=True) if abs(e["step"]) < 2**63] == [
+        e for e in expected if abs(e["step"]) < 2**63
+    ]
+
+    kept: list[Pipeline] = []
+    queued, _ = fresh(items)
+    run_pipeline(
+        tmp_path / "kept.jsonl", queued, use_native=True, observer="stats", log_interval=4, redact=redact, keep=kept
+    )
+    copies = [item for item in queued[1:] if isinstance(item, Span) and item.name == "iteration"][::2]
+    assert kept[0].native is not None
+    fast = [
+        copy
+        for copy, step, span in zip(copies, steps * 2, spans, strict=True)
+        if -(2**63) <= step < 2**63 and (span.metrics is None or "step" not in span.metrics)
+    ]
+    assert len(fast) == 8
+    # Each of those read twice from its struct (written whole, then counted at its stop), and the loop's
+    # stop; the others once each (their attrs, once made, are a dict: read through the getters).
+    assert kept[0].native.encoder.struct_reads >= 2 * len(fast) + 1
+    # Their {"step": ...} dict was never made; when redacting, a metric key seen for the first time ("loss")
+    # is judged in Python, which reads (and so makes) the attrs of its span: the second round only.
+    unmade = [s._attrs_step for s in fast]
+    assert unmade == [0, 7, 2**63 - 1, -5] * 2 if not redact else unmade[4:] == [0, 7, 2**63 - 1, -5]
+
+
+class _Renamed(Span):
+    """A user's Span whose name is a property: its spans are read through it, not from the struct."""
+
+    __slots__ = ()
+
+    @property  # type: ignore[override]
+    def name(self) -> str:
+        return "renamed"
+
+    @name.setter
+    def name(self, value: str) -> None:
+        pass
+
+
+def test_a_span_class_that_redefines_a_field_is_read_through_it(tmp_path: Path) -> None:
+    """A subclass's own field wins over the struct, as attribute access would have it."""
+    items = _iterations([_Renamed("iteration", {"step": 1}, 3), Span("iteration", {"step": 2}, 3)])
+    native_lines, python_lines = run_both(tmp_path, items, observer="stats", log_interval=1, redact=False)
+    assert native_lines == python_lines
+    names = [json.loads(line).get("name") for line in native_lines]
+    assert "renamed" in names and names.count("iteration") == 1
 
 
 def test_huge_records_split_chunks_and_stay_identical(tmp_path: Path) -> None:

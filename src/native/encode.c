@@ -30,6 +30,12 @@
 #include <sys/prctl.h>
 #endif
 
+#include "span_core.h"
+
+/* traintrace._span.SpanCore, when that module was built with this file's span_core.h: its
+   instances' fields are read from the struct. NULL: every span through its getters. */
+static PyTypeObject *SPAN_CORE = NULL;
+
 #define RC_OK 0
 #define RC_YIELD 1
 
@@ -476,12 +482,13 @@ static int attrs_plain(PyObject *d, PyObject *cache) {
     return attrs_plain_at(d, cache, 0, &nodes);
 }
 
-/* Only after attrs_plain() said RC_OK; still RC_YIELD for strings that are not UTF-8. */
-static int put_attrs(Buf *b, PyObject *d, int style, FloatCache *fc) {
+static int put_attrs(Buf *b, PyObject *d, int style, FloatCache *fc);
+
+/* The items of a dict, without its braces; ``first``: no comma before the first item. */
+static int put_items(Buf *b, PyObject *d, int style, FloatCache *fc, int first) {
     Py_ssize_t pos = 0;
     PyObject *k, *v;
-    int first = 1, rc;
-    if (PUT_LIT(b, "{") < 0) return -1;
+    int rc;
     while (PyDict_Next(d, &pos, &k, &v)) {
         if (!first && PUT_LIT(b, ",") < 0) return -1;
         first = 0;
@@ -504,6 +511,14 @@ static int put_attrs(Buf *b, PyObject *d, int style, FloatCache *fc) {
         }
         if (rc != RC_OK) return rc;
     }
+    return RC_OK;
+}
+
+/* Only after attrs_plain() said RC_OK; still RC_YIELD for strings that are not UTF-8. */
+static int put_attrs(Buf *b, PyObject *d, int style, FloatCache *fc) {
+    int rc;
+    if (PUT_LIT(b, "{") < 0) return -1;
+    if ((rc = put_items(b, d, style, fc, 1)) != RC_OK) return rc;
     return PUT_LIT(b, "}");
 }
 
@@ -524,14 +539,15 @@ typedef struct {
     getter get[NF];        /* or a C type's getter and setter (the native Span), or NULL: getattr */
     setter set[NF];
     void *closure[NF];
+    int core;              /* every field is SpanCore's own (span_core.h): read from the struct */
 } FieldMap;
 
 typedef struct {
     PyObject_HEAD
     Buf buf;
     Py_ssize_t count;
-    PyObject *first_seq; /* None until a record is in the buffer */
-    PyObject *last_seq;
+    long long first_seq, last_seq; /* valid where has_first, has_last: the buffer's first and last lines */
+    int has_first, has_last;
     /* configuration */
     PyObject *threads;      /* dict ident -> native tid */
     PyObject *open;         /* dict id -> span */
@@ -562,6 +578,12 @@ typedef struct {
     PyObject *kkey[KCACHE]; /* strong references */
     unsigned char kclass[KCACHE];
     FloatCache *floats; /* NULL: not allocated (out of memory), floats are formatted every time */
+    /* The last thread ident a native span was looked up by, and its threads[] value: valid within one
+       convert() call (threads only gains entries, and only in Python, between calls). */
+    int tid_cached;
+    unsigned long tid_ident;
+    long long tid_value;
+    Py_ssize_t struct_reads; /* spans read from their struct (view_native), for tests */
 } Encoder;
 
 static void clear_batch(Encoder *e) {
@@ -576,8 +598,6 @@ static void clear_batch(Encoder *e) {
 }
 
 static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
-    Py_VISIT(e->first_seq);
-    Py_VISIT(e->last_seq);
     Py_VISIT(e->threads);
     Py_VISIT(e->open);
     Py_VISIT(e->cache);
@@ -595,8 +615,6 @@ static int Encoder_traverse(Encoder *e, visitproc visit, void *arg) {
 }
 
 static int Encoder_clear(Encoder *e) {
-    Py_CLEAR(e->first_seq);
-    Py_CLEAR(e->last_seq);
     Py_CLEAR(e->threads);
     Py_CLEAR(e->open);
     Py_CLEAR(e->cache);
@@ -643,13 +661,24 @@ static PyObject *Encoder_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     e->file_level = file_level;
     e->dict_level = dict_level;
     e->style = style;
-    e->first_seq = Py_NewRef(Py_None);
-    e->last_seq = Py_NewRef(Py_None);
     e->floats = PyMem_Calloc(1, sizeof(FloatCache)); /* optional: NULL formats every float */
     return (PyObject *)e;
 }
 
 /* ------------------------------------------------------------------ field access */
+
+/* Whether a type's every field is SpanCore's own, so that its instances' struct holds what the getters
+   return (a subclass that redefines one, as a property or a slot, is read through its getters). */
+static int core_fields(PyTypeObject *tp) {
+    if (SPAN_CORE == NULL || !PyType_IsSubtype(tp, SPAN_CORE) || tp->tp_getattro != PyObject_GenericGetAttr ||
+        tp->tp_setattro != PyObject_GenericSetAttr)
+        return 0;
+    for (int f = 0; f < NF; f++) {
+        PyObject *descr = _PyType_Lookup(tp, FIELD[f]);
+        if (descr == NULL || !Py_IS_TYPE(descr, &PyGetSetDescr_Type) || PyDescr_TYPE(descr) != SPAN_CORE) return 0;
+    }
+    return 1;
+}
 
 static FieldMap *field_map(Encoder *e, PyTypeObject *tp) {
     for (int i = 0; i < TYPE_CACHE; i++)
@@ -680,6 +709,7 @@ static FieldMap *field_map(Encoder *e, PyTypeObject *tp) {
             m->closure[f] = def->closure;
         }
     }
+    m->core = core_fields(tp);
     return m;
 }
 
@@ -1166,8 +1196,9 @@ static void resolve_parent(Encoder *e) {
 }
 
 /* ``step``: observed()'s (the last step key's value, or Py_None); ``counted``: whether any key is averaged or kept. */
-static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attrs, PyObject *metrics, long long t0,
-                           long long t1, int want_t0, PyObject *step, PyObject **consumed, int counted) {
+static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *parent, PyObject *attrs,
+                           PyObject *metrics, long long t0, long long t1, int want_t0, PyObject *step,
+                           PyObject **consumed, int counted) {
     long long dur = t1 - t0;
     int shadow = attrs != Py_None && PyDict_GET_SIZE(attrs) && metrics != Py_None && PyDict_GET_SIZE(metrics);
     PyObject *values[2] = {attrs, metrics};
@@ -1232,12 +1263,9 @@ static int count_iteration(Encoder *e, Stats *st, PyObject *span, PyObject *attr
     if (t1 > e->max_t1) e->max_t1 = t1;
     Py_XSETREF(e->last_step, Py_NewRef(step));
     /* Consecutive iterations share their parent: it is looked at once, when another follows or the batch is taken. */
-    PyObject *parent = get(e, span, F_PARENT);
     if (parent != NULL && parent != e->parent_pending) {
         resolve_parent(e);
-        e->parent_pending = parent;
-    } else {
-        Py_XDECREF(parent);
+        e->parent_pending = Py_NewRef(parent);
     }
     Py_XSETREF(e->last_span, Py_NewRef(span));
     e->iter_n++;
@@ -1278,10 +1306,12 @@ static int put_field(Buf *b, const char *key, long long v) {
 /* The line is complete in the buffer: count it. */
 static int end_line(Encoder *e, long long seq) {
     if (PUT_LIT(&e->buf, "}\n") < 0) return -1;
-    PyObject *s = PyLong_FromLongLong(seq);
-    if (s == NULL) return -1;
-    if (e->first_seq == Py_None) Py_SETREF(e->first_seq, Py_NewRef(s));
-    Py_SETREF(e->last_seq, s);
+    if (!e->has_first) {
+        e->first_seq = seq;
+        e->has_first = 1;
+    }
+    e->last_seq = seq;
+    e->has_last = 1;
     e->count++;
     return 0;
 }
@@ -1302,6 +1332,7 @@ typedef struct {
     int has_span;
     PyObject *status;
     PyObject *attrs; /* checked dict or NULL */
+    PyObject *step;  /* or NULL; else attrs are {"step": step, **attrs} (a native iteration's, checked) */
 } Rec;
 
 static int put_record(Encoder *e, long long seq, Rec *r) {
@@ -1318,7 +1349,12 @@ static int put_record(Encoder *e, long long seq, Rec *r) {
         if ((rc = PUT_LIT(b, ",\"status\":")) != RC_OK) goto done;
         if ((rc = put_str(b, r->status)) != RC_OK) goto done;
     }
-    if (r->attrs != NULL) {
+    if (r->step != NULL) {
+        if ((rc = PUT_LIT(b, ",\"attrs\":{\"step\":")) != RC_OK) goto done;
+        if ((rc = put_i64(b, PyLong_AsLongLong(r->step))) != RC_OK) goto done;
+        if (r->attrs != NULL && (rc = put_items(b, r->attrs, e->style, e->floats, 0)) != RC_OK) goto done;
+        if ((rc = PUT_LIT(b, "}")) != RC_OK) goto done;
+    } else if (r->attrs != NULL) {
         if ((rc = PUT_LIT(b, ",\"attrs\":")) != RC_OK) goto done;
         if ((rc = put_attrs(b, r->attrs, e->style, e->floats)) != RC_OK) goto done;
     }
@@ -1381,45 +1417,187 @@ static int do_event(Encoder *e, PyObject *item, Ctx *c) {
     return RC_OK;
 }
 
+/* ------------------------------------------------------------------ spans */
+
+/* A queued span's fields, read once, before anything changes: new references (or values). */
+typedef struct {
+    PyObject *name, *attrs, *metrics, *level, *status, *link, *parent;
+    PyObject *step;    /* a native iteration's int step, for which attrs (then None) stands as {"step": step} */
+    PyObject *ident;   /* the thread's ident as an object (the getters' path), or NULL */
+    unsigned long raw_ident; /* the thread's ident (the native path) */
+    long long written, id, t0, t1, parent_id;
+    int stopped, native;
+} View;
+
+static void view_clear(View *v) {
+    Py_CLEAR(v->name);
+    Py_CLEAR(v->attrs);
+    Py_CLEAR(v->metrics);
+    Py_CLEAR(v->level);
+    Py_CLEAR(v->status);
+    Py_CLEAR(v->link);
+    Py_CLEAR(v->parent);
+    Py_CLEAR(v->step);
+    Py_CLEAR(v->ident);
+}
+
+/* The common checks of a view, whichever way it was read. */
+static int view_usable(View *v) {
+    if (!short_str(v->name, MAX_KEY) || v->attrs == NULL || v->metrics == NULL || v->status == NULL ||
+        v->level == NULL || v->link == NULL || v->parent == NULL || !MONO_OK(v->t0))
+        return RC_YIELD;
+    if (v->stopped && (v->t1 == 0 || !MONO_OK(v->t1))) return RC_YIELD;
+    return RC_OK;
+}
+
+/* A native span, read from its struct. RC_YIELD where it must be read through its getters. */
+static int view_native(Encoder *e, SpanCore *s, View *v) {
+    if (s->attrs_step) {
+        /* {"step": step} merged with metrics that name a step of their own: left to the generic path */
+        if (!PyLong_CheckExact(s->attrs) || value_plain(s->attrs) != RC_OK) return RC_YIELD;
+        if (s->metrics != Py_None && (!PyDict_CheckExact(s->metrics) || PyDict_Contains(s->metrics, S_STEP) != 0)) {
+            PyErr_Clear();
+            return RC_YIELD;
+        }
+        if (e->cache != NULL && PyDict_GetItemWithError(e->cache, S_STEP) != Py_False) {
+            PyErr_Clear(); /* "step" not judged harmless by the redactor yet */
+            return RC_YIELD;
+        }
+        v->step = Py_NewRef(s->attrs);
+        v->attrs = Py_NewRef(Py_None);
+    } else {
+        v->attrs = Py_NewRef(s->attrs);
+    }
+    v->native = 1;
+    v->written = s->written;
+    v->name = Py_NewRef(s->name);
+    v->metrics = Py_NewRef(s->metrics);
+    v->level = Py_NewRef(s->level);
+    v->status = Py_NewRef(s->status);
+    v->link = Py_NewRef(s->link);
+    v->parent = Py_NewRef(s->parent);
+    v->id = s->id;
+    v->t0 = s->t0;
+    v->stopped = s->has_t1;
+    v->t1 = s->has_t1 ? s->t1 : 0;
+    v->raw_ident = s->tid;
+    if (v->parent != Py_None) {
+        if (!PyObject_TypeCheck(v->parent, SPAN_CORE)) return RC_YIELD;
+        v->parent_id = ((SpanCore *)v->parent)->id;
+    }
+    return view_usable(v);
+}
+
+static int get_i64(Encoder *e, PyObject *obj, int f, long long *out) {
+    PyObject *value = get(e, obj, f);
+    int rc = as_i64(value, out);
+    Py_XDECREF(value);
+    return rc;
+}
+
+/* Any span, through its getters (or slots). */
+static int view_generic(Encoder *e, PyObject *span, View *v) {
+    if (get_i64(e, span, F_WRITTEN, &v->written) != RC_OK || get_i64(e, span, F_T0, &v->t0) != RC_OK ||
+        get_i64(e, span, F_ID, &v->id) != RC_OK)
+        return RC_YIELD;
+    PyObject *t1 = get(e, span, F_T1);
+    if (t1 == NULL) return RC_YIELD;
+    v->stopped = t1 != Py_None;
+    int rc = v->stopped ? as_i64(t1, &v->t1) : RC_OK;
+    Py_DECREF(t1);
+    if (rc != RC_OK) return RC_YIELD;
+    v->name = get(e, span, F_NAME);
+    v->attrs = get(e, span, F_ATTRS);
+    v->metrics = get(e, span, F_METRICS);
+    v->level = get(e, span, F_LEVEL);
+    v->status = get(e, span, F_STATUS);
+    v->link = get(e, span, F_LINK);
+    v->parent = get(e, span, F_PARENT);
+    v->ident = get(e, span, F_TID);
+    if (v->ident == NULL) return RC_YIELD;
+    if (v->parent != NULL && v->parent != Py_None && get_i64(e, v->parent, F_ID, &v->parent_id) != RC_OK)
+        return RC_YIELD;
+    return view_usable(v);
+}
+
+static int view_read(Encoder *e, PyObject *span, View *v) {
+    if (SPAN_CORE != NULL && field_map(e, Py_TYPE(span))->core) {
+        if (view_native(e, (SpanCore *)span, v) == RC_OK) {
+            e->struct_reads++;
+            return RC_OK;
+        }
+        view_clear(v);
+        memset(v, 0, sizeof *v);
+    }
+    return view_generic(e, span, v);
+}
+
+/* The stream's id of the span's thread (threads[ident]); RC_YIELD for a thread Python has not named yet. */
+static int view_thread(Encoder *e, View *v, long long *out) {
+    PyObject *key = v->ident;
+    if (key == NULL) {
+        if (e->tid_cached && e->tid_ident == v->raw_ident) {
+            *out = e->tid_value;
+            return RC_OK;
+        }
+        key = PyLong_FromUnsignedLong(v->raw_ident);
+        if (key == NULL) {
+            PyErr_Clear();
+            return RC_YIELD;
+        }
+    } else {
+        Py_INCREF(key);
+    }
+    PyObject *tid = PyDict_GetItemWithError(e->threads, key);
+    Py_DECREF(key);
+    if (tid == NULL) PyErr_Clear();
+    if (as_i64(tid, out) != RC_OK) return RC_YIELD;
+    if (v->ident == NULL) {
+        e->tid_cached = 1;
+        e->tid_ident = v->raw_ident;
+        e->tid_value = *out;
+    }
+    return RC_OK;
+}
+
+static void view_set_written(Encoder *e, PyObject *span, View *v, int state) {
+    if (v->native)
+        ((SpanCore *)span)->written = state;
+    else if (set(e, span, F_WRITTEN, SMALL[state]) < 0)
+        PyErr_Clear();
+}
+
+/* The open spans' table (_pipeline's ``_open``): add (``span``) or remove (NULL) the span's id. */
+static void view_open(Encoder *e, View *v, PyObject *span) {
+    PyObject *id = PyLong_FromLongLong(v->id);
+    if (id == NULL || (span ? PyDict_SetItem(e->open, id, span) : PyDict_DelItem(e->open, id)) < 0)
+        PyErr_Clear(); /* out of memory after the record is in the buffer: Python must not write it again */
+    Py_XDECREF(id);
+}
+
 static int do_span(Encoder *e, PyObject *span, Ctx *c) {
-    PyObject *f[NF] = {NULL};
+    View v = {0};
     PyObject *merged = NULL, *step = NULL;
     PyObject *consumed[N_CONSUMED] = {NULL, NULL, NULL};
     int rc = RC_YIELD;
-    long long state;
-    f[F_WRITTEN] = get(e, span, F_WRITTEN);
-    NEED(as_i64(f[F_WRITTEN], &state) == RC_OK);
-    f[F_NAME] = get(e, span, F_NAME);
-    NEED(short_str(f[F_NAME], MAX_KEY));
-    f[F_ATTRS] = get(e, span, F_ATTRS);
-    f[F_METRICS] = get(e, span, F_METRICS);
-    NEED(f[F_ATTRS] != NULL && f[F_METRICS] != NULL);
-    f[F_T1] = get(e, span, F_T1);
-    NEED(f[F_T1] != NULL);
-    long long t0 = 0, t1 = 0, id = 0;
-    f[F_T0] = get(e, span, F_T0);
-    NEED(as_i64(f[F_T0], &t0) == RC_OK && MONO_OK(t0));
-    int stopped = f[F_T1] != Py_None;
-    if (stopped) NEED(as_i64(f[F_T1], &t1) == RC_OK && t1 != 0 && MONO_OK(t1));
+    NEED(view_read(e, span, &v) == RC_OK);
+    long long t0 = v.t0, t1 = v.t1;
 
-    if (state != 0) {
+    if (v.written != 0) {
         /* Second sighting: the span's stop. */
         int obs = OBS_NOTHING, counted = 0;
         PyObject *field = NULL;
-        if (state != W_OPEN && c->mode == 0) {
+        if (v.written != W_OPEN && c->mode == 0) {
             e->whole_unstopped--;
             rc = RC_OK;
             goto out;
         }
-        NEED(c->mode != 2 && stopped);
-        read_span_tensors(e, span, &f[F_ATTRS], &f[F_METRICS], F_ATTRS, F_METRICS);
-        f[F_STATUS] = get(e, span, F_STATUS);
-        NEED(f[F_STATUS] != NULL);
+        NEED(c->mode != 2 && v.stopped);
+        read_span_tensors(e, span, &v.attrs, &v.metrics, F_ATTRS, F_METRICS);
         if (c->mode == 1) {
-            if (state == W_OPEN) NEED(hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
-            PyObject *step_seen = Py_None;
-            obs = observed(e, &c->st, f[F_NAME], f[F_ATTRS], f[F_METRICS], f[F_STATUS], &field, &step_seen, consumed,
-                           &counted);
+            if (v.written == W_OPEN) NEED(hold_is_noop(e, v.name, v.attrs, v.metrics));
+            PyObject *step_seen = v.step ? v.step : Py_None;
+            obs = observed(e, &c->st, v.name, v.attrs, v.metrics, v.status, &field, &step_seen, consumed, &counted);
             /* Borrowed until here (released at out, whatever observed() said) */
             for (int i = 0; i < N_CONSUMED; i++) Py_XINCREF(consumed[i]);
             NEED(obs != OBS_PYTHON);
@@ -1430,19 +1608,17 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
                     /* The iteration that completes an interval: its event goes before its end record, so a
                        span whose start alone is written is left to Python; one already written whole is
                        counted here and convert() returns for Python to add the event after it. */
-                    NEED(state != W_OPEN);
+                    NEED(v.written != W_OPEN);
                     c->interval_done = 1;
                 }
             }
         }
-        if (state == W_OPEN) {
-            Rec r = {.kind = "end", .ts = c->wall0 + t1, .name = f[F_NAME], .has_id = 1, .has_dur = 1};
-            f[F_ID] = get(e, span, F_ID);
-            NEED(as_i64(f[F_ID], &r.id) == RC_OK);
+        if (v.written == W_OPEN) {
+            Rec r = {.kind = "end", .ts = c->wall0 + t1, .name = v.name, .has_id = 1, .has_dur = 1, .id = v.id};
             r.dur = t1 - t0;
-            NEED(PyUnicode_Check(f[F_STATUS]));
-            r.status = f[F_STATUS];
-            PyObject *metrics = f[F_METRICS];
+            NEED(PyUnicode_Check(v.status));
+            r.status = v.status;
+            PyObject *metrics = v.metrics;
             if (metrics != Py_None) {
                 NEED(PyDict_CheckExact(metrics));
                 if (PyDict_GET_SIZE(metrics)) {
@@ -1451,63 +1627,46 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
                 }
             }
             int write = 0;
-            f[F_LEVEL] = get(e, span, F_LEVEL);
-            NEED(level_of(e, f[F_LEVEL], &write) == RC_OK);
+            NEED(level_of(e, v.level, &write) == RC_OK);
             if (write) {
                 rc = put_record(e, c->seq, &r);
                 if (rc != RC_OK) goto out;
             }
             /* From here on the item is done: state changes. */
             c->seq++;
-            if (PyDict_DelItem(e->open, f[F_ID]) < 0) PyErr_Clear();
-            if (set(e, span, F_WRITTEN, SMALL[W_DONE]) < 0) PyErr_Clear();
+            view_open(e, &v, NULL);
+            view_set_written(e, span, &v, W_DONE);
         }
-        if (obs == OBS_ITERATION &&
-            count_iteration(e, &c->st, span, f[F_ATTRS], f[F_METRICS], t0, t1, c->want_t0, step, consumed, counted) < 0)
+        if (obs == OBS_ITERATION && count_iteration(e, &c->st, span, v.parent, v.attrs, v.metrics, t0, t1,
+                                                    c->want_t0, step, consumed, counted) < 0)
             PyErr_Clear();
         if (obs == OBS_PHASE && count_phase(&c->st, field, t0, t1) < 0) PyErr_Clear();
-        if (state != W_OPEN) e->whole_unstopped--;
+        if (v.written != W_OPEN) e->whole_unstopped--;
         rc = RC_OK;
         goto out;
     }
 
     /* First sighting: a whole span (already stopped) or its start. */
-    if (stopped && c->mode != 2) read_span_tensors(e, span, &f[F_ATTRS], &f[F_METRICS], F_ATTRS, F_METRICS);
-    if (stopped && c->mode != 0) {
-        NEED(c->mode == 1 && hold_is_noop(e, f[F_NAME], f[F_ATTRS], f[F_METRICS]));
+    if (v.stopped && c->mode != 2) read_span_tensors(e, span, &v.attrs, &v.metrics, F_ATTRS, F_METRICS);
+    if (v.stopped && c->mode != 0) {
+        NEED(c->mode == 1 && hold_is_noop(e, v.name, v.attrs, v.metrics));
     }
-    Rec r = {.name = f[F_NAME], .has_id = 1, .has_parent = 1, .has_tid = 1, .ts = c->wall0 + t0};
-    f[F_TID] = get(e, span, F_TID);
-    NEED(f[F_TID] != NULL);
-    PyObject *tid = PyDict_GetItemWithError(e->threads, f[F_TID]);
-    if (tid == NULL) PyErr_Clear();
-    NEED(as_i64(tid, &r.tid) == RC_OK);
-    f[F_LINK] = get(e, span, F_LINK);
-    NEED(f[F_LINK] == Py_None);
-    f[F_ID] = get(e, span, F_ID);
-    NEED(as_i64(f[F_ID], &id) == RC_OK);
-    r.id = id;
-    f[F_PARENT] = get(e, span, F_PARENT);
-    NEED(f[F_PARENT] != NULL);
-    if (f[F_PARENT] != Py_None) {
-        PyObject *pid = get(e, f[F_PARENT], F_ID);
-        int ok = as_i64(pid, &r.parent) == RC_OK;
-        Py_XDECREF(pid);
-        NEED(ok);
-    }
-    PyObject *attrs = f[F_ATTRS];
-    if (stopped) {
+    Rec r = {.name = v.name, .has_id = 1, .has_parent = 1, .has_tid = 1, .ts = c->wall0 + t0, .id = v.id,
+             .parent = v.parent_id, .step = v.step};
+    NEED(view_thread(e, &v, &r.tid) == RC_OK);
+    NEED(v.link == Py_None);
+    PyObject *attrs = v.attrs;
+    if (v.stopped) {
         r.kind = "span";
         r.has_dur = 1;
         r.dur = t1 - t0;
-        f[F_STATUS] = get(e, span, F_STATUS);
-        NEED(f[F_STATUS] != NULL && PyUnicode_Check(f[F_STATUS]));
-        r.status = f[F_STATUS];
-        PyObject *metrics = f[F_METRICS];
+        NEED(PyUnicode_Check(v.status));
+        r.status = v.status;
+        PyObject *metrics = v.metrics;
         if (metrics != Py_None) {
             NEED(PyDict_CheckExact(metrics));
             if (PyDict_GET_SIZE(metrics)) {
-                /* _merge: {**attrs, **metrics} if attrs else metrics */
+                /* _merge: {**attrs, **metrics} if attrs else metrics (a step in attrs: see view_native) */
                 if (attrs != Py_None) {
                     NEED(PyDict_CheckExact(attrs));
                 }
@@ -1528,25 +1687,21 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
     }
     NEED(record_attrs(e, attrs, &r.attrs) == RC_OK);
     int write = 0;
-    f[F_LEVEL] = get(e, span, F_LEVEL);
-    NEED(level_of(e, f[F_LEVEL], &write) == RC_OK);
+    NEED(level_of(e, v.level, &write) == RC_OK);
     if (write) {
         rc = put_record(e, c->seq, &r);
         if (rc != RC_OK) goto out;
     }
-    if (!stopped && PyDict_SetItem(e->open, f[F_ID], span) < 0) {
-        /* Out of memory: the record is in the buffer; Python must not write it again. */
-        PyErr_Clear();
-    }
+    if (!v.stopped) view_open(e, &v, span);
     c->seq++;
-    if (set(e, span, F_WRITTEN, SMALL[stopped ? W_DONE : W_OPEN]) < 0) PyErr_Clear();
-    if (stopped) e->whole_unstopped++;
+    view_set_written(e, span, &v, v.stopped ? W_DONE : W_OPEN);
+    if (v.stopped) e->whole_unstopped++;
     rc = RC_OK;
 out:
     Py_XDECREF(merged);
     Py_XDECREF(step);
     for (int i = 0; i < N_CONSUMED; i++) Py_XDECREF(consumed[i]);
-    for (int i = 0; i < NF; i++) Py_XDECREF(f[i]);
+    view_clear(&v);
     return rc;
 }
 
@@ -1582,6 +1737,7 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
                           &stats, &budget_ns))
         return NULL;
     long long until = budget_ns > 0 ? mono_ns() + budget_ns : 0;
+    e->tid_cached = 0;
     memset(&c.st, 0, sizeof c.st);
     c.interval_done = 0;
     if (c.mode == 1) {
@@ -1633,12 +1789,18 @@ static PyObject *Encoder_take(Encoder *e, PyObject *unused) {
     (void)unused;
     PyObject *data = PyBytes_FromStringAndSize(e->buf.data, e->buf.len);
     if (data == NULL) return NULL;
-    PyObject *out = Py_BuildValue("NnOO", data, e->count, e->first_seq, e->last_seq);
-    if (out == NULL) return NULL;
+    PyObject *first = e->has_first ? PyLong_FromLongLong(e->first_seq) : Py_NewRef(Py_None);
+    PyObject *last = e->has_last ? PyLong_FromLongLong(e->last_seq) : Py_NewRef(Py_None);
+    PyObject *out = first && last ? Py_BuildValue("NnNN", data, e->count, first, last) : NULL;
+    if (out == NULL) {
+        if (first == NULL || last == NULL) Py_DECREF(data);
+        Py_XDECREF(first);
+        Py_XDECREF(last);
+        return NULL;
+    }
     e->buf.len = 0;
     e->count = 0;
-    Py_SETREF(e->first_seq, Py_NewRef(Py_None));
-    Py_SETREF(e->last_seq, Py_NewRef(Py_None));
+    e->has_first = e->has_last = 0;
     if (e->buf.cap > (1 << 22)) { /* do not keep a burst's buffer */
         PyMem_Free(e->buf.data);
         e->buf.data = NULL;
@@ -1653,12 +1815,22 @@ static PyObject *Encoder_extend(Encoder *e, PyObject *args) {
     Py_ssize_t count;
     PyObject *first, *last;
     if (!PyArg_ParseTuple(args, "y*nOO", &view, &count, &first, &last)) return NULL;
-    int rc = buf_put(&e->buf, view.buf, view.len);
+    long long first_seq = 0, last_seq = 0;
+    int rc = 0;
+    if (first != Py_None && (first_seq = PyLong_AsLongLong(first)) == -1 && PyErr_Occurred()) rc = -1;
+    if (rc == 0 && last != Py_None && (last_seq = PyLong_AsLongLong(last)) == -1 && PyErr_Occurred()) rc = -1;
+    if (rc == 0) rc = buf_put(&e->buf, view.buf, view.len);
     PyBuffer_Release(&view);
     if (rc < 0) return NULL;
     e->count += count;
-    if (e->first_seq == Py_None && first != Py_None) Py_SETREF(e->first_seq, Py_NewRef(first));
-    if (last != Py_None) Py_SETREF(e->last_seq, Py_NewRef(last));
+    if (!e->has_first && first != Py_None) {
+        e->first_seq = first_seq;
+        e->has_first = 1;
+    }
+    if (last != Py_None) {
+        e->last_seq = last_seq;
+        e->has_last = 1;
+    }
     Py_RETURN_NONE;
 }
 
@@ -1703,6 +1875,8 @@ static PyMethodDef Encoder_methods[] = {
 static PyMemberDef Encoder_members[] = {
     {"whole_unstopped", T_PYSSIZET, offsetof(Encoder, whole_unstopped), 0,
      "Spans first seen already stopped, less the stops of such spans seen since (the writer resets it)."},
+    {"struct_reads", T_PYSSIZET, offsetof(Encoder, struct_reads), READONLY,
+     "Spans whose fields were read from the native span's struct rather than through its getters."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1868,6 +2042,11 @@ PyMODINIT_FUNC PyInit__encode(void) {
     gil_wanted = PyCapsule_Import("traintrace._span._gil_wanted", 0);
     if (gil_wanted == NULL) PyErr_Clear(); /* no native span core: no hand-over */
 #endif
+    SpanCoreAPI *core = PyCapsule_Import("traintrace._span._core", 0);
+    if (core == NULL)
+        PyErr_Clear(); /* no native span core (or an older build): spans through their getters */
+    else if (core->layout == SPAN_CORE_LAYOUT)
+        SPAN_CORE = core->type;
     if (PyType_Ready(&EncoderType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

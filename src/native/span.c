@@ -29,6 +29,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "span_core.h"
+
 /* The progress file's int64 slots (_progress.py; checked against it at import). */
 #define S_COUNTER 8
 #define S_STEP 9
@@ -481,27 +483,6 @@ static PyTypeObject RecorderCoreType = {
 
 /* --------------------------------------------------------------- SpanCore */
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *name;
-    PyObject *attrs;
-    PyObject *level;
-    PyObject *link;
-    PyObject *rec;       /* None or a RecorderCore */
-    PyObject *parent;    /* None or a SpanCore */
-    PyObject *status;
-    PyObject *metrics;
-    int64_t id;
-    int64_t t0;
-    int64_t t1;
-    unsigned long tid;
-    long written;
-    int has_t1;          /* t1 is not None */
-    /* attrs holds the int step of training_iteration(step), and the dict {"step": step} it
-     * stands for is made when attrs is first read (by the writer, most often): not on the
-     * training thread. */
-    int attrs_step;
-} SpanCore;
 
 static PyTypeObject SpanCoreType;
 #define SpanCore_Check(op) PyObject_TypeCheck(op, &SpanCoreType)
@@ -632,6 +613,13 @@ SpanCore_get_attrs(SpanCore *self, void *closure)
         Py_SETREF(self->attrs, attrs);
     }
     return Py_NewRef(self->attrs);
+}
+
+/* The step an iteration's attrs stand for while they are not made yet, else None (tests). */
+static PyObject *
+SpanCore_get_attrs_step(SpanCore *self, void *closure)
+{
+    return Py_NewRef(self->attrs_step ? self->attrs : Py_None);
 }
 
 static int
@@ -1322,6 +1310,8 @@ static PyMethodDef span_methods[] = {
 static PyGetSetDef span_getset[] = {
     {"name", (getter)SpanCore_get_name, (setter)SpanCore_set_name, NULL, NULL},
     {"attrs", (getter)SpanCore_get_attrs, (setter)SpanCore_set_attrs, NULL, NULL},
+    {"_attrs_step", (getter)SpanCore_get_attrs_step, NULL, "The int step that attrs stand for until read, or None.",
+     NULL},
     {"level", (getter)SpanCore_get_level, (setter)SpanCore_set_level, NULL, NULL},
     {"link", (getter)SpanCore_get_link, (setter)SpanCore_set_link, NULL, NULL},
     {"_rec", (getter)SpanCore_get_rec, (setter)SpanCore_set_rec, NULL, NULL},
@@ -1371,17 +1361,23 @@ static PyTypeObject FactoryType;
 
 /* attrs_step: attrs is the step of training_iteration(step) (see SpanCore.attrs_step) */
 static PyObject *
-make_span(Factory *self, PyObject *attrs, int attrs_step)
+new_span(PyObject *cls, PyObject *name, PyObject *attrs, int attrs_step, PyObject *level)
 {
-    PyObject *obj = span_new((PyTypeObject *)self->cls, NULL, NULL);
+    PyObject *obj = span_new((PyTypeObject *)cls, NULL, NULL);
     if (obj == NULL)
         return NULL;
     SpanCore *span = (SpanCore *)obj;
-    Py_SETREF(span->name, Py_NewRef(self->name));
+    Py_SETREF(span->name, Py_NewRef(name));
     Py_SETREF(span->attrs, Py_NewRef(attrs));
     span->attrs_step = attrs_step;
-    Py_SETREF(span->level, Py_NewRef(self->level));
+    Py_SETREF(span->level, Py_NewRef(level));
     return obj;
+}
+
+static PyObject *
+make_span(Factory *self, PyObject *attrs, int attrs_step)
+{
+    return new_span(self->cls, self->name, attrs, attrs_step, self->level);
 }
 
 static PyObject *
@@ -1547,7 +1543,24 @@ install(PyObject *module, PyObject *args, PyObject *kwds)
     Py_RETURN_NONE;
 }
 
+/* _step_span(cls, name, step, level): a span as training_iteration(step) makes it, its attrs the
+ * int step until first read (tests: the writer reads such a span's step without making the dict). */
+static PyObject *
+step_span(PyObject *module, PyObject *args)
+{
+    PyObject *cls, *name, *step, *level;
+    if (!PyArg_ParseTuple(args, "O!OOO:_step_span", &PyType_Type, &cls, &name, &step, &level))
+        return NULL;
+    if (!PyType_IsSubtype((PyTypeObject *)cls, &SpanCoreType) || ((PyTypeObject *)cls)->tp_new != span_new ||
+        !PyLong_CheckExact(step)) {
+        PyErr_SetString(PyExc_TypeError, "_step_span: a Span class that keeps SpanCore's __new__, and an int step");
+        return NULL;
+    }
+    return new_span(cls, name, step, 1, level);
+}
+
 static PyMethodDef module_methods[] = {
+    {"_step_span", step_span, METH_VARARGS, "A span whose attrs are an int step until first read (tests)."},
     {"install", (PyCFunction)(void (*)(void))install, METH_VARARGS | METH_KEYWORDS,
      "Hand the native core the recorder module's state (called once by _recorder)."},
     {NULL},
@@ -1608,6 +1621,16 @@ PyInit__span(void)
     }
     pthread_atfork(NULL, NULL, handoff_reset_child);
 #endif
+    /* The span's layout for the writer's encoder (span_core.h). */
+    static SpanCoreAPI core_api;
+    core_api.layout = SPAN_CORE_LAYOUT;
+    core_api.type = &SpanCoreType;
+    PyObject *core = PyCapsule_New(&core_api, "traintrace._span._core", NULL);
+    if (core == NULL || PyModule_AddObject(module, "_core", core) < 0) {
+        Py_XDECREF(core);
+        Py_DECREF(module);
+        return NULL;
+    }
     if (PyModule_AddObject(module, "Factory", (PyObject *)&FactoryType) < 0 ||
         PyModule_AddObject(module, "Counter", (PyObject *)&CounterType) < 0 ||
         PyModule_AddObject(module, "RecorderCore", (PyObject *)&RecorderCoreType) < 0 ||

@@ -264,6 +264,9 @@ class Pipeline:
         #: span id -> (observers still holding it, fields they released it with): spans held by several
         self._holders: dict[int, tuple[int, dict[str, Any]]] = {}
         self._redactor = Redactor(getattr(config, "redact_keys", ()))
+        if self._redactor:
+            # Judged now, so that the native encoder writes training_iteration(step)'s step from the first.
+            self._redactor.secret("step")
         self._warned_drops = False
         self._bad_items = 0
         self._losses_reported: dict[str, dict[str, int]] = {}
