@@ -156,6 +156,17 @@ def test_encode_attrs_matches_python_serialiser() -> None:
     check()
 
 
+def test_integers_are_written_digit_for_digit() -> None:
+    """Every digit count, both signs, the int64 ends: as Python writes them (two digits per division in C)."""
+    numbers = [0, -(2**63), 2**63 - 1]
+    for power in range(19):
+        numbers += [10**power - 1, 10**power, 10**power + 1, 5 * 10**power + 42]
+    numbers += [-n for n in numbers if 0 < n < 2**63]
+    encoded = native.encode_attrs({str(i): n for i, n in enumerate(numbers)}, None, STYLE)
+    assert json.loads(encoded) == {str(i): n for i, n in enumerate(numbers)}
+    assert encoded == dumps({str(i): n for i, n in enumerate(numbers)})
+
+
 def test_plain_values_are_encoded_not_refused() -> None:
     """The fast path covers what training loops send (or the encoder would be pointless)."""
     attrs = {"step": 3, "loss": 0.25, "lr": 1e-5, "tiny": 2.5e-7, "big": 1e16, "name": "é\n", "ok": True, "n": None}

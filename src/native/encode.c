@@ -94,14 +94,28 @@ static inline int buf_put(Buf *b, const char *s, Py_ssize_t n) {
 
 #define PUT_LIT(b, lit) buf_put((b), (lit), (Py_ssize_t)(sizeof(lit) - 1))
 
+static const char DIGIT_PAIRS[] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
+
+/* Two digits a division: a record's seven integers (a 19-digit ts among them) are much of a line. */
 static int put_i64(Buf *b, long long v) {
     char tmp[24];
     int i = 24;
     unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
-    do {
-        tmp[--i] = (char)('0' + (u % 10));
-        u /= 10;
-    } while (u);
+    while (u >= 100) {
+        unsigned pair = (unsigned)(u % 100);
+        u /= 100;
+        i -= 2;
+        memcpy(tmp + i, DIGIT_PAIRS + 2 * pair, 2);
+    }
+    if (u >= 10) {
+        i -= 2;
+        memcpy(tmp + i, DIGIT_PAIRS + 2 * u, 2);
+    } else {
+        tmp[--i] = (char)('0' + u);
+    }
     if (v < 0) tmp[--i] = '-';
     return buf_put(b, tmp + i, 24 - i);
 }
