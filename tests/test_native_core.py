@@ -271,6 +271,37 @@ def test_progress_file_fields_match_a_truth(tmp_path: Path) -> None:
         assert not now.in_collective
 
 
+class _Name(str):
+    """A span name of a str subclass: never remembered by object in the native core's phase cache."""
+
+
+def test_the_progress_phase_follows_names_however_they_are_made(tmp_path: Path) -> None:
+    """Phase names as copies, as a str subclass, and among many other names (which churn the native
+    core's cache of names it looked up): the progress file names the phase each span is in."""
+    tt.configure(log_dir=str(tmp_path), job_id="names", backends={"log": False})
+    path = tmp_path / "names" / "rank0.progress"
+
+    def phase_now() -> str | None:
+        now = read_progress(path)
+        assert now is not None
+        return now.phase
+
+    forward, backward = "".join(["model_", "forward"]), _Name("model_backward")
+    assert forward is not tt.SpanName.FORWARD
+    for round_ in range(3):
+        for index in range(40):  # names the cache has not seen, and that are no phase
+            with tt.span(f"custom_{round_}_{index}"):
+                assert phase_now() is None
+        with tt.span(forward):
+            assert phase_now() == tt.SpanName.FORWARD
+            with tt.span(f"inner_{round_}"):
+                assert phase_now() == tt.SpanName.FORWARD  # a custom span leaves the phase as it is
+            assert phase_now() == tt.SpanName.FORWARD
+        with tt.span(backward):
+            assert phase_now() == tt.SpanName.BACKWARD
+        assert phase_now() is None
+
+
 @pytest.mark.skipif(_recorder.CORE != "native", reason="the native core is not in use")
 @pytest.mark.parametrize("configured", ["no", "yes", "level too low"])
 def test_native_helpers_make_what_the_python_helpers_make(tmp_path: Path, configured: str) -> None:

@@ -776,17 +776,46 @@ level_above(PyObject *level, PyObject *max_level)
     return above;
 }
 
+/* The answers of phase_code for the last exact str names asked about, by the name object (held):
+ * a span's start, its stop and its parent's each ask, with the same few names. */
+#define PHASE_CACHE 16 /* a power of two */
+static PyObject *phase_names[PHASE_CACHE];
+static long phase_codes[PHASE_CACHE]; /* -1: not a standard phase */
+
+static void
+phase_cache_clear(void)
+{
+    for (int i = 0; i < PHASE_CACHE; i++)
+        Py_CLEAR(phase_names[i]);
+}
+
 /* `name in PHASE_CODES`: 1 (and *code), 0, or -1 with an exception (a user's __hash__). */
 static int
 phase_code(PyObject *name, long *code)
 {
+    unsigned slot = ((unsigned)((uintptr_t)name >> 4) * 0x9E3779B1u) >> 28; /* 4 bits: PHASE_CACHE */
+    if (phase_names[slot] == name) {
+        *code = phase_codes[slot];
+        return *code >= 0;
+    }
     Py_INCREF(name);
     PyObject *value = PyDict_GetItemWithError(g_phases, name);
+    if (value == NULL && PyErr_Occurred()) {
+        Py_DECREF(name);
+        return -1;
+    }
+    long found = value == NULL ? -1 : PyLong_AsLong(value);
+    if (found == -1 && value != NULL && PyErr_Occurred()) {
+        Py_DECREF(name);
+        return -1;
+    }
+    if (PyUnicode_CheckExact(name)) {
+        Py_XSETREF(phase_names[slot], Py_NewRef(name));
+        phase_codes[slot] = found;
+    }
     Py_DECREF(name);
-    if (value == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    *code = PyLong_AsLong(value);
-    return 1;
+    *code = found;
+    return found >= 0;
 }
 
 /* A progress store raised: as the pure core's `except Exception`, call
@@ -1530,6 +1559,7 @@ install(PyObject *module, PyObject *args, PyObject *kwds)
     Py_XSETREF(g_namespace, Py_NewRef(namespace));
     Py_XSETREF(g_current, Py_NewRef(current));
     Py_XSETREF(g_phases, Py_NewRef(phases));
+    phase_cache_clear();
     Py_XSETREF(g_iteration_name, Py_NewRef(iteration_name));
     Py_XSETREF(g_info, Py_NewRef(info));
     Py_XSETREF(g_ids, Py_NewRef(ids));
