@@ -173,3 +173,43 @@ def test_no_flush_between_a_span_written_whole_and_its_events(tmp_path: Path, be
     event = calls.call_with("event", "inside_late_span")
     assert written <= event
     assert ("flush", []) not in calls.calls[written:event]
+
+
+class _Clocks:
+    """Scripted clock readings: (perf_counter_ns, time_ns) pairs taken in the order _refresh_anchor asks."""
+
+    def __init__(self, readings: list[tuple[int, int, int]]) -> None:
+        # Each reading: monotonic before, wall, monotonic after.
+        self.mono = [value for before, _, after in readings for value in (before, after)]
+        self.wall = [wall for _, wall, _ in readings]
+
+    def perf_counter_ns(self) -> int:
+        return self.mono.pop(0)
+
+    def time_ns(self) -> int:
+        return self.wall.pop(0)
+
+
+def _anchor_after(monkeypatch: pytest.MonkeyPatch, readings: list[tuple[int, int, int]], previous: int) -> Any:
+    from traintrace import _pipeline
+
+    clocks = _Clocks(readings)
+    monkeypatch.setattr(_pipeline.time, "perf_counter_ns", clocks.perf_counter_ns)
+    monkeypatch.setattr(_pipeline.time, "time_ns", clocks.time_ns)
+    pipeline = object.__new__(_pipeline.Pipeline)
+    pipeline._anchor_wall, pipeline._anchor_mono = previous * 10, previous
+    pipeline._refresh_anchor()
+    monkeypatch.undo()
+    return pipeline._anchor_wall, pipeline._anchor_mono, len(clocks.wall)
+
+
+def test_the_clock_anchor_is_taken_from_a_tight_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reading interrupted between its monotonic reads (a loaded machine) is not the anchor."""
+    loose, tight = (1_000, 7, 3_001_000), (3_002_000, 9, 3_002_100)
+    assert _anchor_after(monkeypatch, [loose, tight], previous=5) == (9, 3_002_050, 0)
+    # Three loose readings: the last anchor stays for this cycle.
+    assert _anchor_after(monkeypatch, [loose, loose, loose], previous=5) == (50, 5, 0)
+    # The first anchor is taken whatever its reading.
+    assert _anchor_after(monkeypatch, [loose, loose, loose], previous=0) == (7, 1_501_000, 0)
+    # A tight first reading is enough.
+    assert _anchor_after(monkeypatch, [tight, loose], previous=5) == (9, 3_002_050, 1)

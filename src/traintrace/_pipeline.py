@@ -58,6 +58,10 @@ _YIELD_NS = 50_000
 _CLOSE_RESERVE = 0.25
 # Seconds close() waits for the writer beyond its budget (the writer keeps to the budget).
 _CLOSE_GRACE = 0.5
+# The clock anchor (wall time of a monotonic reading): readings tried per cycle, and the widest
+# gap between its two monotonic reads (ns) a new anchor may have (see _refresh_anchor).
+_ANCHOR_TRIES = 3
+_ANCHOR_SLACK_NS = 50_000
 
 
 Out = list[tuple[int, dict[str, Any]]]
@@ -382,11 +386,23 @@ class Pipeline:
     def _refresh_anchor(self) -> None:
         # Wall time is derived from the monotonic clock so the caller reads one
         # clock; the pair is re-read every cycle, which bounds drift to a cycle.
-        mono0 = time.perf_counter_ns()
-        wall = time.time_ns()
-        mono1 = time.perf_counter_ns()
-        self._anchor_wall = wall
-        self._anchor_mono = (mono0 + mono1) // 2
+        # A reading is off by up to half the time between its two monotonic reads: on a
+        # loaded machine the thread can lose the CPU there for milliseconds, and records
+        # written in that cycle would be dated as far off. The tightest of a few readings
+        # is taken, and one still too loose keeps the last anchor for this cycle.
+        best = (0, 0, 0)
+        for attempt in range(_ANCHOR_TRIES):
+            mono0 = time.perf_counter_ns()
+            wall = time.time_ns()
+            mono1 = time.perf_counter_ns()
+            if attempt == 0 or mono1 - mono0 < best[0]:
+                best = (mono1 - mono0, wall, (mono0 + mono1) // 2)
+            if best[0] <= _ANCHOR_SLACK_NS:
+                break
+        gap, wall, mono = best
+        if gap <= _ANCHOR_SLACK_NS or self._anchor_mono == 0:
+            self._anchor_wall = wall
+            self._anchor_mono = mono
 
     def _run(self) -> None:
         interval = self.config.flush_interval
