@@ -79,6 +79,8 @@ struct ArrowArrayStream {
 #define MAX_DEPTH 1024
 /* A line longer than this is deferred to DuckDB (its own maximum_object_size decides). */
 #define MAX_LINE (64 * 1024 * 1024)
+/* Bytes after the sentinel of the last line, so that eight-byte reads from inside a line stay in the buffer. */
+#define PAD 16
 
 enum { T_STR, T_INT, T_JSON, T_RARE_STR, T_RARE_INT };
 enum { COL_DICT, COL_I64, COL_UTF8 };
@@ -110,6 +112,7 @@ typedef struct {
     int nfields;
     Field fields[MAX_FIELDS];
     int ncore;        /* core fields, output columns 1..ncore */
+    int core[MAX_FIELDS], nrare, rare[MAX_FIELDS];
     int ncols;        /* file + core + step + batch_size + rare */
     int col_type[MAX_FIELDS + 4];
     char *col_name[MAX_FIELDS + 4];
@@ -144,6 +147,19 @@ typedef struct {
 } Shared;
 
 /* ------------------------------------------------------------------ small growable buffers */
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define SCAN_LITTLE_ENDIAN 1
+#else
+#define SCAN_LITTLE_ENDIAN 0
+#endif
+
+/* Eight bytes at p: callers keep eight bytes readable past what they compare (buffers are padded). */
+static inline uint64_t load8(const char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
 
 typedef struct {
     char *data;
@@ -184,11 +200,12 @@ typedef struct {
     /* COL_DICT: the interning table (open addressing over dictionary entries) */
     int32_t *slots;
     size_t nslots, nentries;
-    int32_t last; /* the entry of the previous row */
+    int32_t last;   /* the entry of the previous row */
+    size_t initial; /* rows to allocate first */
 } Column;
 
 static int column_grow(Column *c) {
-    size_t cap = c->cap ? c->cap * 2 : 8192;
+    size_t cap = c->cap ? c->cap * 2 : c->initial;
     uint8_t *v = realloc(c->validity, (cap + 7) / 8);
     if (v == NULL) return -1;
     memset(v + (c->cap + 7) / 8, 0, (cap + 7) / 8 - (c->cap + 7) / 8);
@@ -213,8 +230,14 @@ static int column_grow(Column *c) {
 
 static inline void set_valid(Column *c, size_t row) { c->validity[row >> 3] |= (uint8_t)(1u << (row & 7)); }
 
-static int column_null(Column *c) {
-    if (c->len == c->cap && column_grow(c)) return -1;
+#if defined(__GNUC__) || defined(__clang__)
+#define UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define UNLIKELY(x) (x)
+#endif
+
+static inline int column_null(Column *c) {
+    if (UNLIKELY(c->len == c->cap) && column_grow(c)) return -1;
     size_t row = c->len++;
     c->nulls++;
     if (c->type == COL_I64)
@@ -226,8 +249,8 @@ static int column_null(Column *c) {
     return 0;
 }
 
-static int column_i64(Column *c, int64_t value) {
-    if (c->len == c->cap && column_grow(c)) return -1;
+static inline int column_i64(Column *c, int64_t value) {
+    if (UNLIKELY(c->len == c->cap) && column_grow(c)) return -1;
     size_t row = c->len++;
     c->i64[row] = value;
     set_valid(c, row);
@@ -243,12 +266,21 @@ static int column_text(Column *c, const char *s, size_t n) {
     return 0;
 }
 
-/* a == b over n bytes: inline for the short keys and names compared per line (libc's memcmp is a call). */
+/* a == b over n bytes, for the short keys and names compared per line. Both sides must be readable eight
+ * bytes past n (every buffer here is padded: lines, decoded text, dictionaries, names), so that a word at
+ * a time is compared, the bytes past n masked off. */
 static inline int same_bytes(const char *a, const char *b, size_t n) {
-    if (n > 24) return memcmp(a, b, n) == 0;
-    for (size_t i = 0; i < n; i++)
-        if (a[i] != b[i]) return 0;
-    return 1;
+#if SCAN_LITTLE_ENDIAN
+    while (n >= 8) {
+        if (load8(a) != load8(b)) return 0;
+        a += 8;
+        b += 8;
+        n -= 8;
+    }
+    return n == 0 || ((load8(a) ^ load8(b)) & (~0ULL >> (64 - 8 * n))) == 0;
+#else
+    return memcmp(a, b, n) == 0;
+#endif
 }
 
 static uint64_t hash_bytes(const char *s, size_t n) {
@@ -292,15 +324,15 @@ static int32_t dict_intern(Column *c, const char *s, size_t n) {
     if (offs == NULL) return -1;
     c->offs = offs;
     if (c->nentries == 0) c->offs[0] = 0;
-    if (bytes_add(&c->data, s, n)) return -1;
+    if (bytes_add(&c->data, s, n) || bytes_reserve(&c->data, PAD)) return -1; /* padded for same_bytes */
     c->offs[c->nentries + 1] = (int32_t)c->data.len;
     c->slots[i] = (int32_t)c->nentries;
     c->last = (int32_t)c->nentries;
     return (int32_t)c->nentries++;
 }
 
-static int column_dict(Column *c, const char *s, size_t n) {
-    if (c->len == c->cap && column_grow(c)) return -1;
+static inline int column_dict(Column *c, const char *s, size_t n) {
+    if (UNLIKELY(c->len == c->cap) && column_grow(c)) return -1;
     int32_t e = dict_intern(c, s, n);
     if (e < 0) return -1;
     size_t row = c->len++;
@@ -401,7 +433,7 @@ static void batch_export(Batch *b, struct ArrowArray *out) {
 #define IS_WS(c) ((c) == ' ' || (c) == '\t' || (c) == '\r')
 
 static inline const char *skip_ws(const char *p) {
-    while (IS_WS(*p)) p++;
+    while ((unsigned char)*p <= ' ' && IS_WS(*p)) p++;
     return p;
 }
 
@@ -447,8 +479,23 @@ static inline int utf8_len(const unsigned char *p) {
 
 /* A string starting after its opening quote: returns the closing quote, NULL if invalid.
  * *escaped is set when it holds a backslash. */
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+/* Whether any of the eight bytes needs a look: a quote, a backslash, a control character or a non-ASCII byte. */
+/* Of eight bytes (little-endian order), the high bit of each that needs a look: a quote, a backslash, a control
+ * character or a non-ASCII byte. Exact up to its lowest set bit (bits above it may be false alarms). */
+static inline uint64_t special8(uint64_t v) {
+    uint64_t quote = v ^ (ONES * '"'), backslash = v ^ (ONES * '\\');
+    return (((quote - ONES) & ~quote) | ((backslash - ONES) & ~backslash) | ((v - ONES * 0x20) & ~v) | v) & HIGHS;
+}
+
 static inline const char *scan_string(const char *p, int *escaped) {
     for (;;) {
+#if SCAN_LITTLE_ENDIAN
+        uint64_t found;
+        while ((found = special8(load8(p))) == 0) p += 8;
+        p += __builtin_ctzll(found) >> 3; /* the first byte that needs a look */
+#endif
         unsigned char c = (unsigned char)*p;
         /* the common bytes first: printable ASCII other than the quote and the backslash */
         while (c >= 0x20 && c < 0x80 && c != '"' && c != '\\') c = (unsigned char)*++p;
@@ -484,7 +531,7 @@ static inline const char *scan_string(const char *p, int *escaped) {
 /* Decode a validated string body [p, end) into out (reset first). */
 static int decode_string(const char *p, const char *end, Bytes *out) {
     out->len = 0;
-    if (bytes_reserve(out, (size_t)(end - p) + 4)) return -1;
+    if (bytes_reserve(out, (size_t)(end - p) + PAD)) return -1; /* padded for same_bytes */
     char *w = out->data;
     while (p < end) {
         if (*p != '\\') {
@@ -558,24 +605,55 @@ static inline const char *scan_number(const char *p, int *integral) {
     return p;
 }
 
-/* An integer literal [p, end) (validated, integral) as int64; -1 if it does not fit. */
-static inline int parse_int64(const char *p, const char *end, int64_t *out) {
+/* Whether the eight bytes are all ASCII digits. */
+static inline int is_eight_digits(uint64_t v) {
+    return ((v & (ONES * 0xF0)) | (((v + ONES * 0x06) & (ONES * 0xF0)) >> 4)) == ONES * 0x33;
+}
+
+/* The value of eight ASCII digits, the first in the lowest byte (little-endian): pairs, then fours, then all. */
+static inline uint32_t eight_digits(uint64_t v) {
+    v -= ONES * '0';
+    v = (v * 10 + (v >> 8)) & 0x00FF00FF00FF00FFULL;          /* each pair of digits in 16 bits */
+    v = (v * 100 + (v >> 16)) & 0x0000FFFF0000FFFFULL;        /* each four in 32 bits */
+    return (uint32_t)((v * 10000 + (v >> 32)) & 0xFFFFFFFFu); /* all eight */
+}
+
+/* A plain integer at p that fits 64 bits: its end, with *out set; NULL for anything else (a fraction, an
+ * exponent, too many digits, not a number): the caller validates it another way or leaves the line. */
+static inline const char *scan_int64(const char *p, int64_t *out) {
     int neg = 0;
     if (*p == '-') {
         neg = 1;
         p++;
     }
-    if (end - p > 19) return -1; /* 20 digits or more: beyond 2**63 (JSON has no leading zeros) */
-    uint64_t v = 0;
-    for (; p < end; p++) v = v * 10 + (uint64_t)(*p - '0'); /* 19 digits fit in 64 bits unsigned */
+    uint64_t v;
+    if (*p == '0') {
+        v = 0;
+        p++;
+    } else if (*p >= '1' && *p <= '9') {
+        const char *first = p;
+        v = 0;
+#if SCAN_LITTLE_ENDIAN
+        uint64_t w;
+        while (is_eight_digits(w = load8(p))) { /* wraps past 20 digits: checked below */
+            v = v * 100000000u + eight_digits(w);
+            p += 8;
+        }
+#endif
+        while (*p >= '0' && *p <= '9') v = v * 10 + (uint64_t)(*p++ - '0');
+        if (p - first > 19) return NULL;
+    } else {
+        return NULL;
+    }
+    if (*p == '.' || *p == 'e' || *p == 'E') return NULL;
     if (neg) {
-        if (v > (uint64_t)INT64_MAX + 1) return -1;
+        if (v > (uint64_t)INT64_MAX + 1) return NULL;
         *out = v == (uint64_t)INT64_MAX + 1 ? INT64_MIN : -(int64_t)v;
     } else {
-        if (v > (uint64_t)INT64_MAX) return -1;
+        if (v > (uint64_t)INT64_MAX) return NULL;
         *out = (int64_t)v;
     }
-    return 0;
+    return p;
 }
 
 static inline const char *scan_literal(const char *p) {
@@ -668,9 +746,15 @@ typedef struct {
 /* The tracked keys are few and known: a hash seeded (at initialisation) so that none share a slot, and a
  * lookup is one comparison. */
 static inline unsigned key_slot(unsigned seed, const char *s, size_t n) {
+#if SCAN_LITTLE_ENDIAN
+    uint64_t w = n >= 8 ? load8(s) : n ? load8(s) & (~0ULL >> (64 - 8 * n)) : 0; /* its first eight bytes */
+    uint64_t h = (w ^ ((uint64_t)n << 56) ^ seed) * 0x9E3779B97F4A7C15ULL;
+    return (unsigned)(h >> 55);
+#else
     unsigned h = ((unsigned)n + seed) * 0x9E3779B1u;
     if (n) h ^= (unsigned char)s[0] * 0x85EBCA77u ^ (unsigned char)s[n - 1] * 0xC2B2AE3Du ^ (unsigned char)s[n / 2];
     return (h ^ (h >> 15)) & 511u;
+#endif
 }
 
 static inline int lookup_field(const Shared *sh, const char *s, size_t n) {
@@ -734,21 +818,23 @@ static const char *scan_attrs(const Shared *sh, const char *p, Line *ln, Bytes *
         if (which) {
             if (which == 1) seen_step = 1;
             else seen_batch = 1;
-            const char *v = p;
             if (*p == 'n' || *p == '-' || (*p >= '0' && *p <= '9')) {
                 if (*p == 'n') {
                     p = scan_literal(p);
                     if (p == NULL) return NULL;
                 } else {
-                    p = scan_number(p, &integral);
-                    if (p == NULL) return NULL;
                     int64_t x;
-                    if (!integral || parse_int64(v, p, &x)) {
+                    const char *e = scan_int64(p, &x);
+                    if (e == NULL) { /* valid JSON or not, DuckDB's cast decides */
+                        p = scan_number(p, &integral);
+                        if (p == NULL) return NULL;
                         ln->odd_attr = 1;
                     } else if (which == 1) {
+                        p = e;
                         ln->step = x;
                         ln->has_step = 1;
                     } else {
+                        p = e;
                         ln->batch = x;
                         ln->has_batch = 1;
                     }
@@ -774,7 +860,7 @@ static const char *scan_attrs(const Shared *sh, const char *p, Line *ln, Bytes *
 
 /* Parse one line [p, '\n'): 0 (fields in ln), DEFER or SKIP (blank). */
 static int parse_line(const Shared *sh, const char *p, Line *ln, Bytes *scratch) {
-    int integral, escaped;
+    int escaped;
     ln->seen = 0;
     ln->has_step = ln->has_batch = ln->odd_attr = 0;
     p = skip_ws(p);
@@ -821,8 +907,8 @@ static int parse_line(const Shared *sh, const char *p, Line *ln, Bytes *scratch)
                     if (e == NULL) return DEFER;
                     p = e + 1;
                 } else if (type == T_INT || type == T_RARE_INT) {
-                    p = scan_number(p, &integral);
-                    if (p == NULL || !integral || parse_int64(v->start, p, &v->i)) return DEFER;
+                    p = scan_int64(p, &v->i);
+                    if (p == NULL) return DEFER;
                 } else {
                     if (*p != '{') return DEFER;
                     p = scan_attrs(sh, p, ln, scratch);
@@ -893,9 +979,9 @@ static int emit(const Shared *sh, Work *w, int32_t file, Line *ln) {
     for (int i = 0; i < sh->nrare_kinds; i++)
         if (kn == sh->rare_kinds_len[i] && same_bytes(ks, sh->rare_kinds[i], kn)) rare = 1;
     if (column_i64(&b->cols[0], file)) return -1;
-    for (int f = 0; f < sh->nfields; f++) {
+    for (int i = 0; i < sh->ncore; i++) {
+        int f = sh->core[i];
         const Field *fd = &sh->fields[f];
-        if (fd->column < 0) continue;
         Column *c = &b->cols[fd->column];
         const Value *v = &ln->v[f];
         if (!((ln->seen >> f) & 1) || !v->has) {
@@ -928,10 +1014,11 @@ static int emit(const Shared *sh, Work *w, int32_t file, Line *ln) {
     w->rare.len = 0;
     if (bytes_add(&w->rare, "{", 1)) return -1;
     int first = 1;
-    for (int f = 0; f < sh->nfields; f++) {
+    for (int i = 0; i < sh->nrare; i++) {
+        int f = sh->rare[i];
         const Field *fd = &sh->fields[f];
         const Value *v = &ln->v[f];
-        if (fd->column >= 0 || !((ln->seen >> f) & 1) || !v->has) continue;
+        if (!((ln->seen >> f) & 1) || !v->has) continue;
         if ((!first && bytes_add(&w->rare, ",", 1)) || bytes_add(&w->rare, "\"", 1) ||
             bytes_add(&w->rare, fd->name, fd->len) || bytes_add(&w->rare, "\":", 2) ||
             bytes_add(&w->rare, v->start, (size_t)(v->end - v->start)))
@@ -1013,13 +1100,19 @@ static Batch *produce(Shared *sh, int ci, Work *w, int *err, char *message, size
             if (nl != NULL) break;
         }
     }
-    if (bytes_reserve(&buf, 1)) goto nomem;
+    if (bytes_reserve(&buf, 1 + PAD)) goto nomem;
     buf.data[buf.len] = '\n'; /* the sentinel after a last line without one */
+    memset(buf.data + buf.len + 1, 0, PAD);
 
     b = calloc(1, sizeof(Batch));
     if (b == NULL) goto nomem;
     b->ncols = sh->ncols;
-    for (int i = 0; i < sh->ncols; i++) b->cols[i].type = sh->col_type[i];
+    int64_t span = ch->end - ch->offset;
+    size_t initial = span / 128 > 1024 ? (size_t)(span / 128) : 1024; /* a guess: lines are 100 to 300 bytes */
+    for (int i = 0; i < sh->ncols; i++) {
+        b->cols[i].type = sh->col_type[i];
+        b->cols[i].initial = initial;
+    }
     w->batch = b;
     char *p = buf.data + start, *end = buf.data + buf.len, *stop = buf.data + limit;
     Line ln;
@@ -1342,12 +1435,12 @@ static char *copy_utf8(PyObject *text, size_t *len) {
     Py_ssize_t n;
     const char *s = PyUnicode_AsUTF8AndSize(text, &n);
     if (s == NULL) return NULL;
-    char *out = malloc((size_t)n + 1);
+    char *out = calloc((size_t)n + 1 + PAD, 1); /* padded for same_bytes */
     if (out == NULL) {
         PyErr_NoMemory();
         return NULL;
     }
-    memcpy(out, s, (size_t)n + 1);
+    memcpy(out, s, (size_t)n);
     if (len) *len = (size_t)n;
     return out;
 }
@@ -1437,7 +1530,9 @@ static int Scanner_init(Scanner *self, PyObject *args, PyObject *kwds) {
             int col_type = fd->type == T_STR ? COL_DICT : fd->type == T_INT ? COL_I64 : COL_UTF8;
             fd->column = add_column(sh, fd->name, col_type);
             if (fd->column < 0) goto fail;
-            sh->ncore++;
+            sh->core[sh->ncore++] = sh->nfields - 1;
+        } else {
+            sh->rare[sh->nrare++] = sh->nfields - 1;
         }
         if (strcmp(fd->name, "kind") == 0 && fd->type == T_STR) sh->kind_field = sh->nfields - 1;
         if (strcmp(fd->name, "name") == 0 && fd->type == T_STR) sh->name_field = sh->nfields - 1;
