@@ -1,7 +1,7 @@
 """Time the traintrace command on synthetic jobs against a json.loads loop and DuckDB itself, in the same run.
 
     python benchmarks/bench_cli.py [--ranks 1,4,16,64] [--iterations 20000] [--dir /tmp/traintrace-bench]
-                                   [--engine spark]
+                                   [--engine spark] [--compare-readers]
 
 For each number of ranks, writes the job with benchmarks/gen_job.py (unless it is already there), then
 runs, each as its own process so that wall time and peak memory (ru_maxrss from wait4) are end to end:
@@ -9,7 +9,8 @@ runs, each as its own process so that wall time and peak memory (ru_maxrss from 
 * a baseline that only parses every line with ``json.loads``;
 * DuckDB's own single scan: one ``read_ndjson`` query (schema detected by DuckDB) computing what summary
   computes from the iterations (count, time and quantiles per rank and status, last step);
-* ``traintrace summary``, ``ranks``, ``errors`` on the JSON-lines folder;
+* ``traintrace summary``, ``ranks``, ``errors`` on the JSON-lines folder (with ``--compare-readers``, also
+  with DuckDB's ``read_json`` instead of the native scanner, ``TRAINTRACE_READER=duckdb``);
 * ``traintrace export --format parquet`` once, then ``summary``, ``ranks``, ``errors`` on the export;
 * with ``--export``, ``export`` (chrome) of all ranks and of 4 ranks;
 * with ``--engine spark``, ``summary``, ``ranks``, ``errors`` with ``--engine spark`` on the folder and on the
@@ -62,10 +63,12 @@ print(sum(r[3] for r in rows))
 CONNECT = "import duckdb; duckdb.connect(':memory:').execute('SELECT 1').fetchall()"
 
 
-def run(argv: list[str]) -> tuple[float, float, str, float]:
+def run(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str, float]:
     """(wall seconds, peak RSS in MB, stdout, CPU seconds) of one child process."""
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, **env} if env else None
+    )
     assert proc.stdout is not None
     out = proc.stdout.read().decode()
     _, status, usage = os.wait4(proc.pid, 0)
@@ -100,8 +103,12 @@ def bench(folder: Path, records: int, args: argparse.Namespace) -> dict[str, dic
     parquet = folder.parent / (folder.name + ".parquet")
     shutil.rmtree(parquet, ignore_errors=True)
     commands: dict[str, list[str]] = {}
+    envs: dict[str, dict[str, str]] = {}
     for command in ("summary", "ranks", "errors"):
         commands[command] = [*cli, command, str(folder), "--json", "--quiet"]
+        if args.compare_readers:  # DuckDB's read_json instead of the native scanner, in the same run
+            commands[f"{command} (read_json)"] = commands[command]
+            envs[f"{command} (read_json)"] = {"TRAINTRACE_READER": "duckdb"}
     commands["export --format parquet"] = [*cli, "export", str(folder), "--format", "parquet", "-o", str(parquet), "-q"]
     for command in ("summary", "ranks", "errors"):
         commands[f"{command} (parquet)"] = [*cli, command, str(parquet), "--json", "--quiet"]
@@ -116,15 +123,18 @@ def bench(folder: Path, records: int, args: argparse.Namespace) -> dict[str, dic
         commands["export (4 ranks)"] = [*cli, "export", str(folder), "--ranks", "0-3", "-o", str(trace), "--quiet"]
     answers: dict[str, Any] = {}
     for name, argv in commands.items():
-        wall, rss, out, cpu = run(argv)
+        wall, rss, out, cpu = run(argv, envs.get(name))
         results[name] = {"seconds": wall, "peak_mb": rss, "cpu_s": cpu}
         if name.startswith(("summary", "ranks", "errors")):
             answers[name] = json.loads(out)
     for command in ("summary", "ranks", "errors"):
-        a, b = answers[command], answers[f"{command} (parquet)"]
-        if command == "summary":  # the step-time stddev differs in the last bits from run to run
-            a, b = {**a, "step_time": None}, {**b, "step_time": None}
-        assert a == b, f"{command}: the Parquet export answers differently"
+        for other in (f"{command} (parquet)", f"{command} (read_json)"):
+            if other not in answers:
+                continue
+            a, b = answers[command], answers[other]
+            if command == "summary":  # the step-time stddev differs in the last bits from run to run
+                a, b = {**a, "step_time": None}, {**b, "step_time": None}
+            assert a == b, f"{other}: answers differently"
         for other in (f"{command} (spark)", f"{command} (parquet, spark)"):
             if other in answers:
                 assert _rounded(answers[command]) == _rounded(answers[other]), f"{other}: answers differently"
@@ -155,7 +165,19 @@ def _print_scaling(jobs: dict[int, Any]) -> None:
     """Records/s of each command at every rank count, with its ratios to the two baselines of the same job:
     a cost linear in records shows as a flat row."""
     counts = sorted(jobs)
-    names = [n for n in ("summary", "ranks", "errors", "summary (parquet)") if n in jobs[counts[0]]["results"]]
+    names = [
+        n
+        for n in (
+            "summary",
+            "ranks",
+            "errors",
+            "summary (read_json)",
+            "ranks (read_json)",
+            "errors (read_json)",
+            "summary (parquet)",
+        )
+        if n in jobs[counts[0]]["results"]
+    ]
     print(
         "\nrecords/s (x json.loads loop, x duckdb scan) by ranks: "
         + ", ".join(f"{r} ranks {jobs[r]['records']:,} records" for r in counts)
@@ -193,6 +215,11 @@ def main() -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--export", action="store_true", help="also time export --format chrome")
     parser.add_argument(
+        "--compare-readers",
+        action="store_true",
+        help="also time summary, ranks and errors with DuckDB's read_json (TRAINTRACE_READER=duckdb)",
+    )
+    parser.add_argument(
         "--engine",
         choices=["duckdb", "spark"],
         default="duckdb",
@@ -211,14 +238,18 @@ def main() -> None:
     imports = min(run([sys.executable, "-c", "import duckdb"])[0] for _ in range(5))
     connect = min(run([sys.executable, "-c", CONNECT])[0] for _ in range(5))
     fixed = min(run([*cli, "summary", str(tiny), "--json", "--quiet"])[0] for _ in range(5))
+    duckdb_reader = {"TRAINTRACE_READER": "duckdb"}
+    fixed_read_json = min(run([*cli, "summary", str(tiny), "--json", "--quiet"], duckdb_reader)[0] for _ in range(5))
     print(
-        f"fixed cost: traintrace summary of 10 records {fixed:.3f} s (python start-up alone {start:.3f} s, "
-        f"python + import duckdb {imports:.3f} s, + a connection and one query {connect:.3f} s)"
+        f"fixed cost: traintrace summary of 10 records {fixed:.3f} s ({fixed_read_json:.3f} s with read_json; "
+        f"python start-up alone {start:.3f} s, python + import duckdb {imports:.3f} s, + a connection and one "
+        f"query {connect:.3f} s)"
     )
     load = os.getloadavg()
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
     everything: dict[str, Any] = {
         "fixed_cost_s": fixed,
+        "fixed_cost_read_json_s": fixed_read_json,
         "python_start_s": start,
         "python_import_duckdb_s": imports,
         "python_duckdb_connect_s": connect,

@@ -150,10 +150,13 @@ class _Recording:
 
 
 def test_each_command_reads_each_file_once_with_its_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Opening a job is one read_json of all its files, with the columns given (nothing sampled), and the
-    analyses never read the files again: every table they use is derived from that one scan."""
+    """With DuckDB's reader, opening a job is one read_json of all its files, with the columns given (nothing
+    sampled), and the analyses never read the files again: every table they use is derived from that one scan.
+    (The scanner's single read: tests/test_cli_reader.py.)"""
     from traintrace.cli import _analysis
     from traintrace.cli._engine import Job
+
+    monkeypatch.setenv("TRAINTRACE_READER", "duckdb")
 
     job_dir = _small_job(tmp_path / "job", ranks=3)
     log: list[str] = []

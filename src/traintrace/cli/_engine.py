@@ -80,6 +80,7 @@ RARE_KINDS = ("header", "error", "thread", "dropped")
 RARE_FIELDS = tuple(k for k in COLUMNS if k not in CORE_COLUMNS)
 
 ITERATION = SpanName.ITERATION
+_PLAIN_ITERATION = f"kind = 'span' AND name = '{ITERATION}'"
 BIG = 9_000_000_000_000_000_000
 
 
@@ -95,6 +96,11 @@ class LoadError(RuntimeError):
 MAX_WORLD_SIZE = 1 << 20
 #: Ten years in nanoseconds: a longer duration is a corrupt record.
 _MAX_DUR = 10 * 365 * 86400 * 10**9
+
+
+def _rare_spec() -> str:
+    """The rare fields' types, as json_transform takes them."""
+    return "{" + ", ".join(f'"{k}":"{COLUMNS[k]}"' for k in RARE_FIELDS) + "}"
 
 
 def sql_string(text: str) -> str:
@@ -209,6 +215,11 @@ class Job:
     #: The cache file the tables came from or went to (``cache=True``), if any; ``cached``: came from.
     cache_path: Path | None = None
     cached: bool = False
+    #: Who read the records into the raw table: ``native`` (traintrace's scanner, with DuckDB's reader for the
+    #: lines it left), ``duckdb`` (read_json), ``parquet`` (an export), ``cache``; empty before loading.
+    reader: str = ""
+    #: Why the scanner was not used although built (DuckDB could not take its stream, say), for tests and bug reports.
+    reader_error: str = ""
 
     @classmethod
     def open(
@@ -295,6 +306,7 @@ class Job:
         self.ignored_spans = int(meta["ignored_spans"])
         self.cache_path = path
         self.cached = True
+        self.reader = "cache"
         self.load_seconds = time.perf_counter() - started
         return True
 
@@ -358,46 +370,33 @@ class Job:
     def _load(self) -> None:
         started = time.perf_counter()
         self.con = con = self._connect()
-        names = ", ".join(f'"{k}"' for k in CORE_COLUMNS if k != "attrs")
-        rare_kinds = ", ".join(f"'{k}'" for k in RARE_KINDS)
-        packed = "{" + ", ".join(f"'{k}': \"{k}\"" for k in RARE_FIELDS) + "}"
-        plain_iteration = f"kind = 'span' AND name = '{ITERATION}'"
-        # Plain iteration records are nearly every record: the two attributes the analyses read from them
-        # become typed columns in the scan; their attrs text is kept only when a command shows it (lean=False).
-        attrs = f"CASE WHEN {plain_iteration} THEN NULL ELSE attrs END" if self.lean else "attrs"
-        if self.export is None:
-            self.files = [check_tail(p) for p in self.paths]
-            columns = "{" + ", ".join(f"'{k}': '{v}'" for k, v in COLUMNS.items()) + "}"
-            step = f"CASE WHEN {plain_iteration} THEN try_cast(attrs->>'step' AS BIGINT) END"
-            batch_size = f"CASE WHEN {plain_iteration} THEN try_cast(attrs->>'batch_size' AS BIGINT) END"
-            source = (
-                f"read_json($files, format='newline_delimited', columns={columns}, ignore_errors=true, "
-                "maximum_object_size=67108864)"
-            )
-            file, reads = "file_index::BIGINT", self._names_to_read()
-        else:
-            # A Parquet export (``export --format parquet``): the same columns, typed; ``rank`` is the partition.
-            reads = self._read_export()
-            step, batch_size, file = "step", "batch_size", "file"
-            attrs = f"({attrs})::JSON"
-            source = "read_parquet($files, hive_partitioning=true, hive_types={'rank': 'BIGINT'})"
-        sql = (
-            f"CREATE TABLE raw AS SELECT {file} AS file, {names}, {attrs} AS attrs, {step} AS step, "
-            f"{batch_size} AS batch_size, CASE WHEN kind IN ({rare_kinds}) THEN to_json({packed}) END AS rare "
-            f"FROM {source} WHERE kind IS NOT NULL"
-        )
-        spec = "{" + ", ".join(f'"{k}":"{COLUMNS[k]}"' for k in RARE_FIELDS) + "}"
         rare_sql = f"""
-            CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{spec}'))
+            CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{_rare_spec()}'))
             FROM raw WHERE rare IS NOT NULL
         """
+        scan: Any = None
+        reads: list[str] = []
+        if self.export is None:
+            self.files = [check_tail(p) for p in self.paths]
+            scan = self._scanner()
+        else:
+            reads = self._read_export()
         with self._progress_while("reading"):
             # A file is named by its place in the list read (8 bytes per row, not the path).
             con.execute(
                 "CREATE TABLE files AS SELECT unnest(range(len($paths)))::BIGINT AS file, unnest($paths) AS path",
                 {"paths": [str(f.path) for f in self.files]},
             )
-            con.execute(sql, {"files": reads})
+            if scan is not None and self._load_scanned(scan):
+                self.reader = "native"
+            elif self.export is None:
+                con.execute("DROP TABLE IF EXISTS raw")
+                sql = self._select_json("CREATE TABLE raw AS", "file_index::BIGINT")
+                con.execute(sql, {"files": self._names_to_read()})
+                self.reader = "duckdb"
+            else:
+                con.execute(self._select_export(), {"files": reads})
+                self.reader = "parquet"
             # A duration beyond ten years (9e18 from a bad record_span, say) would overflow ts + dur.
             bad = con.execute(
                 f"DELETE FROM raw WHERE (dur IS NULL AND kind IN ('span', 'end')) OR dur < 0 OR dur > {_MAX_DUR}"
@@ -414,6 +413,86 @@ class Job:
             raise LoadError("no traintrace records in " + ", ".join(f.path for f in self.files))
         self.load_seconds = time.perf_counter() - started
         self._collect_notes()
+
+    def _select_parts(self) -> tuple[str, str, str]:
+        """The columns every source gives alike: the core ones but attrs, the rare kinds, the packed rare fields."""
+        names = ", ".join(f'"{k}"' for k in CORE_COLUMNS if k != "attrs")
+        rare_kinds = ", ".join(f"'{k}'" for k in RARE_KINDS)
+        packed = "{" + ", ".join(f"'{k}': \"{k}\"" for k in RARE_FIELDS) + "}"
+        return names, rare_kinds, packed
+
+    def _lean_attrs(self) -> str:
+        # Plain iteration records are nearly every record: the two attributes the analyses read from them
+        # become typed columns in the scan; their attrs text is kept only when a command shows it (lean=False).
+        return f"CASE WHEN {_PLAIN_ITERATION} THEN NULL ELSE attrs END" if self.lean else "attrs"
+
+    def _select_json(self, into: str, file: str) -> str:
+        """``into`` (``CREATE TABLE raw AS``, ``INSERT INTO raw BY NAME``) the rows of read_json($files)."""
+        names, rare_kinds, packed = self._select_parts()
+        columns = "{" + ", ".join(f"'{k}': '{v}'" for k, v in COLUMNS.items()) + "}"
+        step = f"CASE WHEN {_PLAIN_ITERATION} THEN try_cast(attrs->>'step' AS BIGINT) END"
+        batch_size = f"CASE WHEN {_PLAIN_ITERATION} THEN try_cast(attrs->>'batch_size' AS BIGINT) END"
+        return (
+            f"{into} SELECT {file} AS file, {names}, {self._lean_attrs()} AS attrs, {step} AS step, "
+            f"{batch_size} AS batch_size, CASE WHEN kind IN ({rare_kinds}) THEN to_json({packed}) END AS rare "
+            f"FROM read_json($files, format='newline_delimited', columns={columns}, ignore_errors=true, "
+            "maximum_object_size=67108864) WHERE kind IS NOT NULL"
+        )
+
+    def _select_export(self) -> str:
+        """The raw table from a Parquet export (``export --format parquet``): the same columns, typed."""
+        names, rare_kinds, packed = self._select_parts()
+        return (
+            f"CREATE TABLE raw AS SELECT file, {names}, ({self._lean_attrs()})::JSON AS attrs, step, batch_size, "
+            f"CASE WHEN kind IN ({rare_kinds}) THEN to_json({packed}) END AS rare "
+            "FROM read_parquet($files, hive_partitioning=true, hive_types={'rank': 'BIGINT'}) WHERE kind IS NOT NULL"
+        )
+
+    def _scanner(self) -> Any:
+        """traintrace's own scanner over the files (``_reader.scanner``), or None where DuckDB reads them."""
+        from ._reader import scanner
+
+        try:
+            return scanner(self.paths, CORE_COLUMNS, RARE_KINDS, lean=self.lean, threads=self.threads)
+        except (OSError, ValueError, TypeError) as exc:  # DuckDB's reader then reads, and says what is wrong
+            self.reader_error = str(exc)
+            return None
+
+    def _load_scanned(self, scan: Any) -> bool:
+        """The raw table from the scanner's stream, and the lines it left to DuckDB read by read_json: the same
+        rows as read_json of the files gives. False (nothing created) if DuckDB could not take the stream."""
+        con = self.con
+        names, _, _ = self._select_parts()
+        try:
+            con.register("_traintrace_scan", scan)
+            try:
+                # The scanner gives attrs as written; json() writes it as DuckDB's reader does (minified, numbers
+                # and escapes normalised). The rare fields come as a JSON object of their literals: typed, then
+                # written as read_json's path writes them.
+                con.execute(
+                    f"CREATE TABLE raw AS SELECT file, {names}, json(attrs) AS attrs, step, batch_size, "
+                    f"to_json(json_transform(rare, '{_rare_spec()}')) AS rare FROM _traintrace_scan"
+                )
+            finally:
+                con.unregister("_traintrace_scan")
+            deferred = scan.deferred()
+        except Exception as exc:  # noqa: BLE001 - an older DuckDB without the Arrow stream interface, say
+            self.reader_error = str(exc)
+            return False
+        if deferred:
+            # Lines the scanner could not be sure of (cut, not JSON, unusual values): DuckDB's own reader decides,
+            # from copies in the scratch folder, one per job file (a blank first line: no byte-order mark to skip).
+            order = sorted(deferred)
+            copies = []
+            for index in order:
+                copy = Path(self._tmp.name) / f"deferred{index}.jsonl"
+                copy.write_bytes(b"\n" + deferred[index])
+                copies.append(str(copy))
+            con.execute(
+                self._select_json("INSERT INTO raw BY NAME", "list_extract($index::BIGINT[], file_index::BIGINT + 1)"),
+                {"files": copies, "index": order},
+            )
+        return True
 
     def _read_export(self) -> list[str]:
         """The Parquet files of the export, after taking the job's description from its metadata file."""
