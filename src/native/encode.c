@@ -420,12 +420,39 @@ static int format_float(Buf *b, double v, int style) { return format_float_as(b,
  */
 #define FCACHE 256 /* a power of two */
 #define FTEXT 32   /* the longest text is 24 bytes (-2.2250738585072014e-308, -0.0000 and 17 digits) */
+#define TCACHE 64  /* a power of two */
+#define TTEXT 48   /* the longest text kept, quotes included */
 
 typedef struct {
     uint64_t bits[FCACHE];
     unsigned char len[FCACHE]; /* 0: empty */
     char text[FCACHE][FTEXT];
+    /* Short exact str (span names, statuses, attribute keys: the same few objects in every record) as
+       JSON text, by the object (held): put_text copies it instead of escaping it again. */
+    PyObject *tkey[TCACHE]; /* strong references; NULL: empty */
+    unsigned char tlen[TCACHE];
+    char ttext[TCACHE][TTEXT];
 } FloatCache;
+
+static void text_cache_clear(FloatCache *fc) {
+    for (int i = 0; fc != NULL && i < TCACHE; i++) Py_CLEAR(fc->tkey[i]);
+}
+
+/* put_str for a name, status or key: from the cache when the same str object was written before. */
+static int put_text(Buf *b, PyObject *u, FloatCache *fc) {
+    if (fc == NULL || !PyUnicode_CheckExact(u) || PyUnicode_GET_LENGTH(u) > TTEXT - 2) return put_str(b, u);
+    unsigned i = (unsigned)((((uintptr_t)u >> 4) * 0x9E3779B97F4A7C15ULL) >> 58) & (TCACHE - 1);
+    if (fc->tkey[i] == u) return buf_put(b, fc->ttext[i], fc->tlen[i]);
+    Py_ssize_t mark = b->len;
+    int rc = put_str(b, u);
+    Py_ssize_t n = b->len - mark;
+    if (rc == RC_OK && n <= TTEXT) {
+        Py_XSETREF(fc->tkey[i], Py_NewRef(u)); /* (an exact str: its dealloc runs no Python code) */
+        memcpy(fc->ttext[i], b->data + mark, (size_t)n);
+        fc->tlen[i] = (unsigned char)n;
+    }
+    return rc;
+}
 
 static int put_float(Buf *b, double v, int style, FloatCache *fc) {
     if (fc == NULL) return format_float(b, v, style);
@@ -506,7 +533,7 @@ static int put_items(Buf *b, PyObject *d, int style, FloatCache *fc, int first) 
     while (PyDict_Next(d, &pos, &k, &v)) {
         if (!first && PUT_LIT(b, ",") < 0) return -1;
         first = 0;
-        if ((rc = put_str(b, k)) != RC_OK) return rc;
+        if ((rc = put_text(b, k, fc)) != RC_OK) return rc;
         if (PUT_LIT(b, ":") < 0) return -1;
         if (PyFloat_CheckExact(v)) {
             rc = put_float(b, PyFloat_AS_DOUBLE(v), style, fc);
@@ -640,6 +667,7 @@ static int Encoder_clear(Encoder *e) {
     clear_batch(e);
     for (int i = 0; i < TYPE_CACHE; i++) Py_CLEAR(e->maps[i].type);
     for (int i = 0; i < KCACHE; i++) Py_CLEAR(e->kkey[i]);
+    text_cache_clear(e->floats);
     return 0;
 }
 
@@ -1309,7 +1337,7 @@ static int put_head(Encoder *e, long long seq, const char *kind, long long ts, P
         buf_put(b, kind, (Py_ssize_t)strlen(kind)) < 0 || PUT_LIT(b, "\",\"ts\":") < 0 || put_i64(b, ts) < 0 ||
         PUT_LIT(b, ",\"name\":") < 0)
         return -1;
-    return put_str(b, name);
+    return put_text(b, name, e->floats);
 }
 
 static int put_field(Buf *b, const char *key, long long v) {
@@ -1361,7 +1389,7 @@ static int put_record(Encoder *e, long long seq, Rec *r) {
     if (r->has_dur && (rc = put_field(b, ",\"dur\":", r->dur)) != RC_OK) goto done;
     if (r->status != NULL) {
         if ((rc = PUT_LIT(b, ",\"status\":")) != RC_OK) goto done;
-        if ((rc = put_str(b, r->status)) != RC_OK) goto done;
+        if ((rc = put_text(b, r->status, e->floats)) != RC_OK) goto done;
     }
     if (r->step != NULL) {
         if ((rc = PUT_LIT(b, ",\"attrs\":{\"step\":")) != RC_OK) goto done;
