@@ -601,6 +601,25 @@ def test_a_native_iterations_fields_are_read_from_its_struct(tmp_path: Path, *, 
     assert unmade == [0, 7, 2**63 - 1, -5] * 2 if not redact else unmade[4:] == [0, 7, 2**63 - 1, -5]
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    durations=st.lists(st.integers(0, 10**12) | st.integers(900, 1100), min_size=1, max_size=300),
+    extra=st.sampled_from([(), (0.25,), (0.999, 1.0), (1e-9,)]),
+)
+def test_interval_quantiles_are_the_histograms(durations: list[int], extra: tuple[float, ...]) -> None:
+    """The encoder's quantiles of an interval's histogram equal LogHistogram.quantiles, float for float."""
+    from traintrace._histogram import LogHistogram
+
+    hist = LogHistogram()
+    hist.add_many(durations)
+    qs = (0.5, 0.9, 0.99, *extra)
+    encoder = native.Encoder({}, {}, None, frozenset(), frozenset(), 4, -1, STYLE)
+    found = encoder.interval_quantiles(hist._buckets, qs, hist.count, hist.gamma, hist.min, hist.max)
+    assert found == hist.quantiles(qs)
+    hist._buckets[1.5] = 1  # type: ignore[index]  # a key C does not read: left to Python
+    assert encoder.interval_quantiles(hist._buckets, qs, hist.count, hist.gamma, hist.min, hist.max) is None
+
+
 class _Renamed(Span):
     """A user's Span whose name is a property: its spans are read through it, not from the struct."""
 

@@ -1880,7 +1880,7 @@ static PyObject *Encoder_extend(Encoder *e, PyObject *args) {
    consumed) */
 static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
     (void)unused;
-    if (e->hn && hist_flush(e) < 0) PyErr_Clear();
+    /* The histogram's buckets stay here until the interval ends (interval_quantiles) */
     if (e->iter_n == 0) Py_RETURN_NONE;
     resolve_parent(e);
     if (e->last_span != NULL) {
@@ -1894,6 +1894,98 @@ static PyObject *Encoder_take_iterations(Encoder *e, PyObject *unused) {
                                   e->ident ? e->ident : Py_None, e->consumed ? e->consumed : Py_None);
     if (out == NULL) return NULL;
     clear_batch(e);
+    return out;
+}
+
+typedef struct {
+    long long key, count;
+} Bin;
+
+static int bin_order(const void *a, const void *b) {
+    long long x = ((const Bin *)a)->key, y = ((const Bin *)b)->key;
+    return (x > y) - (x < y);
+}
+
+/*
+ * interval_quantiles(buckets, qs, count, gamma, low, high) -> list of floats, or None
+ * LogHistogram.quantiles for the interval that ends now, over its dict ``buckets`` and the buckets
+ * counted here for it (which are then forgotten: the interval's histogram is not read again).
+ * None, with this encoder's buckets added to the dict, when the dict holds what C does not read
+ * (a key or count that is not an int within 64 bits): Python's quantiles then does it.
+ */
+static PyObject *Encoder_interval_quantiles(Encoder *e, PyObject *args) {
+    PyObject *buckets, *qs;
+    Py_ssize_t count;
+    double gamma, low, high;
+    if (!PyArg_ParseTuple(args, "O!O!nddd", &PyDict_Type, &buckets, &PyTuple_Type, &qs, &count, &gamma, &low, &high))
+        return NULL;
+    Py_ssize_t nq = PyTuple_GET_SIZE(qs);
+    double qv[8];
+    if (nq > 8 || count <= 0) {
+        PyErr_SetString(PyExc_ValueError, "at most 8 quantiles of a histogram that holds values");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nq; i++) {
+        qv[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(qs, i));
+        if (qv[i] == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    int ours = e->hbuckets == buckets;
+    Py_ssize_t n = PyDict_GET_SIZE(buckets) + (ours ? e->hn : 0);
+    Bin *bins = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(Bin));
+    if (bins == NULL) return PyErr_NoMemory();
+    Py_ssize_t m = 0, pos = 0;
+    PyObject *k, *v;
+    int readable = 1;
+    while (readable && PyDict_Next(buckets, &pos, &k, &v)) {
+        readable = as_i64(k, &bins[m].key) == RC_OK && as_i64(v, &bins[m].count) == RC_OK;
+        m++;
+    }
+    if (!readable) {
+        PyMem_Free(bins);
+        if (ours && e->hn && hist_flush(e) < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    for (int i = 0; ours && i < HBINS; i++) {
+        if (e->hcount[i] == 0) continue;
+        bins[m].key = e->hkey[i];
+        bins[m].count = e->hcount[i];
+        m++;
+    }
+    qsort(bins, (size_t)m, sizeof(Bin), bin_order);
+    PyObject *out = PyList_New(nq);
+    if (out == NULL) {
+        PyMem_Free(bins);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nq; i++) {
+        /* the value ranked ceil(q * count): the first bucket whose running count exceeds the rank */
+        double r = ceil(qv[i] * (double)count) - 1.0;
+        long long rank = r > 0 ? (long long)r : 0, running = 0;
+        long long key = m ? bins[m - 1].key : 0;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            running += bins[j].count;
+            if (running > rank) {
+                key = bins[j].key;
+                break;
+            }
+        }
+        double value = key == -(1LL << 30) ? 0.0 : pow(gamma, (double)key + 0.5);
+        value = value < low ? low : value;
+        value = value > high ? high : value;
+        PyObject *f = PyFloat_FromDouble(value);
+        if (f == NULL) {
+            Py_DECREF(out);
+            PyMem_Free(bins);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, f);
+    }
+    PyMem_Free(bins);
+    if (ours) {
+        memset(e->hcount, 0, sizeof e->hcount);
+        e->hn = 0;
+        Py_CLEAR(e->hbuckets);
+    }
     return out;
 }
 
@@ -1911,6 +2003,8 @@ static PyMethodDef Encoder_methods[] = {
     {"take", (PyCFunction)Encoder_take, METH_NOARGS, "The buffered lines, and empty the buffer."},
     {"extend", (PyCFunction)Encoder_extend, METH_VARARGS, "Add lines encoded in Python."},
     {"take_iterations", (PyCFunction)Encoder_take_iterations, METH_NOARGS, "Iterations counted, for statistics."},
+    {"interval_quantiles", (PyCFunction)Encoder_interval_quantiles, METH_VARARGS,
+     "The ending interval's histogram quantiles, its buckets counted here included."},
     {NULL, NULL, 0, NULL},
 };
 

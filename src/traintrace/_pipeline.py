@@ -782,6 +782,8 @@ class Pipeline:
                 stats = getattr(observers[0], "native_stats", None)
                 if stats is not None:
                     mode = 1  # only the statistics, which the encoder knows
+                    # The encoder keeps the interval's histogram buckets: they are read through it.
+                    stats.native_quantiles = encoder.interval_quantiles
         dicts: list[tuple[int, dict[str, Any]]] = []
         popleft = queue.popleft
         left = chunk = min(len(queue), limit)

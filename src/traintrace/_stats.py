@@ -14,7 +14,7 @@ when the interval's event is built.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Final
@@ -62,6 +62,7 @@ RESERVED: Final = frozenset(
 )
 _COUNTED: Final = frozenset({"tokens", "batch_size"})
 _BATCH: Final = 1024
+_QUANTILES: Final = (0.5, 0.9, 0.99)
 _FAILED: Final = frozenset({SpanStatus.ERROR, SpanStatus.TERMINATED})
 _PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
 _DETAILED: Final = frozenset({SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION})
@@ -124,6 +125,9 @@ class IterationStats:
         self.consumed_samples = 0
         self.consumed_tokens = 0
         self.last_step: int | None = None
+        #: ``_encode.Encoder.interval_quantiles`` once the native encoder counts iterations: it keeps the
+        #: histogram's buckets of the interval until the interval's quantiles are asked for.
+        self.native_quantiles: Callable[..., list[float] | None] | None = None
         #: perf_counter_ns of the latest progress seen: an iteration or a long phase that completed.
         #: One that an exception ended is not progress (the hang watchdog would call a hang resolved).
         self.last_progress = 0
@@ -482,6 +486,16 @@ class IterationStats:
         self._tensors = []
         self._held = []
 
+    def _quantiles(self, hist: LogHistogram) -> list[float]:
+        """The interval's p50, p90 and p99, with the buckets the native encoder counted for it."""
+        if self.native_quantiles is not None:
+            found: list[float] | None = self.native_quantiles(
+                hist._buckets, _QUANTILES, hist.count, hist.gamma, hist.min, hist.max
+            )
+            if found is not None:
+                return found
+        return hist.quantiles(_QUANTILES)
+
     def _emit(self, out: Out, now: int, *, final: bool, cpu_only: bool = False) -> None:
         pipeline = self.pipeline
         steps = self._steps
@@ -502,7 +516,7 @@ class IterationStats:
             attrs["average_iteration_time"] = self._sum / steps * seconds
             attrs["iteration_time_min"] = self._hist.min * seconds
             attrs["iteration_time_max"] = self._hist.max * seconds
-            p50, p90, p99 = self._hist.quantiles((0.5, 0.9, 0.99))
+            p50, p90, p99 = self._quantiles(self._hist)
             attrs["iteration_time_p50"] = p50 * seconds
             attrs["iteration_time_p90"] = p90 * seconds
             attrs["iteration_time_p99"] = p99 * seconds
