@@ -432,16 +432,39 @@ typedef struct {
     PyObject *tkey[TCACHE]; /* strong references; NULL: empty */
     unsigned char tlen[TCACHE];
     char ttext[TCACHE][TTEXT];
+    /* Attribute keys the redactor judged not secret, by the object (held): a judgment never changes
+       (Redactor.secret caches it), so each key object is looked up in its cache once. */
+    PyObject *safe[TCACHE];
 } FloatCache;
 
 static void text_cache_clear(FloatCache *fc) {
-    for (int i = 0; fc != NULL && i < TCACHE; i++) Py_CLEAR(fc->tkey[i]);
+    for (int i = 0; fc != NULL && i < TCACHE; i++) {
+        Py_CLEAR(fc->tkey[i]);
+        Py_CLEAR(fc->safe[i]);
+    }
+}
+
+static inline unsigned text_slot(PyObject *u) {
+    return (unsigned)((((uintptr_t)u >> 4) * 0x9E3779B97F4A7C15ULL) >> 58) & (TCACHE - 1);
+}
+
+/* Whether the exact str key k may be written unredacted: judged not secret in the redactor's cache. */
+static int key_harmless(PyObject *k, PyObject *cache, FloatCache *fc) {
+    unsigned i = text_slot(k);
+    if (fc != NULL && fc->safe[i] == k) return 1;
+    PyObject *known = PyDict_GetItemWithError(cache, k);
+    if (known != Py_False) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (fc != NULL) Py_XSETREF(fc->safe[i], Py_NewRef(k)); /* (an exact str: its dealloc runs no Python code) */
+    return 1;
 }
 
 /* put_str for a name, status or key: from the cache when the same str object was written before. */
 static int put_text(Buf *b, PyObject *u, FloatCache *fc) {
     if (fc == NULL || !PyUnicode_CheckExact(u) || PyUnicode_GET_LENGTH(u) > TTEXT - 2) return put_str(b, u);
-    unsigned i = (unsigned)((((uintptr_t)u >> 4) * 0x9E3779B97F4A7C15ULL) >> 58) & (TCACHE - 1);
+    unsigned i = text_slot(u);
     if (fc->tkey[i] == u) return buf_put(b, fc->ttext[i], fc->tlen[i]);
     Py_ssize_t mark = b->len;
     int rc = put_str(b, u);
@@ -497,7 +520,7 @@ static int value_plain(PyObject *v) {
  * (at the top level only) to dicts of the same: a lifecycle event's ``data``. Its nodes stay far
  * below the sanitizer's MAX_NODES (257 * MAX_ITEMS could not), so nothing is cut.
  */
-static int attrs_plain_at(PyObject *d, PyObject *cache, int nested, Py_ssize_t *nodes) {
+static int attrs_plain_at(PyObject *d, PyObject *cache, FloatCache *fc, int nested, Py_ssize_t *nodes) {
     if (!PyDict_CheckExact(d) || PyDict_GET_SIZE(d) > MAX_ITEMS) return RC_YIELD;
     *nodes += PyDict_GET_SIZE(d);
     if (*nodes > MAX_NODES) return RC_YIELD;
@@ -505,22 +528,16 @@ static int attrs_plain_at(PyObject *d, PyObject *cache, int nested, Py_ssize_t *
     PyObject *k, *v;
     while (PyDict_Next(d, &pos, &k, &v)) {
         if (!PyUnicode_CheckExact(k) || PyUnicode_GET_LENGTH(k) > MAX_KEY) return RC_YIELD;
-        if (cache != NULL) {
-            PyObject *known = PyDict_GetItemWithError(cache, k);
-            if (known != Py_False) {
-                PyErr_Clear();
-                return RC_YIELD;
-            }
-        }
+        if (cache != NULL && !key_harmless(k, cache, fc)) return RC_YIELD;
         if (value_plain(v) == RC_OK) continue;
-        if (nested || !PyDict_CheckExact(v) || attrs_plain_at(v, cache, 1, nodes) != RC_OK) return RC_YIELD;
+        if (nested || !PyDict_CheckExact(v) || attrs_plain_at(v, cache, fc, 1, nodes) != RC_OK) return RC_YIELD;
     }
     return RC_OK;
 }
 
-static int attrs_plain(PyObject *d, PyObject *cache) {
+static int attrs_plain(PyObject *d, PyObject *cache, FloatCache *fc) {
     Py_ssize_t nodes = 0;
-    return attrs_plain_at(d, cache, 0, &nodes);
+    return attrs_plain_at(d, cache, fc, 0, &nodes);
 }
 
 static int put_attrs(Buf *b, PyObject *d, int style, FloatCache *fc);
@@ -1412,7 +1429,7 @@ static int record_attrs(Encoder *e, PyObject *attrs, PyObject **out) {
     if (attrs == NULL || attrs == Py_None) return RC_OK;
     if (!PyDict_CheckExact(attrs)) return RC_YIELD;
     if (PyDict_GET_SIZE(attrs) == 0) return RC_OK;
-    if (attrs_plain(attrs, e->cache) != RC_OK) return RC_YIELD;
+    if (attrs_plain(attrs, e->cache, e->floats) != RC_OK) return RC_YIELD;
     *out = attrs;
     return RC_OK;
 }
@@ -1501,10 +1518,8 @@ static int view_native(Encoder *e, SpanCore *s, View *v) {
             PyErr_Clear();
             return RC_YIELD;
         }
-        if (e->cache != NULL && PyDict_GetItemWithError(e->cache, S_STEP) != Py_False) {
-            PyErr_Clear(); /* "step" not judged harmless by the redactor yet */
-            return RC_YIELD;
-        }
+        if (e->cache != NULL && !key_harmless(S_STEP, e->cache, e->floats))
+            return RC_YIELD; /* "step" not judged harmless by the redactor yet */
         v->step = Py_NewRef(s->attrs);
         v->attrs = Py_NewRef(Py_None);
     } else {
@@ -1664,7 +1679,7 @@ static int do_span(Encoder *e, PyObject *span, Ctx *c) {
             if (metrics != Py_None) {
                 NEED(PyDict_CheckExact(metrics));
                 if (PyDict_GET_SIZE(metrics)) {
-                    NEED(attrs_plain(metrics, e->cache) == RC_OK);
+                    NEED(attrs_plain(metrics, e->cache, e->floats) == RC_OK);
                     r.attrs = metrics;
                 }
             }
@@ -1769,27 +1784,55 @@ static long long mono_ns(void) {
  * when it counted the iteration that completes the statistics' interval, for Python to add the
  * interval's event and call again).
  */
-static PyObject *Encoder_convert(Encoder *e, PyObject *args) {
-    PyObject *popleft;
-    Py_ssize_t n;
+/* The statistics' state tuple: (phase_fields, phase_sum, phase_count, metric_sum, metric_count, metric_last,
+   buckets, inv_log), seven dicts and a float. */
+static int stats_state(PyObject *stats, Stats *st) {
+    PyObject **dicts[7] = {&st->phase_fields, &st->phase_sum,    &st->phase_count, &st->metric_sum,
+                           &st->metric_count, &st->metric_last, &st->buckets};
+    if (!PyTuple_CheckExact(stats) || PyTuple_GET_SIZE(stats) != 8) {
+        PyErr_SetString(PyExc_TypeError, "convert: the statistics' state must be a tuple of 7 dicts and a float");
+        return -1;
+    }
+    for (int i = 0; i < 7; i++) {
+        PyObject *d = PyTuple_GET_ITEM(stats, i);
+        if (!PyDict_Check(d)) {
+            PyErr_SetString(PyExc_TypeError, "convert: the statistics' state must be a tuple of 7 dicts and a float");
+            return -1;
+        }
+        *dicts[i] = d;
+    }
+    st->inv_log = PyFloat_AsDouble(PyTuple_GET_ITEM(stats, 7));
+    return st->inv_log == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+static PyObject *Encoder_convert(Encoder *e, PyObject *const *args, Py_ssize_t nargs) {
     Ctx c;
-    PyObject *stats = Py_None;
-    long long budget_ns = 0;
-    if (!PyArg_ParseTuple(args, "OnLLini|OL", &popleft, &n, &c.wall0, &c.seq, &c.mode, &c.steps_left, &c.want_t0,
-                          &stats, &budget_ns))
+    if (nargs < 7 || nargs > 9) {
+        PyErr_Format(PyExc_TypeError, "convert() takes 7 to 9 arguments (%zd given)", nargs);
         return NULL;
+    }
+    /* Called once per chunk and at every interval's end: positional arguments, read without a format */
+    PyObject *popleft = args[0], *stats = nargs > 7 ? args[7] : Py_None;
+    Py_ssize_t n = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    c.wall0 = PyLong_AsLongLong(args[2]);
+    if (c.wall0 == -1 && PyErr_Occurred()) return NULL;
+    c.seq = PyLong_AsLongLong(args[3]);
+    if (c.seq == -1 && PyErr_Occurred()) return NULL;
+    long mode = PyLong_AsLong(args[4]);
+    if (mode == -1 && PyErr_Occurred()) return NULL;
+    c.mode = (int)mode;
+    c.steps_left = PyNumber_AsSsize_t(args[5], PyExc_OverflowError);
+    if (c.steps_left == -1 && PyErr_Occurred()) return NULL;
+    c.want_t0 = PyObject_IsTrue(args[6]);
+    if (c.want_t0 < 0) return NULL;
+    long long budget_ns = 0;
+    if (nargs > 8 && (budget_ns = PyLong_AsLongLong(args[8])) == -1 && PyErr_Occurred()) return NULL;
     long long until = budget_ns > 0 ? mono_ns() + budget_ns : 0;
     e->tid_cached = 0;
     memset(&c.st, 0, sizeof c.st);
     c.interval_done = 0;
-    if (c.mode == 1) {
-        /* (phase_fields, phase_sum, phase_count, metric_sum, metric_count, metric_last, buckets, inv_log) */
-        if (!PyArg_ParseTuple(stats, "O!O!O!O!O!O!O!d", &PyDict_Type, &c.st.phase_fields, &PyDict_Type,
-                              &c.st.phase_sum, &PyDict_Type, &c.st.phase_count, &PyDict_Type, &c.st.metric_sum,
-                              &PyDict_Type, &c.st.metric_count, &PyDict_Type, &c.st.metric_last, &PyDict_Type,
-                              &c.st.buckets, &c.st.inv_log))
-            return NULL;
-    }
+    if (c.mode == 1 && stats_state(stats, &c.st) < 0) return NULL;
     Py_ssize_t taken = 0;
     PyObject *back = NULL;
     while (taken < n) {
@@ -1999,7 +2042,7 @@ static PyObject *Encoder_set_dict_level(Encoder *e, PyObject *arg) {
 
 static PyMethodDef Encoder_methods[] = {
     {"set_dict_level", (PyCFunction)Encoder_set_dict_level, METH_O, "The level up to which records go to Python."},
-    {"convert", (PyCFunction)Encoder_convert, METH_VARARGS, "Convert queued items into JSON lines."},
+    {"convert", (PyCFunction)(void (*)(void))Encoder_convert, METH_FASTCALL, "Convert queued items into JSON lines."},
     {"take", (PyCFunction)Encoder_take, METH_NOARGS, "The buffered lines, and empty the buffer."},
     {"extend", (PyCFunction)Encoder_extend, METH_VARARGS, "Add lines encoded in Python."},
     {"take_iterations", (PyCFunction)Encoder_take_iterations, METH_NOARGS, "Iterations counted, for statistics."},
@@ -2037,7 +2080,7 @@ static PyObject *mod_encode_attrs(PyObject *mod, PyObject *args) {
     PyObject *attrs, *cache;
     int style;
     if (!PyArg_ParseTuple(args, "OOi", &attrs, &cache, &style)) return NULL;
-    if (attrs_plain(attrs, cache == Py_None ? NULL : cache) != RC_OK) Py_RETURN_NONE;
+    if (attrs_plain(attrs, cache == Py_None ? NULL : cache, NULL) != RC_OK) Py_RETURN_NONE;
     Buf b = {0};
     int rc = put_attrs(&b, attrs, style, NULL);
     PyObject *out;
