@@ -23,6 +23,7 @@
 #include <string.h>
 #include <errno.h>
 #ifndef _WIN32
+#include <poll.h>
 #include <time.h>
 #include <unistd.h>
 #endif
@@ -35,6 +36,19 @@
 /* traintrace._span.SpanCore, when that module was built with this file's span_core.h: its
    instances' fields are read from the struct. NULL: every span through its getters. */
 static PyTypeObject *SPAN_CORE = NULL;
+
+/* traintrace._span's writer_beat (NULL without it): the writer's last sign of work, 0 while it waits by
+   choice; a training loop that sees it stale lets the writer in (span.c: nudge_writer). */
+static int64_t *writer_beat = NULL;
+static long long mono_ns(void);
+
+static inline void beat(void) {
+    if (writer_beat != NULL) __atomic_store_n(writer_beat, (int64_t)mono_ns(), __ATOMIC_RELEASE);
+}
+
+static inline void beat_idle(void) {
+    if (writer_beat != NULL) __atomic_store_n(writer_beat, 0, __ATOMIC_RELEASE);
+}
 
 #define RC_OK 0
 #define RC_YIELD 1
@@ -1829,6 +1843,7 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *const *args, Py_ssize_t n
     long long budget_ns = 0;
     if (nargs > 8 && (budget_ns = PyLong_AsLongLong(args[8])) == -1 && PyErr_Occurred()) return NULL;
     long long until = budget_ns > 0 ? mono_ns() + budget_ns : 0;
+    beat();
     e->tid_cached = 0;
     memset(&c.st, 0, sizeof c.st);
     c.interval_done = 0;
@@ -1856,7 +1871,10 @@ static PyObject *Encoder_convert(Encoder *e, PyObject *const *args, Py_ssize_t n
             }
             /* The GIL is held throughout: a chunk of huge records ends early, the rest waits for the next. */
             if (e->buf.len > CHUNK_BYTES) break;
-            if (until && taken % CLOCK_EVERY == 0 && mono_ns() >= until) break;
+            if (taken % CLOCK_EVERY == 0) {
+                beat();
+                if (until && mono_ns() >= until) break;
+            }
             continue;
         }
         c.interval_done = 0; /* an item handed back changed nothing */
@@ -2054,6 +2072,8 @@ static PyMethodDef Encoder_methods[] = {
 static PyMemberDef Encoder_members[] = {
     {"whole_unstopped", T_PYSSIZET, offsetof(Encoder, whole_unstopped), 0,
      "Spans first seen already stopped, less the stops of such spans seen since (the writer resets it)."},
+    {"buffered", T_PYSSIZET, offsetof(Encoder, buf) + offsetof(Buf, len), READONLY,
+     "Bytes of lines in the buffer, not taken yet."},
     {"struct_reads", T_PYSSIZET, offsetof(Encoder, struct_reads), READONLY,
      "Spans whose fields were read from the native span's struct rather than through its getters."},
     {NULL, 0, 0, 0, NULL},
@@ -2138,6 +2158,17 @@ static PyObject *mod_float_fast(PyObject *mod, PyObject *arg) {
 /* traintrace._span's gil_wanted_since (NULL without it): see let_writer_in there. */
 static int64_t *gil_wanted = NULL;
 
+/* With ``hurry``, just before it takes the GIL back: the training thread lets the writer in at its next
+   span stop (span.c: let_writer_in), instead of after CPython's switch interval, or later. */
+static void wish_gil(int hurry) {
+    if (hurry && gil_wanted != NULL) __atomic_store_n(gil_wanted, (int64_t)mono_ns(), __ATOMIC_RELEASE);
+}
+
+static void wish_granted(int hurry) {
+    if (hurry && gil_wanted != NULL) __atomic_store_n(gil_wanted, 0, __ATOMIC_RELEASE);
+    beat();
+}
+
 static PyObject *mod_write_pause(PyObject *mod, PyObject *args) {
     (void)mod;
     int fd;
@@ -2145,7 +2176,6 @@ static PyObject *mod_write_pause(PyObject *mod, PyObject *args) {
     long long pause_ns;
     int hurry = 0;
     if (!PyArg_ParseTuple(args, "iy*L|p", &fd, &view, &pause_ns, &hurry)) return NULL;
-    int64_t *wanted = hurry ? gil_wanted : NULL;
 #ifdef __linux__
     /* The writer thread's sleeps end on time: 1 µs of timer slack for this thread instead of 50. */
     static _Thread_local int slack_set = 0;
@@ -2157,6 +2187,7 @@ static PyObject *mod_write_pause(PyObject *mod, PyObject *args) {
     Py_ssize_t n;
     int err;
     for (;;) {
+        beat_idle(); /* a wait of its own: the wish below takes it back */
         Py_BEGIN_ALLOW_THREADS
         n = write(fd, view.buf, (size_t)view.len);
         err = errno;
@@ -2164,10 +2195,10 @@ static PyObject *mod_write_pause(PyObject *mod, PyObject *args) {
             struct timespec ts = {(time_t)(pause_ns / 1000000000LL), (long)(pause_ns % 1000000000LL)};
             nanosleep(&ts, NULL);
         }
-        /* Behind: ask the training thread to let the writer in at its next span stop. */
-        if (wanted != NULL) __atomic_store_n(wanted, (int64_t)mono_ns(), __ATOMIC_RELEASE);
+        /* More to do: ask the training thread to let the writer in at its next span stop. */
+        wish_gil(hurry);
         Py_END_ALLOW_THREADS
-        if (wanted != NULL) __atomic_store_n(wanted, 0, __ATOMIC_RELEASE);
+        wish_granted(hurry);
         if (n >= 0 || err != EINTR) break;
         if (PyErr_CheckSignals() < 0) { /* as os.write: a signal handler that raises ends it */
             PyBuffer_Release(&view);
@@ -2181,6 +2212,67 @@ static PyObject *mod_write_pause(PyObject *mod, PyObject *args) {
     }
     return PyLong_FromSsize_t(n);
 }
+
+/*
+ * The writer thread's other waits without the GIL (its slices' pause, its wait for the next cycle): a
+ * training thread running Python back to back keeps the GIL for the switch interval before CPython hands
+ * it over, and while other threads wait for it too, much longer (hundreds of ms measured here). With
+ * ``hurry`` the writer asks for it back as its wait ends.
+ */
+/* writer_idle(): the writer has no work (it stops, or waits outside these functions). */
+static PyObject *mod_writer_idle(PyObject *mod, PyObject *unused) {
+    (void)mod;
+    (void)unused;
+    beat_idle();
+    Py_RETURN_NONE;
+}
+
+/* pause(ns, hurry=False): sleep ns without the GIL. */
+static PyObject *mod_pause(PyObject *mod, PyObject *args) {
+    (void)mod;
+    long long pause_ns;
+    int hurry = 0;
+    if (!PyArg_ParseTuple(args, "L|p", &pause_ns, &hurry)) return NULL;
+    if (pause_ns < 0) pause_ns = 0;
+    beat_idle();
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec ts = {(time_t)(pause_ns / 1000000000LL), (long)(pause_ns % 1000000000LL)};
+    nanosleep(&ts, NULL);
+    wish_gil(hurry);
+    Py_END_ALLOW_THREADS
+    wish_granted(hurry);
+    Py_RETURN_NONE;
+}
+
+/* wait_readable(fd, timeout_ns, hurry=False) -> bool: whether fd became readable within the timeout. */
+static PyObject *mod_wait_readable(PyObject *mod, PyObject *args) {
+    (void)mod;
+    int fd, hurry = 0;
+    long long timeout_ns;
+    if (!PyArg_ParseTuple(args, "iL|p", &fd, &timeout_ns, &hurry)) return NULL;
+    long long until = mono_ns() + (timeout_ns > 0 ? timeout_ns : 0);
+    for (;;) {
+        long long left = until - mono_ns();
+        int ms = left <= 0 ? 0 : (int)((left + 999999) / 1000000 > INT_MAX ? INT_MAX : (left + 999999) / 1000000);
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int n, err;
+        beat_idle();
+        Py_BEGIN_ALLOW_THREADS
+        n = poll(&p, 1, ms);
+        err = errno;
+        if (!(n < 0 && err == EINTR)) wish_gil(hurry);
+        Py_END_ALLOW_THREADS
+        if (n >= 0 || err != EINTR) {
+            wish_granted(hurry);
+            if (n < 0) {
+                errno = err;
+                return PyErr_SetFromErrno(PyExc_OSError);
+            }
+            return PyBool_FromLong(n > 0);
+        }
+        if (PyErr_CheckSignals() < 0) return NULL; /* as select: a signal handler that raises ends it */
+    }
+}
 #endif
 
 static PyMethodDef module_methods[] = {
@@ -2189,6 +2281,10 @@ static PyMethodDef module_methods[] = {
     {"float_fast", mod_float_fast, METH_O, "repr(x) by the fast formatter, None where it falls back (tests)."},
 #ifndef _WIN32
     {"write_pause", mod_write_pause, METH_VARARGS, "os.write, then a short sleep, in one release of the GIL."},
+    {"pause", mod_pause, METH_VARARGS, "Sleep without the GIL, and ask the training thread for it back."},
+    {"writer_idle", mod_writer_idle, METH_NOARGS, "The writer has no work: no training thread lets it in."},
+    {"wait_readable", mod_wait_readable, METH_VARARGS,
+     "Wait without the GIL for a descriptor to be readable, then ask the training thread for the GIL."},
 #endif
     {NULL, NULL, 0, NULL},
 };
@@ -2220,6 +2316,8 @@ PyMODINIT_FUNC PyInit__encode(void) {
 #ifndef _WIN32
     gil_wanted = PyCapsule_Import("traintrace._span._gil_wanted", 0);
     if (gil_wanted == NULL) PyErr_Clear(); /* no native span core: no hand-over */
+    writer_beat = PyCapsule_Import("traintrace._span._writer_beat", 0);
+    if (writer_beat == NULL) PyErr_Clear();
 #endif
     SpanCoreAPI *core = PyCapsule_Import("traintrace._span._core", 0);
     if (core == NULL)

@@ -80,18 +80,57 @@ static int64_t gil_wanted_since = 0;
 /* How long the training thread waits for the writer to take the GIL it let go. */
 #define HANDOFF_WAIT_NS 200000LL
 
+/*
+ * The writer's last sign of work while it has work (now_ns; the encoder sets it as it converts and
+ * when it takes the GIL back), 0 while it waits by choice (traintrace._encode: writer_beat). When a
+ * training loop holds the GIL and the writer's slice outlasts the switch interval (the machine took
+ * its CPU away, say), CPython takes the GIL from the writer for the loop, and gives it back after
+ * the switch interval at best: seconds were seen with other threads waiting too. A beat older than
+ * WRITER_STARVED_NS while the loop runs means the writer waits for the GIL: the loop lets it in,
+ * briefly and at most once per NUDGE_EVERY_NS (a writer in a slow system call is not waiting for
+ * the GIL, and must not slow the loop much).
+ */
+static int64_t writer_beat = 0;
+static int64_t last_nudge = 0;
+#define WRITER_STARVED_NS 2000000LL
+#define WRITER_BEAT_STALE_NS 2000000000LL /* the writer thread is gone (it clears its beat on exit) */
+#define NUDGE_EVERY_NS 1000000LL
+#define NUDGE_WAIT_NS 100000LL
+
 static void
 handoff_reset_child(void)
 {
     gil_wanted_since = 0; /* the writer thread does not exist in a forked child */
+    writer_beat = 0;
+    last_nudge = 0;
+}
+
+/* A starved writer (above): the loop lets go of the GIL until the writer beats again, briefly. */
+static void
+nudge_writer(int64_t now)
+{
+    int64_t beat = __atomic_load_n(&writer_beat, __ATOMIC_RELAXED);
+    if (beat == 0 || now - beat < WRITER_STARVED_NS || now - beat > WRITER_BEAT_STALE_NS ||
+        now - last_nudge < NUDGE_EVERY_NS)
+        return;
+    last_nudge = now;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec step = {0, 20000};
+    int64_t until = now + NUDGE_WAIT_NS;
+    do
+        nanosleep(&step, NULL);
+    while (__atomic_load_n(&writer_beat, __ATOMIC_ACQUIRE) == beat && now_ns() < until);
+    Py_END_ALLOW_THREADS
 }
 
 static void
 let_writer_in(int64_t now)
 {
     int64_t since = __atomic_load_n(&gil_wanted_since, __ATOMIC_RELAXED);
-    if (since == 0 || now - since > HANDOFF_STALE_NS)
+    if (since == 0 || now - since > HANDOFF_STALE_NS) {
+        nudge_writer(now);
         return;
+    }
     Py_BEGIN_ALLOW_THREADS
     /* Sleep, not spin: the writer wakes on the core this thread leaves free. */
     struct timespec step = {0, 20000};
@@ -1650,6 +1689,12 @@ PyInit__span(void)
         return NULL;
     }
     pthread_atfork(NULL, NULL, handoff_reset_child);
+    PyObject *beat = PyCapsule_New(&writer_beat, "traintrace._span._writer_beat", NULL);
+    if (beat == NULL || PyModule_AddObject(module, "_writer_beat", beat) < 0) {
+        Py_XDECREF(beat);
+        Py_DECREF(module);
+        return NULL;
+    }
 #endif
     /* The span's layout for the writer's encoder (span_core.h). */
     static SpanCoreAPI core_api;

@@ -29,6 +29,8 @@ except ImportError:  # not built (no compiler), or the pure-Python core asked fo
 
 #: The native writer's write-and-yield (not on Windows, where the writer sleeps apart).
 _WRITE_PAUSE = _native is not None and hasattr(_native, "write_pause")
+#: The names of its waits that ask the training thread for the GIL back as they end (see ``Pipeline._yield``).
+_HURRY = ("pause", "wait_readable", "writer_idle")
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -58,6 +60,10 @@ _YIELD_NS = 50_000
 _CLOSE_RESERVE = 0.25
 # Seconds close() waits for the writer beyond its budget (the writer keeps to the budget).
 _CLOSE_GRACE = 0.5
+# Seconds the writer waits at least between cycles (while records arrive fast; see _run).
+_MIN_WAIT = 0.001
+# Bytes of lines the native encoder may hold within a slice before they are written (see _convert_native).
+_WRITE_BYTES = 512 * 1024
 # The clock anchor (wall time of a monotonic reading): readings tried per cycle, and the widest
 # gap between its two monotonic reads (ns) a new anchor may have (see _refresh_anchor).
 _ANCHOR_TRIES = 3
@@ -277,6 +283,8 @@ class Pipeline:
         self._close_abandoned = 0
         #: The native encoder when the extension is there and a file backend is the main consumer.
         self.native: NativeWriter | None = self._native_writer()
+        #: traintrace._encode, for the writer's waits that take the GIL back at once (None: plain waits).
+        self._waits: Any = _native if _native is not None and all(hasattr(_native, n) for n in _HURRY) else None
         #: Set while the statistics absorb the encoder's iterations: events they add are encoded in C.
         self._direct: NativeWriter | None = None
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
@@ -408,11 +416,22 @@ class Pipeline:
         interval = self.config.flush_interval
         backlog = max(self.capacity // 4, 1)
         failures = 0
+        # Items queued per second while the writer waited: it wakes before the queue passes the backlog
+        # (nothing rings it on the way: a span's append must stay cheap), not only every flush_interval.
+        rate = 0.0
+        ended, left = time.monotonic(), 0
         try:
             while self._closing is None:
-                if len(self.queue) < backlog:
-                    self._wake.wait(interval)
+                queued = len(self.queue)
+                if queued < backlog:
+                    timeout = interval
+                    if rate > 0:
+                        timeout = min(interval, max((backlog - queued) / rate, _MIN_WAIT))
+                    self._wait(timeout)
                 self._wake.clear()
+                started, queued = time.monotonic(), len(self.queue)
+                if started > ended:
+                    rate = max(queued - left, 0) / (started - ended)
                 try:
                     self._cycle(drain=False)
                 except BaseException:  # even SystemExit from a user's __repr__
@@ -420,6 +439,7 @@ class Pipeline:
                     failures += 1
                     if failures == 1:
                         log.exception("traintrace: a write cycle failed; its records may be lost")
+                ended, left = time.monotonic(), len(self.queue)
             try:
                 self._cycle(drain=True)
             except BaseException:  # the close record is still written
@@ -428,6 +448,8 @@ class Pipeline:
         except BaseException:
             log.exception("traintrace: writer thread failed; telemetry stops here")
         finally:
+            if self._waits is not None:
+                self._waits.writer_idle()  # nobody should let a writer that is gone in
             self.finished = True
             self._closed.set()
             for waiter in self._flush_waiters:
@@ -479,6 +501,8 @@ class Pipeline:
                 if not yielded and queue and self._deadline is None:
                     self._yield()
                 slice_end = clock() + _SLICE_NS
+        if self.native is not None and self._write_pending(self.native, self._write_resuming if _WRITE_PAUSE else None):
+            wrote = True  # the lines of the cycle's last slice, before anything else is delivered
         if self._signal_events:
             signalled: list[tuple[int, dict[str, Any]]] = []
             while self._signal_events:
@@ -530,19 +554,34 @@ class Pipeline:
         Releasing the GIL for an instant is not enough: the writer takes it back before
         the waiting thread wakes, and that thread waits on for the switch interval. The
         writer sleeps long enough for it to wake; not at close, which nobody waits through.
+        It has more to do: it asks for the GIL back (``_encode.pause``), or a training loop
+        running Python back to back would keep it for the switch interval, or longer.
         """
-        time.sleep(_YIELD_NS / 1e9)
+        if self._waits is not None:
+            self._waits.pause(_YIELD_NS, True)
+        else:
+            time.sleep(_YIELD_NS / 1e9)
+
+    def _wait(self, timeout: float) -> None:
+        """Wait for the wake-up or the timeout, then take the GIL back at the training thread's next span stop."""
+        if self._waits is not None and not self._wake.is_set():
+            try:
+                self._waits.wait_readable(self._wake.fileno(), int(timeout * 1e9), True)
+                return
+            except (OSError, ValueError):
+                pass  # (a closed descriptor after a fork, say): as Wakeup waits
+        self._wake.wait(timeout)
 
     @staticmethod
-    def _write_yielding(fd: int, data: memoryview) -> int:
-        """``os.write`` that also yields (``_yield``), in one release of the GIL (the native writer's)."""
-        written: int = _native.write_pause(fd, data, _YIELD_NS)
+    def _write_resuming(fd: int, data: memoryview) -> int:
+        """``os.write`` that takes the GIL back at the training thread's next span stop (no pause)."""
+        written: int = _native.write_pause(fd, data, 0, True)
         return written
 
     @staticmethod
     def _write_hurrying(fd: int, data: memoryview) -> int:
-        """``_write_yielding`` when the writer is behind: the training thread lets the writer
-        back in at its next span stop, not after a switch interval (``span.c``: ``let_writer_in``)."""
+        """``os.write`` that also yields (``_yield``), in one release of the GIL (the native writer's):
+        the training thread lets the writer back in at its next span stop (``span.c``: ``let_writer_in``)."""
         written: int = _native.write_pause(fd, data, _YIELD_NS, True)
         return written
 
@@ -759,7 +798,7 @@ class Pipeline:
         self, queue: deque[Any], native: NativeWriter, slice_end: int, limit: int = _CHUNK
     ) -> tuple[int, bool, bool]:
         """Convert a chunk with the native encoder, stopping at ``slice_end`` (perf_counter_ns);
-        (items taken, True if anything was written, True if its write yielded: ``_write_yielding``).
+        (items taken, True if anything was written, True if its write yielded: ``_write_hurrying``).
 
         Items it hands back (anything unusual) are converted by ``_convert_items`` and
         their records encoded in place, so the file's lines keep their order.
@@ -804,6 +843,7 @@ class Pipeline:
                 )
             except Exception:  # out of memory in C: the Python path takes over for good
                 log.exception("traintrace: the native encoder failed; the pure-Python writer takes over")
+                self._write_pending(native)  # its lines so far, before any the Python path writes
                 self.native = None
                 break
             left -= taken
@@ -830,26 +870,36 @@ class Pipeline:
                 self._encode_python(out, native, dicts)
             if not more:
                 break  # the queue is empty, or the chunk's bytes are many: the rest in the next chunk
-        data, count, first, last = encoder.take()
-        wrote = yielded = False
-        if count:
-            wrote = True
+        slice_over = clock() >= slice_end
+        if dicts or not queue or slice_over or encoder.buffered >= _WRITE_BYTES or self._deadline is not None:
             # The slice is over and more is queued: the write lets the training thread in.
-            yielded = bool(queue) and self._deadline is None and clock() >= slice_end and not dicts and _WRITE_PAUSE
+            yielded = bool(queue) and self._deadline is None and slice_over and not dicts and _WRITE_PAUSE
             write = None
             if yielded:
-                # Behind (non-blocking mode, where falling behind drops): the training thread lets the
-                # writer back in at its next span stop. In blocking mode a full queue waits instead.
-                behind = not self.blocking and len(queue) >= self.capacity // 8
-                write = self._write_hurrying if behind else self._write_yielding
-            try:
-                native.route.backend.write_lines(data, count, first, last, write)  # type: ignore[attr-defined]
-            except Exception as exc:  # noqa: BLE001 - as in _deliver
-                self._backend_failed(native.route, exc, count)
+                # More is queued: the training thread lets the writer back in at its next span stop.
+                write = self._write_hurrying
+            wrote = self._write_pending(native, write)
+            yielded = yielded and wrote
+        else:
+            # Within the slice the lines wait in the encoder's buffer, written together at its end: a write
+            # lets go of the GIL, and a training loop that holds it (Python running back to back) would keep
+            # it for the switch interval (5 ms) before the writer could go on.
+            wrote, yielded = encoder.buffered > 0, False
         if dicts:
             wrote = True
             self._deliver(dicts, native.others)
         return chunk - left, wrote, yielded
+
+    def _write_pending(self, native: NativeWriter, write: Any = None) -> bool:
+        """Write the lines the native encoder holds (``write``: how, see ``_convert_native``); True if any."""
+        data, count, first, last = native.encoder.take()
+        if not count:
+            return False
+        try:
+            native.route.backend.write_lines(data, count, first, last, write)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - as in _deliver
+            self._backend_failed(native.route, exc, count)
+        return True
 
     @staticmethod
     def _dict_level(others: list[Route]) -> int:
@@ -1045,6 +1095,8 @@ class Pipeline:
                 self._backend_failed(route, exc, 0)
 
     def _finish(self, open_status: str) -> None:
+        if self.native is not None:
+            self._write_pending(self.native)  # (a cycle that failed midway may have left lines)
         now = time.perf_counter_ns()
         out: list[tuple[int, dict[str, Any]]] = []
         for observer in self.observers:
