@@ -213,3 +213,33 @@ def test_the_clock_anchor_is_taken_from_a_tight_reading(monkeypatch: pytest.Monk
     assert _anchor_after(monkeypatch, [loose, loose, loose], previous=0) == (7, 1_501_000, 0)
     # A tight first reading is enough.
     assert _anchor_after(monkeypatch, [tight, loose], previous=5) == (9, 3_002_050, 1)
+
+
+def test_a_rung_and_cleared_wakeup_waits_again() -> None:
+    """clear() empties the pipe: the next wait waits (on the pipe too, as the native writer's does)."""
+    import select
+
+    from traintrace._wakeup import Wakeup
+
+    wake = Wakeup()
+    wake.set()
+    assert wake.wait(0.0)
+    wake.clear()
+    assert not wake.is_set()
+    assert not wake.wait(0.01)
+    assert select.select([wake.fileno()], [], [], 0)[0] == []
+
+
+def test_an_idle_writer_waits_between_cycles(tmp_path: Path) -> None:
+    """With nothing queued the writer waits its flush interval (or a ring), never loops on an empty queue."""
+    rec = tt.configure(job_id="idle", log_dir=str(tmp_path), backends={"log": False}, flush_interval=0.2)
+    with tt.training_loop():
+        for step in range(1000):  # an arrival rate for the writer to pace itself on
+            with tt.training_iteration(step):
+                pass
+    assert tt.flush(10)
+    before = rec._pipeline.cycles
+    time.sleep(1.0)
+    idle_cycles = rec._pipeline.cycles - before
+    tt.close()
+    assert idle_cycles <= 10  # one per flush interval (5 in the second), not one per empty wait

@@ -58,10 +58,10 @@ class Wakeup:
 
     def clear(self) -> None:
         self._pending = False
+        with contextlib.suppress(OSError):
+            while os.read(self._read, 4096):
+                pass
 
     def fileno(self) -> int:
         """The descriptor that becomes readable when rung (for a waiter of one's own)."""
         return self._read
-        with contextlib.suppress(OSError):
-            while os.read(self._read, 4096):
-                pass
