@@ -242,3 +242,29 @@ def expected(script: Script) -> dict[str, Any]:
         "steps_completed": script.steps,
         "steps_lost": 0 if script.fail_step is None else script.fail_step % script.checkpoint_every + 1,
     }
+
+
+#: Four scripted jobs every engine and reader must answer alike: a failure and a restart, a clean run,
+#: rank 0 failing beside a straggler, and ranks missing from a job of six.
+SCRIPTS = [
+    Script(),
+    Script(fail_step=None, fail_rank=None, straggler=None),
+    Script(fail_rank=0, fail_step=12, straggler=1),
+    Script(world_size=6, fail_step=None, fail_rank=None),
+]
+SCRIPT_IDS = ["failure-and-restart", "clean", "rank0-fails", "missing-ranks"]
+
+
+class Recording:
+    """A DuckDB connection that keeps the text of every statement run on it."""
+
+    def __init__(self, con: Any, log: list[str]) -> None:
+        self._con = con
+        self._log = log
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        self._log.append(sql)
+        return self._con.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._con, name)

@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.cli_jobs import Recording
 from traintrace.cli._engine import check_tail, compress_ranks, discover, parse_ranks
 
 pytest.importorskip("duckdb")
@@ -134,21 +134,6 @@ def test_commands_import_nothing_they_do_not_use(tmp_path: Path, command: str) -
     assert not unwanted & modules, sorted(unwanted & modules)
 
 
-class _Recording:
-    """A DuckDB connection that keeps the text of every statement run on it."""
-
-    def __init__(self, con: Any, log: list[str]) -> None:
-        self._con = con
-        self._log = log
-
-    def execute(self, sql: str, *args: Any) -> Any:
-        self._log.append(sql)
-        return self._con.execute(sql, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._con, name)
-
-
 def test_each_command_reads_each_file_once_with_its_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With DuckDB's reader, opening a job is one read_json of all its files, with the columns given (nothing
     sampled), and the analyses never read the files again: every table they use is derived from that one scan.
@@ -161,7 +146,7 @@ def test_each_command_reads_each_file_once_with_its_schema(tmp_path: Path, monke
     job_dir = _small_job(tmp_path / "job", ranks=3)
     log: list[str] = []
     connect = Job._connect
-    monkeypatch.setattr(Job, "_connect", lambda self: _Recording(connect(self), log))
+    monkeypatch.setattr(Job, "_connect", lambda self: Recording(connect(self), log))
     job = Job.open([job_dir], lean=True)
     reads = [sql for sql in log if "read_json" in sql]
     assert len(reads) == 1, reads

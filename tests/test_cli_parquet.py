@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("duckdb")
 
-from tests.cli_jobs import Script, write_job
+from tests.cli_jobs import SCRIPT_IDS, SCRIPTS, Script, write_job
 from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
 from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
 from traintrace.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_USAGE, main
@@ -91,16 +91,7 @@ def damaged_job(folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(
-    "script",
-    [
-        Script(),
-        Script(fail_step=None, fail_rank=None, straggler=None),
-        Script(fail_rank=0, fail_step=12, straggler=1),
-        Script(world_size=6, fail_step=None, fail_rank=None),
-    ],
-    ids=["failure-and-restart", "clean", "rank0-fails", "missing-ranks"],
-)
+@pytest.mark.parametrize("script", SCRIPTS, ids=SCRIPT_IDS)
 def test_scripted_jobs_answer_the_same_from_parquet(script: Script, tmp_path: Path) -> None:
     write_job(tmp_path / "job", script)
     check_round_trip(tmp_path / "job", tmp_path)

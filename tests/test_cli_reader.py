@@ -25,7 +25,7 @@ pytest.importorskip("duckdb")
 pytest.importorskip("traintrace._scan")
 
 from tests._examples import examples
-from tests.cli_jobs import Script, write_job
+from tests.cli_jobs import SCRIPT_IDS, SCRIPTS, Recording, Script, write_job
 from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
 from tests.test_cli_parquet import answer, damaged_job, same
 from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
@@ -81,16 +81,7 @@ def same_answers(job: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return summary
 
 
-@pytest.mark.parametrize(
-    "script",
-    [
-        Script(),
-        Script(fail_step=None, fail_rank=None, straggler=None),
-        Script(fail_rank=0, fail_step=12, straggler=1),
-        Script(world_size=6, fail_step=None, fail_rank=None),
-    ],
-    ids=["failure-and-restart", "clean", "rank0-fails", "missing-ranks"],
-)
+@pytest.mark.parametrize("script", SCRIPTS, ids=SCRIPT_IDS)
 def test_scripted_jobs_are_read_the_same(script: Script, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_job(tmp_path / "job", script)
     same_answers(tmp_path / "job", monkeypatch)
@@ -182,21 +173,6 @@ def test_the_scanner_is_used_when_built_and_duckdb_reads_when_asked(
     assert _reader.scanner([tmp_path / "x.jsonl.gz"], ["kind"], [], lean=True, threads=1) is None
 
 
-class _Recording:
-    """A DuckDB connection that keeps the text of every statement run on it."""
-
-    def __init__(self, con: Any, log: list[str]) -> None:
-        self._con = con
-        self._log = log
-
-    def execute(self, sql: str, *args: Any) -> Any:
-        self._log.append(sql)
-        return self._con.execute(sql, *args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._con, name)
-
-
 @pytest.fixture
 def scanners(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
     """The scanners the engine makes, kept for the test to inspect."""
@@ -220,7 +196,7 @@ def test_a_command_reads_each_file_once(tmp_path: Path, monkeypatch: pytest.Monk
         handle.write('{"seq": 999, "kind": "event", "ts": 1.5, "name": "x"}\n{"seq": 1000, "kind"')
     log: list[str] = []
     connect = Job._connect
-    monkeypatch.setattr(Job, "_connect", lambda self: _Recording(connect(self), log))
+    monkeypatch.setattr(Job, "_connect", lambda self: Recording(connect(self), log))
     job = Job.open([tmp_path / "job"], lean=True)
     assert job.reader == "native" and len(scanners) == 1
     files = sorted((tmp_path / "job").glob("*.jsonl"))
