@@ -9,7 +9,7 @@ one JSON line per step start and end, checkpoint start and end, and fault, with
 ``time.time_ns()`` timestamps. The test computes goodput and the culprit from
 those lines and compares them with what ``traintrace`` says.
 
-Faults (``--fault``): ``data``, ``forward``, ``backward``, ``optimizer``,
+Faults (``--fault``): ``data``, ``forward``, ``backward``, ``optimizer``, ``iteration`` (between phases),
 ``checkpoint`` (an exception there); ``sigkill``, ``sigsegv`` (a real null
 pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 ``kill_in_checkpoint``; ``hang_compute`` (sleeps in forward); ``hang_collective``
@@ -142,6 +142,7 @@ def main() -> None:
                     with tt.optimizer_step():
                         injected("optimizer", step)
                         optimizer.step()
+                    injected("iteration", step)  # inside the step, between its phases
                     if fault == "hang_collective" and step == fault_step:
                         truth.write(event="fault", kind=fault, step=step)
                         with tt.collective(op="all_reduce", group="pair"):

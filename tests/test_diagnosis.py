@@ -157,6 +157,7 @@ def fault_step_of(run: Run, rank: int) -> dict[str, Any]:
         (3, "forward", 2, 9, "model_forward"),
         (3, "backward", 1, 7, "model_backward"),
         (4, "optimizer", 3, 8, "optimizer_update"),
+        (2, "iteration", 1, 6, "iteration"),
     ],
 )
 def test_an_exception_on_one_rank(  # noqa: PLR0917 - pytest passes the parameters by position

@@ -301,11 +301,16 @@ def _spans_at(job: Job, wanted: list[tuple[int, int | None]]) -> dict[int, list[
     out: dict[int, list[dict[str, Any]]] = {}
     if not pairs:
         return out
-    # The (stream, time) pairs inline: one statement for every rank, in either engine's dialect.
+    # The (stream, time) pairs inline: one statement for every rank, in either engine's dialect. Plain
+    # iteration records are not in spans_small: the iteration an exception unwound is one of them.
     for row in job.dicts(
         f"""
         SELECT s.stream, s.id, s.parent, s.name, s.ts, s.dur, s.status, s.open, s.attrs, s.tid
-        FROM spans_small s JOIN (VALUES {pairs}) AS q(stream, at_ns) ON s.stream = q.stream
+        FROM (SELECT stream, id, parent, name, ts, dur, status, open, attrs, tid FROM spans_small
+              UNION ALL
+              SELECT stream, id, parent, '{ITERATION}' AS name, ts, dur, status, false AS open, attrs, tid
+              FROM iterations_plain) s
+        JOIN (VALUES {pairs}) AS q(stream, at_ns) ON s.stream = q.stream
         WHERE s.ts <= q.at_ns
           AND (s.open OR s.ts + s.dur >= q.at_ns
                OR (s.status <> '{SpanStatus.OK}' AND s.ts + s.dur >= q.at_ns - {UNWIND_NS}))
