@@ -135,11 +135,13 @@ def summary(job: Job) -> dict[str, Any]:
     # The completed steps' statistics and their samples, in one pass over the iterations.
     stats = job.one(
         """
-        SELECT count(*), avg(dur), quantile_cont(dur, 0.5), quantile_cont(dur, 0.9), quantile_cont(dur, 0.99),
-               min(dur), max(dur), stddev_samp(dur), sum(batch_size)
+        SELECT count(*), avg(dur), quantile_cont(dur, [0.5, 0.9, 0.99]), min(dur), max(dur), stddev_samp(dur),
+               sum(batch_size)
         FROM iterations WHERE status = 'ok'
         """
     )
+    if stats:  # the three quantiles come as one list (one sort of the step times, not three)
+        stats = (*stats[:2], *(stats[2] or (None, None, None)), *stats[3:])
     step_stats = None
     if stats and stats[0]:
         keys = ("count", "mean_s", "median_s", "p90_s", "p99_s", "min_s", "max_s", "stddev_s")
@@ -289,12 +291,22 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     width = max((end - start) // max(windows, 1), 1)
     rows = job.dicts(
         """
-        SELECT rank, count(*) AS steps, quantile_cont(dur, 0.5) / 1e9 AS median_s,
-               quantile_cont(dur, 0.9) / 1e9 AS p90_s, quantile_cont(dur, 0.99) / 1e9 AS p99_s,
+        SELECT rank, count(*) AS steps, quantile_cont(dur, [0.5, 0.9, 0.99]) AS q,
                avg(dur) / 1e9 AS mean_s, max(dur) / 1e9 AS max_s
         FROM iterations WHERE status = 'ok' GROUP BY rank ORDER BY rank
         """
     )
+    # The three quantiles come as one list (one sort of each rank's step times, not three).
+    rows = [
+        {
+            "rank": r["rank"],
+            "steps": r["steps"],
+            **dict(zip(("median_s", "p90_s", "p99_s"), (v / 1e9 for v in r["q"]), strict=True)),
+            "mean_s": r["mean_s"],
+            "max_s": r["max_s"],
+        }
+        for r in rows
+    ]
     if not rows:
         return {
             "ranks": [],

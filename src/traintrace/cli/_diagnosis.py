@@ -193,8 +193,17 @@ class _Facts:
         )
         self.last_ok: dict[int, tuple[Any, Any]] = {
             row[0]: (row[1], row[2])
+            # Each stream's last completed iteration: its plain records were aggregated with the streams table,
+            # start/end pairs are few. The step of the latest one that began.
             for row in job.rows(
-                "SELECT stream, max(ts + dur), arg_max(step, ts) FROM iterations WHERE status = 'ok' GROUP BY stream"
+                """
+                SELECT stream, max(end_ns), arg_max(step, ts) FROM (
+                    SELECT stream, ok_end AS end_ns, ok_step AS step, ok_ts AS ts FROM streams
+                    WHERE ok_ts IS NOT NULL AND NOT is_agent
+                    UNION ALL
+                    SELECT stream, ts + dur, step, ts FROM iterations_small WHERE status = 'ok'
+                ) GROUP BY stream
+                """
             )
         }
 
@@ -301,15 +310,24 @@ def _spans_at(job: Job, wanted: list[tuple[int, int | None]]) -> dict[int, list[
     out: dict[int, list[dict[str, Any]]] = {}
     if not pairs:
         return out
+    times = [int(at) for _, at in wanted if at is not None]
+    # Bounds every match is within, constants the engine applies before joining the plain iterations (a
+    # scan of every record) with their streams.
+    earliest, latest = min(times) - UNWIND_NS, max(times)
     # The (stream, time) pairs inline: one statement for every rank, in either engine's dialect. Plain
-    # iteration records are not in spans_small: the iteration an exception unwound is one of them.
+    # iteration records are not in spans_small (the iteration an exception unwound is one of them): read from
+    # raw as the iterations view does, those near the times first.
     for row in job.dicts(
         f"""
         SELECT s.stream, s.id, s.parent, s.name, s.ts, s.dur, s.status, s.open, s.attrs, s.tid
         FROM (SELECT stream, id, parent, name, ts, dur, status, open, attrs, tid FROM spans_small
               UNION ALL
-              SELECT stream, id, parent, '{ITERATION}' AS name, ts, dur, status, false AS open, attrs, tid
-              FROM iterations_plain) s
+              SELECT f.stream, r.id, r.parent, '{ITERATION}' AS name, r.ts, r.dur, r.status, false AS open, r.attrs,
+                     r.tid
+              FROM (SELECT * FROM raw WHERE kind = 'span' AND name = '{ITERATION}'
+                    AND ts <= {latest} AND ts + dur >= {earliest}) r
+              JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
+              WHERE NOT f.is_agent) s
         JOIN (VALUES {pairs}) AS q(stream, at_ns) ON s.stream = q.stream
         WHERE s.ts <= q.at_ns
           AND (s.open OR s.ts + s.dur >= q.at_ns
