@@ -651,7 +651,9 @@ class Job:
         )
         # Every iteration: the plain records (in no other table: spans_small leaves them out) and the
         # start/end pairs (in spans_small too).
-        self.con.execute("CREATE VIEW iterations AS SELECT * FROM iterations_plain UNION ALL SELECT * FROM iterations_small")
+        self.con.execute(
+            "CREATE VIEW iterations AS SELECT * FROM iterations_plain UNION ALL SELECT * FROM iterations_small"
+        )
 
     def _stream_facts(self) -> None:
         """Per stream: did it fail, is it still running, the job's last completed checkpoint, any hang.
