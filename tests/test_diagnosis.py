@@ -422,6 +422,17 @@ def test_an_exception_before_the_training_loop(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 0
 
 
+def test_a_rank_exiting_with_a_code(tmp_path: Path) -> None:
+    """Rank 1 calls os._exit(3) in backward (no exception, no signal): named with its exit code, not a
+    survivor that saw the connection close."""
+    run = launch(tmp_path, 3, "--fault", "exit", "--fault-rank", "1", "--fault-step", "7")
+    fault = fault_step_of(run, 1)
+    errors = check_culprit(run, 1, fault["step"], SpanName.BACKWARD, f"exit code {fault['exit_code']}")
+    assert errors["culprit"]["state"] == "exited" and errors["culprit"]["exit_code"] == fault["exit_code"]
+    assert errors["verdict"].startswith(f"rank 1 exited with exit code {fault['exit_code']} ")
+    check_goodput(run)
+
+
 def test_a_dataloader_worker_killed(tmp_path: Path) -> None:
     """Rank 2's DataLoader worker process is killed by SIGKILL while fetching batch 7: the rank's main process
     raises about its worker, in data loading at step 7."""
