@@ -12,7 +12,8 @@ those lines and compares them with what ``traintrace`` says.
 Faults (``--fault``): ``data``, ``forward``, ``backward``, ``optimizer``, ``iteration`` (between phases),
 ``checkpoint`` (an exception there); ``validation`` (an exception in the validation pass after step
 ``--fault-step`` - 1; needs ``--validate-every``); ``model_init`` (an exception building the model, before
-the loop); ``exit`` (``os._exit(3)`` in backward: no exception, no signal); ``loader_kill`` (every rank reads
+the loop); ``exit`` (``os._exit(3)`` in backward: no exception, no signal), ``sys_exit`` (``sys.exit(3)``
+there: the spans end ``terminated``, the stream closes); ``loader_kill`` (every rank reads
 its batches from a DataLoader with one worker process; the faulty rank's worker kills itself with SIGKILL
 while fetching batch ``--fault-step``); ``sigkill``, ``sigsegv`` (a real null
 pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
@@ -207,9 +208,11 @@ def main() -> None:
                         loss = nn.functional.mse_loss(model(x), y)
                     with tt.backward():
                         injected("backward", step)
-                        if fault == "exit" and step == fault_step:
+                        if fault in ("exit", "sys_exit") and step == fault_step:
                             truth.write(event="fault", kind=fault, step=step, exit_code=3)
-                            os._exit(3)
+                            if fault == "exit":
+                                os._exit(3)
+                            sys.exit(3)
                         optimizer.zero_grad(set_to_none=True)
                         loss.backward()
                     with tt.optimizer_step():

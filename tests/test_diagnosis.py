@@ -422,10 +422,12 @@ def test_an_exception_before_the_training_loop(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 0
 
 
-def test_a_rank_exiting_with_a_code(tmp_path: Path) -> None:
-    """Rank 1 calls os._exit(3) in backward (no exception, no signal): named with its exit code, not a
-    survivor that saw the connection close."""
-    run = launch(tmp_path, 3, "--fault", "exit", "--fault-rank", "1", "--fault-step", "7")
+@pytest.mark.parametrize("fault", ["exit", "sys_exit"])
+def test_a_rank_exiting_with_a_code(tmp_path: Path, fault: str) -> None:
+    """Rank 1 calls os._exit(3) (its last records lost) or sys.exit(3) (its spans end terminated, its stream
+    closes) in backward, no exception, no signal: named with its exit code, not a survivor that saw the
+    connection close."""
+    run = launch(tmp_path, 3, "--fault", fault, "--fault-rank", "1", "--fault-step", "7")
     fault = fault_step_of(run, 1)
     errors = check_culprit(run, 1, fault["step"], SpanName.BACKWARD, f"exit code {fault['exit_code']}")
     assert errors["culprit"]["state"] == "exited" and errors["culprit"]["exit_code"] == fault["exit_code"]
@@ -433,25 +435,16 @@ def test_a_rank_exiting_with_a_code(tmp_path: Path) -> None:
     check_goodput(run)
 
 
-def test_a_dataloader_worker_killed(tmp_path: Path) -> None:
-    """Rank 2's DataLoader worker process is killed by SIGKILL while fetching batch 7: the rank's main process
-    raises about its worker, in data loading at step 7."""
-    run = launch(tmp_path, 3, "--fault", "loader_kill", "--fault-rank", "2", "--fault-step", "7")
-    fault = fault_step_of(run, 2)
-    assert any(m["event"] == "loader_worker_killed" for m in run.marks()[2])
-    check_culprit(run, 2, fault["step"], SpanName.DATA_LOADING, "RuntimeError: DataLoader worker")
-    check_goodput(run)
-
-
 def test_a_restart_after_a_failure(tmp_path: Path) -> None:
-    """Rank 1 raises in backward at step 7 of the first attempt; torchrun restarts the job, which loads the
+    """In the first attempt, rank 1's DataLoader worker process is killed by SIGKILL while fetching batch 7
+    (the rank raises about its worker, in data loading); torchrun restarts the job, which loads the
     checkpoint after step 4 and finishes: the verdict is about the failed attempt and says the restart
     finished; every step is completed once, the failed attempt's steps after its checkpoint are lost."""
     run = launch(
         tmp_path,
         3,
         "--fault",
-        "backward",
+        "loader_kill",
         "--fault-rank",
         "1",
         "--fault-step",
@@ -464,6 +457,7 @@ def test_a_restart_after_a_failure(tmp_path: Path) -> None:
     assert run.returncode == 0, run.output[-3000:]
     marks = run.marks()
     fault = fault_step_of(run, 1)
+    assert any(m["event"] == "loader_worker_killed" and m["restart"] == fault["restart"] for m in marks[1])
     last = max(m["restart"] for ms in marks.values() for m in ms)
     assert last == fault["restart"] + 1
     errors = run.cli("errors")
@@ -472,11 +466,12 @@ def test_a_restart_after_a_failure(tmp_path: Path) -> None:
         1,
         fault["restart"],
         fault["step"],
-        SpanName.BACKWARD,
+        SpanName.DATA_LOADING,
     ), errors["verdict"]
-    assert "RuntimeError: injected failure" in culprit["cause"]
+    assert "RuntimeError: DataLoader worker" in culprit["cause"]
     assert all(r["restart"] == fault["restart"] for r in errors["rank_states"]), errors["rank_states"]
-    assert errors["verdict"].startswith(f"restart {fault['restart']} failed: rank 1 raised RuntimeError in backward")
+    head = f"restart {fault['restart']} failed: rank 1 raised RuntimeError in data loading at step {fault['step']};"
+    assert errors["verdict"].startswith(head), errors["verdict"]
     assert errors["verdict"].endswith(f"; restart {last} finished"), errors["verdict"]
     summary = check_goodput(run, failed=False)  # the job finished: only the failed attempt lost steps
     # Each step once: the steps the last attempt completed and those the failed one's checkpoint protected.

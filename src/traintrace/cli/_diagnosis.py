@@ -270,9 +270,12 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
         st.state = "hung"
     elif f["running"]:
         st.state = "running"
+    elif st.exit_code is not None and st.exit_code > 0 and not secondary:
+        # No exception, no signal: a process that left with a non-zero code the launcher saw, its stream cut
+        # (os._exit(3)) or closed with its spans terminated (sys.exit(3)).
+        st.state = "exited"
     elif not f["closed"]:
-        # No exception, no signal: a process that left with a non-zero code the launcher saw (os._exit(3)).
-        st.state = "exited" if st.exit_code is not None and st.exit_code > 0 else "ended"
+        st.state = "ended"
     elif secondary or f["failed"]:
         st.state = "error"
     if st.state in ("killed", "exited", "ended") and f["last_in_file"]:
@@ -363,6 +366,8 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
         return
     if st.state not in ("killed", "exited", "ended", "terminated", "running") or st.hang is not None:
         return  # an exception or a hang report says where the rank was; the file says where it ended up
+    if st.state == "exited" and f["closed"]:
+        return  # sys.exit(): the stream has every record, and the file counts the step it ended as done
     updated = int(getattr(progress, "updated_ns", 0) or 0)
     if updated < (f["end_ts"] or 0):
         return
