@@ -10,11 +10,19 @@ one JSON line per step start and end, checkpoint start and end, and fault, with
 those lines and compares them with what ``traintrace`` says.
 
 Faults (``--fault``): ``data``, ``forward``, ``backward``, ``optimizer``, ``iteration`` (between phases),
-``checkpoint`` (an exception there); ``sigkill``, ``sigsegv`` (a real null
+``checkpoint`` (an exception there); ``validation`` (an exception in the validation pass after step
+``--fault-step`` - 1; needs ``--validate-every``); ``model_init`` (an exception building the model, before
+the loop); ``exit`` (``os._exit(3)`` in backward: no exception, no signal), ``sys_exit`` (``sys.exit(3)``
+there: the spans end ``terminated``, the stream closes); ``loader_kill`` (every rank reads
+its batches from a DataLoader with one worker process; the faulty rank's worker kills itself with SIGKILL
+while fetching batch ``--fault-step``); ``sigkill``, ``sigsegv`` (a real null
 pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 ``kill_in_checkpoint``; ``hang_compute`` (sleeps in forward); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
 (from ``--fault-step`` on); ``none``.
+
+``--fault-attempt N`` injects the fault only in attempt N (``TORCHELASTIC_RESTART_COUNT``) of a job
+launched with restarts; every truth line carries its attempt as ``restart``.
 """
 
 from __future__ import annotations
@@ -42,12 +50,34 @@ from traintrace.integrations.ddp import record_collectives
 
 
 class Truth:
-    def __init__(self, folder: Path, rank: int) -> None:
+    def __init__(self, folder: Path, rank: int, restart: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.handle = (folder / f"rank{rank}.jsonl").open("a", buffering=1)
+        self.restart = restart
 
     def write(self, **fields: Any) -> None:
-        self.handle.write(json.dumps({"ts": time.time_ns(), **fields}) + "\n")
+        self.handle.write(json.dumps({"ts": time.time_ns(), "restart": self.restart, **fields}) + "\n")
+
+
+class Batches(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Batch ``i`` of a rank; with ``kill_at``, the DataLoader worker process fetching batch ``kill_at`` kills
+    itself with SIGKILL once the training process waits for it (it creates ``go``), after writing the truth."""
+
+    def __init__(self, rank: int, length: int, kill_at: int | None, go: Path, truth: Truth) -> None:
+        self.rank, self.length, self.kill_at, self.go, self.truth = rank, length, kill_at, go, truth
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index == self.kill_at:
+            deadline = time.monotonic() + 60
+            while not self.go.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self.truth.write(event="loader_worker_killed", step=index, pid=os.getpid())
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(self.rank * 100_000 + index))
+        return x, x.sum(dim=1, keepdim=True)
 
 
 def main() -> None:
@@ -59,6 +89,11 @@ def main() -> None:
     parser.add_argument("--fault", default="none")
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=7)
+    parser.add_argument("--fault-attempt", type=int, default=None)
+    # A validation pass (a forward on one batch, its loss all-reduced) after every N-th step; 0: none.
+    parser.add_argument("--validate-every", type=int, default=0)
+    # A restart loads the last checkpoint the failed attempt completed and goes on from its step.
+    parser.add_argument("--resume", action="store_true")
     parser.add_argument("--slow-ms", type=float, default=40.0)
     parser.add_argument("--gloo-timeout", type=float, default=6.0)
     # Seconds a rank stays alive after an exception left main (and traintrace recorded it), before
@@ -67,7 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
-    truth = Truth(Path(args.truth), rank)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    truth = Truth(Path(args.truth), rank, restart)
     truth.write(event="process_start")
     # Registered before traintrace's own: runs after it (exit handlers run last-in first-out).
     atexit.register(truth.write, event="exit")
@@ -87,10 +123,12 @@ def main() -> None:
             time.sleep(args.linger)
 
         sys.excepthook = linger
-    mine = rank == args.fault_rank
+    mine = rank == args.fault_rank and args.fault_attempt in (None, restart)
     fault = args.fault if mine else "none"
     fault_step = args.fault_step
-    checkpoints = Path(tempfile.mkdtemp(prefix="tt-diag-"))
+    # With --resume, in the truth folder (shared by the attempts), else in a folder of this process's own.
+    checkpoints = Path(args.truth) / "checkpoints" if args.resume else Path(tempfile.mkdtemp(prefix="tt-diag-"))
+    checkpoints.mkdir(parents=True, exist_ok=True)
 
     def injected(where: str, step: int) -> None:
         if fault == where and step == fault_step:
@@ -99,21 +137,54 @@ def main() -> None:
 
     with tt.application():
         with tt.distributed_init(backend="gloo"):
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.gloo_timeout))
+            timeout = datetime.timedelta(seconds=args.gloo_timeout)
+            if restart == 0:
+                dist.init_process_group("gloo", timeout=timeout)
+            else:
+                # A restart's gloo would read the failed attempt's addresses, left in the agent's store under
+                # the same keys (torchrun 2.13, gloo: "connectFullMesh failed ... Connection refused"): its own keys.
+                store = dist.TCPStore(
+                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+                )
+                prefixed = dist.PrefixStore(f"attempt{restart}", store)
+                dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world, timeout=timeout)
             partner = dist.new_group([args.fault_rank, (args.fault_rank + 1) % world])
         with tt.model_init():
+            if fault == "model_init":
+                truth.write(event="fault", kind=fault, step=None)
+                raise RuntimeError(f"injected failure in model_init on rank {rank}")
             torch.manual_seed(0)
             model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
             record_collectives(model)
         with tt.optimizer_init():
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         generator = torch.Generator().manual_seed(rank)
+        go = Path(args.truth) / f"loader_go.{rank}.{restart}"
+        batches = None
+        if args.fault == "loader_kill":  # every rank reads from a DataLoader; only the faulty one's worker dies
+            kill_at = fault_step if fault == "loader_kill" else None
+            dataset = Batches(rank, args.steps, kill_at, go, truth)
+            batches = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1))
+        first = 0
+        saved = sorted(int(p.stem[4:]) for p in checkpoints.glob("step*.pt"))
+        if args.resume and restart > 0 and saved:
+            truth.write(event="checkpoint_load_start", step=saved[-1])
+            with tt.checkpoint_load():
+                model.module.load_state_dict(torch.load(checkpoints / f"step{saved[-1]}.pt"))
+            first = saved[-1]
+            truth.write(event="checkpoint_load_end", step=first)
         with tt.training_loop():
-            for step in range(args.steps):
+            for step in range(first, args.steps):
                 with tt.data_loading():
                     injected("data", step)
-                    x = torch.randn(4, 8, generator=generator)
-                    y = x.sum(dim=1, keepdim=True)
+                    if batches is None:
+                        x = torch.randn(4, 8, generator=generator)
+                        y = x.sum(dim=1, keepdim=True)
+                    else:
+                        if fault == "loader_kill" and step == fault_step:
+                            truth.write(event="fault", kind=fault, step=step)
+                            go.touch()
+                        x, y = next(batches)
                     if fault == "slow_data" and step >= fault_step:
                         time.sleep(args.slow_ms / 1e3)
                 truth.write(event="step_start", step=step)
@@ -137,6 +208,11 @@ def main() -> None:
                         loss = nn.functional.mse_loss(model(x), y)
                     with tt.backward():
                         injected("backward", step)
+                        if fault in ("exit", "sys_exit") and step == fault_step:
+                            truth.write(event="fault", kind=fault, step=step, exit_code=3)
+                            if fault == "exit":
+                                os._exit(3)
+                            sys.exit(3)
                         optimizer.zero_grad(set_to_none=True)
                         loss.backward()
                     with tt.optimizer_step():
@@ -159,8 +235,20 @@ def main() -> None:
                             truth.write(event="fault", kind=fault, step=step + 1)
                             time.sleep(0.05)
                             os.kill(os.getpid(), signal.SIGKILL)
-                        torch.save(model.module.state_dict(), checkpoints / f"step{step + 1}.pt")
+                        torch.save(model.module.state_dict(), checkpoints / f"step{step + 1}.tmp")
+                        os.replace(checkpoints / f"step{step + 1}.tmp", checkpoints / f"step{step + 1}.pt")
                     truth.write(event="checkpoint_end", step=step + 1)
+                if args.validate_every and (step + 1) % args.validate_every == 0:
+                    truth.write(event="validation_start", step=step + 1)
+                    with tt.validation(), torch.no_grad():
+                        x = torch.randn(4, 8, generator=generator)
+                        loss = nn.functional.mse_loss(model.module(x), x.sum(dim=1, keepdim=True))
+                        if fault == "validation" and step + 1 == fault_step:
+                            truth.write(event="fault", kind=fault, step=step + 1)
+                            raise ValueError(f"injected failure in validation on rank {rank} after step {step}")
+                        with tt.collective(op="all_reduce"):
+                            dist.all_reduce(loss)
+                    truth.write(event="validation_end", step=step + 1)
         dist.barrier()
         dist.destroy_process_group()
     tt.close()

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from traintrace._names import SpanName
+
 pytest.importorskip("torch")
 pytest.importorskip("duckdb")
 
@@ -62,7 +64,13 @@ class Run:
 
 
 def launch(
-    tmp_path: Path, nproc: int, *args: str, env: dict[str, str] | None = None, during: Any = None, timeout: float = 150
+    tmp_path: Path,
+    nproc: int,
+    *args: str,
+    env: dict[str, str] | None = None,
+    during: Any = None,
+    timeout: float = 150,
+    max_restarts: int = 0,
 ) -> Run:
     """Run the worker under traintrace-run; ``during(process, truth)`` runs while it does."""
     truth = tmp_path / "truth"
@@ -74,7 +82,7 @@ def launch(
         "--nproc-per-node",
         str(nproc),
         "--max-restarts",
-        "0",
+        str(max_restarts),
         str(WORKER),
         str(truth),
         *args,
@@ -99,21 +107,35 @@ def launch(
     return Run(tmp_path / "logs" / "job", truth, process.returncode, output)
 
 
+def truth_protected(run: Run, failed: bool) -> dict[int, int]:
+    """Attempt -> the time before which its steps count: the end of its last completed checkpoint in a
+    failed attempt (every attempt but the last, and the last when the job failed), else its end."""
+    every = [m for ms in run.marks().values() for m in ms]
+    last = max(m["restart"] for m in every)
+    out = {}
+    for attempt in {m["restart"] for m in every}:
+        saved = [m["ts"] for m in every if m["restart"] == attempt and m["event"] == "checkpoint_end"]
+        if failed or attempt < last:
+            out[attempt] = max(saved, default=0)
+        else:
+            out[attempt] = max(m["ts"] for m in every if m["restart"] == attempt)
+    return out
+
+
 def truth_goodput(run: Run, failed: bool) -> float:
-    """Productive step time per rank (steps protected by the last completed checkpoint when the job failed),
+    """Productive step time per rank (steps protected by the last completed checkpoint of a failed attempt),
     over the ranks' wall time, from the worker's own marks."""
     marks = run.marks()
     every = [m for ms in marks.values() for m in ms]
     start = min(m["ts"] for m in every if m["event"] == "process_start")
     end = max(m["ts"] for m in every)
-    saved = [m["ts"] for m in every if m["event"] == "checkpoint_end"]
-    protected = max(saved) if failed and saved else (0 if failed else end)
+    protected = truth_protected(run, failed)
     productive = 0
     for ms in marks.values():
-        starts = {m["step"]: m["ts"] for m in ms if m["event"] == "step_start"}
+        starts = {(m["restart"], m["step"]): m["ts"] for m in ms if m["event"] == "step_start"}
         for m in ms:
-            if m["event"] == "step_end" and m["ts"] <= protected:
-                productive += m["ts"] - starts[m["step"]]
+            if m["event"] == "step_end" and m["ts"] <= protected[m["restart"]]:
+                productive += m["ts"] - starts[m["restart"], m["step"]]
     return productive / len(marks) / (end - start)
 
 
@@ -367,3 +389,100 @@ def test_a_hang_seen_while_the_job_still_hangs(tmp_path: Path) -> None:
         "model_forward",
         False,
     )
+
+
+def steps_done_before(run: Run, rank: int, ts: int) -> int:
+    """How many steps the rank had completed before ``ts`` in the fault's attempt, from its own marks."""
+    return len([m for m in run.marks()[rank] if m["event"] == "step_end" and m["ts"] < ts])
+
+
+def test_an_exception_in_validation(tmp_path: Path) -> None:
+    """A validation pass every 4 steps; rank 1 raises in the one after step 7: validation, step 8 (the step
+    being prepared, as for a checkpoint save), while the others wait in the pass's all-reduce."""
+    run = launch(
+        tmp_path, 3, "--fault", "validation", "--fault-rank", "1", "--fault-step", "8", "--validate-every", "4"
+    )
+    fault = fault_step_of(run, 1)
+    assert fault["step"] == steps_done_before(run, 1, fault["ts"])  # the premise: after the last completed step
+    errors = check_culprit(run, 1, fault["step"], SpanName.VALIDATION, "ValueError: injected failure in validation")
+    assert "raised ValueError in validation at step 8" in errors["verdict"]
+    others = [r for r in errors["rank_states"] if r["rank"] != 1]
+    assert all(r["phase"] == SpanName.VALIDATION and r["in_collective"] for r in others), others
+    check_goodput(run)
+
+
+def test_an_exception_before_the_training_loop(tmp_path: Path) -> None:
+    """Rank 2 raises while building the model: no step, model initialisation."""
+    run = launch(tmp_path, 3, "--fault", "model_init", "--fault-rank", "2")
+    fault = fault_step_of(run, 2)
+    assert fault["step"] is None and not any(m["event"] == "step_start" for ms in run.marks().values() for m in ms)
+    errors = check_culprit(run, 2, fault["step"], SpanName.MODEL_INIT, "RuntimeError: injected failure in model_init")
+    assert errors["verdict"].startswith("rank 2 raised RuntimeError in model initialisation;")
+    summary = check_goodput(run)
+    assert summary["steps_completed"] == 0
+
+
+@pytest.mark.parametrize("fault", ["exit", "sys_exit"])
+def test_a_rank_exiting_with_a_code(tmp_path: Path, fault: str) -> None:
+    """Rank 1 calls os._exit(3) (its last records lost) or sys.exit(3) (its spans end terminated, its stream
+    closes) in backward, no exception, no signal: named with its exit code, not a survivor that saw the
+    connection close."""
+    run = launch(tmp_path, 3, "--fault", fault, "--fault-rank", "1", "--fault-step", "7")
+    fault = fault_step_of(run, 1)
+    errors = check_culprit(run, 1, fault["step"], SpanName.BACKWARD, f"exit code {fault['exit_code']}")
+    assert errors["culprit"]["state"] == "exited" and errors["culprit"]["exit_code"] == fault["exit_code"]
+    assert errors["verdict"].startswith(f"rank 1 exited with exit code {fault['exit_code']} ")
+    check_goodput(run)
+
+
+def test_a_restart_after_a_failure(tmp_path: Path) -> None:
+    """In the first attempt, rank 1's DataLoader worker process is killed by SIGKILL while fetching batch 7
+    (the rank raises about its worker, in data loading); torchrun restarts the job, which loads the
+    checkpoint after step 4 and finishes: the verdict is about the failed attempt and says the restart
+    finished; every step is completed once, the failed attempt's steps after its checkpoint are lost."""
+    run = launch(
+        tmp_path,
+        3,
+        "--fault",
+        "loader_kill",
+        "--fault-rank",
+        "1",
+        "--fault-step",
+        "7",
+        "--fault-attempt",
+        "0",
+        "--resume",
+        max_restarts=1,
+    )
+    assert run.returncode == 0, run.output[-3000:]
+    marks = run.marks()
+    fault = fault_step_of(run, 1)
+    assert any(m["event"] == "loader_worker_killed" and m["restart"] == fault["restart"] for m in marks[1])
+    last = max(m["restart"] for ms in marks.values() for m in ms)
+    assert last == fault["restart"] + 1
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["restart"], culprit["step"], culprit["phase"]) == (
+        1,
+        fault["restart"],
+        fault["step"],
+        SpanName.DATA_LOADING,
+    ), errors["verdict"]
+    assert "RuntimeError: DataLoader worker" in culprit["cause"]
+    assert all(r["restart"] == fault["restart"] for r in errors["rank_states"]), errors["rank_states"]
+    head = f"restart {fault['restart']} failed: rank 1 raised RuntimeError in data loading at step {fault['step']};"
+    assert errors["verdict"].startswith(head), errors["verdict"]
+    assert errors["verdict"].endswith(f"; restart {last} finished"), errors["verdict"]
+    summary = check_goodput(run, failed=False)  # the job finished: only the failed attempt lost steps
+    # Each step once: the steps the last attempt completed and those the failed one's checkpoint protected.
+    protected = truth_protected(run, failed=False)
+    ends = [m for ms in marks.values() for m in ms if m["event"] == "step_end"]
+    kept = {m["step"] for m in ends if m["ts"] <= protected[m["restart"]]}
+    assert summary["steps_completed"] == len(kept) == len({m["step"] for m in ends}) == 24
+    # Lost: the most iterations a rank started in the failed attempt that its checkpoint did not protect.
+    lost = [
+        sum(m["event"] == "step_start" for m in ms if m["restart"] < last)
+        - sum(m["event"] == "step_end" and m["ts"] <= protected[m["restart"]] for m in ms if m["restart"] < last)
+        for ms in marks.values()
+    ]
+    assert summary["steps_lost"] == max(lost), (summary["steps_lost"], lost)

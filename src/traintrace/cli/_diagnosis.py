@@ -67,7 +67,7 @@ class RankState:
     rank: int
     restart: int
     stream: int
-    state: str = "closed"  # closed | error | killed | terminated | hung | running | ended
+    state: str = "closed"  # closed | error | killed | terminated | exited | hung | running | ended
     step: int | None = None
     phase: str | None = None
     in_collective: bool = False
@@ -279,11 +279,15 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
         st.state = "hung"
     elif f["running"]:
         st.state = "running"
+    elif st.exit_code is not None and st.exit_code > 0 and not secondary:
+        # No exception, no signal: a process that left with a non-zero code the launcher saw, its stream cut
+        # (os._exit(3)) or closed with its spans terminated (sys.exit(3)).
+        st.state = "exited"
     elif not f["closed"]:
         st.state = "ended"
     elif secondary or f["failed"]:
         st.state = "error"
-    if st.state in ("killed", "ended") and f["last_in_file"]:
+    if st.state in ("killed", "exited", "ended") and f["last_in_file"]:
         st.fault_stacks = _fault_stacks(str(f["path"]))
     if secondary:
         st.consequence = _error_info(secondary[0])
@@ -378,8 +382,10 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
     progress = job.progress_files().get(st.rank)
     if progress is None or getattr(progress, "restart", st.restart) != st.restart:
         return
-    if st.state not in ("killed", "ended", "terminated", "running") or st.hang is not None:
+    if st.state not in ("killed", "exited", "ended", "terminated", "running") or st.hang is not None:
         return  # an exception or a hang report says where the rank was; the file says where it ended up
+    if st.state == "exited" and f["closed"]:
+        return  # sys.exit(): the stream has every record, and the file counts the step it ended as done
     updated = int(getattr(progress, "updated_ns", 0) or 0)
     if updated < (f["end_ts"] or 0):
         return
@@ -392,7 +398,7 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
         st.in_collective = bool(getattr(progress, "in_collective", False)) or phase == COLLECTIVE
         if phase != COLLECTIVE:
             st.phase = phase
-    if st.state in ("killed", "ended"):
+    if st.state in ("killed", "exited", "ended"):
         st.stopped_ns = max(st.stopped_ns or 0, updated)
     st.source.append("progress file")
 
@@ -442,7 +448,7 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
     if raised:
         return min(raised, key=lambda s: (s.error["ts"] if s.error else 0, s.rank)), "first exception"
     # A rank that died (a signal, or its stream just stopped) before any other rank saw trouble.
-    died = [s for s in states if s.state in ("killed", "terminated", "ended")]
+    died = [s for s in states if s.state in ("killed", "terminated", "exited", "ended")]
     for s in sorted(died, key=lambda s: (s.stopped_ns or 0, s.rank)):
         others = [o for o in states if o is not s]
         trouble = [_first_trouble(o) for o in others]
@@ -484,6 +490,8 @@ def _cause(s: RankState) -> str:
         return f"killed by {sig}" + ("" if s.exit_code is None else f" (exit code {s.exit_code})")
     if s.state == "terminated":
         return f"terminated by {s.signal or 'SIGTERM'}"
+    if s.state == "exited":
+        return f"exited with exit code {s.exit_code} (no exception, no signal)"
     if s.hang is not None:
         return "stopped making progress (hang)"
     if s.state == "ended":
@@ -527,6 +535,8 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
             head = f"rank {culprit.rank} hung inside a collective{inside}{at}"
         else:
             head = f"rank {culprit.rank} hung in {phase}{at}, not in a collective"
+    elif culprit.state == "ended":
+        head = f"rank {culprit.rank} stopped: {_cause(culprit)} {culprit.doing()}"
     else:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
     others = [s for s in states if s is not culprit]
