@@ -470,6 +470,7 @@ def test_a_restart_after_a_failure(tmp_path: Path) -> None:
     ), errors["verdict"]
     assert "RuntimeError: DataLoader worker" in culprit["cause"]
     assert all(r["restart"] == fault["restart"] for r in errors["rank_states"]), errors["rank_states"]
+    assert (errors["restart"], errors["failed_restarts"]) == (fault["restart"], [fault["restart"]])
     head = f"restart {fault['restart']} failed: rank 1 raised RuntimeError in data loading at step {fault['step']};"
     assert errors["verdict"].startswith(head), errors["verdict"]
     assert errors["verdict"].endswith(f"; restart {last} finished"), errors["verdict"]

@@ -699,6 +699,9 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         "status": verdict["status"],
         "culprit": verdict["culprit"],
         "rule": verdict.get("rule"),
+        # The attempt the verdict is about and every attempt that failed (a restarted job's last may have finished).
+        "restart": verdict.get("restart"),
+        "failed_restarts": verdict.get("failed_restarts", []),
         "rank_states": verdict["ranks"],
         "first_error": first,
         "error_count": len(all_errors),
