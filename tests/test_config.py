@@ -65,6 +65,9 @@ def test_environment_backend_fields() -> None:
     [
         ({"queue_size": 0}, "queue_size"),
         ({"flush_interval": -1}, "flush_interval"),
+        ({"writer_nice": -1}, "writer_nice"),
+        ({"writer_nice": 20}, "writer_nice"),
+        ({"writer_nice": True}, "writer_nice"),
         ({"fork": "sometimes"}, "fork"),
         ({"rank": 4, "world_size": 2}, "rank"),
         ({"backends": {"file": {"verbosity": "loud"}}}, "backends.file.verbosity"),

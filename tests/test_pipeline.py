@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -86,6 +88,26 @@ def test_failing_backend_does_not_stop_others(tmp_path: Path, caplog: Any) -> No
     warnings = [r for r in caplog.records if "BrokenBackend" in r.getMessage()]
     assert len(warnings) == 1
     assert memory.records[-1]["backend_failures"]["BrokenBackend#0"] >= 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
+@pytest.mark.parametrize(("setting", "added"), [(None, 3), ("0", 0), ("7", 7)])
+def test_the_writer_runs_a_little_nicer_than_the_training_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None, added: int
+) -> None:
+    """``writer_nice`` (default 3, ``TRAINTRACE_WRITER_NICE``) is added to the writer thread's niceness,
+    and only to it: the training thread and the process keep theirs."""
+    if setting is not None:
+        monkeypatch.setenv("TRAINTRACE_WRITER_NICE", setting)
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    tt.configure(job_id="j", log_dir=str(tmp_path), backends={"log": False})
+    tt.event("written")
+    tt.flush()  # the writer has run its first cycle, where it sets its priority
+    writers = [t for t in threading.enumerate() if t.name == "traintrace-writer"]
+    assert len(writers) == 1 and writers[0].native_id is not None
+    assert os.getpriority(os.PRIO_PROCESS, writers[0].native_id) == min(main + added, 19)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+    tt.close()
 
 
 def test_flush_interval_writes_without_flush_calls(tmp_path: Path) -> None:

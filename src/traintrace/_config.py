@@ -310,6 +310,9 @@ class Config:
     backends: dict[str, BackendConfig] = field(default_factory=_default_backends)
     queue_size: int = 65536
     flush_interval: float = 0.5
+    #: Niceness the writer thread adds to its own (Linux; 0 leaves it): on a machine whose cores are all
+    #: busy it then waits for a core rather than taking the training thread's (docs/configuration.md).
+    writer_nice: int = 3
     blocking: bool = False
     close_timeout: float = 5.0
     handle_sigterm: bool = True
@@ -356,6 +359,11 @@ class Config:
         _check_int("queue_size", self.queue_size, minimum=16)
         _check_int("log_interval", self.log_interval, minimum=1)
         _seconds("flush_interval", self.flush_interval, low=0.001, high=_DAY)
+        _check_int("writer_nice", self.writer_nice, minimum=0)
+        if self.writer_nice > 19:
+            raise ConfigError(
+                f"writer_nice: must be from 0 to 19 (0 leaves the writer's priority), got {self.writer_nice}"
+            )
         _seconds("close_timeout", self.close_timeout, low=0.001, high=_DAY)
         if self.fork not in ("quiet", "own_stream"):
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")

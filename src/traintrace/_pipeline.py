@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -412,7 +413,25 @@ class Pipeline:
             self._anchor_wall = wall
             self._anchor_mono = mono
 
+    def _lower_priority(self) -> None:
+        """Add ``writer_nice`` to this thread's niceness (Linux, where a thread has its own).
+
+        On a machine with every core busy (a training loop spinning in Python, another process), a writer
+        at the training thread's priority that wakes takes the core the training thread was woken on, and
+        the loop waits for it to finish: most of the spans over 1 ms in ``bench_stalls.py``. A little lower,
+        it waits for a core instead; it still gets its few percent of one (docs/configuration.md).
+        """
+        nice = self.config.writer_nice
+        if not nice or not sys.platform.startswith("linux"):
+            return
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
+        except OSError as exc:  # a sandbox that forbids it: the writer runs as it would have
+            log.debug("traintrace: writer priority left as it is (%s)", exc)
+
     def _run(self) -> None:
+        self._lower_priority()
         interval = self.config.flush_interval
         backlog = max(self.capacity // 4, 1)
         failures = 0
