@@ -647,18 +647,15 @@ class Job:
     def _iterations_view(self) -> None:
         self.con.execute(
             f"""
-            CREATE VIEW iterations_plain AS
+            CREATE VIEW iterations AS
             SELECT f.stream, f.rank, f.restart, r.ts, r.dur, r.status,
                    (r.status <> 'ok' OR (f.failed AND r.ts + r.dur > coalesce(f.ckpt_end, -1))) AS lost,
                    r.attrs, r.tid, r.seq, r.id, r.parent, r.file, r.gpu_dur, r.gpu_idle, r.step, r.batch_size
             FROM raw r JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
             WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT f.is_agent
+            UNION ALL
+            SELECT * FROM iterations_small
             """
-        )
-        # Every iteration: the plain records (in no other table: spans_small leaves them out) and the
-        # start/end pairs (in spans_small too).
-        self.con.execute(
-            "CREATE VIEW iterations AS SELECT * FROM iterations_plain UNION ALL SELECT * FROM iterations_small"
         )
 
     def _stream_facts(self) -> None:
