@@ -191,10 +191,10 @@ class _Facts:
                 "AND NOT is_agent GROUP BY stream"
             )
         )
+        # Each stream's last completed iteration: its plain records were aggregated with the streams table,
+        # start/end pairs are few. The step of the latest one that began.
         self.last_ok: dict[int, tuple[Any, Any]] = {
             row[0]: (row[1], row[2])
-            # Each stream's last completed iteration: its plain records were aggregated with the streams table,
-            # start/end pairs are few. The step of the latest one that began.
             for row in job.rows(
                 """
                 SELECT stream, max(end_ns), arg_max(step, ts) FROM (
