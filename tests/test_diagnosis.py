@@ -107,36 +107,61 @@ def launch(
     return Run(tmp_path / "logs" / "job", truth, process.returncode, output)
 
 
-def truth_protected(run: Run, failed: bool) -> dict[int, int]:
-    """Attempt -> the time before which its steps count: the end of its last completed checkpoint in a
-    failed attempt (every attempt but the last, and the last when the job failed), else its end."""
-    every = [m for ms in run.marks().values() for m in ms]
+def truth_kept(run: Run, failed: bool) -> set[tuple[int, int, int]]:
+    """(rank, attempt, step) of every step whose work counts, from the worker's own marks: in an attempt the
+    rank ran again later, the steps before the first step it ran there (what the restart really redid); in
+    a failed attempt without a later one, the steps its last completed checkpoint holds (one saved after
+    step 4 holds steps 0-4)."""
+    marks = run.marks()
+    every = [m for ms in marks.values() for m in ms]
     last = max(m["restart"] for m in every)
-    out = {}
-    for attempt in {m["restart"] for m in every}:
-        saved = [m["ts"] for m in every if m["restart"] == attempt and m["event"] == "checkpoint_end"]
-        if failed or attempt < last:
-            out[attempt] = max(saved, default=0)
-        else:
-            out[attempt] = max(m["ts"] for m in every if m["restart"] == attempt)
-    return out
+    saved = {
+        a: max((m["step"] for m in every if m["restart"] == a and m["event"] == "checkpoint_end"), default=0)
+        for a in {m["restart"] for m in every}
+    }
+    kept = set()
+    for rank, ms in marks.items():
+        for m in ms:
+            if m["event"] != "step_end":
+                continue
+            later = [x["step"] for x in ms if x["event"] == "step_start" and x["restart"] > m["restart"]]
+            if later:
+                counts = m["step"] < min(later)
+            elif failed or m["restart"] < last:
+                counts = m["step"] < saved[m["restart"]]
+            else:
+                counts = True
+            if counts:
+                kept.add((rank, m["restart"], m["step"]))
+    return kept
 
 
 def truth_goodput(run: Run, failed: bool) -> float:
-    """Productive step time per rank (steps protected by the last completed checkpoint of a failed attempt),
-    over the ranks' wall time, from the worker's own marks."""
+    """Productive step time per rank (the steps of ``truth_kept``) over the ranks' wall time, from the
+    worker's own marks."""
     marks = run.marks()
     every = [m for ms in marks.values() for m in ms]
     start = min(m["ts"] for m in every if m["event"] == "process_start")
     end = max(m["ts"] for m in every)
-    protected = truth_protected(run, failed)
+    kept = truth_kept(run, failed)
     productive = 0
-    for ms in marks.values():
+    for rank, ms in marks.items():
         starts = {(m["restart"], m["step"]): m["ts"] for m in ms if m["event"] == "step_start"}
         for m in ms:
-            if m["event"] == "step_end" and m["ts"] <= protected[m["restart"]]:
+            if m["event"] == "step_end" and (rank, m["restart"], m["step"]) in kept:
                 productive += m["ts"] - starts[m["restart"], m["step"]]
     return productive / len(marks) / (end - start)
+
+
+def check_steps(run: Run, summary: dict[str, Any], failed: bool) -> None:
+    """Steps completed (the most any rank kept) and lost (the most iterations any rank started and did not
+    keep), against the worker's marks."""
+    kept = truth_kept(run, failed)
+    marks = run.marks()
+    completed = max(sum(1 for k in kept if k[0] == rank) for rank in marks)
+    started = {r: sum(m["event"] == "step_start" for m in ms) for r, ms in marks.items()}
+    lost = {r: started[r] - sum(1 for k in kept if k[0] == r) for r in marks}
+    assert (summary["steps_completed"], summary["steps_lost"]) == (completed, max(lost.values())), (completed, lost)
 
 
 def check_goodput(run: Run, failed: bool = True) -> dict[str, Any]:
@@ -148,6 +173,7 @@ def check_goodput(run: Run, failed: bool = True) -> dict[str, Any]:
     # Most of a short test job is start-up, so one point is loose: the productive time must match too.
     assert abs(summary["goodput"] - truth) <= 0.05 * truth + 0.002, (summary["goodput"], truth)
     assert sum(summary["breakdown_s"].values()) == pytest.approx(summary["wall_s"], rel=1e-9)
+    check_steps(run, summary, failed)
     return summary
 
 
@@ -435,11 +461,13 @@ def test_a_rank_exiting_with_a_code(tmp_path: Path, fault: str) -> None:
     check_goodput(run)
 
 
-def test_a_restart_after_a_failure(tmp_path: Path) -> None:
+@pytest.mark.parametrize("resume", [True, False], ids=["from-checkpoint", "from-scratch"])
+def test_a_restart_after_a_failure(tmp_path: Path, resume: bool) -> None:
     """In the first attempt, rank 1's DataLoader worker process is killed by SIGKILL while fetching batch 7
     (the rank raises about its worker, in data loading); torchrun restarts the job, which loads the
-    checkpoint after step 4 and finishes: the verdict is about the failed attempt and says the restart
-    finished; every step is completed once, the failed attempt's steps after its checkpoint are lost."""
+    checkpoint after step 4 (or, without ``--resume``, starts again from step 0) and finishes: the status is
+    ``recovered``, the verdict is about the failed attempt and says the restart finished; every step counts
+    once, and the failed attempt's steps that the restart ran again are lost."""
     run = launch(
         tmp_path,
         3,
@@ -451,7 +479,7 @@ def test_a_restart_after_a_failure(tmp_path: Path) -> None:
         "7",
         "--fault-attempt",
         "0",
-        "--resume",
+        *(["--resume"] if resume else []),
         max_restarts=1,
     )
     assert run.returncode == 0, run.output[-3000:]
@@ -460,6 +488,8 @@ def test_a_restart_after_a_failure(tmp_path: Path) -> None:
     assert any(m["event"] == "loader_worker_killed" and m["restart"] == fault["restart"] for m in marks[1])
     last = max(m["restart"] for ms in marks.values() for m in ms)
     assert last == fault["restart"] + 1
+    first_redone = min(m["step"] for m in marks[1] if m["event"] == "step_start" and m["restart"] == last)
+    assert first_redone == (5 if resume else 0)  # the checkpoint after step 4 holds steps 0-4
     errors = run.cli("errors")
     culprit = errors["culprit"]
     assert (culprit["rank"], culprit["restart"], culprit["step"], culprit["phase"]) == (
@@ -471,19 +501,14 @@ def test_a_restart_after_a_failure(tmp_path: Path) -> None:
     assert "RuntimeError: DataLoader worker" in culprit["cause"]
     assert all(r["restart"] == fault["restart"] for r in errors["rank_states"]), errors["rank_states"]
     assert (errors["restart"], errors["failed_restarts"]) == (fault["restart"], [fault["restart"]])
+    assert errors["status"] == "recovered"
     head = f"restart {fault['restart']} failed: rank 1 raised RuntimeError in data loading at step {fault['step']};"
     assert errors["verdict"].startswith(head), errors["verdict"]
     assert errors["verdict"].endswith(f"; restart {last} finished"), errors["verdict"]
     summary = check_goodput(run, failed=False)  # the job finished: only the failed attempt lost steps
-    # Each step once: the steps the last attempt completed and those the failed one's checkpoint protected.
-    protected = truth_protected(run, failed=False)
-    ends = [m for ms in marks.values() for m in ms if m["event"] == "step_end"]
-    kept = {m["step"] for m in ends if m["ts"] <= protected[m["restart"]]}
-    assert summary["steps_completed"] == len(kept) == len({m["step"] for m in ends}) == 24
-    # Lost: the most iterations a rank started in the failed attempt that its checkpoint did not protect.
-    lost = [
-        sum(m["event"] == "step_start" for m in ms if m["restart"] < last)
-        - sum(m["event"] == "step_end" and m["ts"] <= protected[m["restart"]] for m in ms if m["restart"] < last)
-        for ms in marks.values()
-    ]
-    assert summary["steps_lost"] == max(lost), (summary["steps_lost"], lost)
+    assert summary["status"] == "recovered"
+    # Each of the job's 24 steps once, however many times it ran.
+    assert summary["steps_completed"] == len(
+        {m["step"] for ms in marks.values() for m in ms if m["event"] == "step_end"}
+    )
+    assert summary["steps_completed"] == 24

@@ -100,6 +100,15 @@ def summary(job: Job) -> dict[str, Any]:
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
         step_counts.setdefault(rank, {True: 0, False: 0})[bool(lost)] += int(count)
+    # A step a failed rank was still in when it stopped (its start written, never its end) was lost too.
+    for rank, count in job.rows(
+        f"""
+        SELECT f.rank, count(*) FROM spans_small s JOIN stream_facts f USING (stream)
+        WHERE s.name = '{SpanName.ITERATION}' AND s.open AND f.failed AND NOT f.running AND NOT f.is_agent
+        GROUP BY ALL
+        """
+    ):
+        step_counts.setdefault(rank, {True: 0, False: 0})[True] += int(count)
     case = _category_case("s.name")
     spans_sql = f"""
         SELECT s.rank, {case} AS cat,

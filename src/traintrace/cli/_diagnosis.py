@@ -132,15 +132,12 @@ def diagnose(job: Job) -> dict[str, Any]:
     states = _rank_states(job, attempts[about], known)
     culprit, rule = _culprit(states)
     sentence = _sentence(culprit, states)
+    status = "failed"
     if about != last:
-        sentence = f"restart {about} failed: {sentence}; restart {last} " + (
-            "is running"
-            if any(f["running"] for f in attempts[last])
-            else "failed too"
-            if about in failed and last in failed
-            else "finished"
-        )
-    out = _result("failed", sentence, culprit, states, about, failed)
+        # A later attempt than the last failed one neither failed nor runs (running is answered above).
+        status = "recovered"
+        sentence = f"restart {about} failed: {sentence}; restart {last} finished"
+    out = _result(status, sentence, culprit, states, about, failed)
     out["rule"] = rule
     return out
 

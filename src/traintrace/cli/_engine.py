@@ -84,6 +84,22 @@ _PLAIN_ITERATION = f"kind = 'span' AND name = '{ITERATION}'"
 BIG = 9_000_000_000_000_000_000
 
 
+def _lost(status: str, end: str, step: str) -> str:
+    """SQL: whether an iteration's work was thrown away (docs/analysis.md, ``lost_progress``).
+
+    It did not end ``ok``; or a later stream of the same rank ran its step again (what a restart really
+    redid); or, where no later stream says so, its stream failed and the last completed checkpoint that
+    protects it does not hold it: by step number where both are known (a checkpoint's ``current_iteration``
+    counts the steps it holds), else by time (the iteration ended after the save).
+    """
+    known = f"{step} IS NOT NULL"
+    redone = f"({known} AND f.redo_from IS NOT NULL AND {step} >= f.redo_from)"
+    by_step = f"({known} AND f.ckpt_step IS NOT NULL AND {step} >= f.ckpt_step)"
+    by_time = f"(NOT ({known} AND f.ckpt_step IS NOT NULL) AND {end} > coalesce(f.ckpt_end, -1))"
+    unsaid = f"NOT ({known} AND f.redo_from IS NOT NULL)"
+    return f"({status} <> 'ok' OR {redone} OR (f.failed AND {unsaid} AND ({by_step} OR {by_time})))"
+
+
 class MissingExtra(RuntimeError):
     """The analysis extra (DuckDB) is not installed."""
 
@@ -605,7 +621,7 @@ class Job:
                    coalesce(e.n, 0) + coalesce(i.n, 0) + 1 AS records,
                    greatest(coalesce(e.max_seq, 0), coalesce(i.max_seq, 0)) + 1 AS seq_span,
                    coalesce(e.closed, false) AS closed, coalesce(e.errors, 0) AS errors,
-                   coalesce(e.dropped, 0) AS dropped, e.last_ts, i.ok_ts, i.ok_end, i.ok_step
+                   coalesce(e.dropped, 0) AS dropped, e.last_ts, i.ok_ts, i.ok_end, i.ok_step, i.first_step
             FROM headers h
             LEFT JOIN (
                 SELECT stream, max(ts + CASE WHEN kind = 'span' THEN coalesce(dur, 0) ELSE 0 END) AS end_ts,
@@ -621,6 +637,7 @@ class Job:
                        max(r.ts) FILTER (r.status = 'ok') AS ok_ts,
                        max(r.ts + r.dur) FILTER (r.status = 'ok') AS ok_end,
                        arg_max(r.step, r.ts) FILTER (r.status = 'ok') AS ok_step
+                       , min(r.step) AS first_step
                 FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
                 WHERE r.kind = 'span' AND r.name = '{ITERATION}'
                 GROUP BY h.stream
@@ -634,7 +651,7 @@ class Job:
             f"""
             CREATE TABLE iterations_small AS
             SELECT f.stream, f.rank, f.restart, s.ts, s.dur, s.status,
-                   (s.status <> 'ok' OR (f.failed AND s.ts + s.dur > coalesce(f.ckpt_end, -1))) AS lost,
+                   {_lost("s.status", "s.ts + s.dur", "try_cast(s.attrs->>'step' AS BIGINT)")} AS lost,
                    s.attrs, s.tid, NULL::BIGINT AS seq, s.id, s.parent, s.file, s.gpu_dur, s.gpu_idle,
                    try_cast(s.attrs->>'step' AS BIGINT) AS step,
                    try_cast(s.attrs->>'batch_size' AS BIGINT) AS batch_size
@@ -649,7 +666,7 @@ class Job:
             f"""
             CREATE VIEW iterations AS
             SELECT f.stream, f.rank, f.restart, r.ts, r.dur, r.status,
-                   (r.status <> 'ok' OR (f.failed AND r.ts + r.dur > coalesce(f.ckpt_end, -1))) AS lost,
+                   {_lost("r.status", "r.ts + r.dur", "r.step")} AS lost,
                    r.attrs, r.tid, r.seq, r.id, r.parent, r.file, r.gpu_dur, r.gpu_idle, r.step, r.batch_size
             FROM raw r JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
             WHERE r.kind = 'span' AND r.name = '{ITERATION}' AND NOT f.is_agent
@@ -677,7 +694,11 @@ class Job:
             f"""
             CREATE TABLE stream_facts AS
             WITH ck AS (
-                SELECT stream, max(ts + dur) AS ckpt_end FROM spans_small
+                SELECT stream, max(ts + dur) AS ckpt_end,
+                       -- the steps the latest save holds, when every save says (else NULL: the time rule)
+                       CASE WHEN count(*) = count(try_cast(attrs->>'current_iteration' AS BIGINT))
+                            THEN max(try_cast(attrs->>'current_iteration' AS BIGINT)) END AS ckpt_step
+                FROM spans_small
                 WHERE status = '{ok}' AND (name IN ('{sync}', '{final}')
                       OR (name = '{async_}' AND NOT EXISTS (
                           SELECT 1 FROM spans_small f WHERE f.name = '{final}')))
@@ -686,12 +707,26 @@ class Job:
                 SELECT DISTINCT stream FROM spans_small
                 WHERE name IN ('{sync}', '{async_}', '{final}')
             ), attempt AS (
-                SELECT s.restart, count(*) AS ranks, count(v.stream) AS savers, max(ck.ckpt_end) AS any_end
+                SELECT s.restart, count(*) AS ranks, count(v.stream) AS savers, max(ck.ckpt_end) AS any_end,
+                       CASE WHEN count(ck.stream) = count(ck.ckpt_step) THEN max(ck.ckpt_step) END AS any_step
                 FROM streams s LEFT JOIN ck USING (stream) LEFT JOIN saving v USING (stream)
                 WHERE NOT s.is_agent GROUP BY s.restart
             ), bad AS (
                 SELECT DISTINCT stream FROM spans_small
                 WHERE status IN ({failed}) AND name IN ({outer})
+            ), pair_first AS (
+                SELECT stream, min(try_cast(attrs->>'step' AS BIGINT)) AS first_step FROM spans_small
+                WHERE name = '{SpanName.ITERATION}' GROUP BY stream
+            ), redo AS (
+                -- The first step any later stream of the same rank ran: that stream redid every step from it on.
+                SELECT stream, min(first_step) OVER (
+                           PARTITION BY rank ORDER BY start_ts ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING
+                       ) AS redo_from
+                FROM (SELECT s.stream, s.rank, s.start_ts,
+                             CASE WHEN p.first_step IS NULL THEN s.first_step
+                                  WHEN s.first_step IS NULL THEN p.first_step
+                                  ELSE least(s.first_step, p.first_step) END AS first_step
+                      FROM streams s LEFT JOIN pair_first p USING (stream) WHERE NOT s.is_agent) x
             ), hang AS (
                 -- A hang that ended (hang_resolved after the last report) is time in whatever it happened in.
                 SELECT h.stream, h.hang_ts FROM (
@@ -716,14 +751,15 @@ class Job:
                    (NOT s.closed AND r.stream IS NULL) OR bad.stream IS NOT NULL AS failed,
                    r.stream IS NOT NULL AND NOT s.closed AS running,
                    CASE WHEN a.savers = a.ranks THEN ck.ckpt_end ELSE a.any_end END AS ckpt_end,
-                   hang.hang_ts, h.lo, h.hi,
+                   CASE WHEN a.savers = a.ranks THEN ck.ckpt_step ELSE a.any_step END AS ckpt_step,
+                   redo.redo_from, hang.hang_ts, h.lo, h.hi,
                    CASE WHEN hang.hang_ts IS NOT NULL
                         THEN greatest(coalesce(hr.iter_end, 0), coalesce(hp.iter_end, 0), s.start_ts) END AS hang_from
             FROM streams s JOIN headers h USING (stream)
             LEFT JOIN attempt a ON a.restart = s.restart AND NOT s.is_agent
             LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN hang USING (stream)
             LEFT JOIN running_streams r USING (stream)
-            LEFT JOIN hang_raw hr USING (stream) LEFT JOIN hang_pairs hp USING (stream)
+            LEFT JOIN hang_raw hr USING (stream) LEFT JOIN hang_pairs hp USING (stream) LEFT JOIN redo USING (stream)
             """
         )
 

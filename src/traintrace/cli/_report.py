@@ -219,6 +219,8 @@ def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
                     "culprit",
                     "rank_states",
                     "rule",
+                    "restart",
+                    "failed_restarts",
                 )
             },
             "window_s": width / 1e9,
