@@ -284,16 +284,29 @@ def test_sigterm_from_outside(tmp_path: Path) -> None:
     check_goodput(run)
 
 
-def test_a_rank_hung_in_compute(tmp_path: Path) -> None:
-    """Rank 1 sleeps in forward; the others wait in the all-reduce until gloo times out: rank 1 is named."""
-    run = launch(tmp_path, 3, "--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6")
+@pytest.mark.parametrize("detection", ["on", "off"])
+def test_a_rank_hung_in_compute(tmp_path: Path, detection: str) -> None:
+    """Rank 1 sleeps in forward; the others wait in the all-reduce until gloo times out: rank 1 is named.
+
+    With traintrace's hang detection off (or slower than the collective's timeout: both default to 10
+    minutes), no record says "hang": the others' timeouts and where rank 1 was say it."""
+    hang_timeout = "1.5" if detection == "on" else "0"
+    run = launch(
+        tmp_path, 3, "--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6", "--hang-timeout", hang_timeout
+    )
     errors = check_culprit(run, 1, 6, "model_forward", "hang")
     assert not errors["culprit"]["in_collective"]
+    assert errors["verdict"].startswith("rank 1 hung in forward at step 6, not in a collective;"), errors["verdict"]
     others = [r for r in errors["rank_states"] if r["rank"] != 1]
     assert all(r["in_collective"] and r["step"] == 6 for r in others), others
-    assert "Thread" in (errors["culprit"]["hang"]["stack"] or "") or "File" in errors["culprit"]["hang"]["stack"]
     summary = check_goodput(run)
-    assert summary["breakdown_s"]["hang"] > 0
+    if detection == "on":
+        assert "Thread" in (errors["culprit"]["hang"]["stack"] or "") or "File" in errors["culprit"]["hang"]["stack"]
+        assert summary["breakdown_s"]["hang"] > 0
+    else:
+        assert errors["rule"] == "hang: the rank the collectives timed out on"
+        assert "timed out" in errors["culprit"]["cause"].lower(), errors["culprit"]["cause"]
+        assert not errors["hang_suspects"]
 
 
 @pytest.mark.parametrize("linger", ["0", "1.0"])

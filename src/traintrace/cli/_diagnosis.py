@@ -454,7 +454,33 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
     hung = [s for s in states if s.hang is not None or s.state == "hung"]
     if hung:
         return min(states, key=_hang_key), "hang: the rank behind"
+    behind = _waited_for(states)
+    if behind is not None:
+        return behind, "hang: the rank the collectives timed out on"
     return None, "unknown"
+
+
+def _waited_for(states: list[RankState]) -> RankState | None:
+    """A hang that no report names (detection off, or slower than the collective's timeout): the ranks waiting
+    in a collective timed out, and one rank, at the same step or behind, was not in it. That rank is marked
+    hung from the first timeout on (the verdict then reads as for a reported hang)."""
+    waiting = [s for s in states if s.in_collective and s.consequence is not None and s.step is not None]
+    outside = [s for s in states if not s.in_collective and s.consequence is None and s.step is not None]
+    if not waiting or not outside:
+        return None
+    behind = min(outside, key=_hang_key)
+    if behind.step is None or behind.step > min(s.step or 0 for s in waiting):
+        return None
+    first = min(waiting, key=lambda s: s.consequence["ts"] if s.consequence else 0)
+    timeout = first.consequence or {}
+    behind.hang = {
+        "ts": timeout.get("ts"),
+        "message": f"not in a collective when rank {first.rank}'s timed out: "
+        f"{_first_line(timeout.get('message'), 100)}",
+        "stack": None,
+        "from_ns": behind.last_progress_ns,
+    }
+    return behind
 
 
 def _first_trouble(s: RankState) -> int | None:
