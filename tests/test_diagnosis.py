@@ -309,18 +309,26 @@ def test_a_rank_hung_in_compute(tmp_path: Path, detection: str) -> None:
         assert not errors["hang_suspects"]
 
 
-@pytest.mark.parametrize("linger", ["0", "1.0"])
-def test_a_rank_hung_in_a_collective(tmp_path: Path, linger: str) -> None:
+@pytest.mark.parametrize(("linger", "detection"), [("0", "on"), ("1.0", "on"), ("0", "off")])
+def test_a_rank_hung_in_a_collective(tmp_path: Path, linger: str, detection: str) -> None:
     """Rank 0 waits in an all-reduce its partner never joins; the others wait for rank 0 one step later.
 
     When the collective fails at last, the ranks may take a while to exit (``linger``: a second
-    between the exception and the exit): the failed step is not progress, the hang stays the cause."""
+    between the exception and the exit): the failed step is not progress, the hang stays the cause.
+    With hang detection off, the ranks' timeouts and steps name rank 0 all the same."""
+    hang_timeout = "1.5" if detection == "on" else "0"
     run = launch(
-        tmp_path, 3, "--fault", "hang_collective", "--fault-rank", "0", "--fault-step", "6", "--linger", linger
+        tmp_path,
+        3,
+        *("--fault", "hang_collective", "--fault-rank", "0", "--fault-step", "6"),
+        *("--linger", linger, "--hang-timeout", hang_timeout),
     )
     errors = check_culprit(run, 0, 6, "iteration", "hang")
     assert errors["culprit"]["in_collective"]
     assert "inside a collective" in errors["verdict"]
+    if detection == "off":
+        assert errors["rule"] == "hang: the rank the collectives timed out on"
+        assert "never joined" in errors["culprit"]["cause"], errors["culprit"]["cause"]
     check_goodput(run)
 
 

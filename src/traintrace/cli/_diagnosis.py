@@ -461,22 +461,31 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
 
 
 def _waited_for(states: list[RankState]) -> RankState | None:
-    """A hang that no report names (detection off, or slower than the collective's timeout): the ranks waiting
-    in a collective timed out, and one rank, at the same step or behind, was not in it. That rank is marked
-    hung from the first timeout on (the verdict then reads as for a reported hang)."""
-    waiting = [s for s in states if s.in_collective and s.consequence is not None and s.step is not None]
-    outside = [s for s in states if not s.in_collective and s.consequence is None and s.step is not None]
-    if not waiting or not outside:
+    """A hang that no report names (detection off, or slower than the collective's timeout), told by the ranks
+    whose collective timed out: the rank at their step or behind that was not in a collective, or the one
+    rank a step behind all the others (stuck in a collective they never joined). That rank is marked hung
+    from the first timeout on (the verdict then reads as for a reported hang)."""
+    known = [s for s in states if s.step is not None]
+    waiting = [s for s in known if s.in_collective and s.consequence is not None]
+    if not waiting:
         return None
-    behind = min(outside, key=_hang_key)
-    if behind.step is None or behind.step > min(s.step or 0 for s in waiting):
+    behind = min(known, key=_hang_key)
+    others = [s.step or 0 for s in known if s is not behind]
+    waits = [s.step or 0 for s in waiting if s is not behind]
+    lowest = min(waits) if waits else None
+    if not behind.in_collective and behind.consequence is None and lowest is not None and (behind.step or 0) <= lowest:
+        why = "not in a collective"
+    elif behind.in_collective and others and (behind.step or 0) < min(others):
+        why = f"in a collective at step {behind.step} that the others, at step {min(others)}, never joined;"
+    else:
         return None
-    first = min(waiting, key=lambda s: s.consequence["ts"] if s.consequence else 0)
+    first = min((s for s in waiting if s is not behind), key=lambda s: s.consequence["ts"] if s.consequence else 0)
     timeout = first.consequence or {}
     behind.hang = {
         "ts": timeout.get("ts"),
-        "message": f"not in a collective when rank {first.rank}'s timed out: "
-        f"{_first_line(timeout.get('message'), 100)}",
+        "message": f"{why} when rank {first.rank}'s collective failed: {_first_line(timeout.get('message'), 100)}"
+        if why == "not in a collective"
+        else f"{why} rank {first.rank}'s failed: {_first_line(timeout.get('message'), 100)}",
         "stack": None,
         "from_ns": behind.last_progress_ns,
     }
@@ -503,7 +512,7 @@ def _hang_key(s: RankState) -> tuple[float, int, float, int]:
 
 
 def _cause(s: RankState) -> str:
-    if s.hang is not None and s.state != "error":
+    if s.hang is not None and s.error is None:
         then = {"terminated": f"; then terminated by {s.signal or 'SIGTERM'}", "killed": "; then killed"}
         return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
     if s.state == "error" and s.error is not None:
