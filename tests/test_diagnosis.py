@@ -256,6 +256,40 @@ def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 10
 
 
+def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
+    """SIGKILL to the launcher and every rank at once while they run step 7 (the scheduler's kill, the OOM
+    killer on a whole node): no rank failed first, so none is named; each rank's step is the one it ran."""
+    killed: list[int] = []
+
+    def kill_everything(process: subprocess.Popen[str], truth: Path) -> None:
+        deadline = time.monotonic() + 120
+        mark = truth / "rank0.jsonl"
+        while time.monotonic() < deadline and process.poll() is None:
+            lines = mark.read_text().splitlines() if mark.exists() else []
+            if any(json.loads(x).get("event") == "step_start" and json.loads(x).get("step") == 7 for x in lines):
+                break
+            time.sleep(0.005)
+        for entry in Path("/proc").iterdir():
+            try:
+                mine = str(truth).encode() in (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if entry.name.isdigit() and mine:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+
+    run = launch(tmp_path, 3, during=kill_everything)
+    assert run.returncode == -signal.SIGKILL and len(killed) == 4, (run.returncode, killed)  # launcher and 3 ranks
+    errors = run.cli("errors")
+    assert errors["culprit"] is None and errors["rule"] == "killed together", errors["verdict"]
+    assert errors["status"] == "failed"
+    assert errors["verdict"].startswith("killed from outside: all 3 ranks were"), errors["verdict"]
+    for state in errors["rank_states"]:
+        started = [m["step"] for m in run.marks()[state["rank"]] if m["event"] == "step_start"]
+        assert state["step"] == started[-1], (state, started[-1])
+        assert f"{state['rank']}" in errors["verdict"].split(";", 1)[1]
+
+
 def test_sigterm_from_outside(tmp_path: Path) -> None:
     """SIGTERM sent by another process to one rank: that rank, not the ranks the launcher stopped after."""
 

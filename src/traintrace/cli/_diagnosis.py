@@ -444,6 +444,10 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
     raised = [s for s in states if s.state == "error" and s.error is not None]
     if raised:
         return min(raised, key=lambda s: (s.error["ts"] if s.error else 0, s.rank)), "first exception"
+    if _killed_together(states):
+        # Nobody saw trouble before dying: no rank went first. (One rank behind the others when the kill came
+        # is not evidence of a hang: ranks in lockstep are a phase apart at any instant.)
+        return None, "killed together"
     # A rank that died (a signal, or its stream just stopped) before any other rank saw trouble.
     died = [s for s in states if s.state in ("killed", "terminated", "exited", "ended")]
     for s in sorted(died, key=lambda s: (s.stopped_ns or 0, s.rank)):
@@ -458,6 +462,15 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
     if behind is not None:
         return behind, "hang: the rank the collectives timed out on"
     return None, "unknown"
+
+
+def _killed_together(states: list[RankState]) -> bool:
+    """Every rank of the attempt died (a signal the launcher saw, or its stream cut) with no rank having seen
+    trouble first (an error, a timeout, a hang report): a kill from outside, the scheduler's or the OOM
+    killer's on every rank, or a lost node."""
+    return len(states) > 1 and all(
+        s.state in ("killed", "ended") and s.error is None and s.consequence is None and s.hang is None for s in states
+    )
 
 
 def _waited_for(states: list[RankState]) -> RankState | None:
@@ -548,6 +561,13 @@ def _first_line(text: str | None, limit: int = 160) -> str:
 
 
 def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
+    if culprit is None and _killed_together(states):
+        launcher = any("launcher" in s.source for s in states)
+        how = "killed by a signal" if launcher else "cut off without a close record"
+        return (
+            f"killed from outside: all {len(states)} ranks were {how} at once, none failed first "
+            f"(the scheduler, the OOM killer or a lost node); " + _doing_groups(states)
+        )
     if culprit is None:
         first = min(
             (s for s in states if _first_trouble(s) is not None), key=lambda s: _first_trouble(s) or 0, default=None
@@ -572,16 +592,18 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     else:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
     others = [s for s in states if s is not culprit]
-    if not others:
-        return head
+    return head + "; " + _doing_groups(others) if others else head
+
+
+def _doing_groups(states: list[RankState]) -> str:
+    """What the ranks were doing, ranks doing the same in one phrase: "ranks 0 and 2 were in forward at step 6"."""
     groups: dict[str, list[int]] = {}
-    for s in others:
+    for s in states:
         groups.setdefault(s.doing(), []).append(s.rank)
-    parts = [
+    return "; ".join(
         f"{_ranks_phrase(ranks)} {'was' if len(ranks) == 1 else 'were'} {doing}"
         for doing, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))
-    ]
-    return head + "; " + "; ".join(parts)
+    )
 
 
 def _ranks_phrase(ranks: list[int]) -> str:
