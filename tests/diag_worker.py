@@ -106,7 +106,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     truth = Truth(Path(args.truth), rank, restart)
-    truth.write(event="process_start")
+    truth.write(event="process_start", pid=os.getpid())
     # Registered before traintrace's own: runs after it (exit handlers run last-in first-out).
     atexit.register(truth.write, event="exit")
 

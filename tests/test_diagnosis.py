@@ -256,19 +256,24 @@ def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 10
 
 
+def wait_for_step(process: subprocess.Popen[str], truth: Path, rank: int, step: int) -> None:
+    """Until the worker's own marks say ``rank`` started ``step``."""
+    deadline = time.monotonic() + 120
+    mark = truth / f"rank{rank}.jsonl"
+    while time.monotonic() < deadline and process.poll() is None:
+        marks = [json.loads(x) for x in (mark.read_text().splitlines() if mark.exists() else []) if x.strip()]
+        if any(m.get("event") == "step_start" and m.get("step") == step for m in marks):
+            return
+        time.sleep(0.005)
+
+
 def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
     """SIGKILL to the launcher and every rank at once while they run step 7 (the scheduler's kill, the OOM
     killer on a whole node): no rank failed first, so none is named; each rank's step is the one it ran."""
     killed: list[int] = []
 
     def kill_everything(process: subprocess.Popen[str], truth: Path) -> None:
-        deadline = time.monotonic() + 120
-        mark = truth / "rank0.jsonl"
-        while time.monotonic() < deadline and process.poll() is None:
-            lines = mark.read_text().splitlines() if mark.exists() else []
-            if any(json.loads(x).get("event") == "step_start" and json.loads(x).get("step") == 7 for x in lines):
-                break
-            time.sleep(0.005)
+        wait_for_step(process, truth, 0, 7)
         for entry in Path("/proc").iterdir():
             try:
                 mine = str(truth).encode() in (entry / "cmdline").read_bytes()
@@ -288,6 +293,31 @@ def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
         started = [m["step"] for m in run.marks()[state["rank"]] if m["event"] == "step_start"]
         assert state["step"] == started[-1], (state, started[-1])
         assert f"{state['rank']}" in errors["verdict"].split(";", 1)[1]
+
+
+def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
+    """SIGKILL to ranks 1 and 2 at once while they run step 7 (a node lost, the OOM killer); the launcher stops
+    the others: one of the two is named, and the verdict says the other was killed too."""
+    pids: dict[int, int] = {}
+
+    def kill_two(process: subprocess.Popen[str], truth: Path) -> None:
+        wait_for_step(process, truth, 0, 7)
+        for rank in (1, 2):
+            marks = [json.loads(x) for x in (truth / f"rank{rank}.jsonl").read_text().splitlines() if x.strip()]
+            pids[rank] = next(m["pid"] for m in marks if m["event"] == "process_start")
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+
+    run = launch(tmp_path, 4, during=kill_two)
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert culprit is not None and culprit["rank"] in pids and culprit["state"] == "killed", errors["verdict"]
+    other = ({1, 2} - {culprit["rank"]}).pop()
+    assert errors["rule"] == "died first"
+    assert f"rank {other} was killed by SIGKILL (exit code -9) too" in errors["verdict"], errors["verdict"]
+    for state in errors["rank_states"]:
+        started = [m["step"] for m in run.marks()[state["rank"]] if m["event"] == "step_start"]
+        assert state["step"] == started[-1], (state, started[-1])
 
 
 def test_sigterm_from_outside(tmp_path: Path) -> None:

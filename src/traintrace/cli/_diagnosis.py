@@ -592,17 +592,19 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     else:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
     others = [s for s in states if s is not culprit]
-    return head + "; " + _doing_groups(others) if others else head
+    return head + "; " + _doing_groups(others, died=True) if others else head
 
 
-def _doing_groups(states: list[RankState]) -> str:
-    """What the ranks were doing, ranks doing the same in one phrase: "ranks 0 and 2 were in forward at step 6"."""
-    groups: dict[str, list[int]] = {}
+def _doing_groups(states: list[RankState], *, died: bool = False) -> str:
+    """What the ranks were doing, ranks doing the same in one phrase: "ranks 0 and 2 were in forward at step 6";
+    with ``died``, a rank the launcher saw killed or exit says so, first ("rank 1 was killed by SIGKILL ... too")."""
+    groups: dict[tuple[bool, str], list[int]] = {}
     for s in states:
-        groups.setdefault(s.doing(), []).append(s.rank)
+        gone = died and s.state in ("killed", "exited")
+        groups.setdefault((not gone, f"{_cause(s)} too, " * gone + s.doing()), []).append(s.rank)
     return "; ".join(
         f"{_ranks_phrase(ranks)} {'was' if len(ranks) == 1 else 'were'} {doing}"
-        for doing, ranks in sorted(groups.items(), key=lambda kv: min(kv[1]))
+        for (_, doing), ranks in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1])))
     )
 
 
