@@ -8,9 +8,14 @@ VENV=$ROOT/.bench-venv
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q aidot-training-telemetry==1.1.2 orjson -e "$ROOT" >&2
 script=${1:-bench_core.py}
 shift || true
+extra=""
+case "$script" in
+    # The command's benchmarks need its analysis extra (DuckDB).
+    bench_cli.py | bench_insight.py) extra="[analysis]" ;;
+esac
+"$VENV/bin/python" -m pip install -q aidot-training-telemetry==1.1.2 orjson -e "$ROOT$extra" >&2
 if [ "$script" = bench_mlp.py ]; then
     # A real training step: torch pinned, as everywhere (an unpinned torch pulls a CUDA build).
     "$VENV/bin/python" -m pip install -q "${TRAINTRACE_TORCH_PIN:-torch==2.13.0}" >&2
