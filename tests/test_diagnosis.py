@@ -597,3 +597,19 @@ def test_a_restart_after_a_failure(tmp_path: Path, resume: bool) -> None:
         {m["step"] for ms in marks.values() for m in ms if m["event"] == "step_end"}
     )
     assert summary["steps_completed"] == 24
+
+
+def test_a_restart_that_fails_the_same_way(tmp_path: Path) -> None:
+    """Rank 1 raises in backward at step 7 in every attempt; torchrun restarts twice from the checkpoint after
+    step 4, and gives up: the verdict is about the last attempt and says the earlier two failed the same way;
+    each attempt lost the steps it ran after the checkpoint."""
+    run = launch(
+        tmp_path, 3, "--fault", "backward", "--fault-rank", "1", "--fault-step", "7", "--resume", max_restarts=2
+    )
+    assert run.returncode != 0
+    faults = [m for m in run.marks()[1] if m["event"] == "fault"]
+    assert [(m["restart"], m["step"]) for m in faults] == [(0, 7), (1, 7), (2, 7)]
+    errors = check_culprit(run, 1, 7, SpanName.BACKWARD, "RuntimeError")
+    assert (errors["restart"], errors["failed_restarts"], errors["same_failure_restarts"]) == (2, [0, 1, 2], [0, 1])
+    assert errors["verdict"].endswith("; restarts 0 and 1 failed the same way"), errors["verdict"]
+    check_goodput(run)

@@ -711,6 +711,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         # The attempt the verdict is about and every attempt that failed (a restarted job's last may have finished).
         "restart": verdict.get("restart"),
         "failed_restarts": verdict.get("failed_restarts", []),
+        # Earlier failed attempts whose culprit failed the same way (rank, step, phase, cause): a crash loop.
+        "same_failure_restarts": verdict.get("same_failure_restarts", []),
         "rank_states": verdict["ranks"],
         "first_error": first,
         "error_count": len(all_errors),

@@ -56,6 +56,8 @@ PHASE_LABELS = {
 #: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
 #: this much clock skew between hosts is tolerated.
 SKEW_NS = 50_000_000
+#: The failed attempts before the one the verdict is about that are compared with it (a crash loop's latest).
+MAX_COMPARED = 8
 #: Spans an exception unwound end up to this long before its error record is written.
 UNWIND_NS = 1_000_000_000
 
@@ -132,6 +134,14 @@ def diagnose(job: Job) -> dict[str, Any]:
     states = _rank_states(job, attempts[about], known)
     culprit, rule = _culprit(states)
     sentence = _sentence(culprit, states)
+    # A restart that fails as the attempt before it did gets nowhere: say so (the earlier attempts' culprits).
+    same = [
+        r
+        for r in failed[-1 - MAX_COMPARED : -1]
+        if _same_failure(culprit, _culprit(_rank_states(job, attempts[r], known))[0])
+    ]
+    if same:
+        sentence += f"; {'restart' if len(same) == 1 else 'restarts'} {_and(same)} failed the same way"
     status = "failed"
     if about != last:
         # A later attempt than the last failed one neither failed nor runs (running is answered above).
@@ -139,7 +149,25 @@ def diagnose(job: Job) -> dict[str, Any]:
         sentence = f"restart {about} failed: {sentence}; restart {last} finished"
     out = _result(status, sentence, culprit, states, about, failed)
     out["rule"] = rule
+    out["same_failure_restarts"] = same
     return out
+
+
+def _same_failure(a: RankState | None, b: RankState | None) -> bool:
+    """The same rank failing in the same phase of the same step, the same way (exception type, or signal)."""
+    if a is None or b is None:
+        return False
+
+    def how(s: RankState) -> tuple[Any, ...]:
+        return (s.rank, s.step, s.phase, s.state, s.error and s.error["error_type"], s.signal, s.exit_code)
+
+    return how(a) == how(b)
+
+
+def _and(items: list[int]) -> str:
+    """``0``, ``0 and 1``, ``0, 1 and 2``."""
+    words = [str(i) for i in items]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + f" and {words[-1]}"
 
 
 def _result(  # noqa: PLR0917 - a private constructor of the answer
