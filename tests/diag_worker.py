@@ -22,7 +22,8 @@ pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 (from ``--fault-step`` on); ``none``.
 
 ``--fault-attempt N`` injects the fault only in attempt N (``TORCHELASTIC_RESTART_COUNT``) of a job
-launched with restarts; every truth line carries its attempt as ``restart``.
+launched with restarts; ``--later-fault KIND`` injects KIND (same rank and step) in the attempts after it.
+Every truth line carries its attempt as ``restart``.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--fault-step", type=int, default=7)
     parser.add_argument("--fault-attempt", type=int, default=None)
+    parser.add_argument("--later-fault", default="none")
     # A validation pass (a forward on one batch, its loss all-reduced) after every N-th step; 0: none.
     parser.add_argument("--validate-every", type=int, default=0)
     # A restart loads the last checkpoint the failed attempt completed and goes on from its step.
@@ -126,7 +128,8 @@ def main() -> None:
 
         sys.excepthook = linger
     mine = rank == args.fault_rank and args.fault_attempt in (None, restart)
-    fault = args.fault if mine else "none"
+    later = rank == args.fault_rank and args.fault_attempt is not None and restart > args.fault_attempt
+    fault = args.fault if mine else args.later_fault if later else "none"
     fault_step = args.fault_step
     # With --resume, in the truth folder (shared by the attempts), else in a folder of this process's own.
     checkpoints = Path(args.truth) / "checkpoints" if args.resume else Path(tempfile.mkdtemp(prefix="tt-diag-"))

@@ -613,3 +613,23 @@ def test_a_restart_that_fails_the_same_way(tmp_path: Path) -> None:
     assert (errors["restart"], errors["failed_restarts"], errors["same_failure_restarts"]) == (2, [0, 1, 2], [0, 1])
     assert errors["verdict"].endswith("; restarts 0 and 1 failed the same way"), errors["verdict"]
     check_goodput(run)
+
+
+def test_a_restart_that_fails_otherwise(tmp_path: Path) -> None:
+    """Rank 1 raises in backward at step 7 in the first attempt, and in forward at step 7 in the restart: the
+    verdict is about the last attempt and names the first failure too (it may be the root)."""
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "backward", "--fault-attempt", "0", "--later-fault", "forward"),
+        *("--fault-rank", "1", "--fault-step", "7", "--resume"),
+        max_restarts=1,
+    )
+    assert run.returncode != 0
+    faults = [m for m in run.marks()[1] if m["event"] == "fault"]
+    assert [(m["restart"], m["step"]) for m in faults] == [(0, 7), (1, 7)]
+    errors = check_culprit(run, 1, 7, SpanName.FORWARD, "RuntimeError")
+    assert (errors["restart"], errors["failed_restarts"], errors["same_failure_restarts"]) == (1, [0, 1], [])
+    tail = "; restart 0 had failed first: rank 1 raised RuntimeError in backward at step 7"
+    assert errors["verdict"].endswith(tail), errors["verdict"]
+    check_goodput(run)

@@ -134,14 +134,17 @@ def diagnose(job: Job) -> dict[str, Any]:
     states = _rank_states(job, attempts[about], known)
     culprit, rule = _culprit(states)
     sentence = _sentence(culprit, states)
-    # A restart that fails as the attempt before it did gets nowhere: say so (the earlier attempts' culprits).
-    same = [
-        r
-        for r in failed[-1 - MAX_COMPARED : -1]
-        if _same_failure(culprit, _culprit(_rank_states(job, attempts[r], known))[0])
-    ]
+    # A restart that fails as the attempt before it did gets nowhere: say so. One that failed otherwise: the
+    # first failure may be the root (a checkpoint it damaged, say), so it is named too.
+    earlier = {r: _culprit(_rank_states(job, attempts[r], known))[0] for r in failed[-1 - MAX_COMPARED : -1]}
+    same = [r for r, c in earlier.items() if _same_failure(culprit, c)]
     if same:
         sentence += f"; {'restart' if len(same) == 1 else 'restarts'} {_and(same)} failed the same way"
+    first = failed[0]
+    if first != about and first not in same:
+        root = earlier[first] if first in earlier else _culprit(_rank_states(job, attempts[first], known))[0]
+        what = _sentence(root, [root]) if root is not None else "cause unclear (errors --json: rank_states)"
+        sentence += f"; restart {first} had failed first: {what}"
     status = "failed"
     if about != last:
         # A later attempt than the last failed one neither failed nor runs (running is answered above).
