@@ -1,12 +1,17 @@
 """Run by test_integrations_lightning: a 2-process CPU DDP fit with the callback.
 
 Lightning starts rank 1 by running this script again; each rank's callback
-configures traintrace with the trainer's rank and world size.
+configures traintrace with the trainer's rank and world size. With a second
+argument N, rank 1 raises in its training step at global step N, after writing
+the truth (``fault.json``: rank, step, time) without traintrace.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -18,6 +23,10 @@ import traintrace as tt
 from traintrace.integrations.lightning import TraintraceCallback
 
 
+OUT = Path(sys.argv[1])
+FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+
+
 class Tiny(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -25,6 +34,10 @@ class Tiny(L.LightningModule):
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.global_rank == 1 and self.global_step == FAULT_STEP:
+            truth = {"rank": self.global_rank, "step": self.global_step, "ts": time.time_ns()}
+            (OUT / "fault.json").write_text(json.dumps(truth))
+            raise RuntimeError(f"injected failure in training_step on rank 1 at step {self.global_step}")
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         return loss
@@ -38,12 +51,13 @@ class Tiny(L.LightningModule):
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    out = OUT
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
     callback = TraintraceCallback(tt.Config(job_id="ddp-test", log_dir=str(out / "logs")), backends={"log": False})
     trainer = L.Trainer(
-        strategy="ddp",
+        # A short collective timeout: the rank left waiting for a failed one gives up soon.
+        strategy=L.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=20)),
         accelerator="cpu",
         devices=2,
         max_epochs=1,

@@ -331,3 +331,44 @@ def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> No
         assert app["attrs"]["rank"] == rank and app["attrs"]["strategy"] == "DDPStrategy"
         saves = names.count(tt.SpanName.CHECKPOINT_SAVE_SYNC)
         assert saves == (1 if rank == 0 else 0)  # only global rank 0 writes
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> None:
+    """Rank 1 of a 2-process CPU DDP fit raises in its training step at global step 3; Lightning ends the run.
+    `traintrace errors` on what the callback wrote names rank 1, that step and the forward phase, as the
+    script's own truth file (written without traintrace) says."""
+    import json
+
+    from traintrace.cli import _analysis
+    from traintrace.cli._engine import Job
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=240,
+    )
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    truth = json.loads((tmp_path / "fault.json").read_text())
+    job = Job.open([tmp_path / "logs" / "ddp-test"])
+    try:
+        errors = _analysis.errors(job)
+        summary = _analysis.summary(job)
+    finally:
+        job.close()
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (truth["rank"], truth["step"], "model_forward")
+    assert "injected failure in training_step" in culprit["cause"]
+    assert errors["verdict"].startswith(f"rank 1 raised RuntimeError in forward at step {truth['step']}; rank 0 ")
+    assert errors["first_error"]["ts"] >= truth["ts"]
+    # No checkpoint before the failure (Lightning saves at the epoch's end): every step started was lost.
+    assert summary["status"] == "failed" and summary["steps_completed"] == 0
+    assert summary["steps_lost"] == truth["step"] + 1
