@@ -22,7 +22,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import traintrace as tt
 from traintrace.integrations.lightning import TraintraceCallback
 
-
 OUT = Path(sys.argv[1])
 FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
 

@@ -167,3 +167,45 @@ def test_error_in_a_step_is_recorded_once_and_spans_end_as_errors(memory: tt.Mem
     assert loop["status"] == "error" and ids[loop["parent"]]["name"] == "user_main"
     assert memory.spans(tt.SpanName.APPLICATION) == []  # a user span was open
     assert pickle.loads(pickle.dumps(callback)).wrap_trainer is True
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> None:
+    """Rank 1 of a 2-process DDP run (gloo, CPU) under traintrace-run raises while computing its loss at global
+    step 3. `traintrace errors` on what the callback wrote names rank 1 and that step, as the script's own
+    truth file says; the Trainer's checkpoint folders say which steps were kept (steps below the last one)."""
+    import json
+    import subprocess
+    import sys
+
+    from traintrace.cli import _analysis
+    from traintrace.cli._engine import Job
+
+    here = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    env.update(TRAINTRACE_LOG_DIR=str(tmp_path / "logs"), TRAINTRACE_JOB_ID="hf-ddp", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), env.get("PYTHONPATH", "")])
+    script = here / "_hf_ddp_run.py"
+    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "2", str(script)]
+    done = subprocess.run(
+        [*command, str(tmp_path), "3"], check=False, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    truth = json.loads((tmp_path / "fault.json").read_text())
+    saved = max(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
+    job = Job.open([tmp_path / "logs" / "hf-ddp"])
+    try:
+        errors = _analysis.errors(job)
+        summary = _analysis.summary(job)
+    finally:
+        job.close()
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"]) == (truth["rank"], truth["step"]), errors["verdict"]
+    assert "injected failure in compute_loss" in culprit["cause"]
+    assert errors["verdict"].startswith(
+        f"rank 1 raised RuntimeError in a step (between phases) at step {truth['step']}"
+    )
+    assert summary["status"] == "failed"
+    assert (summary["steps_completed"], summary["steps_lost"]) == (saved, truth["step"] + 1 - saved)

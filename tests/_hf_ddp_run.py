@@ -1,0 +1,63 @@
+"""Run by test_integrations_transformers under ``traintrace-run --nproc-per-node 2``: a tiny GPT-2 trained by
+the Hugging Face Trainer with DDP over gloo on the CPU, the traintrace callback on. With a second argument N,
+rank 1 raises while computing its loss at global step N, after writing the truth (``fault.json``: rank,
+step, time) without traintrace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from traintrace.integrations.transformers import TraintraceTrainerCallback
+
+OUT = Path(sys.argv[1])
+FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+VOCAB, SEQ = 50, 8
+
+
+class FaultyTrainer(Trainer):
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.args.process_index == 1 and self.state.global_step == FAULT_STEP:
+            truth = {"rank": 1, "step": self.state.global_step, "ts": time.time_ns()}
+            (OUT / "fault.json").write_text(json.dumps(truth))
+            raise RuntimeError(f"injected failure in compute_loss on rank 1 at step {self.state.global_step}")
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0)
+    )
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, VOCAB, (SEQ,), generator=generator) for _ in range(64)]
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in rows]
+    arguments = TrainingArguments(
+        output_dir=str(OUT / "out"),
+        max_steps=8,
+        per_device_train_batch_size=4,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        ddp_timeout=20,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        logging_steps=1,
+    )
+    trainer = FaultyTrainer(model=model, args=arguments, train_dataset=data, callbacks=[TraintraceTrainerCallback()])
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
