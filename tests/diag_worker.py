@@ -19,7 +19,8 @@ while fetching batch ``--fault-step``); ``sigkill``, ``sigsegv`` (a real null
 pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 ``kill_in_checkpoint``; ``hang_compute`` (sleeps in forward); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
-(from ``--fault-step`` on); ``none``.
+(from ``--fault-step`` on); ``finish_early`` (leaves the training loop before that step and exits 0,
+as a rank whose data ran out); ``none``.
 
 ``--fault-attempt N`` injects the fault only in attempt N (``TORCHELASTIC_RESTART_COUNT``) of a job
 launched with restarts; ``--later-fault KIND`` injects KIND (same rank and step) in the attempts after it.
@@ -180,6 +181,9 @@ def main() -> None:
             truth.write(event="checkpoint_load_end", step=first)
         with tt.training_loop():
             for step in range(first, args.steps):
+                if fault == "finish_early" and step == fault_step:
+                    truth.write(event="fault", kind=fault, step=step)
+                    break  # its data ran out (uneven inputs): it leaves while the others still train
                 with tt.data_loading():
                     injected("data", step)
                     if batches is None:
@@ -254,7 +258,8 @@ def main() -> None:
                         with tt.collective(op="all_reduce"):
                             dist.all_reduce(loss)
                     truth.write(event="validation_end", step=step + 1)
-        dist.barrier()
+        if fault != "finish_early":
+            dist.barrier()
         dist.destroy_process_group()
     tt.close()
     truth.write(event="process_end")

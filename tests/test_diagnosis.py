@@ -633,3 +633,25 @@ def test_a_restart_that_fails_otherwise(tmp_path: Path) -> None:
     tail = "; restart 0 had failed first: rank 1 raised RuntimeError in backward at step 7"
     assert errors["verdict"].endswith(tail), errors["verdict"]
     check_goodput(run)
+
+
+def test_a_rank_that_leaves_early(tmp_path: Path) -> None:
+    """Rank 1's data runs out before step 6 (uneven inputs): it leaves the loop, closes and exits 0; the others
+    wait for it in backward's all-reduce at step 6 until gloo says the peer is gone. Rank 1 is named, not the
+    first rank whose collective failed."""
+    run = launch(tmp_path, 3, "--fault", "finish_early", "--fault-rank", "1", "--fault-step", "6")
+    fault = fault_step_of(run, 1)
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert culprit is not None and errors["rule"] == "left early", errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["state"], culprit["left_early"]) == (
+        1,
+        fault["step"],
+        "closed",
+        True,
+    )
+    assert errors["verdict"].startswith(f"rank 1 left early: it finished normally before step {fault['step']}")
+    others = [r for r in errors["rank_states"] if r["rank"] != 1]
+    assert all(r["in_collective"] and r["step"] == fault["step"] for r in others), others
+    assert errors["status"] == "failed"
+    check_goodput(run)

@@ -84,6 +84,8 @@ class RankState:
     source: list[str] = field(default_factory=list)
     #: Python stacks faulthandler wrote on a fatal signal (``<stream>.faults.txt``), for a crashed rank.
     fault_stacks: str | None = None
+    #: It finished normally (closed, no error) before the others' trouble: they waited for it (uneven data).
+    left_early: bool = False
 
     def doing(self) -> str:
         """What the rank was doing, as a phrase: "waiting in a collective in backward at step 7"."""
@@ -486,6 +488,9 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
         trouble = [_first_trouble(o) for o in others]
         if all(t is None or (s.stopped_ns or 0) <= t + SKEW_NS for t in trouble):
             return s, "died first"
+    early = _left_early(states)
+    if early is not None:
+        return early, "left early"
     hung = [s for s in states if s.hang is not None or s.state == "hung"]
     if hung:
         return min(states, key=_hang_key), "hang: the rank behind"
@@ -493,6 +498,21 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
     if behind is not None:
         return behind, "hang: the rank the collectives timed out on"
     return None, "unknown"
+
+
+def _left_early(states: list[RankState]) -> RankState | None:
+    """A rank that finished normally (its stream closed, no error, no signal) before any other rank's trouble,
+    while others then failed waiting (a timeout, a peer that closed the connection, a hang): its data ran out
+    (uneven inputs) or its loop ended early, and the others waited for it in a collective."""
+    left = [s for s in states if s.state == "closed" and s.hang is None and s.consequence is None]
+    troubled = [(s, _first_trouble(s)) for s in states if s.consequence is not None or s.hang is not None]
+    if not left or not troubled:
+        return None
+    first = min(left, key=lambda s: (s.stopped_ns or 0, s.rank))
+    if all(t is None or (first.stopped_ns or 0) <= t + SKEW_NS for _, t in troubled):
+        first.left_early = True
+        return first
+    return None
 
 
 def _killed_together(states: list[RankState]) -> bool:
@@ -568,6 +588,8 @@ def _cause(s: RankState) -> str:
         return f"terminated by {s.signal or 'SIGTERM'}"
     if s.state == "exited":
         return f"exited with exit code {s.exit_code} (no exception, no signal)"
+    if s.left_early:
+        return "left early: finished normally (no error, no signal) while the others still trained"
     if s.hang is not None:
         return "stopped making progress (hang)"
     if s.state == "ended":
@@ -620,6 +642,9 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
             head = f"rank {culprit.rank} hung in {phase}{at}, not in a collective"
     elif culprit.state == "ended":
         head = f"rank {culprit.rank} stopped: {_cause(culprit)} {culprit.doing()}"
+    elif culprit.left_early:
+        at = "" if culprit.step is None else f" before step {culprit.step}"
+        head = f"rank {culprit.rank} left early: it finished normally{at} while the others still trained"
     else:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
     others = [s for s in states if s is not culprit]

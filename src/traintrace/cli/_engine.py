@@ -88,8 +88,9 @@ def _lost(status: str, end: str, step: str) -> str:
     """SQL: whether an iteration's work was thrown away (docs/analysis.md, ``lost_progress``).
 
     It did not end ``ok``; or a later stream of the same rank ran its step again (what a restart really
-    redid); or, where no later stream says so, its stream failed and the last completed checkpoint that
-    protects it does not hold it: by step number where both are known (a checkpoint's ``current_iteration``
+    redid); or, where no later stream says so, a rank of its attempt failed (a restart redoes the steps on
+    every rank; a stream still running loses nothing) and the last completed checkpoint that protects it
+    does not hold it: by step number where both are known (a checkpoint's ``current_iteration``
     counts the steps it holds), else by time (the iteration ended after the save).
     """
     known = f"{step} IS NOT NULL"
@@ -97,7 +98,8 @@ def _lost(status: str, end: str, step: str) -> str:
     by_step = f"({known} AND f.ckpt_step IS NOT NULL AND {step} >= f.ckpt_step)"
     by_time = f"(NOT ({known} AND f.ckpt_step IS NOT NULL) AND {end} > coalesce(f.ckpt_end, -1))"
     unsaid = f"NOT ({known} AND f.redo_from IS NOT NULL)"
-    return f"({status} <> 'ok' OR {redone} OR (f.failed AND {unsaid} AND ({by_step} OR {by_time})))"
+    stopped = "(f.attempt_failed AND NOT f.running)"
+    return f"({status} <> 'ok' OR {redone} OR ({stopped} AND {unsaid} AND ({by_step} OR {by_time})))"
 
 
 class MissingExtra(RuntimeError):
@@ -749,6 +751,9 @@ class Job:
             )
             SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
                    (NOT s.closed AND r.stream IS NULL) OR bad.stream IS NOT NULL AS failed,
+                   -- a rank of the attempt failed: a restart redoes what its checkpoint does not hold on every rank
+                   bool_or((NOT s.closed AND r.stream IS NULL) OR bad.stream IS NOT NULL)
+                       OVER (PARTITION BY s.restart, s.is_agent) AS attempt_failed,
                    r.stream IS NOT NULL AND NOT s.closed AS running,
                    CASE WHEN a.savers = a.ranks THEN ck.ckpt_end ELSE a.any_end END AS ckpt_end,
                    CASE WHEN a.savers = a.ranks THEN ck.ckpt_step ELSE a.any_step END AS ckpt_step,
