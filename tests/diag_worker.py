@@ -19,7 +19,7 @@ while fetching batch ``--fault-step``); ``sigkill``, ``sigsegv`` (a real null
 pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 ``kill_in_checkpoint``; ``hang_compute`` (sleeps in forward); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
-(from ``--fault-step`` on); ``finish_early`` (leaves the training loop before that step and exits 0,
+(from ``--fault-step`` on); ``hang_init`` (sleeps in model initialisation, before DDP's first broadcast); ``finish_early`` (leaves the training loop before that step and exits 0,
 as a rank whose data ran out); ``none``.
 
 ``--fault-attempt N`` injects the fault only in attempt N (``TORCHELASTIC_RESTART_COUNT``) of a job
@@ -159,6 +159,9 @@ def main() -> None:
             if fault == "model_init":
                 truth.write(event="fault", kind=fault, step=None)
                 raise RuntimeError(f"injected failure in model_init on rank {rank}")
+            if fault == "hang_init":  # stuck before its model is built (a slow download, a stuck file system)
+                truth.write(event="fault", kind=fault, step=None)
+                time.sleep(3600)
             torch.manual_seed(0)
             model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
             record_collectives(model)

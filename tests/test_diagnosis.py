@@ -655,3 +655,19 @@ def test_a_rank_that_leaves_early(tmp_path: Path) -> None:
     assert all(r["in_collective"] and r["step"] == fault["step"] for r in others), others
     assert errors["status"] == "failed"
     check_goodput(run)
+
+
+def test_a_rank_stuck_before_the_loop(tmp_path: Path) -> None:
+    """Rank 1 is stuck in model initialisation (a slow download, a stuck file system) before DDP's first
+    broadcast; the others time out in that broadcast and torchrun stops rank 1. No step and no collective span
+    say who held the others up, but rank 1 is the only rank whose collective did not fail: it is named."""
+    run = launch(tmp_path, 3, "--fault", "hang_init", "--fault-rank", "1")
+    assert any(m["event"] == "fault" for m in run.marks()[1])
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, None, SpanName.MODEL_INIT), errors["verdict"]
+    assert errors["verdict"].startswith("rank 1 hung in model initialisation, not in a collective;")
+    assert "did not fail" in culprit["cause"] and errors["rule"] == "hang: the rank the collectives timed out on"
+    summary = run.cli("summary", ranks_only=True)
+    assert summary["steps_completed"] == 0 and summary["goodput"] == 0

@@ -532,7 +532,7 @@ def _waited_for(states: list[RankState]) -> RankState | None:
     known = [s for s in states if s.step is not None]
     waiting = [s for s in known if s.in_collective and s.consequence is not None]
     if not waiting:
-        return None
+        return _waited_for_before_the_loop(states)
     behind = min(known, key=_hang_key)
     others = [s.step or 0 for s in known if s is not behind]
     waits = [s.step or 0 for s in waiting if s is not behind]
@@ -550,6 +550,30 @@ def _waited_for(states: list[RankState]) -> RankState | None:
         "message": f"{why} when rank {first.rank}'s collective failed: {_first_line(timeout.get('message'), 100)}"
         if why == "not in a collective"
         else f"{why} rank {first.rank}'s failed: {_first_line(timeout.get('message'), 100)}",
+        "stack": None,
+        "from_ns": behind.last_progress_ns,
+    }
+    return behind
+
+
+def _waited_for_before_the_loop(states: list[RankState]) -> RankState | None:
+    """Before the training loop (no step known, no collective span: DDP's first broadcast is inside model
+    initialisation), the ranks whose collective timed out waited for the one rank that saw no error at all:
+    only when it is the only one (with more, the launcher stopped some before their own timeout, and which
+    one held the others up is not known)."""
+    if any(s.step is not None for s in states):
+        return None
+    waiting = [s for s in states if s.consequence is not None and s.error is None]
+    quiet = [s for s in states if s.consequence is None and s.error is None and s.state != "closed"]
+    if not waiting or len(quiet) != 1:
+        return None
+    (behind,) = quiet
+    first = min(waiting, key=lambda s: s.consequence["ts"] if s.consequence else 0)
+    timeout = first.consequence or {}
+    behind.hang = {
+        "ts": timeout.get("ts"),
+        "message": f"the only rank whose collective did not fail when rank {first.rank}'s did: "
+        f"{_first_line(timeout.get('message'), 100)}",
         "stack": None,
         "from_ns": behind.last_progress_ns,
     }
