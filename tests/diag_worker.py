@@ -19,8 +19,9 @@ while fetching batch ``--fault-step``); ``sigkill``, ``sigsegv`` (a real null
 pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 ``kill_in_checkpoint``; ``hang_compute`` (sleeps in forward); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
-(from ``--fault-step`` on); ``hang_init`` (sleeps in model initialisation, before DDP's first broadcast); ``finish_early`` (leaves the training loop before that step and exits 0,
-as a rank whose data ran out); ``none``.
+(from ``--fault-step`` on); ``hang_init`` (sleeps in model initialisation, before DDP's first
+broadcast); ``finish_early`` (leaves the training loop before that step and exits 0, as a rank whose
+data ran out); ``none``.
 
 ``--fault-attempt N`` injects the fault only in attempt N (``TORCHELASTIC_RESTART_COUNT``) of a job
 launched with restarts; ``--later-fault KIND`` injects KIND (same rank and step) in the attempts after it.
