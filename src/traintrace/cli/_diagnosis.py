@@ -534,25 +534,27 @@ def _waited_for(states: list[RankState]) -> RankState | None:
     if not waiting:
         return _waited_for_before_the_loop(states)
     behind = min(known, key=_hang_key)
-    others = [s.step or 0 for s in known if s is not behind]
-    waits = [s.step or 0 for s in waiting if s is not behind]
-    lowest = min(waits) if waits else None
-    if not behind.in_collective and behind.consequence is None and lowest is not None and (behind.step or 0) <= lowest:
-        why = "not in a collective"
-    elif behind.in_collective and others and (behind.step or 0) < min(others):
-        why = f"in a collective at step {behind.step} that the others, at step {min(others)}, never joined;"
+    peers = [s for s in waiting if s is not behind]
+    if not peers:
+        return None  # only the rank's own collective failed: nothing says the others waited for it
+    first = min(peers, key=lambda s: s.consequence["ts"] if s.consequence else 0)
+    timeout = first.consequence or {}
+    said = _first_line(timeout.get("message"), 100)
+    ahead = min(s.step or 0 for s in known if s is not behind)
+    if (
+        not behind.in_collective
+        and behind.consequence is None
+        and (behind.step or 0) <= min(s.step or 0 for s in peers)
+    ):
+        message = f"not in a collective when rank {first.rank}'s collective failed: {said}"
+    elif behind.in_collective and (behind.step or 0) < ahead:
+        message = (
+            f"in a collective at step {behind.step} that the others, at step {ahead}, never joined; "
+            f"rank {first.rank}'s failed: {said}"
+        )
     else:
         return None
-    first = min((s for s in waiting if s is not behind), key=lambda s: s.consequence["ts"] if s.consequence else 0)
-    timeout = first.consequence or {}
-    behind.hang = {
-        "ts": timeout.get("ts"),
-        "message": f"{why} when rank {first.rank}'s collective failed: {_first_line(timeout.get('message'), 100)}"
-        if why == "not in a collective"
-        else f"{why} rank {first.rank}'s failed: {_first_line(timeout.get('message'), 100)}",
-        "stack": None,
-        "from_ns": behind.last_progress_ns,
-    }
+    behind.hang = {"ts": timeout.get("ts"), "message": message, "stack": None, "from_ns": behind.last_progress_ns}
     return behind
 
 

@@ -1,0 +1,76 @@
+"""The culprit rules of ``cli/_diagnosis`` on hand-made rank states: the edge cases the real faults in
+``test_diagnosis.py`` do not reach (every rule there is also shown on a real torchrun job)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traintrace.cli._diagnosis import RankState, _culprit, _same_failure, _sentence
+
+S = 1_000_000_000
+T0 = 1_800_000_000 * S
+#: The first sign of trouble: a collective timed out 10 s in.
+TIMEOUT = {"ts": T0 + 10 * S, "error_type": "RuntimeError", "message": "Timed out waiting 6000ms", "stack": None}
+
+
+def state(rank: int, **fields: Any) -> RankState:
+    return RankState(rank=rank, restart=0, stream=rank, **fields)
+
+
+def test_a_rank_whose_own_collective_failed_alone_is_not_named_a_hang() -> None:
+    """Only the rank behind timed out in its collective: nothing says the others waited for it."""
+    states = [
+        state(0, state="error", step=6, in_collective=True, consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="terminated", step=7, phase="model_forward", stopped_ns=T0 + 11 * S),
+        state(2, state="terminated", step=7, phase="model_forward", stopped_ns=T0 + 11 * S),
+    ]
+    culprit, rule = _culprit(states)
+    assert rule != "hang: the rank the collectives timed out on" and all(s.hang is None for s in states)
+    assert culprit is None or culprit.rank != 0
+
+
+def test_a_rank_ahead_of_the_waiting_ranks_is_not_named() -> None:
+    """A rank outside any collective at a later step than the ranks that timed out did not hold them up."""
+    states = [
+        state(0, state="error", step=6, in_collective=True, consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="terminated", step=8, phase="model_forward", stopped_ns=T0 + 11 * S),
+    ]
+    assert _culprit(states) == (None, "unknown")
+
+
+def test_before_the_loop_two_quiet_ranks_name_nobody() -> None:
+    """With two ranks whose collective did not fail, which one held the others up is not known."""
+    states = [
+        state(0, state="error", phase="model_initialization", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="terminated", phase="model_initialization", stopped_ns=T0 + 11 * S),
+        state(2, state="terminated", phase="model_initialization", stopped_ns=T0 + 11 * S),
+    ]
+    assert _culprit(states) == (None, "unknown")
+
+
+def test_killed_together_needs_every_rank_dead_and_nobody_warned() -> None:
+    dead = [state(r, state="ended", step=7, phase="model_forward", stopped_ns=T0 + r * 1_000_000) for r in range(3)]
+    assert _culprit(dead) == (None, "killed together")
+    assert _sentence(None, dead).startswith("killed from outside: all 3 ranks were cut off")
+    # One rank saw its peer go first (a timeout): not together; the rank that stopped first is named.
+    warned = [*dead[:2], state(2, state="error", step=7, consequence=TIMEOUT, stopped_ns=T0 + 6 * S)]
+    culprit, rule = _culprit(warned)
+    assert rule == "died first" and culprit is not None and culprit.rank == 0
+
+
+def test_a_rank_that_closed_after_the_others_failed_did_not_leave_early() -> None:
+    states = [
+        state(0, state="error", step=6, in_collective=True, consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="closed", step=7, stopped_ns=T0 + 20 * S),
+    ]
+    _, rule = _culprit(states)
+    assert rule != "left early" and not states[1].left_early
+
+
+def test_the_same_failure_compares_rank_step_phase_and_cause() -> None:
+    error = {"ts": 1, "error_type": "RuntimeError", "message": "x", "stack": None}
+    a = state(1, state="error", step=7, phase="model_backward", error=error)
+    assert _same_failure(a, state(1, state="error", step=7, phase="model_backward", error=dict(error, ts=9)))
+    assert not _same_failure(a, state(1, state="error", step=7, phase="model_forward", error=error))
+    assert not _same_failure(a, state(2, state="error", step=7, phase="model_backward", error=error))
+    assert not _same_failure(a, None)
