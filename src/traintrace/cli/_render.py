@@ -80,8 +80,8 @@ def render_summary(s: dict[str, Any]) -> str:
     if s.get("job_name"):
         title += f" ({s['job_name']})"
     out.append(
-        f"job {title}: {s['ranks_seen']} ranks on {s['hosts']} hosts, {s['streams']} streams, "
-        f"{s['restarts']} restarts, {number(s['records'])} records in {s['files']} files"
+        f"job {title}: {_n(s['ranks_seen'], 'rank')} on {_n(s['hosts'], 'host')}, {_n(s['streams'], 'stream')}, "
+        f"{_n(s['restarts'], 'restart')}, {number(s['records'])} records in {_n(s['files'], 'file')}"
     )
     out.append(f"wall time {seconds(s['wall_s'])}  ({when(s['start_ns'])} to {when(s['end_ns'])})")
     out.append(f"GOODPUT {s['goodput'] * 100:.1f}%  (productive training time / job wall time)")
@@ -320,3 +320,8 @@ def _short(text: str | None, limit: int = 80) -> str:
         return ""
     line = text.splitlines()[0] if text.splitlines() else text
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _n(count: int, noun: str) -> str:
+    """``1 host``, ``4 hosts``."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
