@@ -638,8 +638,8 @@ class Job:
                        -- the last completed plain iteration, for the diagnosis (in this pass, not one more)
                        max(r.ts) FILTER (r.status = 'ok') AS ok_ts,
                        max(r.ts + r.dur) FILTER (r.status = 'ok') AS ok_end,
-                       arg_max(r.step, r.ts) FILTER (r.status = 'ok') AS ok_step
-                       , min(r.step) AS first_step
+                       arg_max(r.step, r.ts) FILTER (r.status = 'ok') AS ok_step,
+                       min(r.step) AS first_step  -- for what a later stream redid
                 FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
                 WHERE r.kind = 'span' AND r.name = '{ITERATION}'
                 GROUP BY h.stream
