@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import pickle
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import traintrace as tt
+from tests._fault_runs import answers, run
 from traintrace.integrations.lightning import TraintraceCallback
 from traintrace.reader import read_file
 
@@ -302,18 +301,7 @@ def test_phase_timings_as_attributes(memory: tt.MemoryBackend, tmp_path: Path) -
 @pytest.mark.subprocess
 def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> None:
     """strategy='ddp' with 2 CPU processes: one stream per rank, identity from the trainer, steps equal."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
-    script = HERE / "_lightning_ddp_run.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=240,
-    )
+    done = run([sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path)], tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = int((tmp_path / "global_step.txt").read_text())
     files = sorted((tmp_path / "logs" / "ddp-test").glob("rank*.jsonl"))
@@ -341,28 +329,10 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
     script's own truth file (written without traintrace) says."""
     import json
 
-    from traintrace.cli import _analysis
-    from traintrace.cli._engine import Job
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=240,
-    )
+    done = run([sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3"], tmp_path)
     assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
     truth = json.loads((tmp_path / "fault.json").read_text())
-    job = Job.open([tmp_path / "logs" / "ddp-test"])
-    try:
-        errors = _analysis.errors(job)
-        summary = _analysis.summary(job)
-    finally:
-        job.close()
+    errors, summary = answers(tmp_path / "logs" / "ddp-test")
     culprit = errors["culprit"]
     assert culprit is not None, errors["verdict"]
     assert (culprit["rank"], culprit["step"], culprit["phase"]) == (truth["rank"], truth["step"], "model_forward")

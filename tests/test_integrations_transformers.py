@@ -176,30 +176,18 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
     step 3. `traintrace errors` on what the callback wrote names rank 1 and that step, as the script's own
     truth file says; the Trainer's checkpoint folders say which steps were kept (steps below the last one)."""
     import json
-    import subprocess
     import sys
 
-    from traintrace.cli import _analysis
-    from traintrace.cli._engine import Job
+    from tests._fault_runs import answers, run
 
-    here = Path(__file__).parent
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINTRACE_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
-    env.update(TRAINTRACE_LOG_DIR=str(tmp_path / "logs"), TRAINTRACE_JOB_ID="hf-ddp", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), env.get("PYTHONPATH", "")])
-    script = here / "_hf_ddp_run.py"
+    script = Path(__file__).parent / "_hf_ddp_run.py"
     command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "2", str(script)]
-    done = subprocess.run(
-        [*command, str(tmp_path), "3"], check=False, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240
-    )
+    logs = {"TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "hf-ddp", "HF_HUB_OFFLINE": "1"}
+    done = run([*command, str(tmp_path), "3"], tmp_path, **logs)
     assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
     truth = json.loads((tmp_path / "fault.json").read_text())
     saved = max(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
-    job = Job.open([tmp_path / "logs" / "hf-ddp"])
-    try:
-        errors = _analysis.errors(job)
-        summary = _analysis.summary(job)
-    finally:
-        job.close()
+    errors, summary = answers(tmp_path / "logs" / "hf-ddp")
     culprit = errors["culprit"]
     assert culprit is not None, errors["verdict"]
     assert (culprit["rank"], culprit["step"]) == (truth["rank"], truth["step"]), errors["verdict"]
