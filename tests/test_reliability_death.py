@@ -7,6 +7,7 @@ a training job dies; the test then reads the stream back with
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -106,6 +107,59 @@ def test_sigkill_at_random_points_keeps_everything_flushed(tmp_path: Path) -> No
         f"kill points: {KILL_POINTS}, cut final lines: {cut}, "
         f"records written after the last acknowledged flush and kept: {kept_after_flush}"
     )
+
+
+SAVE_THEN_KILLED = """
+import json, os, signal, sys, threading, time, traintrace as tt
+log_dir = sys.argv[1]
+# A flush interval far longer than the job: only a checkpoint's end makes the writer write.
+tt.configure(job_id="saved", log_dir=log_dir, backends={"file": {}, "log": False}, flush_interval=60)
+with tt.application(), tt.training_loop():
+    for step in range(3):
+        with tt.training_iteration(step):
+            pass
+    with tt.checkpoint_save(current_iteration=3):
+        pass
+    blocking = tt.start(tt.SpanName.CHECKPOINT_SAVE_ASYNC, {"current_iteration": 3})
+    tt.stop(blocking)
+    def finish_save():
+        with tt.checkpoint_save_finalization(blocking):
+            pass
+    background = threading.Thread(target=finish_save)
+    background.start()
+    background.join()
+    with open(os.path.join(log_dir, "truth.json"), "w") as truth:
+        json.dump({"steps_done": 3, "saved_at_step": 3}, truth)
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.subprocess
+def test_a_checkpoint_save_is_written_at_once_and_survives_sigkill(tmp_path: Path) -> None:
+    """SIGKILLed 0.3 s after a checkpoint save, with a 60 s flush interval: the saves' records
+    (sync, async, its background part) and every record before them are on disk, and the
+    command counts the steps the checkpoint holds as completed (the script's own truth)."""
+    script = write_script(tmp_path, "saved.py", SAVE_THEN_KILLED)
+    logs = tmp_path / "logs"
+    done = run_script(script, str(logs))
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    truth = json.loads((logs / "truth.json").read_text())
+    (stream_path,) = logs.rglob("rank0.jsonl")
+    (stream,) = read_file(stream_path).streams
+    names = [r.get("name") for r in stream.records]
+    for name in ("checkpoint_save_sync", "checkpoint_save_async", "checkpoint_save_finalization"):
+        assert name in names, names
+    (sync,) = [r for r in stream.records if r.get("name") == "checkpoint_save_sync"]
+    assert sync["attrs"]["current_iteration"] == truth["saved_at_step"]  # type: ignore[index]
+    assert names.count("iteration") == truth["steps_done"]
+
+    pytest.importorskip("duckdb")
+    from tests._fault_runs import answers
+
+    _, summary = answers(stream_path.parent)
+    assert summary["steps_completed"] == truth["saved_at_step"], summary
+    assert summary["steps_lost"] == truth["steps_done"] - truth["saved_at_step"]
 
 
 def test_cut_final_line_is_reported_and_a_restart_starts_a_fresh_line(tmp_path: Path) -> None:

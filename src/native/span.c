@@ -150,6 +150,8 @@ static PyObject *g_current = NULL;     /* the _current ContextVar */
 static PyObject *g_phases = NULL;      /* _progress.PHASE_CODES */
 static long g_iteration_code = -1;
 static long g_collective_code = -1;
+/* The phase codes of the checkpoint saves (sync, async, finalization), found in `phases`. */
+static long g_save_codes[3] = {-1, -1, -1};
 static PyObject *g_iteration_name = NULL;
 static PyObject *g_info = NULL;        /* the default level */
 static PyObject *g_ids = NULL;         /* the span id Counter, shared with record_span */
@@ -158,7 +160,7 @@ static PyObject *g_failed = NULL;      /* _progress.failed(rec, span=None, t0=0)
 static PyObject *g_reused = NULL;      /* warns once: a span entered twice */
 
 static PyObject *s_active, *s_span_started, *s_span_stopped, *s_overflow, *s_start_resolved;
-static PyObject *s_late_stop, *s_span_failed, *s_step, *s_ok, *s_append;
+static PyObject *s_late_stop, *s_span_failed, *s_step, *s_ok, *s_append, *s_wake;
 
 /* ---------------------------------------------------------------- Counter */
 
@@ -1143,6 +1145,30 @@ error:
     return NULL;
 }
 
+/* A checkpoint save that ended has the writer write it now, not at the end of the flush
+ * interval: a job killed within that time would lose the record, and with it the steps the
+ * checkpoint holds (_recorder._PySpanCore.__exit__ does the same). The wake-up is an
+ * optimisation: its failure is cleared, except what must propagate (KeyboardInterrupt). */
+static int
+wake_after_save(SpanCore *self, PyObject *rec)
+{
+    long code = 0;
+    int found = phase_code(self->name, &code);
+    if (found == 0 || (found > 0 && code != g_save_codes[0] && code != g_save_codes[1] && code != g_save_codes[2]))
+        return 0;
+    if (found > 0) {
+        PyObject *result = PyObject_CallMethodNoArgs(rec, s_wake);
+        if (result != NULL) {
+            Py_DECREF(result);
+            return 0;
+        }
+    }
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
+
 static PyObject *
 span_exit(SpanCore *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1215,6 +1241,8 @@ span_exit(SpanCore *self, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
         }
     }
+    if (wake_after_save(self, rec) < 0)
+        goto error;
 done:
     Py_XDECREF(result);
     Py_XDECREF(when);
@@ -1608,6 +1636,13 @@ install(PyObject *module, PyObject *args, PyObject *kwds)
     Py_XSETREF(g_span_class, Py_NewRef(span));
     g_iteration_code = iteration_code;
     g_collective_code = collective_code;
+    static const char *saves[3] = {"checkpoint_save_sync", "checkpoint_save_async", "checkpoint_save_finalization"};
+    for (int i = 0; i < 3; i++) {
+        PyObject *code = PyDict_GetItemString(phases, saves[i]); /* borrowed */
+        g_save_codes[i] = code != NULL && PyLong_Check(code) ? PyLong_AsLong(code) : -1;
+        if (g_save_codes[i] == -1 && PyErr_Occurred())
+            return NULL;
+    }
     installed = 1;
     Py_RETURN_NONE;
 }
@@ -1655,6 +1690,7 @@ PyInit__span(void)
     INTERN(s_overflow, "overflow")
     INTERN(s_start_resolved, "start_resolved")
     INTERN(s_late_stop, "_late_stop")
+    INTERN(s_wake, "wake")
     INTERN(s_span_failed, "_span_failed")
     INTERN(s_step, "step")
     INTERN(s_ok, "ok")

@@ -63,6 +63,10 @@ _START_DROPPED = 3
 
 _INFO = int(Verbosity.INFO)
 _ERROR = int(Verbosity.ERROR)
+#: Spans whose end has the writer write at once (the native core finds them in PHASE_CODES).
+_SAVES = frozenset(
+    {SpanName.CHECKPOINT_SAVE_SYNC, SpanName.CHECKPOINT_SAVE_ASYNC, SpanName.CHECKPOINT_SAVE_FINALIZATION}
+)
 
 
 def _load_native() -> Any:
@@ -328,6 +332,13 @@ class _PySpanCore:
                 rec._queue.append(self)
             else:
                 rec._pipeline.overflow(self)
+        # A checkpoint save is written now, not at the end of the flush interval: a job killed
+        # within that time would lose the record, and with it the steps the checkpoint holds.
+        try:
+            if self.name in _SAVES:
+                rec.wake()
+        except Exception:  # noqa: BLE001 - an optimisation; never raise into training
+            pass
 
 
 def _warn_reused(span: Span) -> None:
