@@ -49,6 +49,7 @@ from traintrace.integrations.lightning import TraintraceCallback
 FLOPS = 1.0e6
 NO_GC = False
 IN_HOOK = False
+FREEZE_GC = False
 
 
 class Tiny(L.LightningModule):
@@ -191,6 +192,137 @@ def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
     return result
 
 
+class BlockSwitch(Callback):
+    """Gives each mode's callback alternate blocks of steps of one fit, and times each block.
+
+    All the callbacks are in the trainer's list for ``setup``, the start of
+    training and the end (so each configures and closes itself as in a fit of
+    its own); between, the switch, first in the list, keeps only the current
+    block's callback after itself. Lightning reads the list at every hook, so a
+    block's steps pay exactly that callback's hooks. Measuring blocks of one
+    fit, in rotating order, removes what differs between fits (memory layout,
+    the machine's state), which on a shared VM is larger than a callback's cost.
+    A traintrace block ends with ``traintrace.flush()``, so the block pays its
+    writer's work (CPU, and the GIL it takes) instead of handing it on.
+    """
+
+    def __init__(self, modes: dict[str, Callback | None], block: int, warmup: int) -> None:
+        self.modes = modes
+        self.block = block
+        self.warmup = warmup
+        self.everyone: list[Callback] = []
+        self.current: str | None = None
+        self.order: list[str] = []
+        self.t0: dict[str, int] = {}
+        self.blocks: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
+
+    def _block_ended(self) -> None:
+        if self.current is None:
+            return
+        if self.modes[self.current] is not None and self.current in ("traintrace", "tt_attrs"):
+            tt.flush()
+        now = {name: clock() for name, clock in CLOCKS.items()}
+        self.blocks[self.current].append({name: (now[name] - self.t0[name]) / 1e9 / self.block for name in CLOCKS})
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx < self.warmup or (batch_idx - self.warmup) % self.block:
+            return
+        if not self.everyone:
+            self.everyone = list(trainer.callbacks)
+            if FREEZE_GC:
+                gc.collect()
+                gc.freeze()
+        self._block_ended()
+        if not self.order:  # a new round, in rotated order
+            names = list(self.modes)
+            turn = sum(len(v) for v in self.blocks.values()) // len(names)
+            self.order = names[turn % len(names) :] + names[: turn % len(names)]
+        self.current = self.order.pop(0)
+        active = self.modes[self.current]
+        trainer.callbacks[1:] = [] if active is None else [active]
+        self.t0 = {name: clock() for name, clock in CLOCKS.items()}
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        # A partial last block is not counted; everyone sees the end of training.
+        self.current = None
+        if self.everyone:
+            trainer.callbacks[:] = self.everyone
+
+
+def run_paired(modes: list[str], steps: int, block: int, warmup: int, folder: Path) -> dict[str, list[dict[str, float]]]:
+    """Seconds per step of each block of each mode, from one fit."""
+    torch.manual_seed(0)
+    tt.close()
+    callbacks: dict[str, Callback | None] = {"none": None, "empty": Empty()}
+    for mode in ("traintrace", "tt_attrs"):
+        if mode in modes:
+            # One traintrace configuration serves both: the callbacks differ only in their hooks.
+            callbacks[mode] = TraintraceCallback(
+                log_dir=str(folder / "paired"),
+                job_id="bench",
+                backends=[tt.FileBackendConfig()],
+                flops_per_step=FLOPS,
+                phase_spans=mode == "traintrace",
+            )
+    if "reference" in modes:
+        callbacks["reference"] = reference_callback(folder)
+    chosen = {mode: callbacks[mode] for mode in modes}
+    blocks = len(modes) * ((steps + block - 1) // block)
+    switch = BlockSwitch(chosen, block, warmup)
+    data = TensorDataset(torch.randn((warmup + (blocks + 1) * block) * 8, 32), torch.randn((warmup + (blocks + 1) * block) * 8, 32))
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[switch, *[cb for cb in chosen.values() if cb is not None]],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+    )
+    gc.collect()
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+    gc.unfreeze()
+    tt.close()
+    logging.shutdown()
+    return switch.blocks
+
+
+def report(modes: list[str], times: dict[str, list[dict[str, float]]], clocks: list[str], paired: bool) -> None:
+    """Each mode's time per step and what it adds to ``none``'s.
+
+    Paired (blocks of one fit): what a mode adds is the median over rounds of its
+    block less the same round's ``none`` block, so a slow stretch of the machine
+    cancels out. Per fit: the median of a mode's fits less the median of ``none``'s.
+    """
+    rounds = min(len(times[mode]) for mode in modes)
+    for clock in clocks:
+        print(f"\n[{clock}]")
+        print(f"{'mode':<12}{'median':>10}{'added':>10}{'q1 added':>10}{'q3 added':>10}   per block or fit (us/step)")
+        added: dict[str, float] = {}
+        for mode in modes:
+            values = [t[clock] for t in times[mode]]
+            if paired:
+                differences = [times[mode][r][clock] - times["none"][r][clock] for r in range(rounds)]
+            else:
+                base = statistics.median(t[clock] for t in times["none"])
+                differences = [v - base for v in values]
+            q1, median_added, q3 = statistics.quantiles(differences, n=4) if len(differences) > 1 else [differences[0]] * 3
+            added[mode] = statistics.median(differences)
+            runs = " ".join(f"{v * 1e6:.0f}" for v in values)
+            print(
+                f"{mode:<12}{statistics.median(values) * 1e6:>10.1f}{added[mode] * 1e6:>10.1f}"
+                f"{q1 * 1e6:>10.1f}{q3 * 1e6:>10.1f}   {runs}"
+            )
+        if "reference" in added:
+            for ours_mode in ("empty", "traintrace", "tt_attrs"):
+                if ours_mode in added:
+                    ours = added[ours_mode]
+                    ratio = f"{added['reference'] / ours:.1f}x" if ours > 0 else "n/a (none measured)"
+                    print(f"reference / {ours_mode} added time: {ratio}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
@@ -201,46 +333,55 @@ def main() -> None:
         "--in-hook", action="store_true", help="also add up the CPU time spent inside each callback's hooks"
     )
     parser.add_argument("--no-gc", action="store_true", help="disable the garbage collector during fits")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() once set up (blocks only): a full collection, which walks the whole heap "
+        "(torch, Lightning: 50-200 ms here), then lands in no block at random",
+    )
+    parser.add_argument(
+        "--per-fit", action="store_true", help="one fit per mode and round (the older method) instead of blocks of one fit"
+    )
+    parser.add_argument(
+        "--modes", default="none,empty,traintrace,tt_attrs,reference", help="comma-separated; none is always run"
+    )
+    parser.add_argument("--block", type=int, default=500, help="steps per block (the default method)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch.set_num_threads (0: torch's default, one per core); with 1, torch's worker "
+        "does not spin on the core the writer thread would use",
+    )
     args = parser.parse_args()
-    global NO_GC, IN_HOOK
+    global NO_GC, IN_HOOK, FREEZE_GC
     NO_GC = args.no_gc
+    FREEZE_GC = args.gc_freeze
     IN_HOOK = args.in_hook
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    modes = ["none", "empty", "traintrace", "tt_attrs"] + ([] if args.no_reference else ["reference"])
-    times: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    modes = ["none"] + [m for m in args.modes.split(",") if m and m != "none" and not (args.no_reference and m == "reference")]
     with tempfile.TemporaryDirectory(prefix="tt-bench-") as tmp:
         folder = Path(tmp)
         run("none", 300, 50, folder)  # warm the imports and the allocator
-        for round_index in range(args.rounds):
-            order = modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
-            for mode in order:
-                times[mode].append(run(mode, args.steps, args.warmup, folder))
-        written = {p.name: p.stat().st_size for p in folder.rglob("*") if p.is_file()}
-    print(f"steps per run: {args.steps} (timed after {args.warmup}), rounds: {args.rounds}")
-    for clock in [*CLOCKS, "in_hook_cpu"] if IN_HOOK else CLOCKS:
-        base = statistics.median(t[clock] for t in times["none"])
-        print(f"\n[{clock}]")
-        floor = min(t[clock] for t in times["none"])
-        print(f"{'mode':<12}{'median':>10}{'added':>10}{'min':>10}{'added':>10}   runs (us/step)")
-        added: dict[str, float] = {}
-        added_min: dict[str, float] = {}
-        for mode in modes:
-            values = [t[clock] for t in times[mode]]
-            median = statistics.median(values)
-            added[mode] = median - base
-            added_min[mode] = min(values) - floor
-            runs = " ".join(f"{v * 1e6:.0f}" for v in values)
+        if args.per_fit:
+            times: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+            for round_index in range(args.rounds):
+                order = modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
+                for mode in order:
+                    times[mode].append(run(mode, args.steps, args.warmup, folder))
+            print(f"one fit per mode and round: {args.steps} steps per fit (timed after {args.warmup}), {args.rounds} rounds")
+        else:
+            times = run_paired(modes, args.steps, args.block, args.warmup, folder)
             print(
-                f"{mode:<12}{median * 1e6:>10.1f}{added[mode] * 1e6:>10.1f}"
-                f"{min(values) * 1e6:>10.1f}{added_min[mode] * 1e6:>10.1f}   {runs}"
+                f"one fit, blocks of {args.block} steps given to the modes in turn (rotating order), "
+                f"{len(times['none'])} blocks per mode after {args.warmup} warm-up steps"
             )
-        if "reference" in added:
-            for label, table in (("medians", added), ("minima", added_min)):
-                for ours_mode in ("traintrace", "tt_attrs"):
-                    ours = table[ours_mode]
-                    ratio = f"{table['reference'] / ours:.1f}x" if ours > 0 else "n/a (none measured)"
-                    print(f"reference / {ours_mode} added time ({label}): {ratio}")
+        written = {p.name: p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+    clocks = list(CLOCKS) + (["in_hook_cpu"] if IN_HOOK and args.per_fit else [])
+    report(modes, times, clocks, paired=not args.per_fit)
     print("files written:", ", ".join(f"{name} {size // 1024} KiB" for name, size in sorted(written.items())))
     sys.stdout.flush()
 

@@ -297,6 +297,41 @@ def test_phase_timings_as_attributes(memory: tt.MemoryBackend, tmp_path: Path) -
         assert attrs["data_loading_ns"] > 0
 
 
+def test_lightning_calls_only_the_hooks_the_verbosity_needs(tmp_path: Path) -> None:
+    """At `tracing` Lightning never calls the phase hooks (None on the instance); a later fit at
+    `profiling` gets them back; forward ends where backward begins."""
+    callback = TraintraceCallback()
+    phase_hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+    train, val = loaders()
+    tracing = tt.MemoryBackend(verbosity=tt.Verbosity.TRACING)
+    tt.configure(backends=[], extra_backends=[tracing], statistics=False)  # statistics need the phases
+    try:
+        run = trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False)
+        run.fit(TinyModule(), train, val)
+        assert all(getattr(callback, hook) is None for hook in phase_hooks)
+        assert callback.on_before_zero_grad is None  # type: ignore[comparison-overlap]
+        assert callable(callback.on_train_batch_start)
+    finally:
+        tt.close()
+    assert len(tracing.spans(tt.SpanName.ITERATION)) == 4
+    assert tracing.spans(tt.SpanName.FORWARD) == tracing.spans(tt.SpanName.BACKWARD) == []
+
+    profiling = tt.MemoryBackend()
+    tt.configure(backends=[], extra_backends=[profiling])
+    try:
+        run = trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False)
+        run.fit(TinyModule(), train, val)
+        assert all(callable(getattr(callback, hook)) for hook in phase_hooks)
+    finally:
+        tt.close()
+    forwards = profiling.spans(tt.SpanName.FORWARD)
+    backwards = profiling.spans(tt.SpanName.BACKWARD)
+    assert len(forwards) == len(backwards) == 4
+    for forward, backward in zip(forwards, backwards, strict=True):
+        assert forward["parent"] == backward["parent"]
+        assert forward["ts"] + forward["dur"] <= backward["ts"]
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> None:

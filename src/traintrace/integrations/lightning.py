@@ -6,7 +6,7 @@
 
 Records the stage (fit/validate/test), the training loop, every training
 iteration (with ``step``, ``batch_size``, ``tokens`` and the loss), the wait
-for each batch, forward / zero_grad / backward / optimizer step, validation
+for each batch, forward / backward / optimizer step, validation
 and test loops with the metrics logged through ``self.log``, checkpoint saves
 (sync, or the blocking and background parts with ``AsyncCheckpointIO``) and
 loads, and an exception once. See docs/integrations/lightning.md for the
@@ -57,6 +57,16 @@ _TIMING_KEYS = {
     SpanName.BACKWARD: "backward_ns",
     SpanName.OPTIMIZER_STEP: "optimizer_ns",
 }
+
+#: Per-step hooks by what they time. Lightning skips a callback's hook that is not callable
+#: (``_call_callback_hooks``), and each hook it does call costs it one to three microseconds
+#: (a profiler context and a name built per call), as much as the callback's own work: a hook
+#: the verbosity does not need is set to None on the instance.
+_ITERATION_HOOKS = ("on_train_batch_start", "on_train_batch_end")
+_PHASE_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+#: Forward ends when backward begins (zeroing the gradients, between them, is too short to
+#: be worth a span, and its hook another call per step).
+_UNUSED_HOOKS = ("on_before_zero_grad",)
 
 #: Metric names the callback puts on spans itself; a logged metric never overwrites them.
 _RESERVED = frozenset(
@@ -307,6 +317,7 @@ class TraintraceCallback(Callback):
         self._live_phases = bool(getattr(rec, "_listeners", ()))
         self._every = max(1, int(self.metrics_every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1))
         self._failed = False
+        self._skip_unneeded_hooks()
         if isinstance(self.flops_per_step, int | float) and not isinstance(self.flops_per_step, bool):
             self._flops = float(self.flops_per_step)
         if not self._info:
@@ -332,6 +343,19 @@ class TraintraceCallback(Callback):
         self._stage = self._start(name, attrs, _INFO)
         if self.trace_checkpoint_io:
             self._wrap_checkpoint_io(trainer)
+
+    def _skip_unneeded_hooks(self) -> None:
+        """Hide the per-step hooks this verbosity does not need from Lightning (see ``_ITERATION_HOOKS``)."""
+        unneeded = list(_UNUSED_HOOKS)
+        if not self._profile:
+            unneeded += _PHASE_HOOKS
+        if not self._trace:
+            unneeded += _ITERATION_HOOKS
+        for hook in (*_ITERATION_HOOKS, *_PHASE_HOOKS, *_UNUSED_HOOKS):
+            if hook in unneeded:
+                self.__dict__[hook] = None
+            else:
+                self.__dict__.pop(hook, None)  # a later setup at a higher verbosity needs it again
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._unwrap_checkpoint_io()
@@ -446,11 +470,6 @@ class TraintraceCallback(Callback):
             self._start_flop_counter()
         if self._profile:
             self._phase_to(SpanName.FORWARD)
-
-    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        # Forward ends here; zeroing gradients is too short to be worth a span per step.
-        if self._phase is not None:
-            self._phase_to(None)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         if self._profile:
