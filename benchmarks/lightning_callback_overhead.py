@@ -249,7 +249,9 @@ class BlockSwitch(Callback):
             trainer.callbacks[:] = self.everyone
 
 
-def run_paired(modes: list[str], steps: int, block: int, warmup: int, folder: Path) -> dict[str, list[dict[str, float]]]:
+def run_paired(
+    modes: list[str], steps: int, block: int, warmup: int, folder: Path
+) -> dict[str, list[dict[str, float]]]:
     """Seconds per step of each block of each mode, from one fit."""
     torch.manual_seed(0)
     tt.close()
@@ -269,7 +271,9 @@ def run_paired(modes: list[str], steps: int, block: int, warmup: int, folder: Pa
     chosen = {mode: callbacks[mode] for mode in modes}
     blocks = len(modes) * ((steps + block - 1) // block)
     switch = BlockSwitch(chosen, block, warmup)
-    data = TensorDataset(torch.randn((warmup + (blocks + 1) * block) * 8, 32), torch.randn((warmup + (blocks + 1) * block) * 8, 32))
+    data = TensorDataset(
+        torch.randn((warmup + (blocks + 1) * block) * 8, 32), torch.randn((warmup + (blocks + 1) * block) * 8, 32)
+    )
     trainer = L.Trainer(
         max_epochs=1,
         accelerator="cpu",
@@ -308,7 +312,7 @@ def report(modes: list[str], times: dict[str, list[dict[str, float]]], clocks: l
             else:
                 base = statistics.median(t[clock] for t in times["none"])
                 differences = [v - base for v in values]
-            q1, median_added, q3 = statistics.quantiles(differences, n=4) if len(differences) > 1 else [differences[0]] * 3
+            q1, _, q3 = statistics.quantiles(differences, n=4) if len(differences) > 1 else [differences[0]] * 3
             added[mode] = statistics.median(differences)
             runs = " ".join(f"{v * 1e6:.0f}" for v in values)
             print(
@@ -340,7 +344,9 @@ def main() -> None:
         "(torch, Lightning: 50-200 ms here), then lands in no block at random",
     )
     parser.add_argument(
-        "--per-fit", action="store_true", help="one fit per mode and round (the older method) instead of blocks of one fit"
+        "--per-fit",
+        action="store_true",
+        help="one fit per mode and round (the older method) instead of blocks of one fit",
     )
     parser.add_argument(
         "--modes", default="none,empty,traintrace,tt_attrs,reference", help="comma-separated; none is always run"
@@ -362,7 +368,9 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    modes = ["none"] + [m for m in args.modes.split(",") if m and m != "none" and not (args.no_reference and m == "reference")]
+    modes = ["none"] + [
+        m for m in args.modes.split(",") if m and m != "none" and not (args.no_reference and m == "reference")
+    ]
     with tempfile.TemporaryDirectory(prefix="tt-bench-") as tmp:
         folder = Path(tmp)
         run("none", 300, 50, folder)  # warm the imports and the allocator
@@ -372,7 +380,10 @@ def main() -> None:
                 order = modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
                 for mode in order:
                     times[mode].append(run(mode, args.steps, args.warmup, folder))
-            print(f"one fit per mode and round: {args.steps} steps per fit (timed after {args.warmup}), {args.rounds} rounds")
+            print(
+                f"one fit per mode and round: {args.steps} steps per fit (timed after {args.warmup}), "
+                f"{args.rounds} rounds"
+            )
         else:
             times = run_paired(modes, args.steps, args.block, args.warmup, folder)
             print(

@@ -102,6 +102,7 @@ def main() -> None:
     parser.add_argument("--gloo-timeout", type=float, default=6.0)
     # traintrace's hang detection; 0 turns it off (then only the collective's timeout ends a hang).
     parser.add_argument("--hang-timeout", type=float, default=1.5)
+    parser.add_argument("--flush-interval", type=float, default=0.1)
     # Seconds a rank stays alive after an exception left main (and traintrace recorded it), before
     # exiting: a process slow to tear down on a loaded machine.
     parser.add_argument("--linger", type=float, default=0.0)
@@ -120,7 +121,9 @@ def main() -> None:
         os.kill(os.getpid(), signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)  # a user's own handler: traintrace records, then calls it
-    tt.configure(hang_timeout=args.hang_timeout, hang_check_interval=0.25, flush_interval=0.1, log_interval=5)
+    tt.configure(
+        hang_timeout=args.hang_timeout, hang_check_interval=0.25, flush_interval=args.flush_interval, log_interval=5
+    )
     if args.linger:
         recorded = sys.excepthook
 

@@ -267,6 +267,20 @@ def wait_for_step(process: subprocess.Popen[str], truth: Path, rank: int, step: 
         time.sleep(0.005)
 
 
+def kill_the_job(truth: Path) -> list[int]:
+    """SIGKILL to the launcher and every worker (each has the truth folder on its command line)."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        try:
+            mine = str(truth).encode() in (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.name.isdigit() and mine:
+            os.kill(int(entry.name), signal.SIGKILL)
+            killed.append(int(entry.name))
+    return killed
+
+
 def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
     """SIGKILL to the launcher and every rank at once while they run step 7 (the scheduler's kill, the OOM
     killer on a whole node): no rank failed first, so none is named; each rank's step is the one it ran."""
@@ -274,14 +288,7 @@ def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
 
     def kill_everything(process: subprocess.Popen[str], truth: Path) -> None:
         wait_for_step(process, truth, 0, 7)
-        for entry in Path("/proc").iterdir():
-            try:
-                mine = str(truth).encode() in (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if entry.name.isdigit() and mine:
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
+        killed.extend(kill_the_job(truth))
 
     run = launch(tmp_path, 3, during=kill_everything)
     assert run.returncode == -signal.SIGKILL and len(killed) == 4, (run.returncode, killed)  # launcher and 3 ranks
@@ -293,6 +300,32 @@ def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
         started = [m["step"] for m in run.marks()[state["rank"]] if m["event"] == "step_start"]
         assert state["step"] == started[-1], (state, started[-1])
         assert f"{state['rank']}" in errors["verdict"].split(";", 1)[1]
+
+
+def test_the_whole_job_killed_just_after_a_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL to everything 50 ms after rank 0's save after step 9 ends, with a 2 s flush interval: the save's
+    record is on disk (its end wakes the writer), so the 10 steps it holds count as completed, as the worker's
+    own marks say; it used to be lost with the last flush interval, and the steps with it."""
+
+    def kill_after_the_save(process: subprocess.Popen[str], truth: Path) -> None:
+        deadline = time.monotonic() + 120
+        mark = truth / "rank0.jsonl"
+        while time.monotonic() < deadline and process.poll() is None:
+            lines = mark.read_text().splitlines() if mark.exists() else []
+            if any(json.loads(x).get("event") == "checkpoint_end" and json.loads(x).get("step") == 10 for x in lines):
+                break
+            time.sleep(0.002)
+        time.sleep(0.05)
+        kill_the_job(truth)
+
+    run = launch(tmp_path, 3, "--flush-interval", "2", during=kill_after_the_save)
+    assert run.returncode == -signal.SIGKILL, run.output[-2000:]
+    saved = [m["step"] for m in run.marks()[0] if m["event"] == "checkpoint_end"]
+    assert saved[-1] == 10, saved
+    errors = run.cli("errors")
+    assert errors["rule"] == "killed together", errors["verdict"]
+    summary = run.cli("summary")
+    assert summary["steps_completed"] == saved[-1], summary
 
 
 def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
