@@ -79,6 +79,21 @@ def test_steps_and_phases_follow_the_training_thread(tmp_path: Path) -> None:
     assert stream_state(closed) == FINISHED
 
 
+def test_the_writer_stamps_the_file_while_nothing_is_recorded(tmp_path: Path) -> None:
+    """A rank stuck in one phase records nothing, yet its file says until when the process lived: the
+    writer stamps it every cycle (what `errors` measures a hang killed from outside with)."""
+    tt.configure(log_dir=str(tmp_path), job_id="j", flush_interval=0.05)
+    with tt.training_loop(), tt.training_iteration(0), tt.forward():
+        entered = _progress_now()
+        assert entered.alive_ns is not None and entered.phase_started_ns is not None
+        time.sleep(0.4)
+        later = _progress_now()
+        assert later.phase_started_ns == entered.phase_started_ns and later.counter == entered.counter
+        assert later.alive_ns is not None and later.alive_ns - entered.alive_ns >= 0.2e9
+        assert abs(later.alive_ns - time.time_ns()) < 0.3e9
+    tt.close()
+
+
 def test_iteration_without_a_step_counts_from_zero_and_tensors_do_not_hide_it(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     tt.configure(log_dir=str(tmp_path), job_id="j", log_interval=1000)

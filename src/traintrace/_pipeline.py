@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._names import EventName, RecordKind, SpanStatus, Verbosity
+from ._progress import S_ALIVE
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
 from ._sanitize import MAX_INT, bound_key, clip_text, convert_mapping
@@ -251,6 +252,8 @@ class Pipeline:
         #: The most verbose level any backend writes (-1: none).
         self.max_route_level = max((r.level for r in self.routes), default=-1)
         self._wake = Wakeup()
+        #: The progress file's int64 view, stamped each cycle (set by _progress.attach; None without one).
+        self.alive_slot: Any = None
         self._flush_waiters: list[threading.Event] = []
         self._closing: str | None = None
         #: time.monotonic() by which close must be done (set by close()); None while running
@@ -486,6 +489,14 @@ class Pipeline:
 
     def _cycle_body(self, drain: bool, waiters: list[threading.Event]) -> None:
         self._refresh_anchor()
+        alive = self.alive_slot
+        if alive is not None:
+            # In the progress file, which the kernel keeps: a killed rank's file says until when it lived,
+            # so a rank stuck since long before the kill is told from one a phase behind (docs/format.md).
+            try:
+                alive[S_ALIVE] = time.perf_counter_ns()
+            except Exception:  # noqa: BLE001 - a released view: no more stamps
+                self.alive_slot = None
         wrote = False
         queue = self.queue
         budget = len(queue)

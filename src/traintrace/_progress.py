@@ -63,6 +63,8 @@ S_STEP_T0: Final = 18
 S_LAST_STEP_NS: Final = 19
 S_COLLECTIVE_T0: Final = 20
 S_STEPS_DONE: Final = 21
+#: The writer thread's last cycle (every ``flush_interval``, records or not): the process was alive then.
+S_ALIVE: Final = 22
 #: The phase code's bits in the update word; the counter counts in steps of this.
 PHASE_BITS: Final = 8
 COUNTER_STEP: Final = 1 << PHASE_BITS
@@ -142,6 +144,7 @@ class ProgressFile:
         slots[S_STATE] = STATE_RUNNING
         slots[S_STEP] = -1
         slots[S_UPDATED] = mono
+        slots[S_ALIVE] = mono
         slots[S_CLOCK_OFFSET] = wall - mono
         slots[S_CREATED] = wall
         slots.release()
@@ -242,6 +245,7 @@ def attach(recorder: Recorder, config: Any, identity: Identity) -> None:
     recorder._progress_file = opened
     recorder._progress_tid = threading.get_ident()
     recorder._progress = opened.view
+    recorder._pipeline.alive_slot = opened.view
     _attached.add(recorder)
 
 
@@ -249,6 +253,7 @@ def finish(recorder: Recorder, state: int) -> None:
     """Mark the file closed/terminated/error at the recorder's close and unmap it."""
     opened: ProgressFile | None = getattr(recorder, "_progress_file", None)
     recorder._progress = None
+    recorder._pipeline.alive_slot = None
     recorder._progress_file = None
     if opened is None:
         return
@@ -297,6 +302,7 @@ def _after_fork_in_child() -> None:
     # The parent's mapping is shared: the child must never write it.
     for recorder in list(_attached):
         recorder._progress = None
+        recorder._pipeline.alive_slot = None
         recorder._progress_file = None
     _attached.clear()
 

@@ -468,6 +468,8 @@ class RecordSink(Protocol):
     header: dict[str, Any]
     dropped: int
     routes: list[Route]
+    #: The progress file's int64 view, stamped by the writer every cycle (None: no file).
+    alive_slot: Any
 
     def overflow(self, item: Any, lost: int = 1) -> bool:
         """The queue is full: wait or drop and count ``lost`` records (0 for a span's start). True if queued."""

@@ -32,6 +32,7 @@ from ._progress import (
     JOB_AT,
     MAGIC,
     PHASE_NAMES,
+    S_ALIVE,
     S_CLOCK_OFFSET,
     S_COLLECTIVE,
     S_COLLECTIVE_T0,
@@ -85,7 +86,7 @@ DEAD: Final = "dead"
 #: when its process cannot be checked (another host).
 RECENT_S: Final = 60.0
 
-_SLOTS = 22
+_SLOTS = 23
 _MAX_I64 = (1 << 63) - 1
 
 
@@ -125,6 +126,9 @@ class Progress:
     last_step_ns: int | None = None
     #: When the rank entered the collective it is in (None when not in one).
     collective_started_ns: int | None = None
+    #: The writer thread's last cycle (every ``flush_interval``): the process was alive then. None in a
+    #: file written before traintrace 0.2.
+    alive_ns: int | None = None
     created_ns: int = 0
     version: int = 1
     path: str = ""
@@ -212,6 +216,7 @@ def parse_progress(raw: bytes, path: str = "") -> Progress | None:
             step_started_ns=wall(slots[S_STEP_T0]),
             last_step_ns=last_step if last_step > 0 else None,
             collective_started_ns=wall(slots[S_COLLECTIVE_T0]) if in_collective else None,
+            alive_ns=wall(slots[S_ALIVE]),
             created_ns=slots[S_CREATED],
             version=slots[S_VERSION],
             path=path,
