@@ -74,3 +74,67 @@ def test_the_same_failure_compares_rank_step_phase_and_cause() -> None:
     assert not _same_failure(a, state(1, state="error", step=7, phase="model_forward", error=error))
     assert not _same_failure(a, state(2, state="error", step=7, phase="model_backward", error=error))
     assert not _same_failure(a, None)
+
+
+def killed(rank: int, *, waiting: bool, since_s: float, alive_s: float, step: int = 7, **fields: Any) -> RankState:
+    """A rank of a job killed from outside, as its progress file tells it (times in seconds after T0)."""
+    return state(
+        rank,
+        state="ended",
+        step=step,
+        phase="model_backward" if waiting else "model_forward",
+        in_collective=waiting,
+        since_ns=T0 + int(since_s * S),
+        alive_ns=T0 + int(alive_s * S),
+        last_step_ns=fields.pop("last_step_ns", 30_000_000),
+        **fields,
+    )
+
+
+def test_killed_while_waiting_names_the_one_rank_the_others_waited_for() -> None:
+    stuck = [killed(0, waiting=True, since_s=1.01, alive_s=61), killed(1, waiting=False, since_s=1, alive_s=61)]
+    culprit, rule = _culprit(stuck)
+    assert rule == "killed while waiting for a rank" and culprit is not None and culprit.rank == 1
+    assert culprit.stuck_ns == 60 * S
+    assert _sentence(culprit, stuck).startswith(
+        "rank 1 hung in forward at step 7, not in a collective: no progress for 60 s when the whole job was killed"
+    )
+
+
+def test_killed_while_waiting_needs_a_long_wait_on_every_side_and_one_rank_behind() -> None:
+    def rule(states: list[RankState]) -> str:
+        return _culprit(states)[1]
+
+    # Killed 0.5 s after the phases began: ranks in lockstep, a phase apart, prove nothing.
+    assert rule(
+        [killed(0, waiting=True, since_s=1, alive_s=1.5), killed(1, waiting=False, since_s=1, alive_s=1.5)]
+    ) == ("killed together")
+    # Slow steps (10 s each): 60 s is six steps, not a hang.
+    slow = {"last_step_ns": 10 * S}
+    assert (
+        rule(
+            [
+                killed(0, waiting=True, since_s=1, alive_s=61, **slow),
+                killed(1, waiting=False, since_s=1, alive_s=61, **slow),
+            ]
+        )
+        == "killed together"
+    )
+    # The waiting rank's own file says it moved 0.2 s before the kill.
+    assert rule(
+        [killed(0, waiting=True, since_s=60.8, alive_s=61), killed(1, waiting=False, since_s=1, alive_s=61)]
+    ) == ("killed together")
+    # Two ranks outside a collective: which one held the others is not known.
+    two = [
+        killed(0, waiting=True, since_s=1, alive_s=61),
+        *(killed(r, waiting=False, since_s=1, alive_s=61) for r in (1, 2)),
+    ]
+    assert rule(two) == "killed together"
+    # The rank outside the collectives is a step ahead of them: it did not hold them up.
+    assert rule(
+        [killed(0, waiting=True, since_s=1, alive_s=61), killed(1, waiting=False, since_s=1, alive_s=61, step=8)]
+    ) == ("killed together")
+    # A file from before the writer's stamp (no alive time): nothing to measure with.
+    old = [killed(0, waiting=True, since_s=1, alive_s=61), killed(1, waiting=False, since_s=1, alive_s=61)]
+    old[1].alive_ns = None
+    assert rule(old) == "killed together"

@@ -328,6 +328,48 @@ def test_the_whole_job_killed_just_after_a_checkpoint(tmp_path: Path) -> None:
     assert summary["steps_completed"] == saved[-1], summary
 
 
+def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
+    """Rank 1 hangs in forward at step 6; before any timeout or hang report, the whole job is SIGKILLed (the
+    scheduler's time limit). The progress files say the others had waited in a collective since, and until when
+    each process lived: rank 1 is named, stuck as long as the test's own clock says."""
+    times: dict[str, float] = {}
+
+    def kill_after_the_hang(process: subprocess.Popen[str], truth: Path) -> None:
+        deadline = time.monotonic() + 120
+        mark = truth / "rank1.jsonl"
+        while time.monotonic() < deadline and process.poll() is None:
+            lines = mark.read_text().splitlines() if mark.exists() else []
+            if any(json.loads(x).get("event") == "fault" for x in lines if x.strip()):
+                break
+            time.sleep(0.005)
+        time.sleep(3.0)
+        times["killed"] = time.time()
+        kill_the_job(truth)
+
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6"),
+        *("--hang-timeout", "0", "--gloo-timeout", "60"),
+        during=kill_after_the_hang,
+    )
+    assert run.returncode == -signal.SIGKILL, run.output[-2000:]
+    fault = fault_step_of(run, 1)
+    errors = run.cli("errors")
+    assert errors["rule"] == "killed while waiting for a rank", errors["verdict"]
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, fault["step"], "model_forward")
+    assert errors["verdict"].startswith("rank 1 hung in forward at step 6, not in a collective: no progress for ")
+    # Stuck from forward's start (after the step's start mark, before the fault mark) to the kill by the test's
+    # clock, less up to a writer cycle (0.1 s) and scheduling.
+    began = next(m["ts"] for m in run.marks()[1] if m["event"] == "step_start" and m["step"] == fault["step"])
+    low, high = times["killed"] - fault["ts"] / 1e9 - 0.5, times["killed"] - began / 1e9
+    assert low <= culprit["stuck_ns"] / 1e9 <= high, (culprit["stuck_ns"], low, high)
+    others = [r for r in errors["rank_states"] if r["rank"] != 1]
+    assert all(r["in_collective"] and r["step"] == 6 for r in others), others
+    assert "ranks 0 and 2 were waiting in a collective" in errors["verdict"], errors["verdict"]
+
+
 def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
     """SIGKILL to ranks 1 and 2 at once while they run step 7 (a node lost, the OOM killer); the launcher stops
     the others: one of the two is named, and the verdict says the other was killed too."""

@@ -56,10 +56,16 @@ PHASE_LABELS = {
 #: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
 #: this much clock skew between hosts is tolerated.
 SKEW_NS = 50_000_000
+#: The progress file and the stream date one instant from two readings of the clocks: apart by up to this.
+CLOCKS_NS = 1_000_000
 #: The failed attempts before the one the verdict is about that are compared with it (a crash loop's latest).
 MAX_COMPARED = 8
 #: Spans an exception unwound end up to this long before its error record is written.
 UNWIND_NS = 1_000_000_000
+#: In a job killed from outside, a rank had been stuck when it and the ranks waiting for it had not moved for
+#: at least this long before their writers' last stamp, and STUCK_STEPS times their last step's duration.
+STUCK_NS = 1_000_000_000
+STUCK_STEPS = 10
 
 
 @dataclass
@@ -86,6 +92,13 @@ class RankState:
     fault_stacks: str | None = None
     #: It finished normally (closed, no error) before the others' trouble: they waited for it (uneven data).
     left_early: bool = False
+    #: From the progress file: when the rank entered what it was doing (its collective, else its phase), the
+    #: writer thread's last stamp (the process lived until then) and its last completed step's duration.
+    since_ns: int | None = None
+    alive_ns: int | None = None
+    last_step_ns: int | None = None
+    #: The job was killed from outside while the others waited for this rank, stuck this long.
+    stuck_ns: int | None = None
 
     def doing(self) -> str:
         """What the rank was doing, as a phrase: "waiting in a collective in backward at step 7"."""
@@ -417,8 +430,8 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
     if st.state == "exited" and f["closed"]:
         return  # sys.exit(): the stream has every record, and the file counts the step it ended as done
     updated = int(getattr(progress, "updated_ns", 0) or 0)
-    if updated < (f["end_ts"] or 0):
-        return
+    if updated + CLOCKS_NS < (f["end_ts"] or 0):
+        return  # the stream went on after the file's last update: it knows more
     step, phase = getattr(progress, "step", None), getattr(progress, "phase", None)
     done = getattr(progress, "step_done", None)
     if isinstance(step, int):
@@ -428,6 +441,10 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
         st.in_collective = bool(getattr(progress, "in_collective", False)) or phase == COLLECTIVE
         if phase != COLLECTIVE:
             st.phase = phase
+    collective = getattr(progress, "collective_started_ns", None)
+    st.since_ns = collective if st.in_collective and collective else getattr(progress, "phase_started_ns", None)
+    st.alive_ns = getattr(progress, "alive_ns", None)
+    st.last_step_ns = getattr(progress, "last_step_ns", None)
     if st.state in ("killed", "exited", "ended"):
         st.stopped_ns = max(st.stopped_ns or 0, updated)
     st.source.append("progress file")
@@ -478,8 +495,12 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
     if raised:
         return min(raised, key=lambda s: (s.error["ts"] if s.error else 0, s.rank)), "first exception"
     if _killed_together(states):
-        # Nobody saw trouble before dying: no rank went first. (One rank behind the others when the kill came
-        # is not evidence of a hang: ranks in lockstep are a phase apart at any instant.)
+        # Nobody saw trouble before dying: no rank went first. One rank behind the others when the kill came is
+        # not evidence of a hang (ranks in lockstep are a phase apart at any instant), unless the progress files
+        # say it and the others had not moved for long before it.
+        stuck = _stuck_when_killed(states)
+        if stuck is not None:
+            return stuck, "killed while waiting for a rank"
         return None, "killed together"
     # A rank that died (a signal, or its stream just stopped) before any other rank saw trouble.
     died = [s for s in states if s.state in ("killed", "terminated", "exited", "ended")]
@@ -522,6 +543,32 @@ def _killed_together(states: list[RankState]) -> bool:
     return len(states) > 1 and all(
         s.state in ("killed", "ended") and s.error is None and s.consequence is None and s.hang is None for s in states
     )
+
+
+def _stuck_when_killed(states: list[RankState]) -> RankState | None:
+    """In a job killed from outside (the scheduler's time limit on a hung job), the rank the others waited
+    for: the only rank not in a collective, at their step or behind, whose progress file says it had been in
+    its phase for at least STUCK_NS (and STUCK_STEPS steps) when its writer last stamped the file, while every
+    other rank had been waiting in a collective as long by its own file."""
+    if any(s.since_ns is None or s.alive_ns is None for s in states):
+        return None
+    waiting = [s for s in states if s.in_collective]
+    behind = [s for s in states if not s.in_collective]
+    if len(behind) != 1 or not waiting:
+        return None
+    rank = behind[0]
+    if rank.step is None or any(s.step is None or s.step < rank.step for s in waiting):
+        return None
+    steps = sorted(s.last_step_ns for s in states if s.last_step_ns)
+    least = max(STUCK_NS, STUCK_STEPS * steps[len(steps) // 2]) if steps else STUCK_NS
+
+    def still(s: RankState) -> int:
+        return (s.alive_ns or 0) - (s.since_ns or 0)
+
+    if still(rank) < least or any(still(s) < least for s in waiting):
+        return None
+    rank.stuck_ns = still(rank)
+    return rank
 
 
 def _waited_for(states: list[RankState]) -> RankState | None:
@@ -602,6 +649,8 @@ def _hang_key(s: RankState) -> tuple[float, int, float, int]:
 
 
 def _cause(s: RankState) -> str:
+    if s.stuck_ns is not None:
+        return f"hang: no progress for {s.stuck_ns / 1e9:.1f} s, then the whole job was killed from outside"
     if s.hang is not None and s.error is None:
         then = {"terminated": f"; then terminated by {s.signal or 'SIGTERM'}", "killed": "; then killed"}
         return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
@@ -656,6 +705,11 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         return f"failed, cause unclear: the first sign is on rank {first.rank}, which {_cause(first)} {first.doing()}"
     if culprit.state == "error" and culprit.error is not None:
         head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
+    elif culprit.stuck_ns is not None:
+        head = (
+            f"rank {culprit.rank} hung {culprit.doing()}, not in a collective: no progress for "
+            f"{culprit.stuck_ns / 1e9:.0f} s when the whole job was killed from outside"
+        )
     elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
         head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
     elif culprit.hang is not None or culprit.state == "hung":
