@@ -138,3 +138,39 @@ def test_killed_while_waiting_needs_a_long_wait_on_every_side_and_one_rank_behin
     old = [killed(0, waiting=True, since_s=1, alive_s=61), killed(1, waiting=False, since_s=1, alive_s=61)]
     old[1].alive_ns = None
     assert rule(old) == "killed together"
+
+
+def terminated(rank: int, at_s: float, **fields: Any) -> RankState:
+    return state(
+        rank,
+        state="terminated",
+        signal="SIGTERM",
+        step=7,
+        phase="model_forward",
+        stopped_ns=T0 + int(at_s * S),
+        **fields,
+    )
+
+
+def test_terminated_together_needs_the_signal_at_once_or_the_launchers_word() -> None:
+    together = [terminated(0, 10.0), terminated(1, 10.02), terminated(2, 10.01)]
+    assert _culprit(together) == (None, "terminated together")
+    assert _sentence(None, together).startswith(
+        "terminated by SIGTERM from outside: all 3 ranks got the signal at once, none failed first"
+    )
+    # One rank signalled from outside; the launcher stopped the others 0.3 s later: that rank is named.
+    one_first = [terminated(0, 10.3), terminated(1, 10.3), terminated(2, 10.0)]
+    culprit, rule = _culprit(one_first)
+    assert rule == "died first" and culprit is not None and culprit.rank == 2
+    # The launcher says it got SIGTERM itself: together however late a rank stuck in C code handled it, even
+    # one the launcher had to kill.
+    told = [terminated(0, 10.0, launcher_signal="SIGTERM"), terminated(1, 12.0, launcher_signal="SIGTERM")]
+    told.append(state(2, state="killed", signal="SIGKILL", step=7, stopped_ns=T0 + 40 * S, launcher_signal="SIGTERM"))
+    assert _culprit(told) == (None, "terminated together")
+    assert _sentence(None, told).startswith("terminated by SIGTERM from outside: the launcher and all 3 ranks")
+    # A rank that raised first is the culprit whatever came after.
+    raised = [
+        *together[:2],
+        state(2, state="error", step=7, error=TIMEOUT | {"error_type": "ValueError"}, stopped_ns=T0),
+    ]
+    assert _culprit(raised)[1] == "first exception"

@@ -267,8 +267,8 @@ def wait_for_step(process: subprocess.Popen[str], truth: Path, rank: int, step: 
         time.sleep(0.005)
 
 
-def kill_the_job(truth: Path) -> list[int]:
-    """SIGKILL to the launcher and every worker (each has the truth folder on its command line)."""
+def kill_the_job(truth: Path, sig: int = signal.SIGKILL) -> list[int]:
+    """``sig`` to the launcher and every worker (each has the truth folder on its command line)."""
     killed = []
     for entry in Path("/proc").iterdir():
         try:
@@ -276,7 +276,7 @@ def kill_the_job(truth: Path) -> list[int]:
         except OSError:
             continue
         if entry.name.isdigit() and mine:
-            os.kill(int(entry.name), signal.SIGKILL)
+            os.kill(int(entry.name), sig)
             killed.append(int(entry.name))
     return killed
 
@@ -368,6 +368,54 @@ def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
     others = [r for r in errors["rank_states"] if r["rank"] != 1]
     assert all(r["in_collective"] and r["step"] == 6 for r in others), others
     assert "ranks 0 and 2 were waiting in a collective" in errors["verdict"], errors["verdict"]
+
+
+@pytest.mark.parametrize("hung", [False, True])
+def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool) -> None:
+    """SIGTERM to the launcher and every rank at once (the scheduler's time limit: Slurm signals every task),
+    while the job trains, or while rank 1 hangs in forward: no rank is blamed for the signal; a hang is named."""
+    times: dict[str, float] = {}
+
+    def terminate_everything(process: subprocess.Popen[str], truth: Path) -> None:
+        if hung:
+            deadline = time.monotonic() + 120
+            mark = truth / "rank1.jsonl"
+            while time.monotonic() < deadline and process.poll() is None:
+                lines = mark.read_text().splitlines() if mark.exists() else []
+                if any(json.loads(x).get("event") == "fault" for x in lines if x.strip()):
+                    break
+                time.sleep(0.005)
+            time.sleep(3.0)
+        else:
+            wait_for_step(process, truth, 0, 7)
+        times["signalled"] = time.time()
+        kill_the_job(truth, signal.SIGTERM)
+
+    fault = ("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6") if hung else ()
+    run = launch(tmp_path, 3, *fault, "--hang-timeout", "0", "--gloo-timeout", "60", during=terminate_everything)
+    errors = run.cli("errors")
+    if not hung:
+        assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
+        assert errors["verdict"].startswith(
+            "terminated by SIGTERM from outside: the launcher and all 3 ranks got the signal at once, none failed first"
+        ), errors["verdict"]
+        for state in errors["rank_states"]:
+            started = [m["step"] for m in run.marks()[state["rank"]] if m["event"] == "step_start"]
+            assert state["step"] == started[-1], (state, started[-1])
+        return
+    assert errors["rule"] == "terminated while waiting for a rank", errors["verdict"]
+    fault_mark = fault_step_of(run, 1)
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, fault_mark["step"], "model_forward")
+    assert errors["verdict"].startswith(
+        "rank 1 hung in forward at step 6, not in a collective: no progress for 3 s when the whole job was "
+        "terminated by SIGTERM from outside; ranks 0 and 2 were waiting in a collective in backward at step 6"
+    ), errors["verdict"]
+    # From forward's start to the signal, by the worker's marks and the test's clock (the signal is handled
+    # within milliseconds of the kill).
+    began = next(m["ts"] for m in run.marks()[1] if m["event"] == "step_start" and m["step"] == fault_mark["step"])
+    low, high = times["signalled"] - fault_mark["ts"] / 1e9 - 0.5, times["signalled"] - began / 1e9 + 0.5
+    assert low <= culprit["stuck_ns"] / 1e9 <= high, (culprit["stuck_ns"], low, high)
 
 
 def test_two_ranks_killed_at_once(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -53,6 +54,13 @@ _AGENT = EventSource.AGENT
 
 
 # ---------------------------------------------------------------- the launcher
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _max_nodes(nnodes: str) -> int:
@@ -197,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise
     except BaseException as exc:
         summary["error_type"] = type(exc).__name__
+        sigval = getattr(exc, "sigval", None)  # torchrun's SignalException: the launcher itself got a signal
+        if isinstance(sigval, int):
+            summary["signal"] = _signal_name(sigval)
         failures = getattr(exc, "failures", None)
         if isinstance(failures, dict):
             summary["failed_ranks"] = sorted(int(rank) for rank in failures)

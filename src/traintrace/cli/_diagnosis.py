@@ -99,6 +99,8 @@ class RankState:
     last_step_ns: int | None = None
     #: The job was killed from outside while the others waited for this rank, stuck this long.
     stuck_ns: int | None = None
+    #: The signal the launcher itself got (the job was ended from outside), from its ``job_end`` record.
+    launcher_signal: str | None = None
 
     def doing(self) -> str:
         """What the rank was doing, as a phrase: "waiting in a collective in backward at step 7"."""
@@ -216,6 +218,7 @@ class _Facts:
 
     def __init__(self, job: Job) -> None:
         self.failures = _launcher_failures(job)
+        self.launcher_signal = _launcher_signal(job)
         self.errors: dict[int, list[dict[str, Any]]] = {}
         for e in job.dicts(
             "SELECT stream, ts, name, error_type, message, stack, span, attrs FROM other "
@@ -249,6 +252,21 @@ class _Facts:
                 """
             )
         }
+
+
+def _launcher_signal(job: Job) -> str | None:
+    """The signal a launcher got itself (``traintrace-run`` records torchrun's SignalException in ``job_end``)."""
+    for (attrs_text,) in job.rows(
+        f"SELECT attrs FROM other WHERE is_agent AND kind = 'event' AND name = '{EventType.JOB_END.value}' ORDER BY ts"
+    ):
+        try:
+            attrs = json.loads(attrs_text) if isinstance(attrs_text, str) else dict(attrs_text or {})
+        except ValueError:
+            continue
+        data = attrs.get("data")
+        if isinstance(data, dict) and isinstance(data.get("signal"), str):
+            return str(data["signal"])
+    return None
 
 
 def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
@@ -303,6 +321,7 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
     secondary = [e for e in real if _secondary(e)]
     signals = facts.signals.get(stream, [])
     st.last_progress_ns = facts.last_ok.get(stream, (None, None))[0]
+    st.launcher_signal = facts.launcher_signal
     fail = facts.failures.get((st.rank, st.restart))
     if fail:
         st.exit_code, st.signal = fail["exit_code"], fail["signal"]
@@ -402,11 +421,13 @@ def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) 
         loops = [s for s in spans if s["name"] in (ITERATION, SpanName.TRAINING_LOOP)]
         tid = loops[-1]["tid"] if loops else None
         chain = [s for s in spans if tid is None or s["tid"] == tid or s["name"] == COLLECTIVE]
+    since: int | None = None
     for span in chain:
         name = span["name"]
         if name == COLLECTIVE:
             st.in_collective = True
             st.collective = str(_attrs(span["attrs"]).get("op") or "collective")
+            since = span["ts"]
             continue
         if name == ITERATION:
             step = _attrs(span["attrs"]).get("step")
@@ -416,8 +437,13 @@ def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) 
             if st.in_collective and st.phase is not None and name not in CONTAINERS:
                 st.in_collective = False  # a phase opened after the collective ended
             st.phase = name
+            if not st.in_collective:
+                since = span["ts"]
     if chain:
         st.source.append("stream")
+    if st.state == "terminated" and since is not None:
+        # What the signal interrupted, since when; the process lived until its handler ran.
+        st.since_ns, st.alive_ns = int(since), st.stopped_ns
 
 
 def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool) -> None:
@@ -429,6 +455,11 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
         return  # an exception or a hang report says where the rank was; the file says where it ended up
     if st.state == "exited" and f["closed"]:
         return  # sys.exit(): the stream has every record, and the file counts the step it ended as done
+    if st.state == "terminated" and "stream" in st.source:
+        # The signal handler wrote everything: the stream says what the signal interrupted (the file, what was
+        # left after it). Only the last step's duration is the file's.
+        st.last_step_ns = getattr(progress, "last_step_ns", None)
+        return
     updated = int(getattr(progress, "updated_ns", 0) or 0)
     if updated + CLOCKS_NS < (f["end_ts"] or 0):
         return  # the stream went on after the file's last update: it knows more
@@ -502,6 +533,11 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
         if stuck is not None:
             return stuck, "killed while waiting for a rank"
         return None, "killed together"
+    if _terminated_together(states):
+        stuck = _stuck_when_killed(states)
+        if stuck is not None:
+            return stuck, "terminated while waiting for a rank"
+        return None, "terminated together"
     # A rank that died (a signal, or its stream just stopped) before any other rank saw trouble.
     died = [s for s in states if s.state in ("killed", "terminated", "exited", "ended")]
     for s in sorted(died, key=lambda s: (s.stopped_ns or 0, s.rank)):
@@ -543,6 +579,30 @@ def _killed_together(states: list[RankState]) -> bool:
     return len(states) > 1 and all(
         s.state in ("killed", "ended") and s.error is None and s.consequence is None and s.hang is None for s in states
     )
+
+
+def _terminated_together(states: list[RankState]) -> bool:
+    """Every rank got a signal from outside at once (the scheduler's time limit or a cancelled job: Slurm signals
+    every task) and none had seen trouble first: the launcher itself got a signal (``traintrace-run`` says so),
+    or every rank handled SIGTERM within SKEW_NS of the others. (A launcher that stops the other ranks after one
+    failed signals them later than that, and the failed rank did not handle a signal.)"""
+    if len(states) < 2 or any(s.error is not None or s.consequence is not None or s.hang is not None for s in states):
+        return False
+    if any(s.launcher_signal for s in states):
+        return all(s.state in ("terminated", "killed", "ended") for s in states)
+    if not all(s.state == "terminated" for s in states):
+        return False
+    times = [s.stopped_ns or 0 for s in states]
+    return max(times) - min(times) <= SKEW_NS
+
+
+def _ended_how(states: list[RankState]) -> str:
+    """How a job ended from outside was ended: "killed", or "terminated by SIGTERM"."""
+    if _killed_together(states):
+        return "killed"
+    signal = next((s.launcher_signal for s in states if s.launcher_signal), None)
+    signal = signal or next((s.signal for s in states if s.state == "terminated" and s.signal), "SIGTERM")
+    return f"terminated by {signal}"
 
 
 def _stuck_when_killed(states: list[RankState]) -> RankState | None:
@@ -650,7 +710,8 @@ def _hang_key(s: RankState) -> tuple[float, int, float, int]:
 
 def _cause(s: RankState) -> str:
     if s.stuck_ns is not None:
-        return f"hang: no progress for {s.stuck_ns / 1e9:.1f} s, then the whole job was killed from outside"
+        how = "terminated" if s.state == "terminated" else "killed"
+        return f"hang: no progress for {s.stuck_ns / 1e9:.1f} s, then the whole job was {how} from outside"
     if s.hang is not None and s.error is None:
         then = {"terminated": f"; then terminated by {s.signal or 'SIGTERM'}", "killed": "; then killed"}
         return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
@@ -696,6 +757,12 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
             f"killed from outside: all {len(states)} ranks were {how} at once, none failed first "
             f"(the scheduler, the OOM killer or a lost node); " + _doing_groups(states)
         )
+    if culprit is None and _terminated_together(states):
+        who = "the launcher and " if any(s.launcher_signal for s in states) else ""
+        return (
+            f"{_ended_how(states)} from outside: {who}all {len(states)} ranks got the signal at once, none failed "
+            f"first (the scheduler's time limit, or a cancelled job); " + _doing_groups(states)
+        )
     if culprit is None:
         first = min(
             (s for s in states if _first_trouble(s) is not None), key=lambda s: _first_trouble(s) or 0, default=None
@@ -708,7 +775,7 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     elif culprit.stuck_ns is not None:
         head = (
             f"rank {culprit.rank} hung {culprit.doing()}, not in a collective: no progress for "
-            f"{culprit.stuck_ns / 1e9:.0f} s when the whole job was killed from outside"
+            f"{culprit.stuck_ns / 1e9:.0f} s when the whole job was {_ended_how(states)} from outside"
         )
     elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
         head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
