@@ -174,3 +174,37 @@ def test_terminated_together_needs_the_signal_at_once_or_the_launchers_word() ->
         state(2, state="error", step=7, error=TIMEOUT | {"error_type": "ValueError"}, stopped_ns=T0),
     ]
     assert _culprit(raised)[1] == "first exception"
+
+
+def test_a_running_job_waiting_on_a_rank_is_said_without_calling_it_a_hang() -> None:
+    """Live, a rank the others wait for may be saving a checkpoint: the sentence says who and how long."""
+    live = [
+        state(
+            0,
+            state="running",
+            step=7,
+            phase="model_backward",
+            in_collective=True,
+            since_ns=T0 + S + S // 100,
+            alive_ns=T0 + 6 * S,
+            last_step_ns=30_000_000,
+        ),
+        state(
+            1,
+            state="running",
+            step=7,
+            phase="checkpoint_save_sync",
+            since_ns=T0 + S,
+            alive_ns=T0 + 6 * S,
+            last_step_ns=30_000_000,
+        ),
+    ]
+    culprit, _ = _culprit(live)
+    assert culprit is None  # the running branch of diagnose() asks _stuck_when_killed itself
+    from traintrace.cli._diagnosis import _stuck_when_killed
+
+    waited_on = _stuck_when_killed(live)
+    assert waited_on is not None and waited_on.rank == 1
+    assert _sentence(waited_on, live).startswith(
+        "running, waiting on rank 1: in a checkpoint save at step 7 for 5 s, not in a collective; rank 0 was waiting"
+    )

@@ -625,6 +625,45 @@ def test_a_hang_seen_while_the_job_still_hangs(tmp_path: Path) -> None:
     )
 
 
+def test_a_running_job_waiting_on_a_rank_without_hang_detection(tmp_path: Path) -> None:
+    """Looked at 3 s into rank 1's hang, hang detection off and no timeout yet: still running, waiting on rank 1,
+    from the progress files' phases and the writers' stamps; how long, by the worker's marks and the test's clock."""
+    seen: dict[str, Any] = {}
+
+    def look(process: subprocess.Popen[str], truth: Path) -> None:
+        deadline = time.monotonic() + 120
+        mark = truth / "rank1.jsonl"
+        while time.monotonic() < deadline and process.poll() is None:
+            lines = mark.read_text().splitlines() if mark.exists() else []
+            if any(json.loads(x).get("event") == "fault" for x in lines if x.strip()):
+                break
+            time.sleep(0.005)
+        time.sleep(3.0)
+        seen["looked"] = time.time()
+        seen["errors"] = Run(tmp_path / "logs" / "job", truth, 0, "").cli("errors")
+        seen["answered"] = time.time()
+        os.killpg(process.pid, signal.SIGTERM)  # the launcher stops its workers (their own process groups)
+
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6"),
+        *("--hang-timeout", "0", "--gloo-timeout", "120"),
+        during=look,
+    )
+    errors = seen["errors"]
+    assert errors["status"] == "running" and errors["rule"] == "waiting on a rank", errors["verdict"]
+    assert errors["verdict"].startswith("running, waiting on rank 1: in forward at step 6 for "), errors["verdict"]
+    assert errors["verdict"].endswith(
+        "not in a collective; ranks 0 and 2 were waiting in a collective in backward at step 6"
+    ), errors["verdict"]
+    fault = fault_step_of(run, 1)
+    began = next(m["ts"] for m in run.marks()[1] if m["event"] == "step_start" and m["step"] == fault["step"])
+    # The command reads the files between the two readings of the test's clock.
+    low, high = seen["looked"] - fault["ts"] / 1e9 - 0.5, seen["answered"] - began / 1e9
+    assert low <= errors["culprit"]["stuck_ns"] / 1e9 <= high, (errors["culprit"]["stuck_ns"], low, high)
+
+
 def steps_done_before(run: Run, rank: int, ts: int) -> int:
     """How many steps the rank had completed before ``ts`` in the fault's attempt, from its own marks."""
     return len([m for m in run.marks()[rank] if m["event"] == "step_end" and m["ts"] < ts])

@@ -138,6 +138,11 @@ def diagnose(job: Job) -> dict[str, Any]:
             )
             out["rule"] = "hang: the rank behind"
             return out
+        waited_on = _stuck_when_killed(states)  # the writers' stamps are fresh: "now"
+        if waited_on is not None:
+            out = _result("running", _sentence(waited_on, states), waited_on, states, last, failed)
+            out["rule"] = "waiting on a rank"
+            return out
         return _result("running", _running_sentence(states, failed), None, states, last, failed)
     if not failed:
         steps = job.one("SELECT max(step) FROM iterations WHERE status = 'ok'")
@@ -709,6 +714,8 @@ def _hang_key(s: RankState) -> tuple[float, int, float, int]:
 
 
 def _cause(s: RankState) -> str:
+    if s.stuck_ns is not None and s.state == "running":
+        return f"the others wait for it: no progress for {s.stuck_ns / 1e9:.1f} s (no hang report yet)"
     if s.stuck_ns is not None:
         how = "terminated" if s.state == "terminated" else "killed"
         return f"hang: no progress for {s.stuck_ns / 1e9:.1f} s, then the whole job was {how} from outside"
@@ -772,6 +779,11 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         return f"failed, cause unclear: the first sign is on rank {first.rank}, which {_cause(first)} {first.doing()}"
     if culprit.state == "error" and culprit.error is not None:
         head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
+    elif culprit.stuck_ns is not None and culprit.state == "running":
+        head = (
+            f"running, waiting on rank {culprit.rank}: {culprit.doing()} for {culprit.stuck_ns / 1e9:.0f} s, "
+            "not in a collective"
+        )
     elif culprit.stuck_ns is not None:
         head = (
             f"rank {culprit.rank} hung {culprit.doing()}, not in a collective: no progress for "
