@@ -206,5 +206,18 @@ def test_a_running_job_waiting_on_a_rank_is_said_without_calling_it_a_hang() -> 
     waited_on = _stuck_when_killed(live)
     assert waited_on is not None and waited_on.rank == 1
     assert _sentence(waited_on, live).startswith(
-        "running, waiting on rank 1: in a checkpoint save at step 7 for 5 s, not in a collective; rank 0 was waiting"
+        "running, waiting on rank 1: in a checkpoint save at step 7, not in a collective, for 5 s; rank 0 was waiting"
     )
+
+
+def test_killed_while_every_rank_waits_names_the_one_a_step_behind() -> None:
+    behind = killed(0, waiting=True, since_s=1, alive_s=61, step=6)
+    ahead = [killed(r, waiting=True, since_s=1.05, alive_s=61) for r in (1, 2)]
+    culprit, rule = _culprit([behind, *ahead])
+    assert rule == "killed while waiting for a rank" and culprit is behind
+    assert _sentence(culprit, [behind, *ahead]).startswith(
+        "rank 0 hung inside a collective in backward at step 6: no progress for 60 s when the whole job was killed"
+    )
+    # Two ranks at the lowest step: which one the others wait for is not known.
+    tie = [behind, killed(1, waiting=True, since_s=1, alive_s=61, step=6), ahead[1]]
+    assert _culprit(tie) == (None, "killed together")

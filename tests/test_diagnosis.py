@@ -418,6 +418,41 @@ def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool) -
     assert low <= culprit["stuck_ns"] / 1e9 <= high, (culprit["stuck_ns"], low, high)
 
 
+def test_a_job_hung_in_a_collective_killed_by_the_scheduler(tmp_path: Path) -> None:
+    """Rank 0 waits at step 6 in an all-reduce its partner never joins; the others wait for it at step 7; the
+    whole job is SIGKILLed 3 s later, before any timeout: rank 0 is named, inside a collective at step 6."""
+
+    def kill_after_the_hang(process: subprocess.Popen[str], truth: Path) -> None:
+        deadline = time.monotonic() + 120
+        mark = truth / "rank0.jsonl"
+        while time.monotonic() < deadline and process.poll() is None:
+            lines = mark.read_text().splitlines() if mark.exists() else []
+            if any(json.loads(x).get("event") == "fault" for x in lines if x.strip()):
+                break
+            time.sleep(0.005)
+        time.sleep(3.0)
+        kill_the_job(truth)
+
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "hang_collective", "--fault-rank", "0", "--fault-step", "6"),
+        *("--hang-timeout", "0", "--gloo-timeout", "60"),
+        during=kill_after_the_hang,
+    )
+    assert run.returncode == -signal.SIGKILL, run.output[-2000:]
+    fault = fault_step_of(run, 0)
+    errors = run.cli("errors")
+    assert errors["rule"] == "killed while waiting for a rank", errors["verdict"]
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["in_collective"]) == (0, fault["step"], True)
+    assert errors["verdict"].startswith(
+        "rank 0 hung inside a collective at step 6: no progress for 3 s when the whole job was killed from outside"
+    ), errors["verdict"]
+    others = [r for r in errors["rank_states"] if r["rank"] != 0]
+    assert all(r["in_collective"] and r["step"] == fault["step"] + 1 for r in others), others
+
+
 def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
     """SIGKILL to ranks 1 and 2 at once while they run step 7 (a node lost, the OOM killer); the launcher stops
     the others: one of the two is named, and the verdict says the other was killed too."""
@@ -653,10 +688,12 @@ def test_a_running_job_waiting_on_a_rank_without_hang_detection(tmp_path: Path) 
     )
     errors = seen["errors"]
     assert errors["status"] == "running" and errors["rule"] == "waiting on a rank", errors["verdict"]
-    assert errors["verdict"].startswith("running, waiting on rank 1: in forward at step 6 for "), errors["verdict"]
-    assert errors["verdict"].endswith(
-        "not in a collective; ranks 0 and 2 were waiting in a collective in backward at step 6"
+    assert errors["verdict"].startswith(
+        "running, waiting on rank 1: in forward at step 6, not in a collective, for "
     ), errors["verdict"]
+    assert errors["verdict"].endswith(" s; ranks 0 and 2 were waiting in a collective in backward at step 6"), errors[
+        "verdict"
+    ]
     fault = fault_step_of(run, 1)
     began = next(m["ts"] for m in run.marks()[1] if m["event"] == "step_start" and m["step"] == fault["step"])
     # The command reads the files between the two readings of the test's clock.

@@ -611,18 +611,26 @@ def _ended_how(states: list[RankState]) -> str:
 
 
 def _stuck_when_killed(states: list[RankState]) -> RankState | None:
-    """In a job killed from outside (the scheduler's time limit on a hung job), the rank the others waited
-    for: the only rank not in a collective, at their step or behind, whose progress file says it had been in
-    its phase for at least STUCK_NS (and STUCK_STEPS steps) when its writer last stamped the file, while every
-    other rank had been waiting in a collective as long by its own file."""
+    """In a job killed from outside (the scheduler's time limit on a hung job), or running, the rank the others
+    wait for: the only rank not in a collective, at their step or behind (or, every rank in a collective, the
+    one a step behind all the others), whose progress file says it had been where it was for at least STUCK_NS
+    (and STUCK_STEPS steps) when its writer last stamped the file, while every other rank had been waiting as
+    long by its own file."""
     if any(s.since_ns is None or s.alive_ns is None for s in states):
         return None
-    waiting = [s for s in states if s.in_collective]
-    behind = [s for s in states if not s.in_collective]
-    if len(behind) != 1 or not waiting:
-        return None
-    rank = behind[0]
-    if rank.step is None or any(s.step is None or s.step < rank.step for s in waiting):
+    outside = [s for s in states if not s.in_collective]
+    if len(outside) == 1:
+        rank = outside[0]
+        waiting = [s for s in states if s is not rank]
+        if rank.step is None or any(s.step is None or s.step < rank.step for s in waiting):
+            return None
+    elif not outside:
+        # Every rank in a collective: the one a step behind all the others is in one they never joined.
+        rank = min(states, key=lambda s: (s.step if s.step is not None else -1, s.rank))
+        waiting = [s for s in states if s is not rank]
+        if rank.step is None or any(s.step is None or s.step <= rank.step for s in waiting):
+            return None
+    else:
         return None
     steps = sorted(s.last_step_ns for s in states if s.last_step_ns)
     least = max(STUCK_NS, STUCK_STEPS * steps[len(steps) // 2]) if steps else STUCK_NS
@@ -780,25 +788,16 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     if culprit.state == "error" and culprit.error is not None:
         head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
     elif culprit.stuck_ns is not None and culprit.state == "running":
-        head = (
-            f"running, waiting on rank {culprit.rank}: {culprit.doing()} for {culprit.stuck_ns / 1e9:.0f} s, "
-            "not in a collective"
-        )
+        head = f"running, waiting on rank {culprit.rank}: {_where_stuck(culprit)}, for {culprit.stuck_ns / 1e9:.0f} s"
     elif culprit.stuck_ns is not None:
         head = (
-            f"rank {culprit.rank} hung {culprit.doing()}, not in a collective: no progress for "
+            f"rank {culprit.rank} hung {_where_stuck(culprit)}: no progress for "
             f"{culprit.stuck_ns / 1e9:.0f} s when the whole job was {_ended_how(states)} from outside"
         )
     elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
         head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
     elif culprit.hang is not None or culprit.state == "hung":
-        at = "" if culprit.step is None else f" at step {culprit.step}"
-        phase = PHASE_LABELS.get(culprit.phase or "", culprit.phase or "an unknown phase")
-        if culprit.in_collective:
-            inside = "" if culprit.phase in (None, ITERATION) else f" in {phase}"
-            head = f"rank {culprit.rank} hung inside a collective{inside}{at}"
-        else:
-            head = f"rank {culprit.rank} hung in {phase}{at}, not in a collective"
+        head = f"rank {culprit.rank} hung {_where_stuck(culprit)}"
     elif culprit.state == "ended":
         head = f"rank {culprit.rank} stopped: {_cause(culprit)} {culprit.doing()}"
     elif culprit.left_early:
@@ -808,6 +807,16 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
     others = [s for s in states if s is not culprit]
     return head + "; " + _doing_groups(others, died=True) if others else head
+
+
+def _where_stuck(s: RankState) -> str:
+    """Where a hung rank is: "in forward at step 6, not in a collective", "inside a collective at step 6"."""
+    at = "" if s.step is None else f" at step {s.step}"
+    phase = PHASE_LABELS.get(s.phase or "", s.phase or "an unknown phase")
+    if s.in_collective:
+        inside = "" if s.phase in (None, ITERATION) else f" in {phase}"
+        return f"inside a collective{inside}{at}"
+    return f"in {phase}{at}, not in a collective"
 
 
 def _doing_groups(states: list[RankState], *, died: bool = False) -> str:
