@@ -200,10 +200,10 @@ def test_a_running_job_waiting_on_a_rank_is_said_without_calling_it_a_hang() -> 
         ),
     ]
     culprit, _ = _culprit(live)
-    assert culprit is None  # the running branch of diagnose() asks _stuck_when_killed itself
-    from traintrace.cli._diagnosis import _stuck_when_killed
+    assert culprit is None  # the running branch of diagnose() asks _waited_on itself
+    from traintrace.cli._diagnosis import _waited_on
 
-    waited_on = _stuck_when_killed(live)
+    waited_on = _waited_on(live)
     assert waited_on is not None and waited_on.rank == 1
     assert _sentence(waited_on, live).startswith(
         "running, waiting on rank 1: in a checkpoint save at step 7, not in a collective, for 5 s; rank 0 was waiting"

@@ -62,8 +62,8 @@ CLOCKS_NS = 1_000_000
 MAX_COMPARED = 8
 #: Spans an exception unwound end up to this long before its error record is written.
 UNWIND_NS = 1_000_000_000
-#: In a job killed from outside, a rank had been stuck when it and the ranks waiting for it had not moved for
-#: at least this long before their writers' last stamp, and STUCK_STEPS times their last step's duration.
+#: The others wait on a rank (in a job ended from outside, or running) when it and they have not moved for at
+#: least this long before their writers' last stamps, and STUCK_STEPS times their last step's duration.
 STUCK_NS = 1_000_000_000
 STUCK_STEPS = 10
 
@@ -138,7 +138,7 @@ def diagnose(job: Job) -> dict[str, Any]:
             )
             out["rule"] = "hang: the rank behind"
             return out
-        waited_on = _stuck_when_killed(states)  # the writers' stamps are fresh: "now"
+        waited_on = _waited_on(states)  # the writers' stamps are fresh: "now"
         if waited_on is not None:
             out = _result("running", _sentence(waited_on, states), waited_on, states, last, failed)
             out["rule"] = "waiting on a rank"
@@ -222,8 +222,7 @@ class _Facts:
     """What the rank states are read from, each fetched in one query for all streams."""
 
     def __init__(self, job: Job) -> None:
-        self.failures = _launcher_failures(job)
-        self.launcher_signal = _launcher_signal(job)
+        self.failures, self.launcher_signal = _launcher_events(job)
         self.errors: dict[int, list[dict[str, Any]]] = {}
         for e in job.dicts(
             "SELECT stream, ts, name, error_type, message, stack, span, attrs FROM other "
@@ -259,44 +258,37 @@ class _Facts:
         }
 
 
-def _launcher_signal(job: Job) -> str | None:
-    """The signal a launcher got itself (``traintrace-run`` records torchrun's SignalException in ``job_end``)."""
-    for (attrs_text,) in job.rows(
-        f"SELECT attrs FROM other WHERE is_agent AND kind = 'event' AND name = '{EventType.JOB_END.value}' ORDER BY ts"
-    ):
-        try:
-            attrs = json.loads(attrs_text) if isinstance(attrs_text, str) else dict(attrs_text or {})
-        except ValueError:
-            continue
-        data = attrs.get("data")
-        if isinstance(data, dict) and isinstance(data.get("signal"), str):
-            return str(data["signal"])
-    return None
-
-
-def _launcher_failures(job: Job) -> dict[tuple[int, int], dict[str, Any]]:
-    """(rank, restart) -> exit code and signal from the launcher's worker_failure events."""
-    out: dict[tuple[int, int], dict[str, Any]] = {}
-    for attrs_text, ts in job.rows(
-        f"SELECT attrs, ts FROM other WHERE is_agent AND kind = 'event' AND name = '{EventType.WORKER_FAILURE.value}' "
+def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], str | None]:
+    """From the launcher's stream, in one pass: (rank, restart) -> exit code and signal of its worker_failure
+    events, and the signal the launcher got itself (``traintrace-run`` writes torchrun's SignalException in
+    ``job_end``: the job was ended from outside)."""
+    failures: dict[tuple[int, int], dict[str, Any]] = {}
+    launcher_signal: str | None = None
+    failure, end = EventType.WORKER_FAILURE.value, EventType.JOB_END.value
+    for name, attrs_text, ts in job.rows(
+        f"SELECT name, attrs, ts FROM other WHERE is_agent AND kind = 'event' AND name IN ('{failure}', '{end}') "
         "ORDER BY ts"
     ):
         try:
             attrs = json.loads(attrs_text) if isinstance(attrs_text, str) else dict(attrs_text or {})
         except ValueError:
             continue
+        raw = attrs.get("data")
+        data: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        if name == end:
+            if isinstance(data.get("signal"), str) and launcher_signal is None:
+                launcher_signal = str(data["signal"])
+            continue
         rank, restart = attrs.get("rank"), attrs.get("restart", 0)
         if not isinstance(rank, int):
             continue
-        raw = attrs.get("data")
-        data: dict[str, Any] = raw if isinstance(raw, dict) else {}
         code = attrs.get("exit_code")
-        out[(rank, int(restart or 0))] = {
+        failures[(rank, int(restart or 0))] = {
             "exit_code": code if isinstance(code, int) else None,
             "signal": data.get("signal"),
             "ts": ts,
         }
-    return out
+    return failures, launcher_signal
 
 
 def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list[RankState]:
@@ -534,12 +526,12 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
         # Nobody saw trouble before dying: no rank went first. One rank behind the others when the kill came is
         # not evidence of a hang (ranks in lockstep are a phase apart at any instant), unless the progress files
         # say it and the others had not moved for long before it.
-        stuck = _stuck_when_killed(states)
+        stuck = _waited_on(states)
         if stuck is not None:
             return stuck, "killed while waiting for a rank"
         return None, "killed together"
     if _terminated_together(states):
-        stuck = _stuck_when_killed(states)
+        stuck = _waited_on(states)
         if stuck is not None:
             return stuck, "terminated while waiting for a rank"
         return None, "terminated together"
@@ -610,7 +602,7 @@ def _ended_how(states: list[RankState]) -> str:
     return f"terminated by {signal}"
 
 
-def _stuck_when_killed(states: list[RankState]) -> RankState | None:
+def _waited_on(states: list[RankState]) -> RankState | None:
     """In a job killed from outside (the scheduler's time limit on a hung job), or running, the rank the others
     wait for: the only rank not in a collective, at their step or behind (or, every rank in a collective, the
     one a step behind all the others), whose progress file says it had been where it was for at least STUCK_NS
