@@ -141,6 +141,21 @@ def reference_callback(folder: Path) -> Callback:
     return TelemetryCallback(config=config, batch_flops=FLOPS)
 
 
+def make_trainer(callbacks: list[Callback]) -> L.Trainer:
+    """One epoch on the CPU with nothing but the callbacks (no logger, checkpoints or progress bar)."""
+    return L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+    )
+
+
 def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
     """Seconds per step of one fit, by clock."""
     torch.manual_seed(0)
@@ -165,17 +180,7 @@ def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
         callbacks.append(Empty())
     if IN_HOOK and len(callbacks) > 1:
         timer = InHookTimer(callbacks[1], clock)
-    trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=50,
-    )
+    trainer = make_trainer(callbacks)
     gc.collect()
     if NO_GC:
         gc.disable()
@@ -274,17 +279,7 @@ def run_paired(
     data = TensorDataset(
         torch.randn((warmup + (blocks + 1) * block) * 8, 32), torch.randn((warmup + (blocks + 1) * block) * 8, 32)
     )
-    trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[switch, *[cb for cb in chosen.values() if cb is not None]],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=50,
-    )
+    trainer = make_trainer([switch, *[cb for cb in chosen.values() if cb is not None]])
     gc.collect()
     trainer.fit(Tiny(), DataLoader(data, batch_size=8))
     gc.unfreeze()

@@ -256,15 +256,22 @@ def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 10
 
 
-def wait_for_step(process: subprocess.Popen[str], truth: Path, rank: int, step: int) -> None:
-    """Until the worker's own marks say ``rank`` started ``step``."""
+def wait_for_mark(
+    process: subprocess.Popen[str], truth: Path, rank: int, event: str, step: int | None = None, *, poll: float = 0.005
+) -> None:
+    """Until the worker's own marks say ``rank`` wrote ``event`` (at ``step``, when given)."""
     deadline = time.monotonic() + 120
     mark = truth / f"rank{rank}.jsonl"
     while time.monotonic() < deadline and process.poll() is None:
         marks = [json.loads(x) for x in (mark.read_text().splitlines() if mark.exists() else []) if x.strip()]
-        if any(m.get("event") == "step_start" and m.get("step") == step for m in marks):
+        if any(m.get("event") == event and (step is None or m.get("step") == step) for m in marks):
             return
-        time.sleep(0.005)
+        time.sleep(poll)
+
+
+def wait_for_step(process: subprocess.Popen[str], truth: Path, rank: int, step: int) -> None:
+    """Until the worker's own marks say ``rank`` started ``step``."""
+    wait_for_mark(process, truth, rank, "step_start", step)
 
 
 def kill_the_job(truth: Path, sig: int = signal.SIGKILL) -> list[int]:
@@ -308,13 +315,7 @@ def test_the_whole_job_killed_just_after_a_checkpoint(tmp_path: Path) -> None:
     own marks say; it used to be lost with the last flush interval, and the steps with it."""
 
     def kill_after_the_save(process: subprocess.Popen[str], truth: Path) -> None:
-        deadline = time.monotonic() + 120
-        mark = truth / "rank0.jsonl"
-        while time.monotonic() < deadline and process.poll() is None:
-            lines = mark.read_text().splitlines() if mark.exists() else []
-            if any(json.loads(x).get("event") == "checkpoint_end" and json.loads(x).get("step") == 10 for x in lines):
-                break
-            time.sleep(0.002)
+        wait_for_mark(process, truth, 0, "checkpoint_end", 10, poll=0.002)
         time.sleep(0.05)
         kill_the_job(truth)
 
@@ -335,13 +336,7 @@ def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
     times: dict[str, float] = {}
 
     def kill_after_the_hang(process: subprocess.Popen[str], truth: Path) -> None:
-        deadline = time.monotonic() + 120
-        mark = truth / "rank1.jsonl"
-        while time.monotonic() < deadline and process.poll() is None:
-            lines = mark.read_text().splitlines() if mark.exists() else []
-            if any(json.loads(x).get("event") == "fault" for x in lines if x.strip()):
-                break
-            time.sleep(0.005)
+        wait_for_mark(process, truth, 1, "fault")
         time.sleep(3.0)
         times["killed"] = time.time()
         kill_the_job(truth)
@@ -378,13 +373,7 @@ def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool) -
 
     def terminate_everything(process: subprocess.Popen[str], truth: Path) -> None:
         if hung:
-            deadline = time.monotonic() + 120
-            mark = truth / "rank1.jsonl"
-            while time.monotonic() < deadline and process.poll() is None:
-                lines = mark.read_text().splitlines() if mark.exists() else []
-                if any(json.loads(x).get("event") == "fault" for x in lines if x.strip()):
-                    break
-                time.sleep(0.005)
+            wait_for_mark(process, truth, 1, "fault")
             time.sleep(3.0)
         else:
             wait_for_step(process, truth, 0, 7)
@@ -423,13 +412,7 @@ def test_a_job_hung_in_a_collective_killed_by_the_scheduler(tmp_path: Path) -> N
     whole job is SIGKILLed 3 s later, before any timeout: rank 0 is named, inside a collective at step 6."""
 
     def kill_after_the_hang(process: subprocess.Popen[str], truth: Path) -> None:
-        deadline = time.monotonic() + 120
-        mark = truth / "rank0.jsonl"
-        while time.monotonic() < deadline and process.poll() is None:
-            lines = mark.read_text().splitlines() if mark.exists() else []
-            if any(json.loads(x).get("event") == "fault" for x in lines if x.strip()):
-                break
-            time.sleep(0.005)
+        wait_for_mark(process, truth, 0, "fault")
         time.sleep(3.0)
         kill_the_job(truth)
 
@@ -666,13 +649,7 @@ def test_a_running_job_waiting_on_a_rank_without_hang_detection(tmp_path: Path) 
     seen: dict[str, Any] = {}
 
     def look(process: subprocess.Popen[str], truth: Path) -> None:
-        deadline = time.monotonic() + 120
-        mark = truth / "rank1.jsonl"
-        while time.monotonic() < deadline and process.poll() is None:
-            lines = mark.read_text().splitlines() if mark.exists() else []
-            if any(json.loads(x).get("event") == "fault" for x in lines if x.strip()):
-                break
-            time.sleep(0.005)
+        wait_for_mark(process, truth, 1, "fault")
         time.sleep(3.0)
         seen["looked"] = time.time()
         seen["errors"] = Run(tmp_path / "logs" / "job", truth, 0, "").cli("errors")
