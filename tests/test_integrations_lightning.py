@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -321,15 +322,63 @@ def test_lightning_calls_only_the_hooks_the_verbosity_needs(tmp_path: Path) -> N
     try:
         run = trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False)
         run.fit(TinyModule(), train, val)
-        assert all(callable(getattr(callback, hook)) for hook in phase_hooks)
+        # Under automatic optimisation backward ends where the optimizer step begins: no on_after_backward.
+        assert callable(callback.on_before_backward) and callable(callback.on_before_optimizer_step)
+        assert callback.on_after_backward is None  # type: ignore[comparison-overlap]
     finally:
         tt.close()
     forwards = profiling.spans(tt.SpanName.FORWARD)
     backwards = profiling.spans(tt.SpanName.BACKWARD)
-    assert len(forwards) == len(backwards) == 4
-    for forward, backward in zip(forwards, backwards, strict=True):
-        assert forward["parent"] == backward["parent"]
+    optimizer_steps = profiling.spans(tt.SpanName.OPTIMIZER_STEP)
+    assert len(forwards) == len(backwards) == len(optimizer_steps) == 4
+    for forward, backward, step in zip(forwards, backwards, optimizer_steps, strict=True):
+        assert forward["parent"] == backward["parent"] == step["parent"]
         assert forward["ts"] + forward["dur"] <= backward["ts"]
+        assert backward["ts"] + backward["dur"] <= step["ts"]
+
+
+class ManualModule(TinyModule):
+    """Manual optimisation: the step's own code runs between backward and the optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.between: list[tuple[int, int]] = []  # (after backward, before the step), time_ns
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        after_backward = time.time_ns()
+        time.sleep(0.02)  # the user's work between backward and the step (clipping, logging, ...)
+        self.between.append((after_backward, time.time_ns()))
+        optimizer.step()  # type: ignore[union-attr]
+        return loss
+
+
+def test_lightning_manual_optimisation_ends_backward_where_backward_ends(tmp_path: Path) -> None:
+    """With manual optimisation the callback keeps on_after_backward: the user's code between
+    ``manual_backward`` and ``optimizer.step()`` is in no phase (its own clock says where it ran)."""
+    callback = TraintraceCallback()
+    profiling = tt.MemoryBackend()
+    tt.configure(backends=[], extra_backends=[profiling])
+    module = ManualModule()
+    try:
+        run = trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False, enable_checkpointing=False)
+        train, _ = loaders()
+        run.fit(module, train)
+        assert callable(callback.on_after_backward)
+    finally:
+        tt.close()
+    backwards = profiling.spans(tt.SpanName.BACKWARD)
+    optimizer_steps = profiling.spans(tt.SpanName.OPTIMIZER_STEP)
+    assert len(backwards) == len(optimizer_steps) == len(module.between) == 4
+    for backward, step, (after_backward, before_step) in zip(backwards, optimizer_steps, module.between, strict=True):
+        # The records' times are the wall clock (through the stream's anchor): a few ms of slack, 20 ms apart.
+        assert backward["ts"] + backward["dur"] <= after_backward + 5_000_000
+        assert step["ts"] >= before_step - 5_000_000
 
 
 @pytest.mark.slow

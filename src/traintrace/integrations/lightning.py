@@ -67,6 +67,11 @@ _PHASE_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_
 #: Forward ends when backward begins (zeroing the gradients, between them, is too short to
 #: be worth a span, and its hook another call per step).
 _UNUSED_HOOKS = ("on_before_zero_grad",)
+#: Under automatic optimisation backward ends where the optimizer step begins (Lightning calls
+#: ``on_before_optimizer_step`` right after the backward closure returns) or, on a step that
+#: accumulates gradients, where the batch ends: ``on_after_backward`` would be one more call per step
+#: for the same instant. Manual optimisation keeps it (user code may run between the two).
+_AUTOMATIC_UNUSED_HOOKS = ("on_after_backward",)
 
 #: Metric names the callback puts on spans itself; a logged metric never overwrites them.
 _RESERVED = frozenset(
@@ -317,7 +322,7 @@ class TraintraceCallback(Callback):
         self._live_phases = bool(getattr(rec, "_listeners", ()))
         self._every = max(1, int(self.metrics_every_n_steps or getattr(trainer, "log_every_n_steps", 1) or 1))
         self._failed = False
-        self._skip_unneeded_hooks()
+        self._skip_unneeded_hooks(automatic=bool(getattr(pl_module, "automatic_optimization", True)))
         if isinstance(self.flops_per_step, int | float) and not isinstance(self.flops_per_step, bool):
             self._flops = float(self.flops_per_step)
         if not self._info:
@@ -344,9 +349,11 @@ class TraintraceCallback(Callback):
         if self.trace_checkpoint_io:
             self._wrap_checkpoint_io(trainer)
 
-    def _skip_unneeded_hooks(self) -> None:
+    def _skip_unneeded_hooks(self, *, automatic: bool) -> None:
         """Hide the per-step hooks this verbosity does not need from Lightning (see ``_ITERATION_HOOKS``)."""
         unneeded = list(_UNUSED_HOOKS)
+        if automatic:
+            unneeded += _AUTOMATIC_UNUSED_HOOKS
         if not self._profile:
             unneeded += _PHASE_HOOKS
         if not self._trace:
