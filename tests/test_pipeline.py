@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import traintrace as tt
-from traintrace import _recorder
+from traintrace import _pipeline, _recorder
 
 
 class SlowBackend(tt.BaseBackend):
@@ -108,6 +108,46 @@ def test_the_writer_runs_a_little_nicer_than_the_training_thread(
     assert os.getpriority(os.PRIO_PROCESS, writers[0].native_id) == min(main + added, 19)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
     tt.close()
+
+
+def _writer() -> threading.Thread:
+    writers = [t for t in threading.enumerate() if t.name == "traintrace-writer"]
+    assert len(writers) == 1 and writers[0].native_id is not None
+    return writers[0]
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2, reason="needs two cores, Linux"
+)
+def test_the_writer_keeps_off_the_training_threads_core(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``writer_spare_core`` (default on): the writer runs on every core it may use but the one the configuring
+    thread is on, and follows that thread when it moves (here: pinned by the test to one core, then another);
+    off, it keeps the cores it was started with."""
+    monkeypatch.setattr(_pipeline, "_SPARE_CHECK_S", 0.0)  # look at every cycle, not once a second
+    allowed = os.sched_getaffinity(0)
+    first, second = sorted(allowed)[:2]
+    try:
+        tt.configure(job_id="j", log_dir=str(tmp_path), backends={"log": False})
+        os.sched_setaffinity(0, {first})  # the kernel moves this thread there now
+        tt.event("written")
+        tt.flush()
+        writer = _writer()
+        assert writer.native_id is not None
+        assert os.sched_getaffinity(writer.native_id) == allowed - {first}
+        os.sched_setaffinity(0, {second})
+        tt.event("moved")
+        tt.flush()
+        assert os.sched_getaffinity(writer.native_id) == allowed - {second}
+        tt.close()
+        monkeypatch.setenv("TRAINTRACE_WRITER_SPARE_CORE", "0")
+        tt.configure(job_id="j", log_dir=str(tmp_path / "off"), backends={"log": False})
+        tt.flush()
+        writer = _writer()
+        assert writer.native_id is not None
+        assert os.sched_getaffinity(writer.native_id) == {second}  # inherited from this thread, untouched
+    finally:
+        tt.close()
+        os.sched_setaffinity(0, allowed)
 
 
 def test_flush_interval_writes_without_flush_calls(tmp_path: Path) -> None:
@@ -213,8 +253,6 @@ class _Clocks:
 
 
 def _anchor_after(monkeypatch: pytest.MonkeyPatch, readings: list[tuple[int, int, int]], previous: int) -> Any:
-    from traintrace import _pipeline
-
     clocks = _Clocks(readings)
     monkeypatch.setattr(_pipeline.time, "perf_counter_ns", clocks.perf_counter_ns)
     monkeypatch.setattr(_pipeline.time, "time_ns", clocks.time_ns)

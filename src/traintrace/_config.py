@@ -313,6 +313,9 @@ class Config:
     #: Niceness the writer thread adds to its own (Linux; 0 leaves it): on a machine whose cores are all
     #: busy it then waits for a core rather than taking the training thread's (docs/configuration.md).
     writer_nice: int = 3
+    #: Keep the writer thread off the core the training thread is on (Linux, with another core allowed):
+    #: on a machine whose cores are all busy it then takes its time from the others (docs/configuration.md).
+    writer_spare_core: bool = True
     blocking: bool = False
     close_timeout: float = 5.0
     handle_sigterm: bool = True
@@ -369,7 +372,7 @@ class Config:
             raise ConfigError(f"fork: expected 'quiet' or 'own_stream', got {self.fork!r}")
         if not isinstance(self.redact_keys, list | tuple) or not all(isinstance(k, str) for k in self.redact_keys):
             raise ConfigError(f"redact_keys: expected a list of key names, got {self.redact_keys!r}")
-        for name in ("blocking", "handle_sigterm", "manifest", "fault_handler", "progress_file"):
+        for name in ("blocking", "handle_sigterm", "manifest", "fault_handler", "progress_file", "writer_spare_core"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected true or false")
         for name in ("job_id", "job_name", "host"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -64,6 +65,8 @@ _CLOSE_RESERVE = 0.25
 _CLOSE_GRACE = 0.5
 # Seconds the writer waits at least between cycles (while records arrive fast; see _run).
 _MIN_WAIT = 0.001
+#: Seconds between looks at which core the training thread is on (``Pipeline._spare_trainer_core``).
+_SPARE_CHECK_S = 1.0
 # Bytes of lines the native encoder may hold within a slice before they are written (see _convert_native).
 _WRITE_BYTES = 512 * 1024
 # The clock anchor (wall time of a monotonic reading): readings tried per cycle, and the widest
@@ -291,6 +294,12 @@ class Pipeline:
         self._waits: Any = _native if _native is not None and all(hasattr(_native, n) for n in _HURRY) else None
         #: Set while the statistics absorb the encoder's iterations: events they add are encoded in C.
         self._direct: NativeWriter | None = None
+        #: The thread that configured traintrace (the training thread, nearly always): the writer keeps off
+        #: its core (``writer_spare_core``).
+        self._trainer_tid = threading.get_native_id()
+        self._spared_cpu: int | None = None
+        self._allowed_cpus: set[int] = set()  # the cores the writer may use, as it started
+        self._spare_checked = 0.0
         self._thread = threading.Thread(target=self._run, name="traintrace-writer", daemon=True)
         self._thread.start()
 
@@ -433,8 +442,42 @@ class Pipeline:
         except OSError as exc:  # a sandbox that forbids it: the writer runs as it would have
             log.debug("traintrace: writer priority left as it is (%s)", exc)
 
+    def _spare_trainer_core(self) -> None:
+        """Keep the writer off the core the training thread is on (``writer_spare_core``; Linux).
+
+        ``writer_nice`` makes the writer wait for a core rather than take the training thread's; it still
+        takes it now and then, and a loop that finds its core taken stands still for the scheduler's slice
+        (``bench_stalls.py``: most of the spans over 1 ms beyond the floor's were such waits). The writer runs
+        on the other cores the process may use, and follows the training thread when the kernel moves it
+        (looked at once a second at most, from ``/proc``). One allowed core only: left as it is.
+        """
+        now = time.monotonic()
+        if now - self._spare_checked < _SPARE_CHECK_S:
+            return
+        self._spare_checked = now
+        try:
+            cpu = _cpu_of(self._trainer_tid)
+            if cpu == self._spared_cpu:
+                return
+            others = self._allowed_cpus - {cpu}
+            if not others:
+                return
+            os.sched_setaffinity(threading.get_native_id(), others)
+            self._spared_cpu = cpu
+        except (OSError, ValueError, IndexError) as exc:  # the thread is gone, a sandbox: stop looking
+            log.debug("traintrace: the writer's cores left as they are (%s)", exc)
+            self._spare_checked = math.inf
+
     def _run(self) -> None:
         self._lower_priority()
+        if self.config.writer_spare_core and sys.platform.startswith("linux"):
+            try:
+                self._allowed_cpus = os.sched_getaffinity(0)
+            except OSError:
+                self._spare_checked = math.inf
+        else:
+            self._spare_checked = math.inf
+        self._spare_trainer_core()
         interval = self.config.flush_interval
         backlog = max(self.capacity // 4, 1)
         failures = 0
@@ -451,6 +494,7 @@ class Pipeline:
                         timeout = min(interval, max((backlog - queued) / rate, _MIN_WAIT))
                     self._wait(timeout)
                 self._wake.clear()
+                self._spare_trainer_core()
                 started, queued = time.monotonic(), len(self.queue)
                 if started > ended:
                     rate = max(queued - left, 0) / (started - ended)
@@ -1296,3 +1340,14 @@ class Pipeline:
             "backends": backends,
             "backend_losses": self.backend_losses(),
         }
+
+
+def _cpu_of(tid: int) -> int:
+    """The core a thread of this process last ran on: field 39 of its ``/proc`` stat line (proc(5))."""
+    fd = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
+    try:
+        line = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    # The name (field 2) is in parentheses and may hold spaces: count fields after its closing one.
+    return int(line[line.rindex(b")") + 2 :].split()[36])
