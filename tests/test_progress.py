@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -315,3 +316,70 @@ def test_progress_path_beside_the_stream() -> None:
     assert progress_path("a/rank3.jsonl") == Path("a/rank3.progress")
     assert progress_path("a/rank0.pid12.jsonl") == Path("a/rank0.pid12.progress")
     assert progress_path("a/job.rank1") == Path("a/job.rank1.progress")  # never shared by two ranks
+
+
+_FAILED_STEP_SCRIPT = """
+import json, os, signal, sys, time
+import traintrace as tt
+
+truth_path = sys.argv[2]
+tt.configure(log_dir=sys.argv[1], job_id="j", flush_interval=60.0)  # the stream keeps nothing past its header
+truth = {"completed": [], "durations_ns": []}
+with tt.training_loop():
+    for step in range(5):
+        t0 = time.perf_counter_ns()
+        with tt.training_iteration(step):
+            time.sleep(0.002 * (step + 1))
+        truth["durations_ns"].append(time.perf_counter_ns() - t0)
+        truth["completed"].append(step)
+    try:
+        with tt.training_iteration(5), tt.forward():
+            raise RuntimeError("a bad batch, skipped")
+    except RuntimeError:
+        truth["failed"] = 5
+    with open(truth_path, "w") as out:
+        json.dump(truth, out)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("core", ["native", "pure"])
+def test_an_iteration_that_failed_is_not_a_completed_step(tmp_path: Path, core: str) -> None:
+    """A step that raised (caught by the loop, then the process killed): the progress file's last completed
+    step is the one before it, its step count and last step time are the completed steps' (the script's own
+    truth), and ``errors`` puts the killed rank at the failed step, not after it."""
+    from tests._reliability import child_env, write_script
+
+    script = write_script(tmp_path, "failed_step.py", _FAILED_STEP_SCRIPT)
+    truth_path = tmp_path / "truth.json"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "logs"), str(truth_path)],
+        env=child_env(TRAINTRACE_PURE="1" if core == "pure" else "0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == -9, done.stderr[-2000:]
+    truth = json.loads(truth_path.read_text())
+    found = read_progress(tmp_path / "logs" / "j" / "rank0.progress")
+    assert found is not None
+    assert found.step == truth["failed"] == 5
+    assert found.iterations == 6
+    assert found.steps_done == len(truth["completed"]) == 5
+    assert found.step_done == truth["completed"][-1] == 4
+    # The last completed step's duration, not the failed one's (which took next to nothing).
+    assert found.last_step_ns is not None
+    assert abs(found.last_step_ns - truth["durations_ns"][-1]) < 2_000_000
+
+    errors = subprocess.run(
+        [sys.executable, "-m", "traintrace.cli", "errors", str(tmp_path / "logs" / "j"), "--json"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    report = json.loads(errors.stdout)
+    assert report["culprit"]["rank"] == 0 and report["culprit"]["step"] == truth["failed"], report

@@ -38,6 +38,7 @@
 #define S_UPDATED 12
 #define S_COLLECTIVE 13
 #define S_ITERATIONS 16
+#define S_LAST_DONE 17
 #define S_STEP_T0 18
 #define S_LAST_STEP_NS 19
 #define S_COLLECTIVE_T0 20
@@ -951,7 +952,10 @@ progress_exit(SpanCore *self, RecorderCore *R, int64_t t1)
         return found < 0 ? progress_failed(rec, NULL, 0) : 0;
     int iteration = code == g_iteration_code, collective = code == g_collective_code;
     int64_t done = 0, last = 0, seq = 0;
-    if (iteration) {
+    /* An iteration that failed (an exception, a status set) did not complete its step. */
+    int completed = iteration && (self->status == s_ok || (PyUnicode_Check(self->status) &&
+                                                           PyUnicode_CompareWithASCIIString(self->status, "ok") == 0));
+    if (completed) {
         if (next_value(R->steps_done, &done) < 0)
             return progress_failed(rec, NULL, 0);
         if (__builtin_sub_overflow(t1, self->t0, &last)) {
@@ -981,9 +985,10 @@ progress_exit(SpanCore *self, RecorderCore *R, int64_t t1)
     volatile int64_t *prog = R->prog;
     if (prog == NULL)
         return 0;
-    if (iteration) {
+    if (completed) {
         prog[S_STEPS_DONE] = done;
         prog[S_LAST_STEP_NS] = last;
+        prog[S_LAST_DONE] = prog[S_ITERATIONS];
     }
     else if (collective && prog[S_COLLECTIVE] > 0) {
         prog[S_COLLECTIVE] -= 1;
@@ -1703,11 +1708,11 @@ PyInit__span(void)
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
-    PyObject *slots = Py_BuildValue("{sisisisisisisisisisisi}", "S_COUNTER", S_COUNTER, "S_STEP", S_STEP,
+    PyObject *slots = Py_BuildValue("{sisisisisisisisisisisisi}", "S_COUNTER", S_COUNTER, "S_STEP", S_STEP,
                                     "S_PHASE_T0", S_PHASE_T0, "S_UPDATED", S_UPDATED, "S_COLLECTIVE", S_COLLECTIVE,
                                     "S_ITERATIONS", S_ITERATIONS, "S_STEP_T0", S_STEP_T0, "S_LAST_STEP_NS",
                                     S_LAST_STEP_NS, "S_COLLECTIVE_T0", S_COLLECTIVE_T0, "S_STEPS_DONE", S_STEPS_DONE,
-                                    "START_DROPPED", START_DROPPED);
+                                    "S_LAST_DONE", S_LAST_DONE, "START_DROPPED", START_DROPPED);
     if (slots == NULL || PyModule_AddObject(module, "SLOTS", slots) < 0) {
         Py_XDECREF(slots);
         Py_DECREF(module);

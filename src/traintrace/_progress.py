@@ -59,6 +59,8 @@ S_COLLECTIVE: Final = 13
 S_CLOCK_OFFSET: Final = 14
 S_CREATED: Final = 15
 S_ITERATIONS: Final = 16
+#: Slot 16's count when the last iteration that ended ``ok`` started: which iteration completed last.
+S_LAST_DONE: Final = 17
 S_STEP_T0: Final = 18
 S_LAST_STEP_NS: Final = 19
 S_COLLECTIVE_T0: Final = 20

@@ -33,6 +33,7 @@ from ._progress import (
     S_COLLECTIVE_T0,
     S_COUNTER,
     S_ITERATIONS,
+    S_LAST_DONE,
     S_LAST_STEP_NS,
     S_PHASE_T0,
     S_STEP,
@@ -310,8 +311,11 @@ class _PySpanCore:
                 if name in _PHASES:
                     code = _PHASES[name]
                     if code == _ITERATION:
-                        prog[S_STEPS_DONE] = next(rec._progress_steps_done)
-                        prog[S_LAST_STEP_NS] = t1 - self.t0
+                        # An iteration that failed (an exception, a status set) did not complete its step.
+                        if self.status == SpanStatus.OK:
+                            prog[S_STEPS_DONE] = next(rec._progress_steps_done)
+                            prog[S_LAST_STEP_NS] = t1 - self.t0
+                            prog[S_LAST_DONE] = prog[S_ITERATIONS]
                     elif code == _COLLECTIVE and prog[S_COLLECTIVE] > 0:
                         prog[S_COLLECTIVE] -= 1
                     # Back in the enclosing standard phase (0: none).

@@ -39,6 +39,7 @@ from ._progress import (
     S_COUNTER,
     S_CREATED,
     S_ITERATIONS,
+    S_LAST_DONE,
     S_LAST_STEP_NS,
     S_MAGIC,
     S_PHASE_T0,
@@ -179,10 +180,14 @@ def parse_progress(raw: bytes, path: str = "") -> Progress | None:
         step: int | None = slots[S_STEP]
         if step is not None and step < 0:
             step = iterations - 1 if iterations > 0 else None
-        # The last completed iteration: the current one once it has ended, else (steps
-        # numbered consecutively) the one before it.
+        # The last completed iteration (steps numbered consecutively): the current one once it
+        # has ended ok, else as many steps before it as iterations started since the last that did.
+        # Files before slot 17 was kept: the current one once slot 21 has caught up with slot 16.
+        last_done = slots[S_LAST_DONE]
         step_done: int | None = None
-        if steps_done > 0 and step is not None:
+        if step is not None and 0 < last_done <= iterations:
+            step_done = step - (iterations - last_done)
+        elif step is not None and last_done == 0 and steps_done > 0:
             step_done = step if steps_done >= iterations else step - 1
         code = slots[S_COUNTER] % COUNTER_STEP
         phase: str | None
