@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,10 @@ def memory() -> Iterator[tt.MemoryBackend]:
 @pytest.mark.slow
 def test_trainer_run_records_steps_logs_evaluation_and_saves(memory: tt.MemoryBackend, tmp_path: Path) -> None:
     """Steps, logged loss/lr/grad norm, eval metrics and saves equal what the Trainer did and logged."""
+    model = tiny_model()
+    training_forwards = time_training_forwards(model)
     trainer = Trainer(
-        model=tiny_model(),
+        model=model,
         args=arguments(tmp_path),
         train_dataset=dataset(24),
         eval_dataset=dataset(8),
@@ -104,6 +107,17 @@ def test_trainer_run_records_steps_logs_evaluation_and_saves(memory: tt.MemoryBa
     optimizer_steps = memory.spans(tt.SpanName.OPTIMIZER_STEP)
     assert len(optimizer_steps) == 6
     assert all(ids[s["parent"]]["name"] == tt.SpanName.ITERATION for s in optimizer_steps)
+    # Forward and backward of each step, in order; the evaluations' forwards are not training phases.
+    forwards, backwards = memory.spans(tt.SpanName.FORWARD), memory.spans(tt.SpanName.BACKWARD)
+    assert len(forwards) == len(backwards) == len(training_forwards) == 6
+    for forward, backward, step, (began, ended) in zip(
+        forwards, backwards, optimizer_steps, training_forwards, strict=True
+    ):
+        assert forward["parent"] == backward["parent"] == step["parent"]
+        assert forward["ts"] + forward["dur"] <= backward["ts"] and backward["ts"] + backward["dur"] <= step["ts"]
+        # The model's own forward (its clock, outside traintrace) lies within the span; the records' times
+        # are the wall clock through the stream's anchor: 2 ms of slack.
+        assert forward["ts"] <= began + 2_000_000 and forward["ts"] + forward["dur"] >= ended - 2_000_000
 
     evaluations = memory.spans(tt.SpanName.VALIDATION)
     eval_logs = [h for h in history if "eval_loss" in h]
@@ -127,6 +141,21 @@ def test_trainer_run_records_steps_logs_evaluation_and_saves(memory: tt.MemoryBa
     tt.flush()
     last = memory.spans(tt.SpanName.VALIDATION)[-1]
     assert last["parent"] == 0 and last["attrs"]["eval_loss"] == pytest.approx(after["eval_loss"])
+
+
+def time_training_forwards(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """The wall-clock interval of each forward of ``model`` in training mode, from its own hooks."""
+    intervals: list[tuple[int, int]] = []
+    began: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: began.append(time.time_ns()))
+
+    def ended(module: torch.nn.Module, args: Any, output: Any) -> None:
+        start = began.pop()
+        if module.training:
+            intervals.append((start, time.time_ns()))
+
+    model.register_forward_hook(ended)
+    return intervals
 
 
 class Exploding(torch.nn.Module):
@@ -160,9 +189,11 @@ def test_error_in_a_step_is_recorded_once_and_spans_end_as_errors(memory: tt.Mem
     errors = memory.errors()
     assert len(errors) == 1 and errors[0]["error_type"] == "ValueError"
     ids = {s["id"]: s for s in memory.spans()}
-    failed = ids[errors[0]["span"]]
-    assert failed["name"] == tt.SpanName.ITERATION and failed["attrs"]["step"] == 2
-    assert failed["status"] == "error"
+    failed = ids[errors[0]["span"]]  # the phase it broke, in the iteration of its step
+    assert failed["name"] == tt.SpanName.FORWARD and failed["status"] == "error"
+    iteration = ids[failed["parent"]]
+    assert iteration["name"] == tt.SpanName.ITERATION and iteration["attrs"]["step"] == 2
+    assert iteration["status"] == "error"
     (loop,) = memory.spans(tt.SpanName.TRAINING_LOOP)
     assert loop["status"] == "error" and ids[loop["parent"]]["name"] == "user_main"
     assert memory.spans(tt.SpanName.APPLICATION) == []  # a user span was open
@@ -192,8 +223,6 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
     assert culprit is not None, errors["verdict"]
     assert (culprit["rank"], culprit["step"]) == (truth["rank"], truth["step"]), errors["verdict"]
     assert "injected failure in compute_loss" in culprit["cause"]
-    assert errors["verdict"].startswith(
-        f"rank 1 raised RuntimeError in a step (between phases) at step {truth['step']}"
-    )
+    assert errors["verdict"].startswith(f"rank 1 raised RuntimeError in forward at step {truth['step']}")
     assert summary["status"] == "failed"
     assert (summary["steps_completed"], summary["steps_lost"]) == (saved, truth["step"] + 1 - saved)

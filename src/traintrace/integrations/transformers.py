@@ -68,8 +68,9 @@ class TraintraceTrainerCallback(TrainerCallback):
 
     The Trainer has no hooks around a save, an evaluation or an error; the
     callback wraps the methods of its own Trainer instance (``train``,
-    ``training_step``, ``evaluate``, ``_save_checkpoint``) to time them and
-    to record an exception once; the wrappers stay for the Trainer's life, so
+    ``training_step``, ``compute_loss``, ``evaluate``, ``_save_checkpoint``) to
+    time them (forward is ``compute_loss`` in a training step, backward the
+    rest of the step) and to record an exception once; the wrappers stay for the Trainer's life, so
     a later ``trainer.evaluate()`` is recorded too.
     """
 
@@ -89,6 +90,7 @@ class TraintraceTrainerCallback(TrainerCallback):
         self._iter: Span | None = None
         self._iter_pending = False
         self._phase: Span | None = None
+        self._in_step = False  # inside a training step with phases recorded: compute_loss is forward
         self._eval: Span | None = None
         self._save: Span | None = None
         self._step_samples = 0
@@ -137,6 +139,7 @@ class TraintraceTrainerCallback(TrainerCallback):
         for name, make in (
             ("train", self._wrap_train),
             ("training_step", self._wrap_training_step),
+            ("compute_loss", self._wrap_compute_loss),
             ("evaluate", self._wrap_evaluate),
             ("_save_checkpoint", self._wrap_save),
         ):
@@ -176,13 +179,40 @@ class TraintraceTrainerCallback(TrainerCallback):
                     self._step_samples += size
                 if tokens is not None:
                     self._step_tokens += tokens
+            self._in_step = self._profile and self._iter is not None
             try:
-                return original(model, inputs, *args, **kwargs)
+                result = original(model, inputs, *args, **kwargs)
             except BaseException as exc:
                 self._failed(exc)
                 raise
+            finally:
+                self._in_step = False
+            self._end_phase()  # backward: from the loss to the end of the step (accelerator.backward)
+            return result
 
         return training_step
+
+    def _wrap_compute_loss(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Forward, when the Trainer computes the loss inside a training step (not in evaluation); backward
+        begins when it returns. The Trainer has no hooks for either."""
+
+        def compute_loss(*args: Any, **kwargs: Any) -> Any:
+            if not self._in_step:
+                return original(*args, **kwargs)
+            self._end_phase()
+            self._phase = self._start(SpanName.FORWARD, None, _PHASE)
+            result = original(*args, **kwargs)  # an exception: training_step's wrapper ends the phase as failed
+            self._end_phase()
+            self._phase = self._start(SpanName.BACKWARD, None, _PHASE)
+            return result
+
+        return compute_loss
+
+    def _end_phase(self) -> None:
+        phase = self._phase
+        if phase is not None:
+            self._phase = None
+            _api.stop(phase)
 
     def _wrap_evaluate(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def evaluate(*args: Any, **kwargs: Any) -> Any:
@@ -310,16 +340,14 @@ class TraintraceTrainerCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._end_phase()
         if self._profile and self._iter is not None:
             self._phase = self._start(SpanName.OPTIMIZER_STEP, None, _PHASE)
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        phase = self._phase
-        if phase is not None:
-            self._phase = None
-            _api.stop(phase)
+        self._end_phase()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         span = self._iter
