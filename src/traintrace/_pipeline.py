@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._names import EventName, RecordKind, SpanStatus, Verbosity
+from ._procstat import stat_fields
 from ._progress import S_ALIVE
 from ._recorder import ERROR, EVENT, Span
 from ._redact import Redactor
@@ -1343,11 +1344,5 @@ class Pipeline:
 
 
 def _cpu_of(tid: int) -> int:
-    """The core a thread of this process last ran on: field 39 of its ``/proc`` stat line (proc(5))."""
-    fd = os.open(f"/proc/self/task/{tid}/stat", os.O_RDONLY)
-    try:
-        line = os.read(fd, 4096)
-    finally:
-        os.close(fd)
-    # The name (field 2) is in parentheses and may hold spaces: count fields after its closing one.
-    return int(line[line.rindex(b")") + 2 :].split()[36])
+    """The core a thread of this process last ran on: field 39 of its ``/proc`` stat line."""
+    return int(stat_fields(f"/proc/self/task/{tid}/stat")[39 - 3])

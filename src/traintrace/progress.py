@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from ._procstat import stat_fields
 from ._progress import (
     COUNTER_STEP,
     HOST_AT,
@@ -187,7 +188,7 @@ def parse_progress(raw: bytes, path: str = "") -> Progress | None:
         step_done: int | None = None
         if step is not None and 0 < last_done <= iterations:
             step_done = step - (iterations - last_done)
-        elif step is not None and last_done == 0 and steps_done > 0:
+        elif step is not None and steps_done > 0 and last_done == 0:
             step_done = step if steps_done >= iterations else step - 1
         code = slots[S_COUNTER] % COUNTER_STEP
         phase: str | None
@@ -308,9 +309,7 @@ def progress_fields(progress: Progress | None) -> dict[str, Any]:
 def _process_start_ns(pid: int) -> int | None:
     """When process ``pid`` started (epoch ns, Linux /proc), None if unknown."""
     try:
-        with Path(f"/proc/{pid}/stat").open("rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
-        ticks = int(fields[19])
+        ticks = int(stat_fields(f"/proc/{pid}/stat")[22 - 3])  # starttime, field 22
         with Path("/proc/stat").open("rb") as handle:
             boot = next(int(line.split()[1]) for line in handle if line.startswith(b"btime"))
         return int((boot + ticks / os.sysconf("SC_CLK_TCK")) * 1e9)
@@ -320,8 +319,7 @@ def _process_start_ns(pid: int) -> int | None:
 
 def _zombie(pid: int) -> bool:
     try:
-        with Path(f"/proc/{pid}/stat").open("rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+        return stat_fields(f"/proc/{pid}/stat")[0] in (b"Z", b"X")
     except (OSError, IndexError):
         return False
 
