@@ -387,7 +387,7 @@ def _spans_at(job: Job, wanted: list[tuple[int, int | None]]) -> dict[int, list[
               UNION ALL
               SELECT f.stream, r.id, r.parent, '{ITERATION}' AS name, r.ts, r.dur, r.status, false AS open, r.attrs,
                      r.tid
-              FROM (SELECT * FROM raw WHERE kind = 'span' AND name = '{ITERATION}'
+              FROM (SELECT * FROM raw WHERE plain
                     AND ts <= {latest} AND ts + dur >= {earliest}) r
               JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
               WHERE NOT f.is_agent) s

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ._engine import (
+    ATTR_FIELDS,
     COLUMNS,
     CORE_COLUMNS,
     ITERATION,
@@ -306,6 +307,9 @@ class SparkJob(Job):
 
     # ------------------------------------------------------------ loading
 
+    def _attr_fields(self, attrs: str) -> str:
+        return "{" + ", ".join(f"'{f}': {attrs}->>'{f}'" for f in ATTR_FIELDS) + "}"
+
     def _load(self) -> None:
         started = time.perf_counter()
         self.con = con = self._connect()
@@ -337,7 +341,8 @@ class SparkJob(Job):
         bad = f"(dur IS NULL AND kind IN ('span', 'end')) OR dur < 0 OR dur > {_MAX_DUR}"
         base = self.spark.sql(
             f"SELECT {file_column} AS file, {core}, {attrs} AS attrs, {step} AS step, {batch_size} AS batch_size, "
-            f"kind IN ({rare_kinds}) AS rare, {', '.join(RARE_FIELDS)} FROM _traintrace_source WHERE kind IS NOT NULL"
+            f"kind IN ({rare_kinds}) AS rare, {plain_iteration} AS plain, {', '.join(RARE_FIELDS)} "
+            "FROM _traintrace_source WHERE kind IS NOT NULL"
         )
         base.createOrReplaceTempView("_traintrace_base")
         counts = self.spark.sql(
@@ -351,7 +356,7 @@ class SparkJob(Job):
         con.register(
             "raw",
             self.spark.sql(
-                f"SELECT file, {core}, attrs, step, batch_size, CASE WHEN rare THEN true END AS rare "
+                f"SELECT file, {core}, attrs, step, batch_size, CASE WHEN rare THEN true END AS rare, plain "
                 f"FROM _traintrace_base WHERE NOT coalesce({bad}, false)"
             ),
             cache=True,
