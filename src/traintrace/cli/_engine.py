@@ -142,7 +142,7 @@ EXPORT_VERSION = 1
 
 
 #: Bumped whenever the tables a cache file holds change meaning.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: raw has the plain column
 
 
 def cache_folder() -> Path:
