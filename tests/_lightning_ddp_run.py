@@ -3,13 +3,16 @@
 Lightning starts rank 1 by running this script again; each rank's callback
 configures traintrace with the trainer's rank and world size. With a second
 argument N, rank 1 raises in its training step at global step N, after writing
-the truth (``fault.json``: rank, step, time) without traintrace.
+the truth (``fault.json``: rank, step, time) without traintrace; with a third
+argument ``data``, rank 1's dataset raises instead, in the DataLoader's worker
+process, while it fetches the batch of step N (the truth written there).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +27,8 @@ from traintrace.integrations.lightning import TraintraceCallback
 
 OUT = Path(sys.argv[1])
 FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+IN_DATA = len(sys.argv) > 3 and sys.argv[3] == "data"
+BATCH = 8
 
 
 class Tiny(L.LightningModule):
@@ -33,7 +38,8 @@ class Tiny(L.LightningModule):
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        if self.global_rank == 1 and self.global_step == FAULT_STEP:
+        (OUT / f"started{self.global_rank}.txt").write_text(str(self.global_step))  # the last step begun
+        if self.global_rank == 1 and self.global_step == FAULT_STEP and not IN_DATA:
             truth = {"rank": self.global_rank, "step": self.global_step, "ts": time.time_ns()}
             (OUT / "fault.json").write_text(json.dumps(truth))
             raise RuntimeError(f"injected failure in training_step on rank 1 at step {self.global_step}")
@@ -49,10 +55,32 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class FaultyData(TensorDataset):
+    """On rank 1, the first sample of the batch for step FAULT_STEP raises (in the loader's worker process,
+    which fetches this rank's samples in order, whichever sampler Lightning gave the loader)."""
+
+    def __init__(self, data: TensorDataset, rank: int) -> None:
+        super().__init__(*data.tensors)
+        self.rank = rank
+        self.fetched = 0
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        fetched, self.fetched = self.fetched, self.fetched + 1
+        if self.rank == 1 and fetched == FAULT_STEP * BATCH:
+            truth = {"rank": self.rank, "step": FAULT_STEP, "index": index, "ts": time.time_ns()}
+            (OUT / "fault.json").write_text(json.dumps(truth))
+            raise ValueError(f"injected corrupt sample {index} on rank 1")
+        return super().__getitem__(index)
+
+
 def main() -> None:
     out = OUT
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
+    train = DataLoader(data, batch_size=BATCH)
+    if IN_DATA:
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        train = DataLoader(FaultyData(data, rank), batch_size=BATCH, num_workers=1)
     callback = TraintraceCallback(tt.Config(job_id="ddp-test", log_dir=str(out / "logs")), backends={"log": False})
     trainer = L.Trainer(
         # A short collective timeout: the rank left waiting for a failed one gives up soon.
@@ -67,7 +95,7 @@ def main() -> None:
         enable_model_summary=False,
         log_every_n_steps=1,
     )
-    trainer.fit(Tiny(), DataLoader(data, batch_size=8), DataLoader(data, batch_size=16))
+    trainer.fit(Tiny(), train, DataLoader(data, batch_size=16))
     if trainer.global_rank == 0:
         (out / "global_step.txt").write_text(str(trainer.global_step))
     tt.close()

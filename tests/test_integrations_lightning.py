@@ -196,6 +196,48 @@ def test_exception_in_training_step_is_recorded_once(memory: tt.MemoryBackend, t
     assert len([s for s in memory.spans(tt.SpanName.ITERATION) if s["status"] == "ok"]) == 2
 
 
+class _ListeningMemory(tt.MemoryBackend):
+    """A memory backend that also listens on the caller's thread (as NVTX does): phases become live spans."""
+
+    def span_started(self, span: Any) -> None:
+        pass
+
+    def span_stopped(self, span: Any) -> None:
+        pass
+
+
+class _BadSample(TensorDataset):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        if index == 40:  # the first sample of the batch of step 2 (batches of 16)
+            raise ValueError("corrupt sample 40")
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["timed", "live"])
+def test_exception_while_fetching_a_batch_is_recorded_at_data_loading(tmp_path: Path, live: bool) -> None:
+    """A dataset that raises while Lightning fetches the batch of step 2: the error is recorded at a failed
+    data_loading span under the training loop, whether phases are timed between hooks or live spans."""
+    backend = _ListeningMemory() if live else tt.MemoryBackend()
+    tt.configure(backends=[], extra_backends=[backend])
+    try:
+        run = trainer(tmp_path, callbacks=[TraintraceCallback()], logger=False, enable_checkpointing=False)
+        train, val = loaders()
+        bad = DataLoader(_BadSample(*train.dataset.tensors), batch_size=16)  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match="corrupt sample 40"):
+            run.fit(TinyModule(), bad, val)
+        tt.flush()
+        (error,) = backend.errors()
+        ids = by_id(backend.spans())
+        failed_at = ids[error["span"]]
+        assert failed_at["name"] == tt.SpanName.DATA_LOADING and failed_at["status"] == "error"
+        assert ids[failed_at["parent"]]["name"] == tt.SpanName.TRAINING_LOOP
+        steps = [s["attrs"]["step"] for s in backend.spans(tt.SpanName.ITERATION)]
+        assert steps == [0, 1]  # the step whose batch failed never began
+        assert all(s["status"] == "ok" for s in backend.spans(tt.SpanName.DATA_LOADING) if s["id"] != failed_at["id"])
+    finally:
+        tt.close()
+
+
 def test_async_checkpoint_records_blocking_and_background_parts_and_load(
     memory: tt.MemoryBackend, tmp_path: Path
 ) -> None:
@@ -426,3 +468,31 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
     # No checkpoint before the failure (Lightning saves at the epoch's end): every step started was lost.
     assert summary["status"] == "failed" and summary["steps_completed"] == 0
     assert summary["steps_lost"] == truth["step"] + 1
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> None:
+    """Rank 1's dataset raises in its DataLoader worker process while it fetches the batch of step 3 (a corrupt
+    sample); Lightning re-raises it in the training process between two steps. `traintrace errors` names
+    rank 1, step 3 and data loading (it said "the training loop (between steps)" before the callback recorded
+    the broken wait), against the script's own truth: the worker's note of the sample, and the last step each
+    rank began (files written without traintrace)."""
+    import json
+
+    done = run([sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3", "data"], tmp_path)
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    truth = json.loads((tmp_path / "fault.json").read_text())
+    assert int((tmp_path / "started1.txt").read_text()) == truth["step"] - 1  # step 3 never began on rank 1
+    errors, _ = answers(tmp_path / "logs" / "ddp-test")
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, truth["step"], tt.SpanName.DATA_LOADING)
+    assert "injected corrupt sample" in culprit["cause"] or "DataLoader worker" in culprit["cause"]
+    assert errors["verdict"].startswith(f"rank 1 raised ValueError in data loading at step {truth['step']}")
+    assert errors["first_error"]["ts"] >= truth["ts"]
+    # The broken wait is a data_loading span that failed, not one that ended well.
+    (stream,) = read_file(tmp_path / "logs" / "ddp-test" / "rank1.jsonl").streams
+    waits = [s for s in stream.spans() if s["name"] == tt.SpanName.DATA_LOADING]
+    assert waits and waits[-1]["status"] == tt.SpanStatus.ERROR
+    assert all(w["status"] == tt.SpanStatus.OK for w in waits[:-1])

@@ -402,6 +402,19 @@ class TraintraceCallback(Callback):
                 broken = record_finished(rec, phase, _PHASE, self._mark, perf_counter_ns(), self._iter, None, status)
                 if broken is not None and isinstance(exception, Exception):
                     rec.record_exception(exception, EventName.EXCEPTION, None, broken.id)
+            elif self._wait_t0 is not None and self.phase_spans:
+                # Raised while the next batch was fetched (a dataset or a loader worker failed): the wait broke.
+                t0, self._wait_t0 = self._wait_t0, None
+                broken = record_finished(
+                    rec, SpanName.DATA_LOADING, _WAIT, t0, perf_counter_ns(), self._loop, None, status
+                )
+                if broken is not None and isinstance(exception, Exception):
+                    rec.record_exception(exception, EventName.EXCEPTION, None, broken.id)
+            elif self._wait_span is not None:
+                wait, self._wait_span = self._wait_span, None
+                if isinstance(exception, Exception):
+                    rec.error(exception, name=EventName.EXCEPTION)  # at the wait, the innermost open span
+                self._stop(wait, None, status)
             if isinstance(exception, Exception):
                 rec.error(exception, name=EventName.EXCEPTION)
         self._close_open(status)
