@@ -1,7 +1,9 @@
 """Run by test_integrations_transformers under ``traintrace-run --nproc-per-node 2``: a tiny GPT-2 trained by
 the Hugging Face Trainer with DDP over gloo on the CPU, the traintrace callback on. With a second argument N,
 rank 1 raises while computing its loss at global step N, after writing the truth (``fault.json``: rank,
-step, time) without traintrace.
+step, time) without traintrace; with a third argument ``data``, rank 1's dataset raises instead, in the
+DataLoader's worker process, on the first sample of the N-th batch it fetches. Each rank notes the last step it
+began (``started<rank>.txt``), also without traintrace.
 """
 
 from __future__ import annotations
@@ -22,12 +24,37 @@ from traintrace.integrations.transformers import TraintraceTrainerCallback
 
 OUT = Path(sys.argv[1])
 FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+IN_DATA = len(sys.argv) > 3 and sys.argv[3] == "data"
+BATCH = 4
 VOCAB, SEQ = 50, 8
 
 
+class FaultyData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Rank 1's loader worker raises on the first sample of its FAULT_STEP-th batch (0-based)."""
+
+    def __init__(self, rows: list[dict[str, torch.Tensor]]) -> None:
+        self.rows = rows
+        self.fetched = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        fetched, self.fetched = self.fetched, self.fetched + 1
+        if int(os.environ.get("RANK", "0")) == 1 and fetched == FAULT_STEP * BATCH:
+            truth = {"rank": 1, "batch": FAULT_STEP, "index": index, "ts": time.time_ns()}
+            (OUT / "fault.json").write_text(json.dumps(truth))
+            raise ValueError(f"injected corrupt sample {index} on rank 1")
+        return self.rows[index]
+
+
 class FaultyTrainer(Trainer):
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        (OUT / f"started{self.args.process_index}.txt").write_text(str(self.state.global_step))
+        return super().training_step(*args, **kwargs)
+
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.args.process_index == 1 and self.state.global_step == FAULT_STEP:
+        if self.args.process_index == 1 and self.state.global_step == FAULT_STEP and not IN_DATA:
             truth = {"rank": 1, "step": self.state.global_step, "ts": time.time_ns()}
             (OUT / "fault.json").write_text(json.dumps(truth))
             raise RuntimeError(f"injected failure in compute_loss on rank 1 at step {self.state.global_step}")
@@ -45,17 +72,18 @@ def main() -> None:
     arguments = TrainingArguments(
         output_dir=str(OUT / "out"),
         max_steps=8,
-        per_device_train_batch_size=4,
+        per_device_train_batch_size=BATCH,
         save_steps=2,
         report_to=[],
         use_cpu=True,
         ddp_backend="gloo",
         ddp_timeout=20,
         disable_tqdm=True,
-        dataloader_num_workers=0,
+        dataloader_num_workers=1 if IN_DATA else 0,
         logging_steps=1,
     )
-    trainer = FaultyTrainer(model=model, args=arguments, train_dataset=data, callbacks=[TraintraceTrainerCallback()])
+    train = FaultyData(data) if IN_DATA else data
+    trainer = FaultyTrainer(model=model, args=arguments, train_dataset=train, callbacks=[TraintraceTrainerCallback()])
     trainer.train()
 
 

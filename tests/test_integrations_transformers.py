@@ -119,6 +119,13 @@ def test_trainer_run_records_steps_logs_evaluation_and_saves(memory: tt.MemoryBa
         # are the wall clock through the stream's anchor: 2 ms of slack.
         assert forward["ts"] <= began + 2_000_000 and forward["ts"] + forward["dur"] >= ended - 2_000_000
 
+    # Data loading: each step's batch fetched (get_batch_samples) just before the step, under the loop.
+    waits = memory.spans(tt.SpanName.DATA_LOADING)
+    assert len(waits) == 6
+    for wait, step in zip(waits, iterations, strict=True):
+        assert wait["parent"] == loop["id"] and wait["status"] == "ok"
+        assert wait["ts"] + wait["dur"] <= step["ts"]
+
     evaluations = memory.spans(tt.SpanName.VALIDATION)
     eval_logs = [h for h in history if "eval_loss" in h]
     assert len(evaluations) == len(eval_logs) == 2
@@ -226,3 +233,33 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
     assert errors["verdict"].startswith(f"rank 1 raised RuntimeError in forward at step {truth['step']}")
     assert summary["status"] == "failed"
     assert (summary["steps_completed"], summary["steps_lost"]) == (saved, truth["step"] + 1 - saved)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> None:
+    """Rank 1's dataset raises in its DataLoader worker process (a corrupt sample) in a 2-process DDP run under
+    traintrace-run. The Trainer fetches a step's batches in ``get_batch_samples`` (accelerate reading one batch
+    ahead), so the training process fails before the step after the last one it began. `traintrace errors`
+    names rank 1, that step and data loading (it said "the training loop (between steps)" before the callback
+    timed the fetch), against the script's own notes: the worker's note of the sample and each rank's last
+    step begun."""
+    import json
+    import sys
+
+    from tests._fault_runs import answers, run
+
+    script = Path(__file__).parent / "_hf_ddp_run.py"
+    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "2", str(script)]
+    logs = {"TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "hf-ddp", "HF_HUB_OFFLINE": "1"}
+    done = run([*command, str(tmp_path), "3", "data"], tmp_path, **logs)
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    truth = json.loads((tmp_path / "fault.json").read_text())
+    failed_before = int((tmp_path / "started1.txt").read_text()) + 1  # the step rank 1 never began
+    errors, _ = answers(tmp_path / "logs" / "hf-ddp")
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, failed_before, "data_loading")
+    assert "ValueError" in culprit["cause"]
+    assert errors["verdict"].startswith(f"rank 1 raised ValueError in data loading at step {failed_before}")
+    assert errors["first_error"]["ts"] >= truth["ts"]

@@ -40,6 +40,7 @@ __all__ = ["TraintraceTrainerCallback"]
 _INFO = int(Verbosity.INFO)
 _ITERATION = level_of(SpanName.ITERATION)
 _PHASE = level_of(SpanName.OPTIMIZER_STEP)
+_WAIT = level_of(SpanName.DATA_LOADING)
 
 #: The Trainer's own logs that belong to the step, not to evaluation or the run summary.
 _STEP_KEYS = frozenset({"loss", "grad_norm", "learning_rate", "epoch", "num_input_tokens_seen"})
@@ -68,9 +69,9 @@ class TraintraceTrainerCallback(TrainerCallback):
 
     The Trainer has no hooks around a save, an evaluation or an error; the
     callback wraps the methods of its own Trainer instance (``train``,
-    ``training_step``, ``compute_loss``, ``evaluate``, ``_save_checkpoint``) to
-    time them (forward is ``compute_loss`` in a training step, backward the
-    rest of the step) and to record an exception once; the wrappers stay for the Trainer's life, so
+    ``training_step``, ``compute_loss``, ``get_batch_samples``, ``evaluate``, ``_save_checkpoint``) to
+    time them (forward is ``compute_loss`` in a training step, backward the rest of the step, data loading
+    ``get_batch_samples``) and to record an exception once; the wrappers stay for the Trainer's life, so
     a later ``trainer.evaluate()`` is recorded too.
     """
 
@@ -90,6 +91,7 @@ class TraintraceTrainerCallback(TrainerCallback):
         self._iter: Span | None = None
         self._iter_pending = False
         self._phase: Span | None = None
+        self._wait: Span | None = None
         self._in_step = False  # inside a training step with phases recorded: compute_loss is forward
         self._eval: Span | None = None
         self._save: Span | None = None
@@ -140,6 +142,7 @@ class TraintraceTrainerCallback(TrainerCallback):
             ("train", self._wrap_train),
             ("training_step", self._wrap_training_step),
             ("compute_loss", self._wrap_compute_loss),
+            ("get_batch_samples", self._wrap_get_batch_samples),
             ("evaluate", self._wrap_evaluate),
             ("_save_checkpoint", self._wrap_save),
         ):
@@ -191,6 +194,26 @@ class TraintraceTrainerCallback(TrainerCallback):
             return result
 
         return training_step
+
+    def _wrap_get_batch_samples(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Data loading: the Trainer fetches the batches of each optimizer step here (transformers 4.46 on),
+        outside the step's hooks; a dataset or loader worker that fails raises here."""
+
+        def get_batch_samples(*args: Any, **kwargs: Any) -> Any:
+            if self._loop is None or self._wait is not None:
+                return original(*args, **kwargs)
+            self._wait = self._start(SpanName.DATA_LOADING, None, _WAIT)
+            try:
+                result = original(*args, **kwargs)
+            except BaseException as exc:
+                self._failed(exc)  # recorded at the wait, the innermost open span
+                raise
+            wait, self._wait = self._wait, None
+            if wait is not None:
+                _api.stop(wait)
+            return result
+
+        return get_batch_samples
 
     def _wrap_compute_loss(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Forward, when the Trainer computes the loss inside a training step (not in evaluation); backward
@@ -264,7 +287,7 @@ class TraintraceTrainerCallback(TrainerCallback):
             rec.error(exc, name=EventName.EXCEPTION)
         status = SpanStatus.ERROR if isinstance(exc, Exception) else SpanStatus.TERMINATED
         self._iter_pending = False
-        for attr in ("_phase", "_iter", "_save", "_eval", "_loop", "_app"):
+        for attr in ("_wait", "_phase", "_iter", "_save", "_eval", "_loop", "_app"):
             span = getattr(self, attr)
             if span is not None:
                 setattr(self, attr, None)
