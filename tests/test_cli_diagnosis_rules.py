@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from traintrace.cli._diagnosis import RankState, _culprit, _same_failure, _sentence
+import pytest
+
+from traintrace.cli._diagnosis import RankState, _culprit, _error_line, _same_failure, _sentence
 
 S = 1_000_000_000
 T0 = 1_800_000_000 * S
@@ -221,3 +223,41 @@ def test_killed_while_every_rank_waits_names_the_one_a_step_behind() -> None:
     # Two ranks at the lowest step: which one the others wait for is not known.
     tie = [behind, killed(1, waiting=True, since_s=1, alive_s=61, step=6), ahead[1]]
     assert _culprit(tie) == (None, "killed together")
+
+
+def _reraised_from_a_worker(exc: BaseException) -> BaseException:
+    """The exception a DataLoader re-raises in the training process for one its worker caught (torch's own
+    wrapper, as the loader uses it)."""
+    import sys
+
+    torch_utils = pytest.importorskip("torch._utils")
+    try:
+        raise exc
+    except BaseException:
+        wrapper = torch_utils.ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 0")
+    try:
+        wrapper.reraise()
+    except BaseException as reraised:
+        return reraised
+    raise AssertionError("reraise() returned")
+
+
+@pytest.mark.parametrize(
+    ("original", "expected"),
+    [
+        (ValueError("corrupt sample 24"), "corrupt sample 24 (in DataLoader worker process 0)"),
+        (ValueError("bad row\nsecond line"), "bad row (in DataLoader worker process 0)"),
+        (KeyError("label"), "'label' (in DataLoader worker process 0)"),
+    ],
+    ids=["value", "two-lines", "key"],
+)
+def test_an_error_from_a_loader_worker_says_the_original_exception(original: BaseException, expected: str) -> None:
+    reraised = _reraised_from_a_worker(original)
+    assert str(reraised).startswith("Caught ")  # what the record's message holds: the wrapper's text
+    assert _error_line(type(reraised).__name__, str(reraised)) == expected
+
+
+def test_an_ordinary_message_gives_its_first_line() -> None:
+    assert _error_line("RuntimeError", "boom\nmore") == "boom"
+    assert _error_line("ValueError", "Caught nothing here") == "Caught nothing here"
+    assert _error_line("ValueError", None) == ""

@@ -488,7 +488,11 @@ def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> 
     culprit = errors["culprit"]
     assert culprit is not None, errors["verdict"]
     assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, truth["step"], tt.SpanName.DATA_LOADING)
-    assert "injected corrupt sample" in culprit["cause"] or "DataLoader worker" in culprit["cause"]
+    # The cause is the dataset's own exception, not the loader's "Caught ValueError in DataLoader worker process 0."
+    assert (
+        culprit["cause"]
+        == f"raised ValueError: injected corrupt sample {truth['index']} on rank 1 (in DataLoader worker process 0)"
+    )
     assert errors["verdict"].startswith(f"rank 1 raised ValueError in data loading at step {truth['step']}")
     assert errors["first_error"]["ts"] >= truth["ts"]
     # The broken wait is a data_loading span that failed, not one that ended well.

@@ -260,6 +260,9 @@ def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> 
     culprit = errors["culprit"]
     assert culprit is not None, errors["verdict"]
     assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, failed_before, "data_loading")
-    assert "ValueError" in culprit["cause"]
+    assert (
+        culprit["cause"]
+        == f"raised ValueError: injected corrupt sample {truth['index']} on rank 1 (in DataLoader worker process 0)"
+    )
     assert errors["verdict"].startswith(f"rank 1 raised ValueError in data loading at step {failed_before}")
     assert errors["first_error"]["ts"] >= truth["ts"]

@@ -723,7 +723,7 @@ def _cause(s: RankState) -> str:
         then = {"terminated": f"; then terminated by {s.signal or 'SIGTERM'}", "killed": "; then killed"}
         return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
     if s.state == "error" and s.error is not None:
-        return f"raised {s.error['error_type']}: {_first_line(s.error['message'])}"
+        return f"raised {s.error['error_type']}: {_error_line(s.error['error_type'], s.error['message'])}"
     if s.state == "killed":
         sig = s.signal or (f"signal {-s.exit_code}" if s.exit_code is not None and s.exit_code < 0 else "a signal")
         return f"killed by {sig}" + ("" if s.exit_code is None else f" (exit code {s.exit_code})")
@@ -747,6 +747,25 @@ _NOISE = (
     re.compile(r"(?:Got the following error when running the callback: \w+: )+"),
     re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] "),
 )
+
+
+#: PyTorch's ExceptionWrapper (a DataLoader worker's exception re-raised in the training process): the message
+#: says where it was caught, then the original traceback, whose exception line is the informative part.
+_CAUGHT = re.compile(r"Caught \w+ in (.+?)\.\s*\nOriginal Traceback \(most recent call last\):\n")
+
+
+def _error_line(error_type: str | None, message: str | None) -> str:
+    """The line that says what went wrong: the original exception of one re-raised from a DataLoader worker
+    (``corrupt sample 24 (in DataLoader worker process 0)``), else the message's first line."""
+    caught = _CAUGHT.match(message or "")
+    if caught is not None and message is not None:
+        # The exception line is the first after the frames that is not indented.
+        original = next((ln for ln in message[caught.end() :].splitlines() if ln and not ln[0].isspace()), None)
+        if original is not None:
+            if error_type and original.startswith(f"{error_type}:"):
+                original = original[len(error_type) + 1 :].strip()
+            return _first_line(f"{original} (in {caught.group(1)})")
+    return _first_line(message)
 
 
 def _first_line(text: str | None, limit: int = 160) -> str:
