@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._analysis import CATEGORIES
+from ._diagnosis import _error_line
 from ._engine import compress_ranks
 
 LABELS = {
@@ -278,7 +279,7 @@ def render_errors(e: dict[str, Any], show_stack: bool = True) -> str:
                 ("error", "count", "ranks", "first at", "kind"),
                 [
                     (
-                        f"{g['error_type'] or g['name']}: {_short(g['message'])}",
+                        f"{g['error_type'] or g['name']}: {_short(_error_line(g['error_type'], g['message']))}",
                         g["count"],
                         g["ranks"],
                         when(g["first_ts"]),
