@@ -238,21 +238,26 @@ class TraintraceCallback(Callback):
         else:
             self._wait_t0 = perf_counter_ns()
 
-    def _end_wait(self) -> None:
+    def _end_wait(self, status: str = SpanStatus.OK) -> Span | None:
+        """End the wait for a batch (if any) with ``status``; the data_loading span it made, if one."""
         t0 = self._wait_t0
         if t0 is not None:
             self._wait_t0 = None
             if not self.phase_spans:
                 self._timings["data_loading_ns"] = perf_counter_ns() - t0
-                return
+                return None
             rec = self._rec
-            if rec is not None:
-                record_finished(rec, SpanName.DATA_LOADING, _WAIT, t0, perf_counter_ns(), self._loop)
-            return
+            if rec is None:
+                return None
+            return record_finished(rec, SpanName.DATA_LOADING, _WAIT, t0, perf_counter_ns(), self._loop, None, status)
         wait = self._wait_span
         if wait is not None:
             self._wait_span = None
-            wait.__exit__(None, None, None)
+            if status == SpanStatus.OK:
+                wait.__exit__(None, None, None)
+            else:
+                self._stop(wait, None, status)
+        return wait
 
     def _phase_to(self, name: str | None) -> None:
         """End the current phase (if any) and begin ``name`` (if given)."""
@@ -402,19 +407,11 @@ class TraintraceCallback(Callback):
                 broken = record_finished(rec, phase, _PHASE, self._mark, perf_counter_ns(), self._iter, None, status)
                 if broken is not None and isinstance(exception, Exception):
                     rec.record_exception(exception, EventName.EXCEPTION, None, broken.id)
-            elif self._wait_t0 is not None and self.phase_spans:
+            else:
                 # Raised while the next batch was fetched (a dataset or a loader worker failed): the wait broke.
-                t0, self._wait_t0 = self._wait_t0, None
-                broken = record_finished(
-                    rec, SpanName.DATA_LOADING, _WAIT, t0, perf_counter_ns(), self._loop, None, status
-                )
+                broken = self._end_wait(status)
                 if broken is not None and isinstance(exception, Exception):
                     rec.record_exception(exception, EventName.EXCEPTION, None, broken.id)
-            elif self._wait_span is not None:
-                wait, self._wait_span = self._wait_span, None
-                if isinstance(exception, Exception):
-                    rec.error(exception, name=EventName.EXCEPTION)  # at the wait, the innermost open span
-                self._stop(wait, None, status)
             if isinstance(exception, Exception):
                 rec.error(exception, name=EventName.EXCEPTION)
         self._close_open(status)
