@@ -300,6 +300,20 @@ def failed(recorder: Recorder, span: Any = None, t0: int = 0) -> None:
         log.warning("traintrace: the progress file could not be updated; it is no longer kept")
 
 
+def enter_timed_phase(recorder: Recorder, code: int, t0: int) -> None:
+    """A standard phase (``PHASE_CODES``) an integration times between two hooks instead of opening a span (the
+    Lightning callback's timed phases): the file says the rank entered it at ``t0``, as the span's start would,
+    so that a rank that hangs or dies in it is found there. The next span that starts or stops on the thread
+    moves the file on, as after any phase. Two stores; call it from the training thread (a framework's hooks)."""
+    prog = recorder._progress
+    if prog is not None:
+        try:
+            prog[S_PHASE_T0] = t0
+            prog[S_COUNTER] = next(recorder._progress_seq) | code
+        except Exception:  # noqa: BLE001 - never raise into training
+            failed(recorder)
+
+
 def _after_fork_in_child() -> None:
     # The parent's mapping is shared: the child must never write it.
     for recorder in list(_attached):

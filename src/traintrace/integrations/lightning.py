@@ -26,6 +26,7 @@ from .. import _api
 from .._checkpoint import measure_size
 from .._config import Config, build_config
 from .._names import EventName, SpanName, SpanStatus, Verbosity, level_of
+from .._progress import PHASE_CODES, enter_timed_phase
 from .._recorder import Recorder, Span, current_span, warn_once
 from ..backends._scalars import framework_logs_metrics
 from ._common import (
@@ -50,6 +51,7 @@ _PROFILING = int(Verbosity.PROFILING)
 _ITERATION = level_of(SpanName.ITERATION)
 _PHASE = level_of(SpanName.FORWARD)
 _WAIT = level_of(SpanName.DATA_LOADING)
+_WAIT_CODE = PHASE_CODES[SpanName.DATA_LOADING]
 
 #: Attribute names of the phase timings when phases are not recorded as spans.
 _TIMING_KEYS = {
@@ -236,7 +238,12 @@ class TraintraceCallback(Callback):
         if self._live_phases and self.phase_spans:
             self._wait_span = self._start(SpanName.DATA_LOADING, None, _WAIT)
         else:
-            self._wait_t0 = perf_counter_ns()
+            # Timed, no span open: the progress file alone says the rank waits for a batch (a rank whose
+            # loader hangs is found there).
+            self._wait_t0 = t0 = perf_counter_ns()
+            rec = self._rec
+            if rec is not None:
+                enter_timed_phase(rec, _WAIT_CODE, t0)
 
     def _end_wait(self, status: str = SpanStatus.OK) -> Span | None:
         """End the wait for a batch (if any) with ``status``; the data_loading span it made, if one."""
@@ -282,6 +289,9 @@ class TraintraceCallback(Callback):
                 self._phase_span = self._start(name, None, _PHASE)
             else:
                 self._mark = now
+                rec = self._rec
+                if rec is not None:
+                    enter_timed_phase(rec, PHASE_CODES[name], now)
 
     def _end_pending_save(self) -> None:
         pending = self._pending_save
@@ -453,6 +463,9 @@ class TraintraceCallback(Callback):
             self._begin_wait()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rec = self._rec
+        if self._wait_t0 is not None and rec is not None:
+            enter_timed_phase(rec, PHASE_CODES[SpanName.TRAINING_LOOP], perf_counter_ns())  # no batch awaited
         self._end_wait()
         if self._info and self.log_metrics:
             fresh = self._new_logged(trainer)
@@ -495,6 +508,9 @@ class TraintraceCallback(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._phase is not None:
             self._phase_to(None)
+            rec = self._rec
+            if self._phase_span is None and rec is not None:
+                enter_timed_phase(rec, PHASE_CODES[SpanName.ITERATION], perf_counter_ns())  # between phases
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._profile:
