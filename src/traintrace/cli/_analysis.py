@@ -9,7 +9,7 @@ from typing import Any
 
 from .._names import EventName, SpanName
 from ._device import compute_time_sql, device_summary
-from ._diagnosis import HANG_ERRORS, _secondary, diagnose
+from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose
 from ._engine import ITERATION, Job, compress_ranks
 
 NS = 1e9
@@ -605,7 +605,9 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
     # The first error is the first cause: peers' consequences (connection closed, timeouts) and hang reports
     # come after it in importance, whatever their time.
     for e in all_errors:
-        e["consequence"] = e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS or _secondary(e)
+        e["consequence"] = (
+            e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS or _secondary(e) or _terminated_by(e)
+        )
     causes = [e for e in all_errors if not e["consequence"]]
     first = causes[0] if causes else (all_errors[0] if all_errors else None)
     if first is not None and first.get("span"):

@@ -27,6 +27,12 @@ SECONDARY = re.compile(
     re.IGNORECASE,
 )
 HANG_ERRORS = (EventName.HANG_SUSPECTED, EventName.HANG_EXIT)
+#: Errors that are the rank being terminated, not anything it raised: PyTorch's when a DataLoader worker died of
+#: SIGTERM (the launcher's SIGTERM reached the rank's process group: torchrun stops the other ranks so after a
+#: failure), and a communication error raised while handling SIGTERM (Lightning's handler broadcasts it to the
+#: other ranks, which may be gone).
+TERMINATED_WORKER = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: Terminated", re.IGNORECASE)
+IN_SIGTERM_HANDLER = re.compile(r"sigterm", re.IGNORECASE)
 #: Span names that say where a rank is, innermost wins; containers only when nothing finer is open.
 CONTAINERS = (SpanName.APPLICATION, SpanName.TRAINING_LOOP)
 COLLECTIVE = SpanName.COLLECTIVE
@@ -311,12 +317,17 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
     errors = facts.errors.get(stream, [])
     hangs = [e for e in errors if e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS]
     real = [e for e in errors if e not in hangs]
+    signals = facts.signals.get(stream, [])
+    torn = [e for e in real if _terminated_by(e)]
+    if torn:
+        # The rank was terminated, it raised nothing of its own: read as the signal it was.
+        real = [e for e in real if e not in torn]
+        signals = signals or [(torn[0]["ts"], {"signal": "SIGTERM"})]
     resolved = facts.resolved.get(stream)
     if hangs and resolved is not None and resolved >= hangs[-1]["ts"]:
         hangs = []  # progress resumed after the last hang report
     primary = [e for e in real if not _secondary(e)]
     secondary = [e for e in real if _secondary(e)]
-    signals = facts.signals.get(stream, [])
     st.last_progress_ns = facts.last_ok.get(stream, (None, None))[0]
     st.launcher_signal = facts.launcher_signal
     fail = facts.failures.get((st.rank, st.restart))
@@ -458,8 +469,8 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
         st.last_step_ns = getattr(progress, "last_step_ns", None)
         return
     updated = int(getattr(progress, "updated_ns", 0) or 0)
-    if updated + CLOCKS_NS < (f["end_ts"] or 0):
-        return  # the stream went on after the file's last update: it knows more
+    if updated + CLOCKS_NS < (f["end_ts"] or 0) and updated + CLOCKS_NS < _last_span_ns(job, st):
+        return  # the stream's spans went on after the file's last update: it knows more
     step, phase = getattr(progress, "step", None), getattr(progress, "phase", None)
     done = getattr(progress, "step_done", None)
     if isinstance(step, int):
@@ -476,6 +487,16 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
     if st.state in ("killed", "exited", "ended"):
         st.stopped_ns = max(st.stopped_ns or 0, updated)
     st.source.append("progress file")
+
+
+def _last_span_ns(job: Job, st: RankState) -> int:
+    """When the stream's spans last began or ended. Its events do not count: the monitor's device readings and
+    the interval statistics come from other threads, and an event says nothing of where the training thread
+    is; every standard phase it enters or leaves moves the progress file."""
+    (last,) = job.one(
+        f"SELECT max(CASE WHEN open THEN ts ELSE ts + dur END) FROM spans_small WHERE stream = {int(st.stream)}"
+    ) or (None,)
+    return max(int(last or 0), int(st.last_progress_ns or 0))
 
 
 def _fault_stacks(stream_path: str, limit: int = 65536) -> str | None:
@@ -498,6 +519,13 @@ def _attrs(value: Any) -> dict[str, Any]:
             return {}
         return parsed if isinstance(parsed, dict) else {}
     return {}
+
+
+def _terminated_by(error: dict[str, Any]) -> bool:
+    """The error is the rank's own termination by SIGTERM (``TERMINATED_WORKER``, ``IN_SIGTERM_HANDLER``)."""
+    if TERMINATED_WORKER.search(str(error.get("message") or "")):
+        return True
+    return _secondary(error) and bool(IN_SIGTERM_HANDLER.search(str(error.get("stack") or "")))
 
 
 def _secondary(error: dict[str, Any]) -> bool:
@@ -642,7 +670,7 @@ def _waited_for(states: list[RankState]) -> RankState | None:
     rank a step behind all the others (stuck in a collective they never joined). That rank is marked hung
     from the first timeout on (the verdict then reads as for a reported hang)."""
     known = [s for s in states if s.step is not None]
-    waiting = [s for s in known if s.in_collective and s.consequence is not None]
+    waiting = [s for s in known if s.consequence is not None]
     if not waiting:
         return _waited_for_before_the_loop(states)
     behind = min(known, key=_hang_key)
@@ -708,9 +736,16 @@ def _first_trouble(s: RankState) -> int | None:
 
 
 def _hang_key(s: RankState) -> tuple[float, int, float, int]:
-    """Lowest step first, then not inside a collective, then the earliest last progress."""
+    """Lowest step first, then not waiting in a collective, then the earliest last progress."""
     step = float(s.step) if s.step is not None else float("inf")
-    return step, int(s.in_collective), float(s.last_progress_ns or 0), s.rank
+    return step, int(_waits(s)), float(s.last_progress_ns or 0), s.rank
+
+
+def _waits(s: RankState) -> bool:
+    """In a collective, or failed by one: a communication error (a timeout, a peer gone) is raised by a
+    collective whether or not the rank's collectives were recorded (DDP's all-reduce runs inside backward, and
+    the Lightning and Hugging Face callbacks record no collective spans)."""
+    return s.in_collective or s.consequence is not None
 
 
 def _cause(s: RankState) -> str:
