@@ -5,7 +5,10 @@ configures traintrace with the trainer's rank and world size. With a second
 argument N, rank 1 raises in its training step at global step N, after writing
 the truth (``fault.json``: rank, step, time) without traintrace; with a third
 argument ``data``, rank 1's dataset raises instead, in the DataLoader's worker
-process, while it fetches the batch of step N (the truth written there).
+process, while it fetches the batch of step N (the truth written there); with
+``data_hang`` that read hangs until a file ``release`` appears in the output
+folder (or 300 s), then raises. ``DDP_TIMEOUT_S`` (default 20) is the
+collective timeout. Run under torchrun, Lightning starts no process itself.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from traintrace.integrations.lightning import TraintraceCallback
 
 OUT = Path(sys.argv[1])
 FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
-IN_DATA = len(sys.argv) > 3 and sys.argv[3] == "data"
+MODE = sys.argv[3] if len(sys.argv) > 3 else ""
+IN_DATA = MODE in ("data", "data_hang")
 BATCH = 8
+TIMEOUT_S = float(os.environ.get("DDP_TIMEOUT_S", "20"))
 
 
 class Tiny(L.LightningModule):
@@ -69,6 +74,12 @@ class FaultyData(TensorDataset):
         if self.rank == 1 and fetched == FAULT_STEP * BATCH:
             truth = {"rank": self.rank, "step": FAULT_STEP, "index": index, "ts": time.time_ns()}
             (OUT / "fault.json").write_text(json.dumps(truth))
+            if MODE == "data_hang":
+                # A read that does not return (a stalled network file system, say), until the test says so.
+                deadline = time.monotonic() + 300
+                while not (OUT / "release").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                raise ValueError(f"released the read of sample {index} on rank 1")
             raise ValueError(f"injected corrupt sample {index} on rank 1")
         return super().__getitem__(index)
 
@@ -84,7 +95,7 @@ def main() -> None:
     callback = TraintraceCallback(tt.Config(job_id="ddp-test", log_dir=str(out / "logs")), backends={"log": False})
     trainer = L.Trainer(
         # A short collective timeout: the rank left waiting for a failed one gives up soon.
-        strategy=L.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=20)),
+        strategy=L.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=TIMEOUT_S)),
         accelerator="cpu",
         devices=2,
         max_epochs=1,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from traintrace.cli._diagnosis import RankState, _culprit, _error_line, _same_failure, _sentence
+from traintrace.cli._diagnosis import RankState, _culprit, _error_line, _same_failure, _sentence, _terminated_by
 
 S = 1_000_000_000
 T0 = 1_800_000_000 * S
@@ -38,6 +38,44 @@ def test_a_rank_ahead_of_the_waiting_ranks_is_not_named() -> None:
         state(1, state="terminated", step=8, phase="model_forward", stopped_ns=T0 + 11 * S),
     ]
     assert _culprit(states) == (None, "unknown")
+
+
+def test_a_timeout_says_its_rank_waited_in_a_collective_no_span_recorded() -> None:
+    """Frameworks whose collectives are not recorded (DDP's all-reduce inside backward, under the Lightning or
+    HF callback): the ranks that failed with a timeout waited in one, and the rank at their step outside any
+    is named."""
+    states = [
+        state(0, state="error", step=6, phase="model_backward", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="running", step=6, phase="data_loading", last_progress_ns=T0, stopped_ns=T0 + 12 * S),
+        state(2, state="error", step=6, phase="model_backward", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+    ]
+    culprit, rule = _culprit(states)
+    assert rule == "hang: the rank the collectives timed out on"
+    assert culprit is states[1] and culprit.hang is not None
+    assert "not in a collective when rank 0's collective failed" in culprit.hang["message"]
+    # A rank that also timed out is a waiter, not the one they waited for.
+    states = [
+        state(0, state="error", step=6, phase="model_backward", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="error", step=6, phase="model_forward", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+    ]
+    assert _culprit(states) == (None, "unknown")
+
+
+def test_errors_that_are_the_ranks_own_termination() -> None:
+    """A loader worker killed by SIGTERM, or a peer gone while Lightning's SIGTERM handler broadcasts: the rank
+    was terminated; a worker killed otherwise (the OOM killer's SIGKILL) or a peer gone in backward is not."""
+    worker = "DataLoader worker (pid 16274) is killed by signal: Terminated. "
+    handler = '  File ".../signal_connector.py", line 118, in _sigterm_notifier_fn\n    dist.broadcast(t, src=0)\n'
+    peer = "Connection closed by peer [127.0.0.1]:44683"
+
+    def error(message: str, stack: str | None = None) -> dict[str, Any]:
+        return {"ts": T0, "name": "exception", "error_type": "RuntimeError", "message": message, "stack": stack}
+
+    assert _terminated_by(error(worker))
+    assert _terminated_by(error(peer, handler))
+    assert not _terminated_by(error("DataLoader worker (pid 16274) is killed by signal: Killed. "))
+    assert not _terminated_by(error(peer, '  File "model.py", line 3, in backward\n'))
+    assert not _terminated_by(error("ValueError: bad sigterm value", handler))  # not a communication error
 
 
 def test_before_the_loop_two_quiet_ranks_name_nobody() -> None:

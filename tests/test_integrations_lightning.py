@@ -500,3 +500,153 @@ def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> 
     waits = [s for s in stream.spans() if s["name"] == tt.SpanName.DATA_LOADING]
     assert waits and waits[-1]["status"] == tt.SpanStatus.ERROR
     assert all(w["status"] == tt.SpanStatus.OK for w in waits[:-1])
+
+
+def _hang_truth(folder: Path) -> dict[str, Any]:
+    """The script's own notes (written without traintrace): where rank 1's read hung, the last step each began."""
+    import json
+
+    truth = json.loads((folder / "fault.json").read_text())
+    truth["began"] = {rank: int((folder / f"started{rank}.txt").read_text()) for rank in (0, 1)}
+    return truth
+
+
+def _check_data_hang(errors: dict[str, Any], truth: dict[str, Any], state: str) -> None:
+    # Rank 1 never began the step whose batch it was reading; rank 0 began it and waited in DDP's all-reduce
+    # (in backward) until gloo gave up.
+    assert truth["began"] == {0: truth["step"], 1: truth["step"] - 1}, truth
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, truth["step"], tt.SpanName.DATA_LOADING)
+    assert culprit["state"] == state, culprit
+    assert errors["rule"] == "hang: the rank the collectives timed out on"
+    assert errors["verdict"].startswith(
+        f"rank 1 hung in data loading at step {truth['step']}, not in a collective; rank 0 was in backward at step"
+    ), errors["verdict"]
+    (rank0,) = [r for r in errors["rank_states"] if r["rank"] == 0]
+    assert rank0["consequence"] is not None and "timed out" in rank0["consequence"]["message"].lower()
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ddp_data_loading_hang_is_diagnosed_while_the_rank_still_hangs(tmp_path: Path) -> None:
+    """Rank 1's DataLoader worker hangs reading the batch of step 3 (no exception); rank 0 waits in the
+    all-reduce until gloo times out and Lightning ends it, leaving rank 1 hanging. `traintrace errors`, run
+    then, names rank 1, step 3 and data loading: the callback times the wait without a span, so only the
+    progress file says where rank 1 is (the monitor's later records in its stream say nothing of that)."""
+    import os
+    import signal
+    import subprocess
+
+    from tests._fault_runs import child_env
+    from traintrace.progress import read_progress
+
+    # Output to a file: rank 1, left running, keeps the pipes a capture would wait on open.
+    with (tmp_path / "output.txt").open("w") as output:
+        launcher = subprocess.Popen(
+            [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3", "data_hang"],
+            env=child_env(DDP_TIMEOUT_S="15"),
+            cwd=tmp_path,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        code = launcher.wait(timeout=240)
+    # rank 0 (Lightning's launching process) has failed; rank 1 still waits for its loader.
+    assert code != 0, (tmp_path / "output.txt").read_text()[-3000:]
+    logs = tmp_path / "logs" / "ddp-test"
+    progress = read_progress(logs / "rank1.progress")
+    assert progress is not None
+    try:
+        assert progress.state == "running", progress
+        errors, _ = answers(logs)
+        _check_data_hang(errors, _hang_truth(tmp_path), "running")
+        assert "progress file" in errors["culprit"]["source"]
+    finally:
+        (tmp_path / "release").write_text("")  # the read raises now, and rank 1 ends
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (read_progress(logs / "rank1.progress") or progress).state == "running":
+            time.sleep(0.2)
+        try:
+            os.kill(progress.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ddp_data_loading_hang_under_torchrun(tmp_path: Path) -> None:
+    """The same hang under torchrun: when rank 0's all-reduce times out, torchrun stops rank 1 with SIGTERM,
+    which kills its loader worker (PyTorch then reports `DataLoader worker ... is killed by signal: Terminated`)
+    and makes Lightning's SIGTERM handler fail to reach rank 0. Neither is something rank 1 raised: it is named
+    as the rank the others waited for, hung in data loading, then terminated."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
+    done = run(
+        [*command, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3", "data_hang"], tmp_path, DDP_TIMEOUT_S="15"
+    )
+    (tmp_path / "release").write_text("")
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    errors, _ = answers(tmp_path / "logs" / "ddp-test")
+    _check_data_hang(errors, _hang_truth(tmp_path), "terminated")
+    # The worker's death by SIGTERM is not the root cause the first-error section shows.
+    assert "killed by signal" not in (errors["first_error"]["message"] or "")
+    assert all(g["consequence"] for g in errors["groups"]), errors["groups"]
+
+
+def test_the_progress_file_says_each_timed_phase(tmp_path: Path) -> None:
+    """The callback times data loading, forward, backward and the optimizer step between hooks, without spans
+    (no listener asks for live ones); the progress file must still say which one the rank is in, for a rank
+    that hangs or dies there. Read from inside each phase: the dataset's fetch, the module's forward, a
+    gradient hook during backward, the optimizer's step; and after the epoch's last fetch, the training loop."""
+    from traintrace.progress import read_progress
+
+    logs = tmp_path / "logs"
+    seen: list[tuple[str, str | None]] = []
+
+    def phase(where: str) -> None:
+        progress = read_progress(logs / "progress-test" / "rank0.progress")
+        seen.append((where, progress.phase if progress else None))
+
+    class Reading(TensorDataset):
+        def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+            phase("fetch")
+            return super().__getitem__(index)
+
+    class Module(TinyModule):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            phase("forward")
+            return self.net(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            out = self(x)
+            out.register_hook(lambda grad: phase("backward"))
+            return nn.functional.mse_loss(out, y)
+
+        def on_train_epoch_end(self) -> None:
+            phase("epoch end")
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+            optimizer.register_step_post_hook(lambda *args: phase("optimizer step"))  # the closure ran first
+            return optimizer
+
+    generator = torch.Generator().manual_seed(0)
+    data = Reading(torch.randn(32, 8, generator=generator), torch.randn(32, 1, generator=generator))
+    callback = TraintraceCallback(tt.Config(job_id="progress-test", log_dir=str(logs)), backends={"log": False})
+    try:
+        trainer(tmp_path, max_epochs=1, callbacks=[callback], logger=False).fit(
+            Module(), DataLoader(data, batch_size=8)
+        )
+    finally:
+        tt.close()
+    expected = {
+        "fetch": tt.SpanName.DATA_LOADING,
+        "forward": tt.SpanName.FORWARD,
+        "backward": tt.SpanName.BACKWARD,
+        "optimizer step": tt.SpanName.OPTIMIZER_STEP,
+        "epoch end": tt.SpanName.TRAINING_LOOP,
+    }
+    assert {where for where, _ in seen} == set(expected)
+    assert [(where, p) for where, p in seen if p != expected[where]] == []
+    assert len([where for where, _ in seen if where == "forward"]) == 4  # the 4 steps
