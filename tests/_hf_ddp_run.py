@@ -2,8 +2,9 @@
 the Hugging Face Trainer with DDP over gloo on the CPU, the traintrace callback on. With a second argument N,
 rank 1 raises while computing its loss at global step N, after writing the truth (``fault.json``: rank,
 step, time) without traintrace; with a third argument ``data``, rank 1's dataset raises instead, in the
-DataLoader's worker process, on the first sample of the N-th batch it fetches. Each rank notes the last step it
-began (``started<rank>.txt``), also without traintrace.
+DataLoader's worker process, on the first sample of the N-th batch it fetches (``data_hang``: that read hangs
+until a file ``release`` appears in the output folder). Each rank notes the last step it began
+(``started<rank>.txt``), also without traintrace. ``DDP_TIMEOUT_S`` (default 20): the collective timeout.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from traintrace.integrations.transformers import TraintraceTrainerCallback
 
 OUT = Path(sys.argv[1])
 FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
-IN_DATA = len(sys.argv) > 3 and sys.argv[3] == "data"
+MODE = sys.argv[3] if len(sys.argv) > 3 else ""
+IN_DATA = MODE in ("data", "data_hang")
 BATCH = 4
 VOCAB, SEQ = 50, 8
 
@@ -44,6 +46,11 @@ class FaultyData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         if int(os.environ.get("RANK", "0")) == 1 and fetched == FAULT_STEP * BATCH:
             truth = {"rank": 1, "batch": FAULT_STEP, "index": index, "ts": time.time_ns()}
             (OUT / "fault.json").write_text(json.dumps(truth))
+            if MODE == "data_hang":
+                # A read that does not return until the test says so (or 300 s).
+                deadline = time.monotonic() + 300
+                while not (OUT / "release").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
             raise ValueError(f"injected corrupt sample {index} on rank 1")
         return self.rows[index]
 
@@ -77,7 +84,7 @@ def main() -> None:
         report_to=[],
         use_cpu=True,
         ddp_backend="gloo",
-        ddp_timeout=20,
+        ddp_timeout=int(os.environ.get("DDP_TIMEOUT_S", "20")),
         disable_tqdm=True,
         dataloader_num_workers=1 if IN_DATA else 0,
         logging_steps=1,

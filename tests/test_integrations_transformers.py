@@ -266,3 +266,58 @@ def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> 
     )
     assert errors["verdict"].startswith(f"rank 1 raised ValueError in data loading at step {failed_before}")
     assert errors["first_error"]["ts"] >= truth["ts"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_ddp_data_loading_hang_killed_by_the_scheduler(tmp_path: Path) -> None:
+    """Rank 1's DataLoader worker hangs reading a batch (no exception); rank 0 waits for it in the Trainer's
+    gather of the step's token count, which is inside the fetch too, so both ranks are in data loading. The
+    scheduler's SIGTERM to the launcher 4 s later ends the job. `traintrace errors` names rank 1 (not in a
+    collective) and the step it never began, against the script's own notes; the callback records the gather
+    as a collective."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests._fault_runs import answers, child_env
+
+    script = Path(__file__).parent / "_hf_ddp_run.py"
+    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "2", str(script)]
+    logs = {"TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "hf-ddp", "HF_HUB_OFFLINE": "1"}
+    with (tmp_path / "output.txt").open("w") as output:
+        launcher = subprocess.Popen(
+            [*command, str(tmp_path), "3", "data_hang"],
+            env=child_env(**logs),
+            cwd=tmp_path,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 180
+            while not (tmp_path / "fault.json").exists() and launcher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(4)
+            os.kill(launcher.pid, signal.SIGTERM)  # the scheduler's time limit
+            launcher.wait(timeout=60)
+        finally:
+            (tmp_path / "release").write_text("")
+            if launcher.poll() is None:
+                launcher.kill()
+    assert (tmp_path / "fault.json").exists(), (tmp_path / "output.txt").read_text()[-3000:]
+    truth = json.loads((tmp_path / "fault.json").read_text())  # the worker's note: whose read hung
+    began = {rank: int((tmp_path / f"started{rank}.txt").read_text()) for rank in (0, 1)}
+    step = began[1] + 1  # the step rank 1 was fetching for and never began; rank 0 never began it either
+    assert began[0] == began[1], began
+    errors, _ = answers(tmp_path / "logs" / "hf-ddp")
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (truth["rank"], step, "data_loading")
+    assert errors["rule"] == "terminated while waiting for a rank"
+    assert errors["verdict"].startswith(f"rank 1 hung in data loading at step {step}, not in a collective"), errors[
+        "verdict"
+    ]
+    assert f"rank 0 was waiting in a collective (all_gather) in data loading at step {step}" in errors["verdict"]

@@ -41,6 +41,7 @@ _INFO = int(Verbosity.INFO)
 _ITERATION = level_of(SpanName.ITERATION)
 _PHASE = level_of(SpanName.OPTIMIZER_STEP)
 _WAIT = level_of(SpanName.DATA_LOADING)
+_COLLECTIVE = level_of(SpanName.COLLECTIVE)
 
 #: The Trainer's own logs that belong to the step, not to evaluation or the run summary.
 _STEP_KEYS = frozenset({"loss", "grad_norm", "learning_rate", "epoch", "num_input_tokens_seen"})
@@ -69,9 +70,10 @@ class TraintraceTrainerCallback(TrainerCallback):
 
     The Trainer has no hooks around a save, an evaluation or an error; the
     callback wraps the methods of its own Trainer instance (``train``,
-    ``training_step``, ``compute_loss``, ``get_batch_samples``, ``evaluate``, ``_save_checkpoint``) to
-    time them (forward is ``compute_loss`` in a training step, backward the rest of the step, data loading
-    ``get_batch_samples``) and to record an exception once; the wrappers stay for the Trainer's life, so
+    ``training_step``, ``compute_loss``, ``get_batch_samples``, ``_get_num_items_in_batch``, ``evaluate``,
+    ``_save_checkpoint``) to time them (forward is ``compute_loss`` in a training step, backward the rest of
+    the step, data loading ``get_batch_samples``, the gather of its token count a collective) and to record
+    an exception once; the wrappers stay for the Trainer's life, so
     a later ``trainer.evaluate()`` is recorded too.
     """
 
@@ -92,6 +94,7 @@ class TraintraceTrainerCallback(TrainerCallback):
         self._iter_pending = False
         self._phase: Span | None = None
         self._wait: Span | None = None
+        self._gather: Span | None = None
         self._in_step = False  # inside a training step with phases recorded: compute_loss is forward
         self._eval: Span | None = None
         self._save: Span | None = None
@@ -143,6 +146,7 @@ class TraintraceTrainerCallback(TrainerCallback):
             ("training_step", self._wrap_training_step),
             ("compute_loss", self._wrap_compute_loss),
             ("get_batch_samples", self._wrap_get_batch_samples),
+            ("_get_num_items_in_batch", self._wrap_count_items),
             ("evaluate", self._wrap_evaluate),
             ("_save_checkpoint", self._wrap_save),
         ):
@@ -214,6 +218,29 @@ class TraintraceTrainerCallback(TrainerCallback):
             return result
 
         return get_batch_samples
+
+    def _wrap_count_items(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """Inside the fetch, the Trainer gathers each step's token count from every rank
+        (``average_tokens_across_devices``): a ``collective`` span, so that a rank waiting there for a peer whose
+        loader hangs is told apart from that peer (both are in data loading)."""
+
+        def count_items(*args: Any, **kwargs: Any) -> Any:
+            trainer = self._trainer
+            arguments = getattr(trainer, "args", None)
+            if (
+                self._wait is None
+                or int(getattr(arguments, "world_size", 1) or 1) < 2
+                or not getattr(arguments, "average_tokens_across_devices", False)
+            ):
+                return original(*args, **kwargs)
+            span = self._gather = self._start(SpanName.COLLECTIVE, {"op": "all_gather"}, _COLLECTIVE)
+            result = original(*args, **kwargs)  # an exception: get_batch_samples' wrapper records it here
+            self._gather = None
+            if span is not None:
+                _api.stop(span)
+            return result
+
+        return count_items
 
     def _wrap_compute_loss(self, original: Callable[..., Any]) -> Callable[..., Any]:
         """Forward, when the Trainer computes the loss inside a training step (not in evaluation); backward
@@ -287,7 +314,7 @@ class TraintraceTrainerCallback(TrainerCallback):
             rec.error(exc, name=EventName.EXCEPTION)
         status = SpanStatus.ERROR if isinstance(exc, Exception) else SpanStatus.TERMINATED
         self._iter_pending = False
-        for attr in ("_wait", "_phase", "_iter", "_save", "_eval", "_loop", "_app"):
+        for attr in ("_gather", "_wait", "_phase", "_iter", "_save", "_eval", "_loop", "_app"):
             span = getattr(self, attr)
             if span is not None:
                 setattr(self, attr, None)
