@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import traintrace as tt
-from tests._fault_runs import answers, run
+from tests._fault_runs import answers, native_children_once, run
 from traintrace.integrations.lightning import TraintraceCallback
 from traintrace.reader import read_file
 
@@ -529,6 +529,7 @@ def _check_data_hang(errors: dict[str, Any], truth: dict[str, Any], state: str) 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@native_children_once
 def test_ddp_data_loading_hang_is_diagnosed_while_the_rank_still_hangs(tmp_path: Path) -> None:
     """Rank 1's DataLoader worker hangs reading the batch of step 3 (no exception); rank 0 waits in the
     all-reduce until gloo times out and Lightning ends it, leaving rank 1 hanging. `traintrace errors`, run
@@ -574,6 +575,7 @@ def test_ddp_data_loading_hang_is_diagnosed_while_the_rank_still_hangs(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@native_children_once
 def test_ddp_data_loading_hang_under_torchrun(tmp_path: Path) -> None:
     """The same hang under torchrun: when rank 0's all-reduce times out, torchrun stops rank 1 with SIGTERM,
     which kills its loader worker (PyTorch then reports `DataLoader worker ... is killed by signal: Terminated`)

@@ -19,6 +19,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import traintrace as tt
+from tests._fault_runs import native_children_once
 from traintrace.integrations.transformers import TraintraceTrainerCallback
 
 SEQ = 8
@@ -270,6 +271,7 @@ def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@native_children_once
 def test_ddp_data_loading_hang_killed_by_the_scheduler(tmp_path: Path) -> None:
     """Rank 1's DataLoader worker hangs reading a batch (no exception); rank 0 waits for it in the Trainer's
     gather of the step's token count, which is inside the fetch too, so both ranks are in data loading. The
