@@ -61,6 +61,18 @@ def test_a_timeout_says_its_rank_waited_in_a_collective_no_span_recorded() -> No
     assert _culprit(states) == (None, "unknown")
 
 
+def test_at_the_same_step_the_rank_in_an_earlier_phase_is_behind() -> None:
+    """Both ranks reported a hang at the same step, neither in a recorded collective: the one still loading its
+    batch holds up the one in backward (whose all-reduce waits for it), whichever finished its last step first."""
+    hang = {"ts": T0 + 5 * S, "message": "no progress", "stack": None, "from_ns": T0}
+    states = [
+        state(0, state="hung", step=3, phase="model_backward", hang=hang, last_progress_ns=T0 - 2),
+        state(1, state="hung", step=3, phase="data_loading", hang=hang, last_progress_ns=T0),
+    ]
+    culprit, rule = _culprit(states)
+    assert rule == "hang: the rank behind" and culprit is states[1]
+
+
 def test_errors_that_are_the_ranks_own_termination() -> None:
     """A loader worker killed by SIGTERM, or a peer gone while Lightning's SIGTERM handler broadcasts: the rank
     was terminated; a worker killed otherwise (the OOM killer's SIGKILL) or a peer gone in backward is not."""

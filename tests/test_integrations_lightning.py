@@ -576,6 +576,63 @@ def test_ddp_data_loading_hang_is_diagnosed_while_the_rank_still_hangs(tmp_path:
 @pytest.mark.slow
 @pytest.mark.subprocess
 @native_children_once
+def test_ddp_data_loading_hang_seen_by_hang_detection(tmp_path: Path) -> None:
+    """The same hang with traintrace's hang detection firing first (3 s here; 10 minutes by default, before
+    gloo's 30-minute timeout): both ranks report a hang and neither is in a recorded collective. The reports
+    carry the progress file's phase, so rank 1 is in data loading and rank 0 in backward of the same step, and
+    the rank still loading its batch is the one behind. (Before, the reports said only "between phases" and
+    "between steps", and rank 0 was named.)"""
+    import os
+    import signal
+    import subprocess
+
+    from tests._fault_runs import child_env
+    from traintrace.progress import read_progress
+
+    logs = tmp_path / "logs" / "ddp-test"
+    with (tmp_path / "output.txt").open("w") as output:
+        launcher = subprocess.Popen(
+            [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3", "data_hang"],
+            env=child_env(DDP_TIMEOUT_S="120", TRAINTRACE_HANG_TIMEOUT="3"),
+            cwd=tmp_path,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        pids = [launcher.pid]
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and launcher.poll() is None:
+                progress = [read_progress(logs / f"rank{rank}.progress") for rank in (0, 1)]
+                pids = [launcher.pid, *(p.pid for p in progress if p is not None)]
+                reports = [f for f in logs.glob("rank*.jsonl") if b'"hang_suspected"' in f.read_bytes()]
+                if len(reports) == 2:
+                    break
+                time.sleep(0.5)
+            assert launcher.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
+            errors, _ = answers(logs)
+        finally:
+            (tmp_path / "release").write_text("")
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            launcher.wait(timeout=30)
+    truth = _hang_truth(tmp_path)
+    assert truth["began"] == {0: truth["step"], 1: truth["step"] - 1}, truth
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, truth["step"], tt.SpanName.DATA_LOADING)
+    assert errors["rule"] == "hang: the rank behind"
+    assert errors["verdict"] == (
+        f"running, without progress: rank 1 hung in data loading at step {truth['step']}, not in a collective; "
+        f"rank 0 was in backward at step {truth['step']}"
+    ), errors["verdict"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@native_children_once
 def test_ddp_data_loading_hang_under_torchrun(tmp_path: Path) -> None:
     """The same hang under torchrun: when rank 0's all-reduce times out, torchrun stops rank 1 with SIGTERM,
     which kills its loader worker (PyTorch then reports `DataLoader worker ... is killed by signal: Terminated`)

@@ -46,6 +46,19 @@ DEFAULT_PHASE_TIMEOUTS: Final[dict[str, float]] = {
 }
 
 
+
+def _progress_phase(recorder: Any) -> str | None:
+    """The standard phase the progress file says the training thread is in: finer than its open spans where an
+    integration times phases between hooks without a span (the Lightning callback)."""
+    from ._progress import PHASE_BITS, PHASE_NAMES, S_COUNTER
+
+    prog = getattr(recorder, "_progress", None)
+    try:
+        code = int(prog[S_COUNTER]) & ((1 << PHASE_BITS) - 1) if prog is not None else 0
+    except Exception:  # noqa: BLE001 - a released view: no phase
+        return None
+    return PHASE_NAMES[code] if 0 < code < len(PHASE_NAMES) else None
+
 class _Periodic:
     """A daemon thread that calls ``tick`` every ``period`` seconds until stopped."""
 
@@ -415,6 +428,9 @@ class Watchdog(_Periodic):
         }
         if phase is not None:
             attrs["phase"] = phase
+        training_phase = _progress_phase(self.recorder)
+        if training_phase:
+            attrs["progress_phase"] = training_phase
         where = f" in {phase}" if phase else ""
         message = f"no progress for {idle:.1f}s{where} (limit {limit / 1e9:g}s); last completed step {stats.last_step}"
         owners = {getattr(s, "tid", 0) for s in spans}

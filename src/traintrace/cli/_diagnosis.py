@@ -37,6 +37,10 @@ IN_SIGTERM_HANDLER = re.compile(r"sigterm", re.IGNORECASE)
 CONTAINERS = (SpanName.APPLICATION, SpanName.TRAINING_LOOP)
 COLLECTIVE = SpanName.COLLECTIVE
 ITERATION = SpanName.ITERATION
+#: Where a rank is no more precisely than its open spans already say.
+COARSE = (*CONTAINERS, ITERATION, COLLECTIVE)
+#: The phases of a training step in the order it runs them: at the same step, a rank in an earlier one is behind.
+STEP_ORDER = {SpanName.DATA_LOADING: 0, SpanName.FORWARD: 1, SpanName.BACKWARD: 2, SpanName.OPTIMIZER_STEP: 3}
 #: How phases read in a sentence.
 PHASE_LABELS = {
     SpanName.DATA_LOADING: "data loading",
@@ -303,6 +307,9 @@ def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list
     spans = _spans_at(job, [(st.stream, at) for st, at, _ in started])
     for (st, _, error_span), f in zip(started, streams, strict=True):
         _locate(st, spans.get(st.stream, []), error_span)
+        finer = (st.hang or {}).get("progress_phase")
+        if st.phase in (None, ITERATION, *CONTAINERS) and finer in PHASE_LABELS and finer not in COARSE:
+            st.phase = finer  # the hang report's reading of the progress file: a phase no open span showed
         last_done_step = facts.last_ok.get(st.stream, (None, None))[1]
         if st.step is None and last_done_step is not None:
             st.step = int(last_done_step) + 1  # outside an iteration: the step it was preparing or saving after
@@ -367,6 +374,8 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
             "message": hangs[0]["message"],
             "stack": hangs[0]["stack"],
             "from_ns": f["hang_from"],
+            # Where the progress file said the training thread was (phases timed without a span are only there).
+            "progress_phase": _attrs(hangs[0]["attrs"]).get("progress_phase"),
         }
     # When the rank stopped: its first error or signal, else the end of its stream.
     marks = [e["ts"] for e in real[:1]] + [signals[0][0] for _ in signals[:1]]
@@ -735,10 +744,12 @@ def _first_trouble(s: RankState) -> int | None:
     return min(marks) if marks else None
 
 
-def _hang_key(s: RankState) -> tuple[float, int, float, int]:
-    """Lowest step first, then not waiting in a collective, then the earliest last progress."""
+def _hang_key(s: RankState) -> tuple[float, int, float, float, int]:
+    """Lowest step first, then not waiting in a collective, then the earlier phase of the step (a rank still
+    loading its batch is behind one in backward), then the earliest last progress."""
     step = float(s.step) if s.step is not None else float("inf")
-    return step, int(_waits(s)), float(s.last_progress_ns or 0), s.rank
+    order = float(STEP_ORDER.get(s.phase or "", 1.5))
+    return step, int(_waits(s)), order, float(s.last_progress_ns or 0), s.rank
 
 
 def _waits(s: RankState) -> bool:
