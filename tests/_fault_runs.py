@@ -35,6 +35,13 @@ def run(command: list[str], cwd: Path, **extra_env: str) -> subprocess.Completed
     )
 
 
+def start(command: list[str], cwd: Path, **extra_env: str) -> subprocess.Popen[bytes]:
+    """Start ``command`` with its output in ``cwd/output.txt``: a process the job leaves running (a hung rank)
+    would keep open the pipes that a capture waits on."""
+    with (cwd / "output.txt").open("w") as output:
+        return subprocess.Popen(command, env=child_env(**extra_env), cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
+
+
 def answers(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """What ``traintrace errors`` and ``traintrace summary`` say of the job in ``folder``."""
     from traintrace.cli import _analysis

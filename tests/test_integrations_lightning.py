@@ -537,21 +537,12 @@ def test_ddp_data_loading_hang_is_diagnosed_while_the_rank_still_hangs(tmp_path:
     progress file says where rank 1 is (the monitor's later records in its stream say nothing of that)."""
     import os
     import signal
-    import subprocess
 
-    from tests._fault_runs import child_env
+    from tests._fault_runs import start
     from traintrace.progress import read_progress
 
-    # Output to a file: rank 1, left running, keeps the pipes a capture would wait on open.
-    with (tmp_path / "output.txt").open("w") as output:
-        launcher = subprocess.Popen(
-            [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3", "data_hang"],
-            env=child_env(DDP_TIMEOUT_S="15"),
-            cwd=tmp_path,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
-        code = launcher.wait(timeout=240)
+    script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3", "data_hang"]
+    code = start(script, tmp_path, DDP_TIMEOUT_S="15").wait(timeout=240)
     # rank 0 (Lightning's launching process) has failed; rank 1 still waits for its loader.
     assert code != 0, (tmp_path / "output.txt").read_text()[-3000:]
     logs = tmp_path / "logs" / "ddp-test"
@@ -584,40 +575,33 @@ def test_ddp_data_loading_hang_seen_by_hang_detection(tmp_path: Path) -> None:
     "between steps", and rank 0 was named.)"""
     import os
     import signal
-    import subprocess
 
-    from tests._fault_runs import child_env
+    from tests._fault_runs import start
     from traintrace.progress import read_progress
 
     logs = tmp_path / "logs" / "ddp-test"
-    with (tmp_path / "output.txt").open("w") as output:
-        launcher = subprocess.Popen(
-            [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3", "data_hang"],
-            env=child_env(DDP_TIMEOUT_S="120", TRAINTRACE_HANG_TIMEOUT="3"),
-            cwd=tmp_path,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
-        pids = [launcher.pid]
-        try:
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and launcher.poll() is None:
-                progress = [read_progress(logs / f"rank{rank}.progress") for rank in (0, 1)]
-                pids = [launcher.pid, *(p.pid for p in progress if p is not None)]
-                reports = [f for f in logs.glob("rank*.jsonl") if b'"hang_suspected"' in f.read_bytes()]
-                if len(reports) == 2:
-                    break
-                time.sleep(0.5)
-            assert launcher.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
-            errors, _ = answers(logs)
-        finally:
-            (tmp_path / "release").write_text("")
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            launcher.wait(timeout=30)
+    script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3", "data_hang"]
+    launcher = start(script, tmp_path, DDP_TIMEOUT_S="120", TRAINTRACE_HANG_TIMEOUT="3")
+    pids = [launcher.pid]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and launcher.poll() is None:
+            progress = [read_progress(logs / f"rank{rank}.progress") for rank in (0, 1)]
+            pids = [launcher.pid, *(p.pid for p in progress if p is not None)]
+            reports = [f for f in logs.glob("rank*.jsonl") if b'"hang_suspected"' in f.read_bytes()]
+            if len(reports) == 2:
+                break
+            time.sleep(0.5)
+        assert launcher.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
+        errors, _ = answers(logs)
+    finally:
+        (tmp_path / "release").write_text("")
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait(timeout=30)
     truth = _hang_truth(tmp_path)
     assert truth["began"] == {0: truth["step"], 1: truth["step"] - 1}, truth
     culprit = errors["culprit"]

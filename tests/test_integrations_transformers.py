@@ -281,34 +281,26 @@ def test_ddp_data_loading_hang_killed_by_the_scheduler(tmp_path: Path) -> None:
     import json
     import os
     import signal
-    import subprocess
     import sys
     import time
 
-    from tests._fault_runs import answers, child_env
+    from tests._fault_runs import answers, start
 
     script = Path(__file__).parent / "_hf_ddp_run.py"
     command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "2", str(script)]
     logs = {"TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "hf-ddp", "HF_HUB_OFFLINE": "1"}
-    with (tmp_path / "output.txt").open("w") as output:
-        launcher = subprocess.Popen(
-            [*command, str(tmp_path), "3", "data_hang"],
-            env=child_env(**logs),
-            cwd=tmp_path,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            deadline = time.monotonic() + 180
-            while not (tmp_path / "fault.json").exists() and launcher.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            time.sleep(4)
-            os.kill(launcher.pid, signal.SIGTERM)  # the scheduler's time limit
-            launcher.wait(timeout=60)
-        finally:
-            (tmp_path / "release").write_text("")
-            if launcher.poll() is None:
-                launcher.kill()
+    launcher = start([*command, str(tmp_path), "3", "data_hang"], tmp_path, **logs)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "fault.json").exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(4)
+        os.kill(launcher.pid, signal.SIGTERM)  # the scheduler's time limit
+        launcher.wait(timeout=60)
+    finally:
+        (tmp_path / "release").write_text("")
+        if launcher.poll() is None:
+            launcher.kill()
     assert (tmp_path / "fault.json").exists(), (tmp_path / "output.txt").read_text()[-3000:]
     truth = json.loads((tmp_path / "fault.json").read_text())  # the worker's note: whose read hung
     began = {rank: int((tmp_path / f"started{rank}.txt").read_text()) for rank in (0, 1)}

@@ -46,7 +46,6 @@ DEFAULT_PHASE_TIMEOUTS: Final[dict[str, float]] = {
 }
 
 
-
 def _progress_phase(recorder: Any) -> str | None:
     """The standard phase the progress file says the training thread is in: finer than its open spans where an
     integration times phases between hooks without a span (the Lightning callback)."""
@@ -58,6 +57,7 @@ def _progress_phase(recorder: Any) -> str | None:
     except Exception:  # noqa: BLE001 - a released view: no phase
         return None
     return PHASE_NAMES[code] if 0 < code < len(PHASE_NAMES) else None
+
 
 class _Periodic:
     """A daemon thread that calls ``tick`` every ``period`` seconds until stopped."""

@@ -232,6 +232,8 @@ class _Facts:
     """What the rank states are read from, each fetched in one query for all streams."""
 
     def __init__(self, job: Job) -> None:
+        self.job = job
+        self._last_span: dict[int, int] | None = None
         self.failures, self.launcher_signal = _launcher_events(job)
         self.errors: dict[int, list[dict[str, Any]]] = {}
         for e in job.dicts(
@@ -266,6 +268,21 @@ class _Facts:
                 """
             )
         }
+
+    def last_span_ns(self, st: RankState) -> int:
+        """When the stream's spans last began or ended (all streams in one query, on first use). Its events do
+        not count: the monitor's device readings and the interval statistics come from other threads, and an
+        event says nothing of where the training thread is; every standard phase it enters or leaves moves the
+        progress file."""
+        if self._last_span is None:
+            self._last_span = {
+                int(stream): int(last or 0)
+                for stream, last in self.job.rows(
+                    "SELECT stream, max(CASE WHEN open THEN ts ELSE ts + dur END) FROM spans_small "
+                    "WHERE NOT is_agent GROUP BY stream"
+                )
+            }
+        return max(self._last_span.get(st.stream, 0), int(st.last_progress_ns or 0))
 
 
 def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], str | None]:
@@ -313,7 +330,7 @@ def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list
         last_done_step = facts.last_ok.get(st.stream, (None, None))[1]
         if st.step is None and last_done_step is not None:
             st.step = int(last_done_step) + 1  # outside an iteration: the step it was preparing or saving after
-        _from_progress(job, st, f, bool(facts.errors.get(st.stream)))
+        _from_progress(job, st, f, facts)
     return [st for st, _, _ in started]
 
 
@@ -463,7 +480,7 @@ def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) 
         st.since_ns, st.alive_ns = int(since), st.stopped_ns
 
 
-def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool) -> None:
+def _from_progress(job: Job, st: RankState, f: dict[str, Any], facts: _Facts) -> None:
     """A rank that died without writing its last records: the progress file knows its exact step and phase."""
     progress = job.progress_files().get(st.rank)
     if progress is None or getattr(progress, "restart", st.restart) != st.restart:
@@ -478,7 +495,7 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
         st.last_step_ns = getattr(progress, "last_step_ns", None)
         return
     updated = int(getattr(progress, "updated_ns", 0) or 0)
-    if updated + CLOCKS_NS < (f["end_ts"] or 0) and updated + CLOCKS_NS < _last_span_ns(job, st):
+    if updated + CLOCKS_NS < (f["end_ts"] or 0) and updated + CLOCKS_NS < facts.last_span_ns(st):
         return  # the stream's spans went on after the file's last update: it knows more
     step, phase = getattr(progress, "step", None), getattr(progress, "phase", None)
     done = getattr(progress, "step_done", None)
@@ -496,16 +513,6 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], had_errors: bool)
     if st.state in ("killed", "exited", "ended"):
         st.stopped_ns = max(st.stopped_ns or 0, updated)
     st.source.append("progress file")
-
-
-def _last_span_ns(job: Job, st: RankState) -> int:
-    """When the stream's spans last began or ended. Its events do not count: the monitor's device readings and
-    the interval statistics come from other threads, and an event says nothing of where the training thread
-    is; every standard phase it enters or leaves moves the progress file."""
-    (last,) = job.one(
-        f"SELECT max(CASE WHEN open THEN ts ELSE ts + dur END) FROM spans_small WHERE stream = {int(st.stream)}"
-    ) or (None,)
-    return max(int(last or 0), int(st.last_progress_ns or 0))
 
 
 def _fault_stacks(stream_path: str, limit: int = 65536) -> str | None:
