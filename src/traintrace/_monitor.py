@@ -49,14 +49,13 @@ DEFAULT_PHASE_TIMEOUTS: Final[dict[str, float]] = {
 def _progress_phase(recorder: Any) -> str | None:
     """The standard phase the progress file says the training thread is in: finer than its open spans where an
     integration times phases between hooks without a span (the Lightning callback)."""
-    from ._progress import PHASE_BITS, PHASE_NAMES, S_COUNTER
+    from ._progress import S_COUNTER, phase_name
 
     prog = getattr(recorder, "_progress", None)
     try:
-        code = int(prog[S_COUNTER]) & ((1 << PHASE_BITS) - 1) if prog is not None else 0
+        return phase_name(int(prog[S_COUNTER])) if prog is not None else None
     except Exception:  # noqa: BLE001 - a released view: no phase
         return None
-    return PHASE_NAMES[code] if 0 < code < len(PHASE_NAMES) else None
 
 
 class _Periodic:

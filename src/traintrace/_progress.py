@@ -113,6 +113,14 @@ ITERATION_CODE: Final = PHASE_CODES[SpanName.ITERATION]
 COLLECTIVE_CODE: Final = PHASE_CODES[SpanName.COLLECTIVE]
 
 
+def phase_name(word: int) -> str | None:
+    """The phase in an update word (``S_COUNTER``): None for none, ``phase#N`` for a code this version lacks."""
+    code = word % COUNTER_STEP
+    if code == 0:
+        return None
+    return PHASE_NAMES[code] if code < len(PHASE_NAMES) else f"phase#{code}"
+
+
 def progress_path(stream_path: str | os.PathLike[str]) -> Path:
     """The progress file beside the stream at ``stream_path``: ``rank0.jsonl`` -> ``rank0.progress``
     (other names get the suffix added: ``job.rank0`` -> ``job.rank0.progress``)."""

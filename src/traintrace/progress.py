@@ -32,7 +32,6 @@ from ._progress import (
     HOST_AT,
     JOB_AT,
     MAGIC,
-    PHASE_NAMES,
     S_ALIVE,
     S_CLOCK_OFFSET,
     S_COLLECTIVE,
@@ -58,6 +57,7 @@ from ._progress import (
     SIZE,
     STATE_NAMES,
     SUFFIX,
+    phase_name,
     progress_path,
 )
 
@@ -190,14 +190,7 @@ def parse_progress(raw: bytes, path: str = "") -> Progress | None:
             step_done = step - (iterations - last_done)
         elif step is not None and steps_done > 0 and last_done == 0:
             step_done = step if steps_done >= iterations else step - 1
-        code = slots[S_COUNTER] % COUNTER_STEP
-        phase: str | None
-        if code == 0:
-            phase = None
-        elif 0 < code < len(PHASE_NAMES):
-            phase = PHASE_NAMES[code]
-        else:
-            phase = f"phase#{code}"
+        phase = phase_name(slots[S_COUNTER])
         phase_started = wall(slots[S_PHASE_T0]) if phase is not None else None
         updated = max(slots[S_UPDATED], slots[S_PHASE_T0], slots[S_STEP_T0])
         in_collective = slots[S_COLLECTIVE] > 0
