@@ -7,18 +7,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 SRC = Path(__file__).resolve().parent.parent / "src"
-
-
-#: For the tests whose job runs in child processes only: ``child_env`` does not pass TRAINTRACE_PURE on, so the
-#: children record with the native core in both passes of scripts/test, and the pure pass would run the same job
-#: again (a DDP job waiting out a collective timeout is 20 to 50 s).
-native_children_once = pytest.mark.skipif(
-    os.environ.get("TRAINTRACE_PURE") == "1",
-    reason="the job's processes run the native core in either pass (child_env): run once, in the native pass",
-)
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -141,6 +141,20 @@ def _watch_fork_exec() -> None:
 _watch_fork_exec()
 
 
+#: scripts/test sets this for its pure-Python pass when the native pass ran before it.
+AFTER_NATIVE_PASS = "TRAINTRACE_TESTS_AFTER_NATIVE_PASS"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``once`` do the same in both passes: the second runs them only if the first could not."""
+    if os.environ.get("TRAINTRACE_PURE") != "1" or os.environ.get(AFTER_NATIVE_PASS) != "1":
+        return
+    skip = pytest.mark.skip(reason="the same in either core's pass (marked once): ran in the native pass")
+    for item in items:
+        if item.get_closest_marker("once"):
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     global _unmarked_test

@@ -227,6 +227,7 @@ def test_the_cache_answers_the_same_and_follows_the_files(tmp_path: Path, monkey
 
 @pytest.mark.subprocess
 @pytest.mark.xdist_group("spark")
+@pytest.mark.once
 def test_spark_reads_the_export_as_documented(tmp_path: Path) -> None:
     """Apache Spark (local mode, a real JVM) reads the export: typed columns, ``rank`` from the folders, the
     launcher's records under a null rank, the metadata file skipped; counts and sums as the JSON lines say."""

@@ -33,6 +33,9 @@ from tests.test_native_scan import dump, hostile, records
 from traintrace.cli import _analysis, _reader
 from traintrace.cli._engine import Job, LoadError
 
+#: Each test names the reader it uses (``use``), whatever TRAINTRACE_PURE says.
+pytestmark = pytest.mark.once
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("summary", "ranks", "errors")
 

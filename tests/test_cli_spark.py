@@ -30,7 +30,8 @@ from traintrace.cli import EXIT_MISSING_EXTRA, EXIT_USAGE, _analysis, _jsonable
 from traintrace.cli._engine import Job
 from traintrace.cli._spark import SparkJob, translate
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.slow, pytest.mark.xdist_group("spark")]
+#: Spark's answers against DuckDB's on the same files: which core wrote them does not change the comparison.
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow, pytest.mark.xdist_group("spark"), pytest.mark.once]
 
 if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
     pytest.skip("no Java runtime for Spark", allow_module_level=True)

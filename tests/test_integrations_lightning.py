@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import traintrace as tt
-from tests._fault_runs import answers, native_children_once, run
+from tests._fault_runs import answers, run
 from traintrace.integrations.lightning import TraintraceCallback
 from traintrace.reader import read_file
 
@@ -425,6 +425,7 @@ def test_lightning_manual_optimisation_ends_backward_where_backward_ends(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> None:
     """strategy='ddp' with 2 CPU processes: one stream per rank, identity from the trainer, steps equal."""
     done = run([sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path)], tmp_path)
@@ -449,6 +450,7 @@ def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> None:
     """Rank 1 of a 2-process CPU DDP fit raises in its training step at global step 3; Lightning ends the run.
     `traintrace errors` on what the callback wrote names rank 1, that step and the forward phase, as the
@@ -472,6 +474,7 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> None:
     """Rank 1's dataset raises in its DataLoader worker process while it fetches the batch of step 3 (a corrupt
     sample); Lightning re-raises it in the training process between two steps. `traintrace errors` names
@@ -529,7 +532,7 @@ def _check_data_hang(errors: dict[str, Any], truth: dict[str, Any], state: str) 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@native_children_once
+@pytest.mark.once
 def test_ddp_data_loading_hang_is_diagnosed_while_the_rank_still_hangs(tmp_path: Path) -> None:
     """Rank 1's DataLoader worker hangs reading the batch of step 3 (no exception); rank 0 waits in the
     all-reduce until gloo times out and Lightning ends it, leaving rank 1 hanging. `traintrace errors`, run
@@ -566,7 +569,7 @@ def test_ddp_data_loading_hang_is_diagnosed_while_the_rank_still_hangs(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@native_children_once
+@pytest.mark.once
 def test_ddp_data_loading_hang_seen_by_hang_detection(tmp_path: Path) -> None:
     """The same hang with traintrace's hang detection firing first (3 s here; 10 minutes by default, before
     gloo's 30-minute timeout): both ranks report a hang and neither is in a recorded collective. The reports
@@ -616,7 +619,7 @@ def test_ddp_data_loading_hang_seen_by_hang_detection(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@native_children_once
+@pytest.mark.once
 def test_ddp_data_loading_hang_under_torchrun(tmp_path: Path) -> None:
     """The same hang under torchrun: when rank 0's all-reduce times out, torchrun stops rank 1 with SIGTERM,
     which kills its loader worker (PyTorch then reports `DataLoader worker ... is killed by signal: Terminated`)

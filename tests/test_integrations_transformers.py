@@ -19,7 +19,6 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import traintrace as tt
-from tests._fault_runs import native_children_once
 from traintrace.integrations.transformers import TraintraceTrainerCallback
 
 SEQ = 8
@@ -210,6 +209,7 @@ def test_error_in_a_step_is_recorded_once_and_spans_end_as_errors(memory: tt.Mem
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> None:
     """Rank 1 of a 2-process DDP run (gloo, CPU) under traintrace-run raises while computing its loss at global
     step 3. `traintrace errors` on what the callback wrote names rank 1 and that step, as the script's own
@@ -238,6 +238,7 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> None:
     """Rank 1's dataset raises in its DataLoader worker process (a corrupt sample) in a 2-process DDP run under
     traintrace-run. The Trainer fetches a step's batches in ``get_batch_samples`` (accelerate reading one batch
@@ -271,7 +272,7 @@ def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@native_children_once
+@pytest.mark.once
 def test_ddp_data_loading_hang_killed_by_the_scheduler(tmp_path: Path) -> None:
     """Rank 1's DataLoader worker hangs reading a batch (no exception); rank 0 waits for it in the Trainer's
     gather of the step's token count, which is inside the fetch too, so both ranks are in data loading. The

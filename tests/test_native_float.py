@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from tests._examples import examples
 
 native = pytest.importorskip("traintrace._encode")
+#: The extension's float formatting itself, called directly: the same in either pass.
+pytestmark = pytest.mark.once
 
 ROOT = Path(__file__).resolve().parent.parent
 

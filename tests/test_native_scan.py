@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from tests._examples import examples
 
 scan = pytest.importorskip("traintrace._scan")
+#: The scanner reads alike whatever core records (TRAINTRACE_PURE does not reach it).
+pytestmark = pytest.mark.once
 duckdb = pytest.importorskip("duckdb")
 
 from traintrace._format import SQL_COLUMNS  # noqa: E402

@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.subprocess
+#: Building wheels does not depend on the core the suite records with.
+pytestmark = [pytest.mark.subprocess, pytest.mark.once]
 
 
 def _build_wheel(tmp_path: Path, **env: str) -> zipfile.ZipFile:
