@@ -21,7 +21,9 @@ pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
 (from ``--fault-step`` on); ``hang_init`` (sleeps in model initialisation, before DDP's first
 broadcast); ``finish_early`` (leaves the training loop before that step and exits 0, as a rank whose
-data ran out); ``none``.
+data ran out); ``leak_oom`` (from ``LEAK_STEPS`` steps before ``--fault-step``, forward keeps a 64 MiB tensor
+each step under an address-space limit that holds ``LEAK_STEPS`` of them: the allocation at ``--fault-step``
+fails as PyTorch's CPU allocator fails when memory runs out); ``none``.
 
 ``--fault-attempt N`` injects the fault only in attempt N (``TORCHELASTIC_RESTART_COUNT``) of a job
 launched with restarts; ``--later-fault KIND`` injects KIND (same rank and step) in the attempts after it.
@@ -36,6 +38,7 @@ import ctypes
 import datetime
 import json
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -50,6 +53,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 import traintrace as tt
 from traintrace.integrations.ddp import record_collectives
+
+#: ``leak_oom``: the leaked tensors' size, and how many fit under the limit before the one that fails.
+LEAK_BYTES = 64 << 20
+LEAK_STEPS = 4
+
+
+def resident_bytes() -> int:
+    """This process's resident set, from /proc (the test's own reading, beside traintrace's)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def address_space_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class Truth:
@@ -178,6 +194,7 @@ def main() -> None:
             kill_at = fault_step if fault == "loader_kill" else None
             dataset = Batches(rank, args.steps, kill_at, go, truth)
             batches = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1))
+        leaked: list[torch.Tensor] = []
         first = 0
         saved = sorted(int(p.stem[4:]) for p in checkpoints.glob("step*.pt"))
         if args.resume and restart > 0 and saved:
@@ -210,6 +227,17 @@ def main() -> None:
                         time.sleep(args.step_ms / 1e3)
                         if fault == "slow_compute" and step >= fault_step:
                             time.sleep(args.slow_ms / 1e3)
+                        if fault == "leak_oom" and fault_step - LEAK_STEPS <= step <= fault_step:
+                            if step == fault_step - LEAK_STEPS:
+                                # Room for LEAK_STEPS tensors and 40 MiB of everything else: the next one fails.
+                                limit = address_space_bytes() + LEAK_STEPS * LEAK_BYTES + (40 << 20)
+                                resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+                            truth.write(event="memory", step=step, rss=resident_bytes())
+                            try:
+                                leaked.append(torch.ones(LEAK_BYTES // 4))
+                            except (RuntimeError, MemoryError) as exc:
+                                truth.write(event="fault", kind=fault, step=step, rss=resident_bytes(), error=str(exc))
+                                raise
                         if step == fault_step and fault in ("sigkill", "sigsegv", "sigterm", "hang_compute"):
                             truth.write(event="fault", kind=fault, step=step)
                             if fault == "sigkill":

@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from traintrace.cli._diagnosis import RankState, _culprit, _error_line, _same_failure, _sentence, _terminated_by
+from traintrace.cli._diagnosis import (
+    RankState,
+    _culprit,
+    _error_line,
+    _first_line,
+    _same_failure,
+    _sentence,
+    _terminated_by,
+)
 
 S = 1_000_000_000
 T0 = 1_800_000_000 * S
@@ -311,3 +319,54 @@ def test_an_ordinary_message_gives_its_first_line() -> None:
     assert _error_line("RuntimeError", "boom\nmore") == "boom"
     assert _error_line("ValueError", "Caught nothing here") == "Caught nothing here"
     assert _error_line("ValueError", None) == ""
+
+
+@pytest.mark.parametrize(
+    ("error_type", "message", "expected"),
+    [
+        ("torch.OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total)", True),
+        ("RuntimeError", "CUDA error: out of memory", True),
+        ("MemoryError", "", True),
+        ("RuntimeError", "std::bad_alloc", True),
+        ("RuntimeError", "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", True),
+        ("OSError", "[Errno 12] Cannot allocate memory", True),
+        ("RuntimeError", "injected failure in forward on rank 1 at step 7", False),
+        ("RuntimeError", "Connection closed by peer", False),
+    ],
+)
+def test_allocation_failures_read_as_out_of_memory(error_type: str, message: str, expected: bool) -> None:
+    error = {"ts": T0, "error_type": error_type, "message": message, "stack": None}
+    culprit = state(1, state="error", step=7, phase="model_forward", error=error, stopped_ns=T0)
+    assert culprit.out_of_memory is expected
+    head = _sentence(culprit, [culprit])
+    assert head.startswith("rank 1 ran out of memory" if expected else "rank 1 raised"), head
+
+
+def test_the_memory_phrase_says_what_was_sampled() -> None:
+    error = {"ts": T0, "error_type": "torch.OutOfMemoryError", "message": "CUDA out of memory.", "stack": None}
+    gpu = {"samples": 1, "last_sample_ts": T0, "gpu_used": 79 << 30, "gpu_total": 80 << 30}
+    culprit = state(0, state="error", step=3, phase="model_backward", error=error, memory=gpu)
+    assert _sentence(culprit, [culprit]) == (
+        "rank 0 ran out of memory (torch.OutOfMemoryError) in backward at step 3; "
+        "at its last memory sample: GPU memory 79 GiB of 80 GiB used"
+    )
+    culprit.memory = None  # no samples (the sampler off): nothing made up
+    assert _sentence(culprit, [culprit]) == "rank 0 ran out of memory (torch.OutOfMemoryError) in backward at step 3"
+
+
+def test_a_killed_rank_on_a_full_host_points_at_the_oom_killer() -> None:
+    full = {"samples": 4, "last_sample_ts": T0, "host_used": 95, "host_total": 100}
+    killed = state(2, state="killed", signal="SIGKILL", step=5, phase="model_forward", memory=full)
+    assert "(the host's memory was 95% used at its last sample: likely the kernel's OOM killer)" in _sentence(
+        killed, [killed]
+    )
+    killed.memory = {**full, "host_used": 60}
+    assert "OOM" not in _sentence(killed, [killed])
+
+
+def test_pytorch_check_prefixes_are_left_out_of_the_cause() -> None:
+    message = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 67108864 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    assert _first_line(message).startswith("DefaultCPUAllocator: can't allocate memory: you tried to allocate")

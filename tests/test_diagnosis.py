@@ -248,6 +248,40 @@ def test_a_rank_killed_by_a_signal(tmp_path: Path, fault: str, sig: str) -> None
     check_goodput(run)
 
 
+def test_a_rank_out_of_memory(tmp_path: Path) -> None:
+    """Rank 1 leaks 64 MiB a step in forward until an allocation fails (an address-space limit, so that the
+    machine's memory is not at stake): named as out of memory, at the step and phase its own marks say, with
+    its resident memory from traintrace's samples bounded by the worker's own /proc readings around them."""
+    run = launch(
+        tmp_path,
+        2,
+        *("--fault", "leak_oom", "--fault-rank", "1", "--fault-step", "8", "--step-ms", "100"),
+        env={"TRAINTRACE_DEVICE_SAMPLE_INTERVAL": "0.05"},
+    )
+    fault = fault_step_of(run, 1)
+    assert fault["kind"] == "leak_oom" and "can't allocate memory" in fault["error"], fault
+    errors = check_culprit(run, 1, fault["step"], "model_forward", "ran out of memory: RuntimeError")
+    assert errors["verdict"].startswith(f"rank 1 ran out of memory (RuntimeError) in forward at step {fault['step']}")
+    culprit = errors["culprit"]
+    assert culprit["out_of_memory"] is True
+    memory = culprit["memory"]
+    assert memory is not None and memory["samples"] >= 2, memory
+    # The worker's own readings, each taken before its step's allocation: memory only grows in the leak, so the
+    # last sample shows at least the reading before it and at most the one taken after the failed allocation.
+    readings = [(m["ts"], m["rss"]) for m in run.marks()[1] if m["event"] == "memory"]
+    before = [rss for ts, rss in readings if ts <= memory["rss_last_ts"]]
+    assert before, (readings, memory)
+    slack = 8 << 20  # what else the process allocates between a reading and a sample
+    assert before[-1] - slack <= memory["rss_last"] <= fault["rss"] + slack, (readings, memory, fault["rss"])
+    grown = memory["rss_last"] - memory["rss_first"]
+    if memory["rss_last"] > memory["rss_first"]:
+        assert "its resident memory grew from" in errors["verdict"], errors["verdict"]
+    assert grown >= (len(before) - 1) * (64 << 20) - slack, (readings, memory)
+    assert "host memory" in errors["verdict"] and 0 < memory["host_used"] <= memory["host_total"]
+    # The other rank's peer error is a consequence, never the first error.
+    assert errors["first_error"]["rank"] == 1
+
+
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:
     """Rank 0 killed inside its save after step 14: the save before (after step 9) is the last completed one."""
     run = launch(tmp_path, 3, "--fault", "kill_in_checkpoint", "--fault-rank", "0", "--fault-step", "15")

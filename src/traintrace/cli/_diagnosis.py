@@ -33,6 +33,16 @@ HANG_ERRORS = (EventName.HANG_SUSPECTED, EventName.HANG_EXIT)
 #: other ranks, which may be gone).
 TERMINATED_WORKER = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: Terminated", re.IGNORECASE)
 IN_SIGTERM_HANDLER = re.compile(r"sigterm", re.IGNORECASE)
+#: An allocation that failed: PyTorch's (CUDA: ``CUDA out of memory. Tried to allocate ...``, ``OutOfMemoryError``;
+#: the CPU allocator: ``DefaultCPUAllocator: can't allocate memory``), Python's ``MemoryError``, C++'s ``bad_alloc``,
+#: the C library's ``ENOMEM`` (``Cannot allocate memory``), cuBLAS's and cuDNN's allocation statuses.
+OUT_OF_MEMORY = re.compile(
+    r"out of memory|OutOfMemoryError|\bMemoryError\b|can't allocate memory|cannot allocate memory|bad_alloc"
+    r"|CUBLAS_STATUS_ALLOC_FAILED|CUDNN_STATUS_ALLOC_FAILED",
+    re.IGNORECASE,
+)
+#: The host's memory this full at a killed rank's last sample: the kernel's OOM killer is the likely sender.
+HOST_MEMORY_FULL = 0.9
 #: Span names that say where a rank is, innermost wins; containers only when nothing finer is open.
 CONTAINERS = (SpanName.APPLICATION, SpanName.TRAINING_LOOP)
 COLLECTIVE = SpanName.COLLECTIVE
@@ -111,6 +121,15 @@ class RankState:
     stuck_ns: int | None = None
     #: The signal the launcher itself got (the job was ended from outside), from its ``job_end`` record.
     launcher_signal: str | None = None
+    #: For a culprit that ran out of memory or was killed: its memory in the sampler's ``device_properties``
+    #: events before the end (``_memory``), None without samples.
+    memory: dict[str, Any] | None = None
+
+    @property
+    def out_of_memory(self) -> bool:
+        """It raised an allocation failure (``OUT_OF_MEMORY``)."""
+        error = self.error if self.state == "error" else None
+        return error is not None and bool(OUT_OF_MEMORY.search(f"{error['error_type']}: {error['message'] or ''}"))
 
     def doing(self) -> str:
         """What the rank was doing, as a phrase: "waiting in a collective in backward at step 7"."""
@@ -165,6 +184,8 @@ def diagnose(job: Job) -> dict[str, Any]:
     about = failed[-1]
     states = _rank_states(job, attempts[about], known)
     culprit, rule = _culprit(states)
+    if culprit is not None and (culprit.out_of_memory or culprit.state == "killed"):
+        culprit.memory = _memory(job, culprit)
     sentence = _sentence(culprit, states)
     # A restart that fails as the attempt before it did gets nowhere: say so. One that failed otherwise: the
     # first failure may be the root (a checkpoint it damaged, say), so it is named too.
@@ -222,6 +243,7 @@ def _public(state: RankState) -> dict[str, Any]:
     out = asdict(state)
     out["doing"] = state.doing()
     out["cause"] = _cause(state)
+    out["out_of_memory"] = state.out_of_memory
     return out
 
 
@@ -776,7 +798,8 @@ def _cause(s: RankState) -> str:
         then = {"terminated": f"; then terminated by {s.signal or 'SIGTERM'}", "killed": "; then killed"}
         return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
     if s.state == "error" and s.error is not None:
-        return f"raised {s.error['error_type']}: {_error_line(s.error['error_type'], s.error['message'])}"
+        line = f"{s.error['error_type']}: {_error_line(s.error['error_type'], s.error['message'])}"
+        return f"ran out of memory: {line}" if s.out_of_memory else f"raised {line}"
     if s.state == "killed":
         sig = s.signal or (f"signal {-s.exit_code}" if s.exit_code is not None and s.exit_code < 0 else "a signal")
         return f"killed by {sig}" + ("" if s.exit_code is None else f" (exit code {s.exit_code})")
@@ -799,6 +822,8 @@ def _cause(s: RankState) -> str:
 _NOISE = (
     re.compile(r"(?:Got the following error when running the callback: \w+: )+"),
     re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h|hpp):\d+\] "),
+    # PyTorch's failed checks: "[enforce fail at alloc_cpu.cpp:127] err == 0. " before the message.
+    re.compile(r"\[enforce fail at [^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*(?:[^.\n]{0,80}\.\s+)?"),
 )
 
 
@@ -849,7 +874,10 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         if first is None:
             return "failed, cause unknown: no rank recorded an error, a signal or a hang"
         return f"failed, cause unclear: the first sign is on rank {first.rank}, which {_cause(first)} {first.doing()}"
-    if culprit.state == "error" and culprit.error is not None:
+    if culprit.out_of_memory and culprit.error is not None:
+        head = f"rank {culprit.rank} ran out of memory ({culprit.error['error_type']}) {culprit.doing()}"
+        head += _memory_phrase(culprit.memory)
+    elif culprit.state == "error" and culprit.error is not None:
         head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
     elif culprit.stuck_ns is not None and culprit.state == "running":
         head = f"running, waiting on rank {culprit.rank}: {_where_stuck(culprit)}, for {culprit.stuck_ns / 1e9:.0f} s"
@@ -860,6 +888,8 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         )
     elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
         head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
+        if culprit.state == "killed":
+            head += _host_full_phrase(culprit.memory)
     elif culprit.hang is not None or culprit.state == "hung":
         head = f"rank {culprit.rank} hung {_where_stuck(culprit)}"
     elif culprit.state == "ended":
@@ -871,6 +901,83 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
     others = [s for s in states if s is not culprit]
     return head + "; " + _doing_groups(others, died=True) if others else head
+
+
+def _memory(job: Job, st: RankState) -> dict[str, Any] | None:
+    """The rank's memory in its stream's ``device_properties`` samples up to its end: its resident set at the
+    first and the last sample and its peak, the host's and the GPU's use at the last. None without samples."""
+    until = st.stopped_ns if st.stopped_ns is not None else (1 << 62)
+    rows = job.rows(
+        f"""
+        SELECT ts, try_cast(attrs->>'process_rss' AS BIGINT), try_cast(attrs->>'host_memory_used' AS BIGINT),
+               try_cast(attrs->>'host_memory_total' AS BIGINT), try_cast(attrs->>'memory_usage' AS BIGINT),
+               try_cast(attrs->>'memory_total' AS BIGINT)
+        FROM other WHERE stream = {int(st.stream)} AND kind = 'event' AND name = '{EventName.DEVICE_PROPERTIES}'
+              AND ts <= {int(until)}
+        ORDER BY ts
+        """
+    )
+    rss = [(int(ts), int(value)) for ts, value, *_ in rows if value is not None]
+    if not rows:
+        return None
+    last = rows[-1]
+    out: dict[str, Any] = {"samples": len(rows), "last_sample_ts": int(last[0])}
+    if rss:
+        out |= {
+            "rss_first": rss[0][1],
+            "rss_first_ts": rss[0][0],
+            "rss_last": rss[-1][1],
+            "rss_last_ts": rss[-1][0],
+            "rss_max": max(v for _, v in rss),
+        }
+    for key, value in zip(("host_used", "host_total", "gpu_used", "gpu_total"), last[2:], strict=True):
+        if value is not None:
+            out[key] = int(value)
+    return out
+
+
+def _size(n: int) -> str:
+    """Bytes as people read them: ``672 MiB``, ``1.4 GiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{n} B"
+
+
+def _memory_phrase(memory: dict[str, Any] | None) -> str:
+    """``; its resident memory grew from 320 MiB to 648 MiB over the 0.6 s before its last sample (host memory
+    45% used)``, the GPU's use too when sampled; empty without samples."""
+    if not memory:
+        return ""
+    extras = []
+    if memory.get("host_total") and memory.get("host_used") is not None:
+        extras.append(f"host memory {memory['host_used'] / memory['host_total']:.0%} used")
+    if memory.get("gpu_total") and memory.get("gpu_used") is not None:
+        extras.append(f"GPU memory {_size(memory['gpu_used'])} of {_size(memory['gpu_total'])} used")
+    if "rss_last" in memory:
+        first, last = memory["rss_first"], memory["rss_last"]
+        seconds = (memory["rss_last_ts"] - memory["rss_first_ts"]) / 1e9
+        if last > first and seconds > 0:
+            grew = f"grew from {_size(first)} to {_size(last)}"
+            phrase = f"its resident memory {grew} over the {seconds:.1f} s before its last sample"
+        else:
+            phrase = f"its resident memory was {_size(last)} at its last sample"
+    elif extras:
+        phrase, extras = f"at its last memory sample: {extras[0]}", extras[1:]
+    else:
+        return ""
+    return "; " + phrase + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _host_full_phrase(memory: dict[str, Any] | None) -> str:
+    """For a killed rank: the host's memory nearly full at its last sample points at the kernel's OOM killer."""
+    if not memory or not memory.get("host_total") or memory.get("host_used") is None:
+        return ""
+    share = memory["host_used"] / memory["host_total"]
+    if share < HOST_MEMORY_FULL:
+        return ""
+    return f" (the host's memory was {share:.0%} used at its last sample: likely the kernel's OOM killer)"
 
 
 def _where_stuck(s: RankState) -> str:
