@@ -23,7 +23,9 @@ pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
 broadcast); ``finish_early`` (leaves the training loop before that step and exits 0, as a rank whose
 data ran out); ``leak_oom`` (from ``LEAK_STEPS`` steps before ``--fault-step``, forward keeps a 64 MiB tensor
 each step under an address-space limit that holds ``LEAK_STEPS`` of them: the allocation at ``--fault-step``
-fails as PyTorch's CPU allocator fails when memory runs out); ``none``.
+fails as PyTorch's CPU allocator fails when memory runs out); ``cgroup_oom`` (the same leak after the rank
+moves itself into the memory cgroup ``--cgroup`` names, which the test made with a limit: the kernel's OOM
+killer ends it with SIGKILL); ``none``.
 
 ``--fault-attempt N`` injects the fault only in attempt N (``TORCHELASTIC_RESTART_COUNT``) of a job
 launched with restarts; ``--later-fault KIND`` injects KIND (same rank and step) in the attempts after it.
@@ -122,6 +124,7 @@ def main() -> None:
     # Seconds a rank stays alive after an exception left main (and traintrace recorded it), before
     # exiting: a process slow to tear down on a loaded machine.
     parser.add_argument("--linger", type=float, default=0.0)
+    parser.add_argument("--cgroup", default=None, help="cgroup_oom: the memory cgroup folder to move into")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -227,11 +230,13 @@ def main() -> None:
                         time.sleep(args.step_ms / 1e3)
                         if fault == "slow_compute" and step >= fault_step:
                             time.sleep(args.slow_ms / 1e3)
-                        if fault == "leak_oom" and fault_step - LEAK_STEPS <= step <= fault_step:
-                            if step == fault_step - LEAK_STEPS:
+                        if fault in ("leak_oom", "cgroup_oom") and step >= fault_step - LEAK_STEPS:
+                            if step == fault_step - LEAK_STEPS and fault == "leak_oom":
                                 # Room for LEAK_STEPS tensors and 40 MiB of everything else: the next one fails.
                                 limit = address_space_bytes() + LEAK_STEPS * LEAK_BYTES + (40 << 20)
                                 resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+                            elif step == fault_step - LEAK_STEPS:
+                                (Path(args.cgroup) / "cgroup.procs").write_text(str(os.getpid()))
                             truth.write(event="memory", step=step, rss=resident_bytes())
                             try:
                                 leaked.append(torch.ones(LEAK_BYTES // 4))

@@ -357,7 +357,7 @@ def test_the_memory_phrase_says_what_was_sampled() -> None:
 def test_a_killed_rank_on_a_full_host_points_at_the_oom_killer() -> None:
     full = {"samples": 4, "last_sample_ts": T0, "host_used": 95, "host_total": 100}
     killed = state(2, state="killed", signal="SIGKILL", step=5, phase="model_forward", memory=full)
-    assert "(the host's memory was 95% used at its last sample: likely the kernel's OOM killer)" in _sentence(
+    assert "(95% of the host's memory was used at its last sample: likely the kernel's OOM killer)" in _sentence(
         killed, [killed]
     )
     killed.memory = {**full, "host_used": 60}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.diag_worker import LEAK_BYTES
 from traintrace._names import SpanName
 
 pytest.importorskip("torch")
@@ -280,6 +282,63 @@ def test_a_rank_out_of_memory(tmp_path: Path) -> None:
     assert "host memory" in errors["verdict"] and 0 < memory["host_used"] <= memory["host_total"]
     # The other rank's peer error is a consequence, never the first error.
     assert errors["first_error"]["rank"] == 1
+
+
+def memory_cgroup(limit: int) -> tuple[Path, str]:
+    """A new memory cgroup under this process's, limited to ``limit`` bytes, and the file its OOM kills are
+    counted in; skips the test where none can be made (not root, no writable memory controller)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if "memory" in controllers.split(","):
+            base, limit_name, events = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.oom_control"
+        elif hierarchy == "0" and controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").exists():
+            base, limit_name, events = Path("/sys/fs/cgroup"), "memory.max", "memory.events"
+        else:
+            continue
+        parent = base / path.lstrip("/")
+        folder = (parent if parent.is_dir() else base) / f"traintrace-test-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            folder.mkdir()
+            (folder / limit_name).write_text(str(limit))
+        except OSError as exc:
+            if folder.exists():
+                folder.rmdir()
+            pytest.skip(f"no memory cgroup can be made here ({exc}): the kernel's OOM killer is not reachable")
+        return folder, events
+    pytest.skip("no memory cgroup controller here: the kernel's OOM killer is not reachable")
+
+
+def test_a_rank_killed_by_the_oom_killer(tmp_path: Path) -> None:
+    """Rank 1 leaks 64 MiB a step inside a memory cgroup limited to four of them (a container's limit): the
+    kernel's OOM killer sends SIGKILL, which leaves no message. The rank, its last step (its own marks) and the
+    signal are named, and the sampler's cgroup readings make the verdict point at the OOM killer; the cgroup's
+    own count of OOM kills is the truth that it was."""
+    limit = LEAK_BYTES * 4 + (16 << 20)
+    folder, events = memory_cgroup(limit)
+    try:
+        run = launch(
+            tmp_path,
+            2,
+            # 300 ms a step: the samples after the last tensor that fit are flushed before the kill (a SIGKILL
+            # loses the last flush interval, 0.1 s here).
+            *("--fault", "cgroup_oom", "--fault-rank", "1", "--fault-step", "8", "--step-ms", "300"),
+            *("--cgroup", str(folder)),
+            env={"TRAINTRACE_DEVICE_SAMPLE_INTERVAL": "0.05"},
+        )
+        kills = re.search(r"oom_kill (\d+)", (folder / events).read_text())
+    finally:
+        for _ in range(100):  # the killed process leaves the cgroup once reaped
+            try:
+                folder.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
+    assert kills is not None and int(kills.group(1)) >= 1, "the kernel did not OOM-kill the rank"
+    started = [m["step"] for m in run.marks()[1] if m["event"] == "step_start"]
+    errors = check_culprit(run, 1, started[-1], "model_forward", "killed by SIGKILL")
+    assert "likely the kernel's OOM killer" in errors["verdict"], errors["verdict"]
+    memory = errors["culprit"]["memory"]
+    assert memory["cgroup_limit"] == limit and 0.9 * limit <= memory["cgroup_used"] <= limit, memory
 
 
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:

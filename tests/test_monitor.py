@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 import traintrace as tt
-from traintrace._monitor import thread_stacks
+from traintrace._monitor import cgroup_memory, thread_stacks
 
 LIMIT = 1.0
 PERIOD = 0.2
@@ -345,3 +345,60 @@ def test_gpu_readings_from_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     }
     assert calls == [1]
     assert tt.peak_tflops(gpu.name or "") == 989.0
+
+
+def _cgroup_tree(tmp_path: Path, proc_line: str, files: dict[str, str]) -> tuple[str, str]:
+    """A /proc/self/cgroup with ``proc_line`` and a cgroup mount under ``tmp_path`` holding ``files``."""
+    proc = tmp_path / "cgroup"
+    proc.write_text(proc_line + "\n")
+    root = tmp_path / "mnt"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    return str(proc), str(root)
+
+
+@pytest.mark.parametrize(
+    ("proc_line", "files", "expected"),
+    [
+        # v2: the process's own cgroup has the limit.
+        (
+            "0::/job/rank1",
+            {"cgroup.controllers": "memory", "job/rank1/memory.max": "1073741824", "job/rank1/memory.current": "5"},
+            (5, 1 << 30),
+        ),
+        # v2: no limit on the own cgroup ("max"), one on its parent (a Slurm job's step under the job).
+        (
+            "0::/job/step",
+            {
+                "cgroup.controllers": "memory",
+                "job/step/memory.max": "max",
+                "job/step/memory.current": "7",
+                "job/memory.max": "2048",
+                "job/memory.current": "9",
+            },
+            (9, 2048),
+        ),
+        # v1 in a namespace: the path is not under the mount, whose root is the container's cgroup.
+        (
+            "4:memory:/kubepods/pod1/c1",
+            {"memory/memory.limit_in_bytes": "4096", "memory/memory.usage_in_bytes": "1000"},
+            (1000, 4096),
+        ),
+        # v1 without a limit (the kernel's 2^63 - 4096), and a line for another controller.
+        (
+            "3:cpu:/x\n4:memory:/",
+            {"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "1000"},
+            None,
+        ),
+    ],
+)
+def test_the_memory_cgroup_limit_is_found(
+    tmp_path: Path, proc_line: str, files: dict[str, str], expected: tuple[int, int] | None
+) -> None:
+    proc, root = _cgroup_tree(tmp_path, proc_line, files)
+    assert cgroup_memory(proc, root) == expected
+
+
+def test_no_cgroup_file_means_no_reading(tmp_path: Path) -> None:
+    assert cgroup_memory(str(tmp_path / "missing"), str(tmp_path)) is None

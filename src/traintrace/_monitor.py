@@ -129,11 +129,64 @@ class _Host:
             status = _read_kv("/proc/self/status")
             if "VmRSS" in status:
                 out["process_rss"] = status["VmRSS"]
+        limited = cgroup_memory()
+        if limited is not None:
+            out["cgroup_memory_used"], out["cgroup_memory_limit"] = limited
         try:
             out["load_average_1m"] = os.getloadavg()[0]
         except (OSError, AttributeError):
             pass
         return out
+
+
+#: A cgroup v1 ``memory.limit_in_bytes`` at least this large means no limit (the kernel writes 2^63 - 4096).
+_NO_CGROUP_LIMIT = 1 << 62
+
+
+def cgroup_memory(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, int] | None:
+    """(used, limit) in bytes of the memory cgroup that limits this process (a container's, a Slurm job's), or
+    None where no limit applies or none can be read. The kernel's OOM killer acts at that limit, which may be far
+    below the host's memory. Read at each sample: a process may be moved to another cgroup.
+
+    cgroup v2: ``memory.current`` and ``memory.max``; v1: ``memory.usage_in_bytes`` and
+    ``memory.limit_in_bytes``. The process's own cgroup first, then its ancestors (the limit may be set above
+    it); in a cgroup namespace, where the path is not under the mount, the mount's root.
+    """
+    try:
+        lines = Path(proc_cgroup).read_text(encoding="ascii", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if hierarchy == "0" and controllers == "":
+            base, used_name, limit_name = Path(root), "memory.current", "memory.max"
+            if not (base / "cgroup.controllers").exists():
+                base = Path(root) / "unified"
+        elif "memory" in controllers.split(","):
+            base, used_name, limit_name = Path(root) / "memory", "memory.usage_in_bytes", "memory.limit_in_bytes"
+        else:
+            continue
+        folder = base / path.strip().lstrip("/")
+        if not folder.is_dir():
+            folder = base
+        while True:
+            found = _cgroup_limit(folder, used_name, limit_name)
+            if found is not None:
+                return found
+            if folder == base or base not in folder.parents:
+                break
+            folder = folder.parent
+    return None
+
+
+def _cgroup_limit(folder: Path, used_name: str, limit_name: str) -> tuple[int, int] | None:
+    try:
+        limit_text = (folder / limit_name).read_text(encoding="ascii").strip()
+        if not limit_text.isdigit() or int(limit_text) >= _NO_CGROUP_LIMIT:
+            return None  # "max" (v2), or v1's "no limit"
+        return int((folder / used_name).read_text(encoding="ascii").strip()), int(limit_text)
+    except (OSError, ValueError):
+        return None
 
 
 def _read_kv(path: str) -> dict[str, int]:

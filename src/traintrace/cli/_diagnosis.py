@@ -905,13 +905,15 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
 
 def _memory(job: Job, st: RankState) -> dict[str, Any] | None:
     """The rank's memory in its stream's ``device_properties`` samples up to its end: its resident set at the
-    first and the last sample and its peak, the host's and the GPU's use at the last. None without samples."""
+    first and the last sample and its peak, the host's, its memory cgroup's and the GPU's use at the last. None
+    without samples."""
     until = st.stopped_ns if st.stopped_ns is not None else (1 << 62)
     rows = job.rows(
         f"""
         SELECT ts, try_cast(attrs->>'process_rss' AS BIGINT), try_cast(attrs->>'host_memory_used' AS BIGINT),
                try_cast(attrs->>'host_memory_total' AS BIGINT), try_cast(attrs->>'memory_usage' AS BIGINT),
-               try_cast(attrs->>'memory_total' AS BIGINT)
+               try_cast(attrs->>'memory_total' AS BIGINT), try_cast(attrs->>'cgroup_memory_used' AS BIGINT),
+               try_cast(attrs->>'cgroup_memory_limit' AS BIGINT)
         FROM other WHERE stream = {int(st.stream)} AND kind = 'event' AND name = '{EventName.DEVICE_PROPERTIES}'
               AND ts <= {int(until)}
         ORDER BY ts
@@ -930,7 +932,8 @@ def _memory(job: Job, st: RankState) -> dict[str, Any] | None:
             "rss_last_ts": rss[-1][0],
             "rss_max": max(v for _, v in rss),
         }
-    for key, value in zip(("host_used", "host_total", "gpu_used", "gpu_total"), last[2:], strict=True):
+    keys = ("host_used", "host_total", "gpu_used", "gpu_total", "cgroup_used", "cgroup_limit")
+    for key, value in zip(keys, last[2:], strict=True):
         if value is not None:
             out[key] = int(value)
     return out
@@ -951,6 +954,8 @@ def _memory_phrase(memory: dict[str, Any] | None) -> str:
     if not memory:
         return ""
     extras = []
+    if memory.get("cgroup_limit") and memory.get("cgroup_used") is not None:
+        extras.append(f"its memory cgroup {memory['cgroup_used'] / memory['cgroup_limit']:.0%} of its limit")
     if memory.get("host_total") and memory.get("host_used") is not None:
         extras.append(f"host memory {memory['host_used'] / memory['host_total']:.0%} used")
     if memory.get("gpu_total") and memory.get("gpu_used") is not None:
@@ -971,13 +976,19 @@ def _memory_phrase(memory: dict[str, Any] | None) -> str:
 
 
 def _host_full_phrase(memory: dict[str, Any] | None) -> str:
-    """For a killed rank: the host's memory nearly full at its last sample points at the kernel's OOM killer."""
-    if not memory or not memory.get("host_total") or memory.get("host_used") is None:
+    """For a killed rank: its memory cgroup's limit (a container's, a Slurm job's) or the host's memory nearly
+    reached at its last sample points at the kernel's OOM killer, which sends SIGKILL and leaves no message."""
+    if not memory:
         return ""
-    share = memory["host_used"] / memory["host_total"]
-    if share < HOST_MEMORY_FULL:
-        return ""
-    return f" (the host's memory was {share:.0%} used at its last sample: likely the kernel's OOM killer)"
+    for used, total, what in (
+        ("cgroup_used", "cgroup_limit", f"of its memory cgroup's {_size(memory.get('cgroup_limit') or 0)} limit"),
+        ("host_used", "host_total", "of the host's memory"),
+    ):
+        if memory.get(total) and memory.get(used) is not None:
+            share = memory[used] / memory[total]
+            if share >= HOST_MEMORY_FULL:
+                return f" ({share:.0%} {what} was used at its last sample: likely the kernel's OOM killer)"
+    return ""
 
 
 def _where_stuck(s: RankState) -> str:
