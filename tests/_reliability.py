@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = ROOT / "src" / "traintrace" / "schema" / "record-v1.schema.json"
@@ -65,3 +68,17 @@ def schema_errors(records: list[dict[str, Any]]) -> list[str]:
         for error in check.iter_errors(record):
             out.append(f"{record.get('kind')} seq={record.get('seq')}: {error.message[:200]}")
     return out
+
+
+def can_unshare() -> str:
+    if os.geteuid() != 0:
+        return "needs root to mount a tmpfs in a private mount namespace"
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return "needs unshare(1) and mount(8)"
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        return f"unshare -m is not allowed here: {probe.stderr.decode(errors='replace').strip()}"
+    return ""
+
+
+needs_namespace = pytest.mark.skipif(bool(can_unshare()), reason=can_unshare() or "ok")

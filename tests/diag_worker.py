@@ -125,6 +125,9 @@ def main() -> None:
     # exiting: a process slow to tear down on a loaded machine.
     parser.add_argument("--linger", type=float, default=0.0)
     parser.add_argument("--cgroup", default=None, help="cgroup_oom: the memory cgroup folder to move into")
+    # Where checkpoints go (a small file system the test mounted, say), and padding that makes each this large.
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-pad-kb", type=int, default=0)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -156,7 +159,12 @@ def main() -> None:
     fault = args.fault if mine else args.later_fault if later else "none"
     fault_step = args.fault_step
     # With --resume, in the truth folder (shared by the attempts), else in a folder of this process's own.
-    checkpoints = Path(args.truth) / "checkpoints" if args.resume else Path(tempfile.mkdtemp(prefix="tt-diag-"))
+    if args.checkpoint_dir:
+        checkpoints = Path(args.checkpoint_dir)
+    elif args.resume:
+        checkpoints = Path(args.truth) / "checkpoints"
+    else:
+        checkpoints = Path(tempfile.mkdtemp(prefix="tt-diag-"))
     checkpoints.mkdir(parents=True, exist_ok=True)
 
     def injected(where: str, step: int) -> None:
@@ -276,7 +284,9 @@ def main() -> None:
                 truth.write(event="step_end", step=step)
                 if rank == 0 and (step + 1) % args.checkpoint_every == 0:
                     truth.write(event="checkpoint_start", step=step + 1)
-                    with tt.checkpoint_save(current_iteration=step + 1):
+                    saved_to = checkpoints / f"step{step + 1}.tmp"
+                    final = checkpoints / f"step{step + 1}.pt"
+                    with tt.checkpoint_save(current_iteration=step + 1, checkpoint_path=str(final)):
                         if fault == "checkpoint" and step + 1 == fault_step:
                             truth.write(event="fault", kind="checkpoint", step=step + 1)
                             raise OSError(f"injected failure in checkpoint on rank {rank} at step {step + 1}")
@@ -284,8 +294,22 @@ def main() -> None:
                             truth.write(event="fault", kind=fault, step=step + 1)
                             time.sleep(0.05)
                             os.kill(os.getpid(), signal.SIGKILL)
-                        torch.save(model.module.state_dict(), checkpoints / f"step{step + 1}.tmp")
-                        os.replace(checkpoints / f"step{step + 1}.tmp", checkpoints / f"step{step + 1}.pt")
+                        state = dict(model.module.state_dict())
+                        if args.checkpoint_pad_kb:  # optimizer state, say: what makes real checkpoints large
+                            state["pad"] = torch.ones(args.checkpoint_pad_kb * 256)
+                        try:
+                            torch.save(state, saved_to)
+                        except (OSError, RuntimeError) as exc:  # the worker's own note of where and why
+                            space = os.statvfs(checkpoints)
+                            truth.write(
+                                event="checkpoint_failed",
+                                step=step + 1,
+                                error=str(exc),
+                                free=space.f_bavail * space.f_frsize,
+                                total=space.f_blocks * space.f_frsize,
+                            )
+                            raise
+                        os.replace(saved_to, final)
                     truth.write(event="checkpoint_end", step=step + 1)
                 if args.validate_every and (step + 1) % args.validate_every == 0:
                     truth.write(event="validation_start", step=step + 1)

@@ -9,7 +9,9 @@ import pytest
 
 from traintrace.cli._diagnosis import (
     RankState,
+    _cause,
     _culprit,
+    _disk_phrase,
     _error_line,
     _first_line,
     _same_failure,
@@ -370,3 +372,18 @@ def test_pytorch_check_prefixes_are_left_out_of_the_cause() -> None:
         "allocate 67108864 bytes. Error code 12 (Cannot allocate memory)"
     )
     assert _first_line(message).startswith("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+
+
+def test_a_full_disk_is_said_only_when_it_was_full() -> None:
+    error = {"ts": T0, "error_type": "RuntimeError", "message": "unexpected pos 1920 vs 1812", "stack": None}
+    saving = state(0, state="error", step=15, phase="checkpoint_save_sync", error=error)
+    saving.disk = {"full": True, "free": 0, "total": 2 << 20, "path": "/c/step15.pt", "last_checkpoint_size": 703 << 10}
+    assert _sentence(saving, [saving]) == (
+        "rank 0 raised RuntimeError in a checkpoint save at step 15; the checkpoint's file system was full: "
+        "0 B free of 2.0 MiB, less than the last checkpoint took (703 KiB)"
+    )
+    assert _cause(saving).endswith("(the checkpoint's file system was full)")
+    # The error alone said so (no statvfs reading: the path was not given).
+    assert _disk_phrase({"full": True}) == "; the checkpoint's file system was full (no space left on the device)"
+    saving.disk = {"full": False, "free": 40 << 30, "total": 100 << 30, "path": "/c", "last_checkpoint_size": None}
+    assert "full" not in _sentence(saving, [saving]) and "full" not in _cause(saving)

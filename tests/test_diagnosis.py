@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests._reliability import needs_namespace
 from tests.diag_worker import LEAK_BYTES
 from traintrace._names import SpanName
 
@@ -73,10 +74,13 @@ def launch(
     during: Any = None,
     timeout: float = 150,
     max_restarts: int = 0,
+    prefix: tuple[str, ...] = (),
 ) -> Run:
-    """Run the worker under traintrace-run; ``during(process, truth)`` runs while it does."""
+    """Run the worker under traintrace-run (after ``prefix``, a command that runs the rest of the line);
+    ``during(process, truth)`` runs while it does."""
     truth = tmp_path / "truth"
     command = [
+        *prefix,
         sys.executable,
         "-m",
         "traintrace.launch",
@@ -339,6 +343,33 @@ def test_a_rank_killed_by_the_oom_killer(tmp_path: Path) -> None:
     assert "likely the kernel's OOM killer" in errors["verdict"], errors["verdict"]
     memory = errors["culprit"]["memory"]
     assert memory["cgroup_limit"] == limit and 0.9 * limit <= memory["cgroup_used"] <= limit, memory
+
+
+@needs_namespace
+def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
+    """Rank 0 saves 700 KiB checkpoints every 5 steps to a 2 MiB file system (a tmpfs in the job's own mount
+    namespace) until one does not fit: PyTorch's zip writer then says only ``unexpected pos ...``. The rank, the
+    step being saved and the phase are named, and the verdict says the file system was full, with the space the
+    worker itself read (statvfs) when its save failed."""
+    disk = tmp_path / "checkpoints"
+    disk.mkdir()
+    mount = ("unshare", "-m", "--propagation", "private", "sh", "-c")
+    mount += ('mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"',)
+    run = launch(
+        tmp_path,
+        2,
+        *("--checkpoint-dir", str(disk), "--checkpoint-pad-kb", "700"),
+        prefix=(*mount, str(disk)),
+    )
+    failed = [m for m in run.marks()[0] if m["event"] == "checkpoint_failed"]
+    assert failed, run.output[-3000:]
+    truth = failed[0]
+    errors = check_culprit(run, 0, truth["step"], "checkpoint_save_sync", "RuntimeError")
+    assert "the checkpoint's file system was full" in errors["verdict"], errors["verdict"]
+    disk_facts = errors["culprit"]["disk"]
+    assert (disk_facts["free"], disk_facts["total"]) == (truth["free"], truth["total"]), (disk_facts, truth)
+    assert disk_facts["full"] and disk_facts["path"] == str(disk / f"step{truth['step']}.pt")
+    assert disk_facts["last_checkpoint_size"] > 700 * 1024 > disk_facts["free"]
 
 
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,23 +19,9 @@ from typing import Any
 import pytest
 
 import traintrace as tt
-from tests._reliability import child_env, schema_errors, write_script
+from tests._reliability import child_env, needs_namespace, schema_errors, write_script
 from traintrace.backends import BaseBackend, FileBackend, MemoryBackend
 from traintrace.reader import read_file
-
-
-def _can_unshare() -> str:
-    if os.geteuid() != 0:
-        return "needs root to mount a tmpfs in a private mount namespace"
-    if shutil.which("unshare") is None or shutil.which("mount") is None:
-        return "needs unshare(1) and mount(8)"
-    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True, check=False)
-    if probe.returncode != 0:
-        return f"unshare -m is not allowed here: {probe.stderr.decode(errors='replace').strip()}"
-    return ""
-
-
-needs_namespace = pytest.mark.skipif(bool(_can_unshare()), reason=_can_unshare() or "ok")
 
 # Runs inside `unshare -m`: mounts a 256 KiB tmpfs, fills it, frees it, makes it read-only
 # after a rotation, then writable again; prints what happened as JSON (the mount is gone after).

@@ -45,3 +45,18 @@ def checkpoint_path(values: Mapping[str, Any]) -> str | None:
     if directory:
         return str(os.fspath(directory))
     return None
+
+
+def file_system_space(path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """(free, total) bytes of the file system holding ``path``, or of its nearest existing parent (a save that
+    failed may have left nothing); None when unreadable. Free is what an unprivileged writer may still use."""
+    try:
+        folder = Path(path)
+        for _ in range(64):
+            if folder.exists():
+                break
+            folder = folder.parent
+        stat = os.statvfs(folder)
+        return stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+    except (OSError, TypeError, ValueError):
+        return None

@@ -19,7 +19,7 @@ from pathlib import Path
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Final
 
-from ._checkpoint import checkpoint_path, measure_size
+from ._checkpoint import checkpoint_path, file_system_space, measure_size
 from ._histogram import LogHistogram
 from ._names import EventName, SpanName, SpanStatus, Verbosity
 from ._peaks import peak_for
@@ -606,6 +606,13 @@ class IterationStats:
                         added["checkpoint_directory"] = str(Path(path).parent)
                     if values.get("checkpoint_filename") is None:
                         added["checkpoint_filename"] = Path(path).name
+        elif span.status == SpanStatus.ERROR:
+            # A save that failed: the space left where it wrote tells a full disk from other faults (PyTorch's
+            # zip writer then says only "unexpected pos ...").
+            path = checkpoint_path(values)
+            space = file_system_space(path) if path is not None else None
+            if space is not None:
+                added["fs_free_bytes"], added["fs_total_bytes"] = space
         if added:
             span.metrics = {**metrics, **added}
 

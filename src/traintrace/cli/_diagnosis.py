@@ -43,6 +43,15 @@ OUT_OF_MEMORY = re.compile(
 )
 #: The host's memory this full at a killed rank's last sample: the kernel's OOM killer is the likely sender.
 HOST_MEMORY_FULL = 0.9
+#: A write that failed for want of space (``ENOSPC``), or of quota (``EDQUOT``).
+NO_SPACE = re.compile(r"No space left on device|ENOSPC|Errno 28\b|Disk quota exceeded|EDQUOT|Errno 122\b")
+#: Without an earlier checkpoint's size to compare with, a file system this empty counts as full.
+FULL_SHARE = 0.01
+CHECKPOINT_SAVES = (
+    SpanName.CHECKPOINT_SAVE_SYNC,
+    SpanName.CHECKPOINT_SAVE_ASYNC,
+    SpanName.CHECKPOINT_SAVE_FINALIZATION,
+)
 #: Span names that say where a rank is, innermost wins; containers only when nothing finer is open.
 CONTAINERS = (SpanName.APPLICATION, SpanName.TRAINING_LOOP)
 COLLECTIVE = SpanName.COLLECTIVE
@@ -124,6 +133,10 @@ class RankState:
     #: For a culprit that ran out of memory or was killed: its memory in the sampler's ``device_properties``
     #: events before the end (``_memory``), None without samples.
     memory: dict[str, Any] | None = None
+    #: For a culprit whose checkpoint save failed: the space left on the checkpoint's file system when it did
+    #: (``fs_free_bytes``, ``fs_total_bytes`` the writer added to the span), the last save's size, and whether
+    #: that was too little (``_disk``).
+    disk: dict[str, Any] | None = None
 
     @property
     def out_of_memory(self) -> bool:
@@ -186,6 +199,8 @@ def diagnose(job: Job) -> dict[str, Any]:
     culprit, rule = _culprit(states)
     if culprit is not None and (culprit.out_of_memory or culprit.state == "killed"):
         culprit.memory = _memory(job, culprit)
+    if culprit is not None and culprit.state == "error" and culprit.phase in CHECKPOINT_SAVES:
+        culprit.disk = _disk(job, culprit)
     sentence = _sentence(culprit, states)
     # A restart that fails as the attempt before it did gets nowhere: say so. One that failed otherwise: the
     # first failure may be the root (a checkpoint it damaged, say), so it is named too.
@@ -799,7 +814,9 @@ def _cause(s: RankState) -> str:
         return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
     if s.state == "error" and s.error is not None:
         line = f"{s.error['error_type']}: {_error_line(s.error['error_type'], s.error['message'])}"
-        return f"ran out of memory: {line}" if s.out_of_memory else f"raised {line}"
+        if s.out_of_memory:
+            return f"ran out of memory: {line}"
+        return f"raised {line}" + (" (the checkpoint's file system was full)" if s.disk and s.disk.get("full") else "")
     if s.state == "killed":
         sig = s.signal or (f"signal {-s.exit_code}" if s.exit_code is not None and s.exit_code < 0 else "a signal")
         return f"killed by {sig}" + ("" if s.exit_code is None else f" (exit code {s.exit_code})")
@@ -879,6 +896,7 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         head += _memory_phrase(culprit.memory)
     elif culprit.state == "error" and culprit.error is not None:
         head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
+        head += _disk_phrase(culprit.disk)
     elif culprit.stuck_ns is not None and culprit.state == "running":
         head = f"running, waiting on rank {culprit.rank}: {_where_stuck(culprit)}, for {culprit.stuck_ns / 1e9:.0f} s"
     elif culprit.stuck_ns is not None:
@@ -973,6 +991,46 @@ def _memory_phrase(memory: dict[str, Any] | None) -> str:
     else:
         return ""
     return "; " + phrase + (f" ({', '.join(extras)})" if extras else "")
+
+
+def _disk(job: Job, st: RankState) -> dict[str, Any] | None:
+    """The space the failed save left on its file system, the last completed save's size, and ``full``: the
+    error says so (``NO_SPACE``), or less is free than the last save took (without one: under ``FULL_SHARE``)."""
+    names = ", ".join(f"'{n}'" for n in CHECKPOINT_SAVES)
+    rows = job.rows(
+        f"""
+        SELECT status, try_cast(attrs->>'fs_free_bytes' AS BIGINT), try_cast(attrs->>'fs_total_bytes' AS BIGINT),
+               attrs->>'checkpoint_path', try_cast(attrs->>'checkpoint_size' AS BIGINT)
+        FROM spans_small WHERE stream = {int(st.stream)} AND name IN ({names}) AND NOT open
+        ORDER BY ts
+        """
+    )
+    failed = [r for r in rows if r[0] == SpanStatus.ERROR]
+    error = st.error or {}
+    said = bool(NO_SPACE.search(f"{error.get('error_type') or ''}: {error.get('message') or ''}"))
+    if not failed and not said:
+        return None
+    out: dict[str, Any] = {"full": said}
+    if failed:
+        _, free, total, path, _ = failed[-1]
+        last = next((r[4] for r in reversed(rows) if r[0] == SpanStatus.OK and r[4] is not None), None)
+        out |= {"free": free, "total": total, "path": path, "last_checkpoint_size": last}
+        if free is not None and total:
+            out["full"] = said or (free < last if last else free < FULL_SHARE * total)
+    return out
+
+
+def _disk_phrase(disk: dict[str, Any] | None) -> str:
+    """``; the checkpoint's file system was full: 12 KiB free of 2.0 MiB, less than the last checkpoint took
+    (700 KiB)``; empty unless it was."""
+    if not disk or not disk.get("full"):
+        return ""
+    if disk.get("free") is None or not disk.get("total"):
+        return "; the checkpoint's file system was full (no space left on the device)"
+    phrase = f"; the checkpoint's file system was full: {_size(disk['free'])} free of {_size(disk['total'])}"
+    if disk.get("last_checkpoint_size"):
+        phrase += f", less than the last checkpoint took ({_size(disk['last_checkpoint_size'])})"
+    return phrase
 
 
 def _host_full_phrase(memory: dict[str, Any] | None) -> str:
