@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -370,6 +371,35 @@ def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
     assert (disk_facts["free"], disk_facts["total"]) == (truth["free"], truth["total"]), (disk_facts, truth)
     assert disk_facts["full"] and disk_facts["path"] == str(disk / f"step{truth['step']}.pt")
     assert disk_facts["last_checkpoint_size"] > 700 * 1024 > disk_facts["free"]
+
+
+def test_a_node_that_never_joins_the_rendezvous(tmp_path: Path) -> None:
+    """A 2-node job of which only one node's launcher starts (the other node down, or a wrong endpoint): the
+    rendezvous times out and no rank ever starts. The verdict says so instead of "no rank wrote any record":
+    how long it waited (between the join timeout and the test's own clock) and that 1 of 2 nodes joined."""
+    join_timeout = 4
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [
+        *(sys.executable, "-m", "traintrace.launch", "--nnodes", "2", "--nproc-per-node", "1"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job"),
+        *("--rdzv-conf", f"join_timeout={join_timeout}", str(WORKER), str(tmp_path / "truth")),
+    ]
+    env = {**ENV, "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "job"}
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120, check=False)
+    wall = time.monotonic() - started
+    assert done.returncode != 0 and "RendezvousTimeoutError" in done.stderr + done.stdout
+    assert not (tmp_path / "truth").exists()  # no worker ever ran
+    run = Run(tmp_path / "logs" / "job", tmp_path / "truth", done.returncode, done.stdout + done.stderr)
+    errors = run.cli("errors")
+    assert errors["status"] == "failed" and errors["rule"] == "launcher: rendezvous failed", errors["verdict"]
+    assert errors["verdict"].startswith("the rendezvous timed out after "), errors["verdict"]
+    assert "1 of 2 nodes joined" in errors["verdict"] and errors["verdict"].endswith("no rank started")
+    rendezvous = errors["rendezvous"]
+    assert join_timeout <= rendezvous["waited_s"] <= wall, (rendezvous, wall)
+    assert (rendezvous["joined"], rendezvous["nnodes"], rendezvous["hosts"]) == (1, "2", [socket.gethostname()])
 
 
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:

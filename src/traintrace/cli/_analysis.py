@@ -715,6 +715,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         "failed_restarts": verdict.get("failed_restarts", []),
         # Earlier failed attempts whose culprit failed the same way (rank, step, phase, cause): a crash loop.
         "same_failure_restarts": verdict.get("same_failure_restarts", []),
+        # A launcher's failed rendezvous (rule "launcher: rendezvous failed"): nodes expected and joined, the wait.
+        "rendezvous": verdict.get("rendezvous"),
         "rank_states": verdict["ranks"],
         "first_error": first,
         "error_count": len(all_errors),

@@ -164,7 +164,13 @@ def diagnose(job: Job) -> dict[str, Any]:
         FROM stream_facts f JOIN streams s USING (stream) WHERE NOT f.is_agent ORDER BY f.restart, f.rank
         """
     )
+    rendezvous = _rendezvous_failure(job)
     if not facts:
+        if rendezvous is not None:
+            out = _result("failed", rendezvous["verdict"] + "; no rank started", None, [], rendezvous["restart"], [])
+            out["rule"] = "launcher: rendezvous failed"
+            out["rendezvous"] = rendezvous
+            return out
         return {"status": "empty", "verdict": "no rank wrote any record", "culprit": None, "ranks": []}
     restarts = sorted({f["restart"] for f in facts})
     attempts = {r: [f for f in facts if f["restart"] == r] for r in restarts}
@@ -218,9 +224,17 @@ def diagnose(job: Job) -> dict[str, Any]:
         # A later attempt than the last failed one neither failed nor runs (running is answered above).
         status = "recovered"
         sentence = f"restart {about} failed: {sentence}; restart {last} finished"
+    if rendezvous is not None and rendezvous["restart"] > last:
+        # The launchers went back to the rendezvous after the failure (torchrun's restart) and it failed there.
+        sentence += f"; restart {rendezvous['restart']} never started: {rendezvous['verdict']}"
+        out_rendezvous: dict[str, Any] | None = rendezvous
+    else:
+        out_rendezvous = None
     out = _result(status, sentence, culprit, states, about, failed)
     out["rule"] = rule
     out["same_failure_restarts"] = same
+    if out_rendezvous is not None:
+        out["rendezvous"] = out_rendezvous
     return out
 
 
@@ -353,6 +367,66 @@ def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], s
             "ts": ts,
         }
     return failures, launcher_signal
+
+
+def _rendezvous_failure(job: Job) -> dict[str, Any] | None:
+    """When a launcher ended with torchrun's rendezvous error (``RendezvousTimeoutError``: not every node came;
+    ``RendezvousClosedError``...), what its stream and the other launchers' say: the nodes expected (``nnodes``),
+    those whose launcher joined that round, how long it waited. None otherwise."""
+    start, end, join = EventType.JOB_START.value, EventType.JOB_END.value, EventType.NODE_JOIN.value
+    rdzv = EventType.RENDEZVOUS_START.value
+    events: dict[int, list[tuple[str, int, dict[str, Any]]]] = {}
+    for stream, name, attrs_text, ts in job.rows(
+        f"SELECT stream, name, attrs, ts FROM other WHERE is_agent AND kind = 'event' "
+        f"AND name IN ('{start}', '{end}', '{join}', '{rdzv}') ORDER BY ts"
+    ):
+        try:
+            attrs = json.loads(attrs_text) if isinstance(attrs_text, str) else dict(attrs_text or {})
+        except ValueError:
+            continue
+        events.setdefault(int(stream), []).append((str(name), int(ts), attrs))
+
+    def data(attrs: dict[str, Any]) -> dict[str, Any]:
+        raw = attrs.get("data")
+        return raw if isinstance(raw, dict) else {}
+
+    failed = None
+    for stream, stream_events in events.items():
+        for name, ts, attrs in stream_events:
+            error = str(data(attrs).get("error_type") or "")
+            if name == end and error.startswith("Rendezvous") and (failed is None or ts < failed[1]):
+                failed = (stream, ts, error, int(attrs.get("restart") or 0))
+    if failed is None:
+        return None
+    stream, ended, error, restart = failed
+    mine = events[stream]
+    expected = next((str(data(a).get("nnodes") or "") for n, _, a in mine if n == start), "")
+    began = [ts for n, ts, a in mine if n == rdzv and int(a.get("restart") or 0) == restart]
+    waited = (ended - began[-1]) / 1e9 if began else None
+    # A launcher joined this round when its own stream says so (each node's launcher writes its own stream).
+    joined = [s for s, es in events.items() if any(n == join and a.get("restart", 0) == restart for n, _, a in es)]
+    hosts = {int(s): h for s, h in job.rows("SELECT stream, host FROM streams WHERE is_agent")}
+    names = sorted({str(hosts.get(s) or "?") for s in joined})
+    least = expected.split(":", 1)[0]
+    how = "timed out" if error == "RendezvousTimeoutError" else f"failed ({error})"
+    verdict = f"the rendezvous {how}"
+    if waited is not None:
+        verdict += f" after {waited:.0f} s"
+    if least.isdigit():
+        verdict += f": {len(joined)} of {least} nodes joined"
+        if names:
+            verdict += f" ({', '.join(names)})"
+        if len(joined) < int(least):
+            verdict += "; the others never came (not started, or they cannot reach the rendezvous endpoint)"
+    return {
+        "verdict": verdict,
+        "error_type": error,
+        "restart": restart,
+        "nnodes": expected or None,
+        "joined": len(joined),
+        "hosts": names,
+        "waited_s": waited,
+    }
 
 
 def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list[RankState]:
