@@ -17,7 +17,8 @@ there: the spans end ``terminated``, the stream closes); ``loader_kill`` (every 
 its batches from a DataLoader with one worker process; the faulty rank's worker kills itself with SIGKILL
 while fetching batch ``--fault-step``); ``sigkill``, ``sigsegv`` (a real null
 pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
-``kill_in_checkpoint``; ``hang_compute`` (sleeps in forward); ``hang_collective``
+``kill_in_checkpoint``; ``hang_in_checkpoint`` (sleeps in the save); ``hang_compute`` (sleeps in
+forward); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
 (from ``--fault-step`` on); ``hang_init`` (sleeps in model initialisation, before DDP's first
 broadcast); ``finish_early`` (leaves the training loop before that step and exits 0, as a rank whose
@@ -290,6 +291,9 @@ def main() -> None:
                         if fault == "checkpoint" and step + 1 == fault_step:
                             truth.write(event="fault", kind="checkpoint", step=step + 1)
                             raise OSError(f"injected failure in checkpoint on rank {rank} at step {step + 1}")
+                        if fault == "hang_in_checkpoint" and step + 1 == fault_step:  # a stalled file system
+                            truth.write(event="fault", kind=fault, step=step + 1)
+                            time.sleep(3600)
                         if fault == "kill_in_checkpoint" and step + 1 == fault_step:
                             truth.write(event="fault", kind=fault, step=step + 1)
                             time.sleep(0.05)

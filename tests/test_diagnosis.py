@@ -669,6 +669,29 @@ def test_a_rank_hung_in_compute(tmp_path: Path, detection: str) -> None:
         assert not errors["hang_suspects"]
 
 
+@pytest.mark.parametrize("detection", ["on", "off"])
+def test_a_rank_hung_in_a_checkpoint_save(tmp_path: Path, detection: str) -> None:
+    """Rank 0 stalls in its save after step 9 (a file system that stopped answering); the others wait for it in
+    the all-reduce of step 10. A save has a longer hang timeout than a step, so with detection on only the
+    waiting ranks report a hang: rank 0 is still the one named as hung, not only as terminated at the end."""
+    hang_timeout = "1.5" if detection == "on" else "0"
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "hang_in_checkpoint", "--fault-rank", "0", "--fault-step", "10", "--hang-timeout", hang_timeout),
+    )
+    fault = fault_step_of(run, 0)
+    errors = check_culprit(run, 0, fault["step"], "checkpoint_save_sync", "hang")
+    assert errors["verdict"].startswith(
+        f"rank 0 hung in a checkpoint save at step {fault['step']}, not in a collective;"
+    ), errors["verdict"]
+    others = [r for r in errors["rank_states"] if r["rank"] != 0]
+    assert all(r["in_collective"] and r["step"] == fault["step"] for r in others), others
+    if detection == "on":
+        assert errors["rule"] == "hang: the rank behind"
+        assert all(r["hang"] is not None for r in others)  # their own reports; rank 0 made none
+
+
 @pytest.mark.parametrize(("linger", "detection"), [("0", "on"), ("1.0", "on"), ("0", "off")])
 def test_a_rank_hung_in_a_collective(tmp_path: Path, linger: str, detection: str) -> None:
     """Rank 0 waits in an all-reduce its partner never joins; the others wait for rank 0 one step later.

@@ -702,11 +702,31 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
         return early, "left early"
     hung = [s for s in states if s.hang is not None or s.state == "hung"]
     if hung:
-        return min(states, key=_hang_key), "hang: the rank behind"
+        last = min(states, key=_hang_key)
+        others = [s for s in hung if s is not last and s.hang is not None]
+        if last.hang is None and last.state != "hung" and others:
+            _hung_unreported(last, others)
+        return last, "hang: the rank behind"
     behind = _waited_for(states)
     if behind is not None:
         return behind, "hang: the rank the collectives timed out on"
     return None, "unknown"
+
+
+def _hung_unreported(behind: RankState, reported: list[RankState]) -> None:
+    """The rank behind made no hang report of its own (its phase has a longer timeout, a checkpoint save's, or
+    its detection is off) while others reported theirs: it is marked hung from their first report, as a rank the
+    collectives timed out on is, so that the verdict says it hung rather than only how it ended."""
+    first = min(reported, key=lambda s: (s.hang or {}).get("ts") or 0)
+    said = _first_line((first.hang or {}).get("message"), 100)
+    where = "not in a collective" if not behind.in_collective else "in a collective the others never joined"
+    message = f"{where} when rank {first.rank} reported a hang" + (f": {said}" if said else "")
+    behind.hang = {
+        "ts": (first.hang or {}).get("ts"),
+        "message": message,
+        "stack": None,
+        "from_ns": behind.last_progress_ns,
+    }
 
 
 def _left_early(states: list[RankState]) -> RankState | None:
