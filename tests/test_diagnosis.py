@@ -400,6 +400,8 @@ def test_a_node_that_never_joins_the_rendezvous(tmp_path: Path) -> None:
     rendezvous = errors["rendezvous"]
     assert join_timeout <= rendezvous["waited_s"] <= wall, (rendezvous, wall)
     assert (rendezvous["joined"], rendezvous["nnodes"], rendezvous["hosts"]) == (1, "2", [socket.gethostname()])
+    summary = run.cli("summary")
+    assert summary["job"] == "job" and summary["verdict"] == errors["verdict"]  # the launcher's stream names it
 
 
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:

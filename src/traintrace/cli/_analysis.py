@@ -84,8 +84,13 @@ def summary(job: Job) -> dict[str, Any]:
     ranks = [int(r[0]) for r in job.rows("SELECT DISTINCT rank FROM streams WHERE NOT is_agent ORDER BY 1")]
     n_ranks = max(len(ranks), 1)
     meta = job.one(
-        "SELECT any_value(job), any_value(job_name), max(world_size), count(*), max(restart), "
-        "count(DISTINCT host) FROM streams WHERE NOT is_agent"
+        # The ranks' streams; the job's name from a launcher's where no rank started (a failed rendezvous).
+        # CASE, not FILTER: the Spark engine runs the same statement.
+        "SELECT coalesce(max(CASE WHEN NOT is_agent THEN job END), max(job)), "
+        "coalesce(max(CASE WHEN NOT is_agent THEN job_name END), max(job_name)), "
+        "max(CASE WHEN NOT is_agent THEN world_size END), count(CASE WHEN NOT is_agent THEN 1 END), "
+        "max(CASE WHEN NOT is_agent THEN restart END), count(DISTINCT CASE WHEN NOT is_agent THEN host END) "
+        "FROM streams"
     )
     # Per-rank seconds by category, then the job figure is the mean over ranks (ranks run in lockstep).
     per_rank: dict[int, dict[str, float]] = {r: dict.fromkeys(CATEGORIES, 0.0) for r in ranks}
