@@ -365,6 +365,9 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     # MIN_EXCESS of the job's median step time (a 10 us zero_grad twice as slow is not a straggler), and
     # never less than MIN_EXCESS_S: scheduling noise on a busy host moves a healthy rank's medians by that much.
     floor = max(MIN_EXCESS * (job_median or 0.0), MIN_EXCESS_S)
+    # A save is I/O: a busy disk moves it by milliseconds. Slower by less than one median step is not a straggler
+    # (a real job's healthy rank read 7.3 ms against the others' 5.1 under load).
+    floors = dict.fromkeys(SLOW_PARTS, floor) | {"checkpoint_save": max(floor, job_median or 0.0)}
     for r in rows:
         mine = parts.get(r["rank"], {})
         excess: dict[str, float] = {}
@@ -373,7 +376,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
             ref = _reference(values, r["rank"]) if part in mine else None
             r[f"{part}_median_s"] = mine.get(part)
             r[f"{part}_score"] = mine[part] / ref if ref else None
-            if ref and mine[part] / ref >= threshold and mine[part] - ref >= floor:
+            if ref and mine[part] / ref >= threshold and mine[part] - ref >= floors[part]:
                 excess[part] = mine[part] - ref
         if "collective" in mine:
             r["collective_median_s"] = mine["collective"]
