@@ -390,21 +390,25 @@ def _rendezvous_failure(job: Job) -> dict[str, Any] | None:
         raw = attrs.get("data")
         return raw if isinstance(raw, dict) else {}
 
+    def attempt(attrs: dict[str, Any]) -> int:  # a hostile file's restart is no number: the first attempt
+        value = attrs.get("restart")
+        return value if type(value) is int else 0
+
     failed = None
     for stream, stream_events in events.items():
         for name, ts, attrs in stream_events:
             error = str(data(attrs).get("error_type") or "")
             if name == end and error.startswith("Rendezvous") and (failed is None or ts < failed[1]):
-                failed = (stream, ts, error, int(attrs.get("restart") or 0))
+                failed = (stream, ts, error, attempt(attrs))
     if failed is None:
         return None
     stream, ended, error, restart = failed
     mine = events[stream]
     expected = next((str(data(a).get("nnodes") or "") for n, _, a in mine if n == start), "")
-    began = [ts for n, ts, a in mine if n == rdzv and int(a.get("restart") or 0) == restart]
+    began = [ts for n, ts, a in mine if n == rdzv and attempt(a) == restart]
     waited = (ended - began[-1]) / 1e9 if began else None
     # A launcher joined this round when its own stream says so (each node's launcher writes its own stream).
-    joined = [s for s, es in events.items() if any(n == join and a.get("restart", 0) == restart for n, _, a in es)]
+    joined = [s for s, es in events.items() if any(n == join and attempt(a) == restart for n, _, a in es)]
     hosts = {int(s): h for s, h in job.rows("SELECT stream, host FROM streams WHERE is_agent")}
     names = sorted({str(hosts.get(s) or "?") for s in joined})
     least = expected.split(":", 1)[0]
