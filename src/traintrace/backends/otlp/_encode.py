@@ -100,6 +100,9 @@ def key_values(tag: bytes, attrs: Mapping[str, Any]) -> bytes:
 
 
 _SPAN_ID_KEY = field(_T1, b"traintrace.span.id")
+#: Attributes every span gets from its own fields (``thread.id``, ``traintrace.span.id``): a user's of the same
+#: name is left out.
+_RESERVED_ATTRS = frozenset(("thread.id", "traintrace.span.id"))
 
 
 class SpanEncoder:
@@ -154,6 +157,9 @@ class SpanEncoder:
             _SPAN_ATTR + _SMALL[len(body)] + body,
         ]
         if attrs:
+            if "thread.id" in attrs or "traintrace.span.id" in attrs:
+                # The span's own values win, as in the SDK's span: a decoder keeps the last of a repeated key.
+                attrs = {k: v for k, v in attrs.items() if k not in _RESERVED_ATTRS}
             parts.append(key_values(_SPAN_ATTR, attrs))
         for event_name, time, event_attrs in events:
             body = _EVENT_TIME + _pack_q(time) + field(_T2, event_name.encode("utf-8", "surrogatepass"))
