@@ -4,6 +4,12 @@ Each scenario runs ``tests/diag_worker.py``, a small DDP training script using t
 ``traintrace-run``, and checks what ``traintrace errors`` and ``summary`` say against a truth the worker
 wrote itself, without traintrace (its own JSON lines of step, checkpoint and fault times): the culprit rank,
 its step, its phase and its cause, and goodput within one point.
+
+The workers record with the core of the pass (``TRAINTRACE_PURE`` is passed on). Jobs where the core's own
+behaviour decides the answer (a death by signal, SIGTERM, a hang, the progress file of a running job, an
+exception's open spans) run in both passes of ``scripts/test``; those whose answer comes from the launcher's
+stream and the step times (restarts, stragglers, the rendezvous) and three of the five exception sites are
+marked ``once``: both cores write the same records (tests/test_native_encoder.py).
 """
 
 from __future__ import annotations
@@ -208,11 +214,11 @@ def fault_step_of(run: Run, rank: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("nproc", "where", "rank", "step", "phase"),
     [
-        (3, "data", 1, 7, "data_loading"),
+        pytest.param(3, "data", 1, 7, "data_loading", marks=pytest.mark.once),
         (3, "forward", 2, 9, "model_forward"),
-        (3, "backward", 1, 7, "model_backward"),
+        pytest.param(3, "backward", 1, 7, "model_backward", marks=pytest.mark.once),
         (4, "optimizer", 3, 8, "optimizer_update"),
-        (2, "iteration", 1, 6, "iteration"),
+        pytest.param(2, "iteration", 1, 6, "iteration", marks=pytest.mark.once),
     ],
 )
 def test_an_exception_on_one_rank(  # noqa: PLR0917 - pytest passes the parameters by position
@@ -373,6 +379,7 @@ def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
     assert disk_facts["last_checkpoint_size"] > 700 * 1024 > disk_facts["free"]
 
 
+@pytest.mark.once  # no rank starts: no recording core takes part
 def test_a_node_that_never_joins_the_rendezvous(tmp_path: Path) -> None:
     """A 2-node job of which only one node's launcher starts (the other node down, or a wrong endpoint): the
     rendezvous times out and no rank ever starts. The verdict says so instead of "no rank wrote any record":
@@ -750,6 +757,7 @@ def test_a_running_job_is_running(tmp_path: Path) -> None:
     assert seen["summary"]["failed_streams"] == 0 and seen["summary"]["steps_lost"] == 0
 
 
+@pytest.mark.once
 @pytest.mark.parametrize(
     ("nproc", "fault", "rank", "part"),
     [(3, "slow_compute", 2, "compute"), (3, "slow_data", 1, "data_loading"), (2, "slow_compute", 1, "compute")],
@@ -902,6 +910,7 @@ def test_a_rank_exiting_with_a_code(tmp_path: Path, fault: str) -> None:
     check_goodput(run)
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("resume", [True, False], ids=["from-checkpoint", "from-scratch"])
 def test_a_restart_after_a_failure(tmp_path: Path, resume: bool) -> None:
     """In the first attempt, rank 1's DataLoader worker process is killed by SIGKILL while fetching batch 7
@@ -955,6 +964,7 @@ def test_a_restart_after_a_failure(tmp_path: Path, resume: bool) -> None:
     assert summary["steps_completed"] == 24
 
 
+@pytest.mark.once
 def test_a_restart_that_fails_the_same_way(tmp_path: Path) -> None:
     """Rank 1 raises in backward at step 7 in every attempt; torchrun restarts twice from the checkpoint after
     step 4, and gives up: the verdict is about the last attempt and says the earlier two failed the same way;
@@ -971,6 +981,7 @@ def test_a_restart_that_fails_the_same_way(tmp_path: Path) -> None:
     check_goodput(run)
 
 
+@pytest.mark.once
 def test_a_restart_that_fails_otherwise(tmp_path: Path) -> None:
     """Rank 1 raises in backward at step 7 in the first attempt, and in forward at step 7 in the restart: the
     verdict is about the last attempt and names the first failure too (it may be the root)."""
