@@ -129,6 +129,10 @@ def main() -> None:
     # Where checkpoints go (a small file system the test mounted, say), and padding that makes each this large.
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-pad-kb", type=int, default=0)
+    # inf_batch: the faulty rank's batch at the fault step is scaled so that its loss overflows float32 (a
+    # corrupt sample); the all-reduce of its gradients spreads NaN to every rank's weights. --nan-check: every
+    # rank raises when its loss is NaN (a common guard that misses infinity).
+    parser.add_argument("--nan-check", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -232,6 +236,10 @@ def main() -> None:
                         x, y = next(batches)
                     if fault == "slow_data" and step >= fault_step:
                         time.sleep(args.slow_ms / 1e3)
+                    if fault == "inf_batch" and step == fault_step:
+                        truth.write(event="fault", kind=fault, step=step)
+                        x = x * 1e30
+                        y = x.sum(dim=1, keepdim=True)
                 truth.write(event="step_start", step=step)
                 with tt.training_iteration(step, {"batch_size": len(x)}) as it:
                     with tt.forward():
@@ -264,6 +272,10 @@ def main() -> None:
                             else:
                                 time.sleep(3600)
                         loss = nn.functional.mse_loss(model(x), y)
+                        truth.write(event="loss", step=step, value=float(loss))
+                        if args.nan_check and torch.isnan(loss):
+                            truth.write(event="nan_check", step=step)
+                            raise FloatingPointError(f"loss is nan at step {step}")
                     with tt.backward():
                         injected("backward", step)
                         if fault in ("exit", "sys_exit") and step == fault_step:

@@ -12,8 +12,10 @@ from traintrace.cli._diagnosis import (
     _cause,
     _culprit,
     _disk_phrase,
+    _diverged_first,
     _error_line,
     _first_line,
+    _non_finite_phrase,
     _same_failure,
     _sentence,
     _terminated_by,
@@ -387,3 +389,40 @@ def test_a_full_disk_is_said_only_when_it_was_full() -> None:
     assert _disk_phrase({"full": True}) == "; the checkpoint's file system was full (no space left on the device)"
     saving.disk = {"full": False, "free": 40 << 30, "total": 100 << 30, "path": "/c", "last_checkpoint_size": None}
     assert "full" not in _sentence(saving, [saving]) and "full" not in _cause(saving)
+
+
+def diverged(rank: int, step: int, **info: Any) -> RankState:
+    facts = {"metric": "loss", "value": "NaN", "step": step, "ranks_at_first": [rank], "first_steps": {}}
+    return state(rank, state="diverged", step=step, non_finite={**facts, **info})
+
+
+@pytest.mark.parametrize(
+    ("error_type", "message", "step", "first"),
+    [
+        ("FloatingPointError", "loss is nan at step 8", 8, True),
+        ("RuntimeError", "Function 'MseLossBackward0' returned nan values in its 0th output.", 8, True),
+        ("ValueError", "non-finite loss", 7, True),
+        ("RuntimeError", "Loss is inf", 9, True),
+        ("FloatingPointError", "loss is nan", 6, False),  # before the loss went bad: not from it
+        ("RuntimeError", "injected failure in forward", 8, False),  # another cause
+        ("RuntimeError", "information lost", 8, False),  # 'inf' inside a word is not infinity
+    ],
+)
+def test_a_failure_comes_from_the_non_finite_loss_only_when_its_error_says_so(
+    error_type: str, message: str, step: int, first: bool
+) -> None:
+    error = {"ts": T0, "error_type": error_type, "message": message, "stack": None}
+    failed = state(0, state="error", step=step, error=error)
+    assert _diverged_first(diverged(1, 7), failed) is first
+    assert _diverged_first(diverged(1, 7), state(0, state="killed", step=8, signal="SIGKILL")) is False
+
+
+def test_the_non_finite_phrase_names_who_followed_and_who_recorded_none() -> None:
+    one = diverged(1, 7, value="Infinity", first_steps={"0": 8, "1": 7, "2": 8, "3": 9}, finite_ranks=[4])
+    assert _non_finite_phrase(one) == (
+        "rank 1's loss became Infinity at step 7, the first non-finite value "
+        "(ranks 0 and 2 followed at step 8; rank 3 followed at step 9; rank 4 recorded none)"
+    )
+    two = diverged(1, 7, ranks_at_first=[1, 2], first_steps={"1": 7, "2": 7})
+    assert _non_finite_phrase(two) == "the loss of ranks 1 and 2 became NaN at step 7, the first non-finite value"
+    assert _cause(two) == "its loss became NaN at step 7"

@@ -15,6 +15,7 @@ marked ``once``: both cores write the same records (tests/test_native_encoder.py
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -232,6 +233,58 @@ def test_an_exception_on_one_rank(  # noqa: PLR0917 - pytest passes the paramete
     assert errors["first_error"]["rank"] == rank and errors["first_error"]["step"] == step
     assert all(g["consequence"] for g in errors["groups"][1:])
     check_goodput(run)
+
+
+def first_non_finite_loss(run: Run) -> tuple[int, int, float]:
+    """(step, rank, value) of the first NaN or infinite loss, from the workers' own notes."""
+    return min(
+        (m["step"], rank, m["value"])
+        for rank, ms in run.marks().items()
+        for m in ms
+        if m["event"] == "loss" and not math.isfinite(m["value"])
+    )
+
+
+def test_a_loss_that_becomes_infinite_on_one_rank(tmp_path: Path) -> None:
+    """Rank 1's batch at step 7 overflows its loss (a corrupt sample); the all-reduce of its gradients spreads
+    NaN to every rank's weights, whose losses are NaN from step 8 on, and the job runs to its end. ``errors``
+    says the job diverged and where: rank 1 at step 7, not the ranks that followed."""
+    run = launch(tmp_path, 3, "--fault", "inf_batch", "--fault-rank", "1", "--fault-step", "7", "--steps", "14")
+    assert run.returncode == 0, run.output[-3000:]
+    step, rank, value = first_non_finite_loss(run)
+    assert (step, rank) == (7, 1) and math.isinf(value)
+    marks = run.marks()
+    followed = {
+        r: min(m["step"] for m in ms if m["event"] == "loss" and not math.isfinite(m["value"]))
+        for r, ms in marks.items()
+        if r != rank
+    }
+    errors = run.cli("errors")
+    assert errors["status"] == "diverged" and errors["rule"] == "metric: not finite", errors["verdict"]
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["state"]) == (rank, step, "diverged")
+    facts = culprit["non_finite"]
+    assert (facts["metric"], facts["value"], facts["ranks_at_first"]) == ("loss", "Infinity", [rank])
+    assert {int(r): s for r, s in facts["first_steps"].items() if int(r) != rank} == followed
+    assert errors["verdict"].startswith(f"diverged: rank {rank}'s loss became Infinity at step {step}")
+    assert run.cli("summary")["status"] == "diverged"
+
+
+def test_a_nan_check_that_fails_every_rank(tmp_path: Path) -> None:
+    """The same corrupt batch, and every rank raises when its loss is NaN (a guard that misses infinity): all
+    three raise FloatingPointError at step 8 within moments of each other, so the first error names any of them.
+    The verdict starts where the loss first stopped being finite: rank 1 at step 7."""
+    run = launch(tmp_path, 3, "--fault", "inf_batch", "--fault-rank", "1", "--fault-step", "7", "--nan-check")
+    assert run.returncode != 0
+    step, rank, _ = first_non_finite_loss(run)
+    checks = {r: m["step"] for r, ms in run.marks().items() for m in ms if m["event"] == "nan_check"}
+    assert len(checks) >= 2 and set(checks.values()) == {step + 1}, checks
+    errors = run.cli("errors")
+    assert errors["status"] == "failed" and errors["rule"] == "metric: not finite", errors["verdict"]
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["state"]) == (rank, step, "diverged")
+    assert errors["verdict"].startswith(f"rank {rank}'s loss became Infinity at step {step}"), errors["verdict"]
+    assert "then rank" in errors["verdict"] and "raised FloatingPointError" in errors["verdict"]
 
 
 def test_an_exception_in_a_checkpoint_save(tmp_path: Path) -> None:

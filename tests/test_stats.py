@@ -441,3 +441,52 @@ def test_failed_steps_and_run_totals(memory: tt.MemoryBackend) -> None:
     validations = sum(seconds(r) for r in memory.spans("validation_loop"))
     assert attrs["total_checkpoint_time"] == pytest.approx(saves, rel=1e-9)
     assert attrs["total_validation_time"] == pytest.approx(validations, rel=1e-9)
+
+
+def _read_stream(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in sorted(folder.rglob("*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def test_the_first_non_finite_value_of_each_metric_is_an_event(tmp_path: Path) -> None:
+    """A loss that overflows at step 5 and is NaN after it, a gradient norm NaN from step 8: one
+    ``non_finite_metric`` event each, at its first step, in the iteration's span (either core: the file is
+    written by the native encoder where it is built)."""
+    tt.configure(
+        log_dir=str(tmp_path), job_id="nf", backends=[tt.FileBackendConfig()], log_interval=4, device_sample_interval=0
+    )
+    with tt.training_loop():
+        for step in range(12):
+            with tt.training_iteration(step) as it:
+                loss = 0.5 if step < 5 else (math.inf if step == 5 else math.nan)
+                norm = 1.0 if step < 8 else math.nan
+                it.add_metrics(loss=torch.tensor(loss) if step % 2 else loss, grad_norm=norm, lr=0.1)
+    tt.close()
+    records = _read_stream(tmp_path)
+    events = [r for r in records if r["kind"] == "event" and r["name"] == "non_finite_metric"]
+    assert [e["attrs"] for e in events] == [
+        {"metric": "loss", "value": "Infinity", "step": 5},
+        {"metric": "grad_norm", "value": "NaN", "step": 8},
+    ]
+    iterations = {
+        r["attrs"]["step"]: r for r in records if r.get("name") == "iteration" and r["kind"] in ("span", "start")
+    }
+    assert [e["span"] for e in events] == [iterations[5]["id"], iterations[8]["id"]]
+    intervals = [e["attrs"] for e in records if e.get("name") == "training_iterations" and e["attrs"]["interval"]]
+    assert [i["loss"] for i in intervals] == [0.5, "NaN", "NaN"]  # the mean of an interval with NaN in it
+    assert_valid(records)
+
+
+def test_a_held_tensor_that_is_not_finite_is_an_event_once_read(
+    memory: tt.MemoryBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loss tensor the writer holds for the interval's one read (on a GPU; here every tensor, as if it
+    were) is checked when it is read: the event has the step of its own iteration."""
+    monkeypatch.setattr("traintrace._stats.read_if_cpu_float", lambda value: None)
+    configure(memory, log_interval=4)
+    with tt.training_loop():
+        for step in range(8):
+            with tt.training_iteration(step) as it:
+                it.add_metrics(loss=torch.tensor(math.nan if step >= 6 else 1.0))
+    tt.flush()
+    events = memory.events("non_finite_metric")
+    assert [e["attrs"] for e in events] == [{"metric": "loss", "value": "NaN", "step": 6}]

@@ -1066,6 +1066,8 @@ static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyOb
         PyObject *k, *v;
         while (PyDict_Next(d, &pos, &k, &v)) {
             if (!PyUnicode_CheckExact(k) || !plain_value(v)) return OBS_PYTHON;
+            /* NaN or infinite (a diverged loss): _iteration adds its non_finite_metric event */
+            if (PyFloat_CheckExact(v) && !isfinite(PyFloat_AS_DOUBLE(v))) return OBS_PYTHON;
             int cls = key_class(e, k);
             if (cls == K_RESERVED) return OBS_PYTHON; /* skipped */
             if (cls == K_STEP)

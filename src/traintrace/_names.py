@@ -84,6 +84,8 @@ class EventName:
     IDENTITY: Final = "identity"
     #: At close, when spans were timed on the device: how many were timed, abandoned, ... (docs/format.md).
     DEVICE_TIMING: Final = "device_timing"
+    #: The first NaN or infinite value of an iteration's float metric (a loss) in the process, once per metric.
+    NON_FINITE_METRIC: Final = "non_finite_metric"
 
 
 class RecordKind:

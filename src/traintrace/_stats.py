@@ -62,6 +62,8 @@ RESERVED: Final = frozenset(
 )
 _COUNTED: Final = frozenset({"tokens", "batch_size"})
 _BATCH: Final = 1024
+#: At most this many metrics get a ``non_finite_metric`` event in a process.
+_MAX_NON_FINITE: Final = 16
 _QUANTILES: Final = (0.5, 0.9, 0.99)
 _FAILED: Final = frozenset({SpanStatus.ERROR, SpanStatus.TERMINATED})
 _PLAIN_TYPES: Final = frozenset({int, float, str, bool, type(None)})
@@ -141,6 +143,8 @@ class IterationStats:
         self._windows: list[tuple[int, int, str]] = []
         self._loop_id = 0
         self._ident = 0
+        #: Float metrics whose ``non_finite_metric`` event was added (the first NaN or infinite value only).
+        self.non_finite: set[str] = set()
 
     def _reset_interval(self) -> None:
         self._steps = 0
@@ -323,6 +327,7 @@ class IterationStats:
         self.last_progress = max(self.last_progress, t1)
 
         step = batch = tokens = flops = None
+        bad: list[tuple[str, float]] | None = None
         sums = self._metric_sum
         counts = self._metric_count
         attrs = span.attrs
@@ -348,11 +353,15 @@ class IterationStats:
                     continue
                 kind = type(value)
                 if kind is float:
+                    if value - value:  # NaN or infinite: a finite value minus itself is 0.0
+                        bad = [*(bad or ()), (key, value)]
                     sums[key] = sums.get(key, 0.0) + value
                     counts[key] = counts.get(key, 0) + 1
                 elif kind is int or kind is str or kind is bool:
                     self._metric_last[key] = value
         self.last_step = step if type(step) is int else self.completed_steps
+        if bad is not None:
+            self._not_finite(span, bad, self.last_step, out)
         self._consumed_at(t0, batch, tokens, flops)
         if self._steps >= self.log_interval:
             self._emit(out, t1, final=False)
@@ -474,17 +483,42 @@ class IterationStats:
                     self._metric_sum[key] = self._metric_sum.get(key, 0.0) + value
                     self._metric_count[key] = self._metric_count.get(key, 0) + 1
         for span, started in self._held:
+            bad: list[tuple[str, float]] = []
             for holder in ("attrs", "metrics"):
                 values = getattr(span, holder)
                 if values:
-                    setattr(
-                        span,
-                        holder,
-                        {k: resolved.get(id(v), v) if is_tensor(v) else v for k, v in values.items()},
-                    )
+                    values = {k: resolved.get(id(v), v) if is_tensor(v) else v for k, v in values.items()}
+                    setattr(span, holder, values)
+                    bad += [(k, v) for k, v in values.items() if type(v) is float and v - v and k not in RESERVED]
+            if bad:
+                step = next((d[k] for d in (span.metrics or {}, span.attrs or {}) for k in _STEP_KEYS if k in d), None)
+                self._not_finite(span, bad, step, out)
             self.pipeline.release_span(span, started, out)
         self._tensors = []
         self._held = []
+
+    def _not_finite(self, span: Span, values: list[tuple[str, float]], step: Any, out: Out) -> None:
+        """The first NaN or infinite value of each float metric: an event, once per metric (docs/format.md).
+
+        A loss that stops being finite is where a diverged run began; the analysis names the rank and step
+        where it happened first (docs/analysis.md).
+        """
+        for key, value in values:
+            if key in self.non_finite or len(self.non_finite) >= _MAX_NON_FINITE:
+                continue
+            self.non_finite.add(key)
+            attrs: dict[str, Any] = {"metric": key, "value": value}
+            if type(step) is int:
+                attrs["step"] = step
+            self.pipeline.emit_event(
+                EventName.NON_FINITE_METRIC,
+                attrs,
+                out,
+                span_id=span.id,
+                ident=span.tid,
+                mono=span.t1 or span.t0,
+                level=int(Verbosity.INFO),
+            )
 
     def _quantiles(self, hist: LogHistogram) -> list[float]:
         """The interval's p50, p90 and p99, with the buckets the native encoder counted for it."""

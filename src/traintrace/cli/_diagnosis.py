@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,10 @@ HOST_MEMORY_FULL = 0.9
 NO_SPACE = re.compile(r"No space left on device|ENOSPC|Errno 28\b|Disk quota exceeded|EDQUOT|Errno 122\b")
 #: Without an earlier checkpoint's size to compare with, a file system this empty counts as full.
 FULL_SHARE = 0.01
+#: An error that says a value stopped being finite (a check of the loss, autograd's anomaly detection).
+NOT_FINITE_ERROR = re.compile(
+    r"\b(?:nan|inf|infinity)\b|non-finite|not finite|FloatingPointError|anomal|overflow", re.IGNORECASE
+)
 CHECKPOINT_SAVES = (
     SpanName.CHECKPOINT_SAVE_SYNC,
     SpanName.CHECKPOINT_SAVE_ASYNC,
@@ -104,7 +108,8 @@ class RankState:
     rank: int
     restart: int
     stream: int
-    state: str = "closed"  # closed | error | killed | terminated | exited | hung | running | ended
+    #: closed | error | killed | terminated | exited | hung | running | ended; a culprit may be diverged
+    state: str = "closed"
     step: int | None = None
     phase: str | None = None
     in_collective: bool = False
@@ -137,6 +142,10 @@ class RankState:
     #: (``fs_free_bytes``, ``fs_total_bytes`` the writer added to the span), the last save's size, and whether
     #: that was too little (``_disk``).
     disk: dict[str, Any] | None = None
+    #: For the rank whose metric (a loss) first became NaN or infinite (``non_finite_metric`` events,
+    #: ``_non_finite``): the metric, its value and step, and the ranks' own first steps; ``state`` is then
+    #: ``diverged`` and ``step`` that step.
+    non_finite: dict[str, Any] | None = None
 
     @property
     def out_of_memory(self) -> bool:
@@ -191,7 +200,11 @@ def diagnose(job: Job) -> dict[str, Any]:
             out = _result("running", _sentence(waited_on, states), waited_on, states, last, failed)
             out["rule"] = "waiting on a rank"
             return out
-        return _result("running", _running_sentence(states, failed), None, states, last, failed)
+        sentence = _running_sentence(states, failed)
+        diverged = _non_finite(job, last, states)
+        if diverged is not None:
+            sentence += f"; {_non_finite_phrase(diverged)}"
+        return _result("running", sentence, None, states, last, failed)
     if not failed:
         steps = job.one("SELECT max(step) FROM iterations WHERE status = 'ok'")
         done = f"; last step {steps[0]}" if steps and steps[0] is not None else ""
@@ -199,7 +212,14 @@ def diagnose(job: Job) -> dict[str, Any]:
         note = f" (a hang was suspected on {resolved} and resolved)" if known.resolved else ""
         ranks = len({f["rank"] for f in facts})
         states = _rank_states(job, attempts[last], known)
-        return _result("healthy", f"healthy: {_count(ranks, 'rank')} finished{done}{note}", None, states, last, failed)
+        finished = f"{_count(ranks, 'rank')} finished{done}{note}"
+        diverged = _non_finite(job, last, states)
+        if diverged is not None:
+            sentence = f"diverged: {_non_finite_phrase(diverged)}; {finished}"
+            out = _result("diverged", sentence, diverged, states, last, failed)
+            out["rule"] = "metric: not finite"
+            return out
+        return _result("healthy", f"healthy: {finished}", None, states, last, failed)
     about = failed[-1]
     states = _rank_states(job, attempts[about], known)
     culprit, rule = _culprit(states)
@@ -208,6 +228,13 @@ def diagnose(job: Job) -> dict[str, Any]:
     if culprit is not None and culprit.state == "error" and culprit.phase in CHECKPOINT_SAVES:
         culprit.disk = _disk(job, culprit)
     sentence = _sentence(culprit, states)
+    diverged = _non_finite(job, about, states)
+    if diverged is not None and _diverged_first(diverged, culprit):
+        # The failure says the values were not finite (a check of the loss): where they first were is the fault.
+        sentence = f"{_non_finite_phrase(diverged)}; then {sentence}"
+        culprit, rule = diverged, "metric: not finite"
+    elif diverged is not None:
+        sentence += f"; before it, {_non_finite_phrase(diverged)}"
     # A restart that fails as the attempt before it did gets nowhere: say so. One that failed otherwise: the
     # first failure may be the root (a checkpoint it damaged, say), so it is named too.
     earlier = {r: _culprit(_rank_states(job, attempts[r], known))[0] for r in failed[-1 - MAX_COMPARED : -1]}
@@ -236,6 +263,88 @@ def diagnose(job: Job) -> dict[str, Any]:
     if out_rendezvous is not None:
         out["rendezvous"] = out_rendezvous
     return out
+
+
+def _non_finite(job: Job, restart: int, states: list[RankState]) -> RankState | None:
+    """The rank whose float metric (a loss) became NaN or infinite first in the attempt, from the writers'
+    ``non_finite_metric`` events (one per rank and metric): the lowest step, then the earliest. A copy of its
+    state, ``diverged`` at that step, with the metric's first step on every rank that had one (the ranks of a
+    data-parallel job follow a step later: the all-reduce of its gradients spreads the value)."""
+    rows = job.dicts(
+        "SELECT stream_rank AS rank, ts, try_cast(attrs->>'step' AS BIGINT) AS step, "
+        "attrs->>'metric' AS metric, attrs->>'value' AS value FROM other "
+        f"WHERE kind = 'event' AND name = '{EventName.NON_FINITE_METRIC}' AND NOT is_agent "
+        f"AND stream_restart = {int(restart)} ORDER BY ts"
+    )
+    rows = [r for r in rows if r["metric"] is not None]
+    if not rows:
+        return None
+    # A loss first: the metric people watch, and the one the others' values follow from.
+    losses = [r for r in rows if "loss" in str(r["metric"]).lower()] or rows
+    first = min(losses, key=lambda r: (r["step"] is None, r["step"] or 0, r["ts"]))
+    metric = first["metric"]
+    same = [r for r in rows if r["metric"] == metric]
+    steps: dict[int, Any] = {}
+    for r in same:
+        steps.setdefault(int(r["rank"]), r["step"])
+    state = next((st for st in states if st.rank == first["rank"]), None)
+    if state is None:
+        return None
+    at_first = sorted(rank for rank, step in steps.items() if step == first["step"])
+    info = {
+        "metric": metric,
+        "value": first["value"],
+        "step": first["step"],
+        "ts": first["ts"],
+        "ranks_at_first": at_first,
+        "first_steps": {str(rank): step for rank, step in sorted(steps.items())},
+        "finite_ranks": sorted(st.rank for st in states if st.rank not in steps),
+    }
+    return replace(
+        state,
+        state="diverged",
+        step=first["step"],
+        phase=ITERATION,
+        in_collective=False,
+        collective=None,
+        error=None,
+        consequence=None,
+        hang=None,
+        signal=None,
+        exit_code=None,
+        non_finite=info,
+    )
+
+
+def _diverged_first(diverged: RankState, culprit: RankState | None) -> bool:
+    """The failure came from the values that stopped being finite: its error says so, at or after that step."""
+    if culprit is None or culprit.error is None or culprit.state != "error":
+        return False
+    info = diverged.non_finite or {}
+    text = f"{culprit.error['error_type']}: {culprit.error['message'] or ''}"
+    later = culprit.step is None or info.get("step") is None or culprit.step >= info["step"]
+    return later and bool(NOT_FINITE_ERROR.search(text))
+
+
+def _non_finite_phrase(diverged: RankState) -> str:
+    """ "rank 1's loss became Infinity at step 7, the first non-finite value (ranks 0 and 2 followed at step 8)"."""
+    info = diverged.non_finite or {}
+    ranks = info.get("ranks_at_first") or [diverged.rank]
+    at = "" if info.get("step") is None else f" at step {info['step']}"
+    metric = info.get("metric")
+    whose = f"rank {ranks[0]}'s {metric}" if len(ranks) == 1 else f"the {metric} of {_ranks_phrase(ranks)}"
+    head = f"{whose} became {info.get('value')}{at}, the first non-finite value"
+    later: dict[Any, list[int]] = {}
+    for rank, step in (info.get("first_steps") or {}).items():
+        if int(rank) not in ranks:
+            later.setdefault(step, []).append(int(rank))
+    parts = [
+        f"{_ranks_phrase(r)} followed" + ("" if step is None else f" at step {step}")
+        for step, r in sorted(later.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+    ]
+    if info.get("finite_ranks"):
+        parts.append(f"{_ranks_phrase(info['finite_ranks'])} recorded none")
+    return head + (f" ({'; '.join(parts)})" if parts else "")
 
 
 def _same_failure(a: RankState | None, b: RankState | None) -> bool:
@@ -902,6 +1011,9 @@ def _waits(s: RankState) -> bool:
 
 
 def _cause(s: RankState) -> str:
+    if s.state == "diverged" and s.non_finite is not None:
+        info = s.non_finite
+        return f"its {info['metric']} became {info['value']}" + ("" if s.step is None else f" at step {s.step}")
     if s.stuck_ns is not None and s.state == "running":
         return f"the others wait for it: no progress for {s.stuck_ns / 1e9:.1f} s (no hang report yet)"
     if s.stuck_ns is not None:
