@@ -272,7 +272,7 @@ def main() -> None:
                             else:
                                 time.sleep(3600)
                         loss = nn.functional.mse_loss(model(x), y)
-                        truth.write(event="loss", step=step, value=float(loss))
+                        truth.write(event="loss", step=step, value=float(loss.detach()))
                         if args.nan_check and torch.isnan(loss):
                             truth.write(event="nan_check", step=step)
                             raise FloatingPointError(f"loss is nan at step {step}")

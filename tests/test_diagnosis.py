@@ -464,6 +464,87 @@ def test_a_node_that_never_joins_the_rendezvous(tmp_path: Path) -> None:
     assert summary["job"] == "job" and summary["verdict"] == errors["verdict"]  # the launcher's stream names it
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (torchrun starts each worker in a session of its own)."""
+    children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
+    return [pid, *(p for child in children.stdout.split() for p in process_tree(int(child)))]
+
+
+def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2-node job (two launchers on this machine, named node-a and node-b, 2 ranks each): node-b's launcher and
+    workers are SIGKILLed together at step 10, as when a node goes down. node-a's ranks fail on their all-reduce
+    (connection reset) and its launcher ends the job. The verdict names the node, its ranks and their step
+    (the truth: the processes the test killed, and the step their own notes last began), both within a minute
+    (node-b's silent ranks still count as running) and later (their streams ended without a close record)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    truth = tmp_path / "truth"
+    env = {**ENV, "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "job"}
+
+    def node(name: str) -> subprocess.Popen[str]:
+        command = [
+            *(sys.executable, "-m", "traintrace.launch", "--nnodes", "2", "--nproc-per-node", "2"),
+            *("--max-restarts", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
+            *("--rdzv-id", "job", "--rdzv-conf", "join_timeout=20", str(WORKER), str(truth)),
+            *("--steps", "200", "--gloo-timeout", "6"),
+        ]
+        return subprocess.Popen(
+            command,
+            env={**env, "TRAINTRACE_HOST": name},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+
+    survivor = node("node-a")
+    time.sleep(0.5)
+    lost = node("node-b")
+    try:
+        for rank in range(4):
+            wait_for_step(survivor, truth, rank, 10)
+        killed = process_tree(lost.pid)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        survivor.wait(timeout=120)
+    finally:
+        for process in (survivor, lost):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    run = Run(tmp_path / "logs" / "job", truth, survivor.returncode, "")
+    marks = run.marks()
+    lost_ranks = sorted(r for r, ms in marks.items() if any(m.get("pid") in killed for m in ms))
+    assert len(lost_ranks) == 2, (lost_ranks, killed)
+    steps = {max(m["step"] for m in marks[r] if m["event"] == "step_start") for r in lost_ranks}
+    assert len(steps) == 1, steps
+    step = steps.pop()
+    head = f"node node-b was lost: its launcher and {' and '.join(map(str, lost_ranks)).join(('ranks ', ''))}"
+    soon = run.cli("errors")
+    from traintrace.cli import _analysis
+    from traintrace.cli._engine import Job
+
+    monkeypatch.setattr("traintrace.cli._engine.RECENT_S", 0.0)  # read as if a minute later: the streams ended
+    job = Job.open([run.folder], lean=True)
+    try:
+        later = _analysis.errors(job)
+    finally:
+        job.close()
+    for errors in (soon, later):
+        assert errors["rule"] == "lost node" and errors["status"] == "failed", errors["verdict"]
+        assert errors["verdict"].startswith(f"{head} stopped together"), errors["verdict"]
+        facts = errors["lost_node"]
+        assert (facts["host"], facts["ranks"], facts["launcher"]) == (
+            "node-b",
+            lost_ranks,
+            "stopped without its end record",
+        )
+        assert (errors["culprit"]["rank"], errors["culprit"]["step"]) == (lost_ranks[0], step)
+        survivors = [s for s in errors["rank_states"] if s["rank"] not in lost_ranks]
+        assert all(s["consequence"] is not None for s in survivors), survivors
+
+
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:
     """Rank 0 killed inside its save after step 14: the save before (after step 9) is the last completed one."""
     run = launch(tmp_path, 3, "--fault", "kill_in_checkpoint", "--fault-rank", "0", "--fault-step", "15")

@@ -725,6 +725,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         "same_failure_restarts": verdict.get("same_failure_restarts", []),
         # A launcher's failed rendezvous (rule "launcher: rendezvous failed"): nodes expected and joined, the wait.
         "rendezvous": verdict.get("rendezvous"),
+        # A node whose launcher and ranks stopped together (rule "lost node"): its host, ranks and launcher.
+        "lost_node": verdict.get("lost_node"),
         "rank_states": verdict["ranks"],
         "first_error": first,
         "error_count": len(all_errors),

@@ -86,6 +86,9 @@ PHASE_LABELS = {
     SpanName.DATA_LOADER_INIT: "data loader initialisation",
     SpanName.COLLECTIVE: "a collective",
 }
+#: The ranks of a lost node stop within this much of each other (their writers' last stamps are up to a
+#: flush interval apart).
+NODE_WINDOW_NS = 2_000_000_000
 #: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
 #: this much clock skew between hosts is tolerated.
 SKEW_NS = 50_000_000
@@ -222,12 +225,16 @@ def diagnose(job: Job) -> dict[str, Any]:
         return _result("healthy", f"healthy: {finished}", None, states, last, failed)
     about = failed[-1]
     states = _rank_states(job, attempts[about], known)
-    culprit, rule = _culprit(states)
+    lost = _lost_node(job, states)
+    if lost is not None:
+        culprit, rule = lost["culprit"], "lost node"
+    else:
+        culprit, rule = _culprit(states)
     if culprit is not None and (culprit.out_of_memory or culprit.state == "killed"):
         culprit.memory = _memory(job, culprit)
     if culprit is not None and culprit.state == "error" and culprit.phase in CHECKPOINT_SAVES:
         culprit.disk = _disk(job, culprit)
-    sentence = _sentence(culprit, states)
+    sentence = _lost_node_sentence(lost, states) if lost is not None else _sentence(culprit, states)
     diverged = _non_finite(job, about, states)
     if diverged is not None and _diverged_first(diverged, culprit):
         # The failure says the values were not finite (a check of the loss): where they first were is the fault.
@@ -259,10 +266,82 @@ def diagnose(job: Job) -> dict[str, Any]:
         out_rendezvous = None
     out = _result(status, sentence, culprit, states, about, failed)
     out["rule"] = rule
+    if lost is not None:
+        out["lost_node"] = {k: v for k, v in lost.items() if k != "culprit"}
     out["same_failure_restarts"] = same
     if out_rendezvous is not None:
         out["rendezvous"] = out_rendezvous
     return out
+
+
+def _lost_node(job: Job, states: list[RankState]) -> dict[str, Any] | None:
+    """A host whose ranks all stopped together, with no error, signal or exit seen, before the other hosts'
+    ranks saw trouble, and whose launcher (when one recorded) ended without its end record: the node went
+    down, was cut off or was killed whole. The others then fail on their collectives as consequences, and
+    without this rule one of the lost ranks is named as if it alone had died (or hung, while the analysis
+    runs within a minute and another host's silent ranks still count as running)."""
+    hosts: dict[int, str] = {int(stream): str(host) for stream, host in job.rows("SELECT stream, host FROM streams")}
+    launchers: dict[str, bool] = {
+        str(host): bool(ended)
+        for host, ended in job.rows(
+            "SELECT s.host, max(CASE WHEN s.closed OR e.stream IS NOT NULL THEN 1 ELSE 0 END) FROM streams s "
+            "LEFT JOIN (SELECT DISTINCT stream FROM other WHERE is_agent AND kind = 'event' "
+            f"AND name = '{EventType.JOB_END.value}') e ON e.stream = s.stream WHERE s.is_agent GROUP BY s.host"
+        )
+    }
+    by_host: dict[str, list[RankState]] = {}
+    for st in states:
+        by_host.setdefault(hosts.get(st.stream, ""), []).append(st)
+    if len(by_host) < 2:
+        return None
+
+    def silent_stop(st: RankState) -> int | None:
+        """When a rank that left no sign stopped: its stream's end, or a silent remote one's last stamp."""
+        if st.error is not None or st.consequence is not None or st.in_collective or st.signal or st.exit_code:
+            return None
+        if st.state == "ended":
+            return st.stopped_ns
+        if st.state in ("running", "hung") and "launcher" not in st.source:
+            return st.alive_ns
+        return None
+
+    for host, ranks in sorted(by_host.items()):
+        if not host or launchers.get(host, False):
+            continue  # its launcher ended normally: its ranks died on a live node (another rule names them)
+        if host not in launchers and len(ranks) < 2:
+            continue  # one rank, no launcher: nothing tells a lost node from a killed rank
+        stops = [silent_stop(st) for st in ranks]
+        if any(t is None for t in stops):
+            continue
+        stopped = [int(t or 0) for t in stops]
+        if max(stopped) - min(stopped) > NODE_WINDOW_NS:
+            continue
+        others = [st for h, group in by_host.items() if h != host for st in group]
+        trouble = [t for t in (_first_trouble(o) for o in others) if t is not None]
+        if not trouble or max(stopped) > min(trouble) + SKEW_NS:
+            continue
+        culprit = min(ranks, key=lambda st: st.rank)
+        return {
+            "culprit": culprit,
+            "host": host,
+            "ranks": sorted(st.rank for st in ranks),
+            "stopped_ns": min(stopped),
+            "launcher": "stopped without its end record" if host in launchers else "none recorded",
+        }
+    return None
+
+
+def _lost_node_sentence(lost: dict[str, Any], states: list[RankState]) -> str:
+    ranks = [st for st in states if st.rank in lost["ranks"]]
+    doing = {st.doing() for st in ranks}
+    where = f" {doing.pop()}" if len(doing) == 1 else ""
+    who = ("its launcher and " if lost["launcher"] != "none recorded" else "") + _ranks_phrase(lost["ranks"])
+    head = (
+        f"node {lost['host']} was lost: {who} stopped together{where}, with no error, signal or exit seen "
+        "(the node went down, was cut off from the network, or was killed whole)"
+    )
+    others = [st for st in states if st.rank not in lost["ranks"]]
+    return head + "; " + _doing_groups(others, died=True) if others else head
 
 
 def _non_finite(job: Job, restart: int, states: list[RankState]) -> RankState | None:
@@ -1271,14 +1350,19 @@ def _where_stuck(s: RankState) -> str:
 
 def _doing_groups(states: list[RankState], *, died: bool = False) -> str:
     """What the ranks were doing, ranks doing the same in one phrase: "ranks 0 and 2 were in forward at step 6";
-    with ``died``, a rank the launcher saw killed or exit says so, first ("rank 1 was killed by SIGKILL ... too")."""
-    groups: dict[tuple[bool, str], list[int]] = {}
+    with ``died``, a rank the launcher saw killed or exit says so, first ("rank 1 was killed by SIGKILL ... too"),
+    and so does one that raised an error of its own ("ranks 0 and 2 raised FloatingPointError too, in ...")."""
+    groups: dict[tuple[bool, bool, str], list[int]] = {}
     for s in states:
         gone = died and s.state in ("killed", "exited")
-        groups.setdefault((not gone, f"{_cause(s)} too, " * gone + s.doing()), []).append(s.rank)
+        raised = died and s.state == "error" and s.error is not None and s.consequence is None
+        what = f"raised {s.error['error_type']} too, " if raised and s.error is not None else ""
+        groups.setdefault((not (gone or raised), raised, f"{_cause(s)} too, " * gone + what + s.doing()), []).append(
+            s.rank
+        )
     return "; ".join(
-        f"{_ranks_phrase(ranks)} {'was' if len(ranks) == 1 else 'were'} {doing}"
-        for (_, doing), ranks in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1])))
+        f"{_ranks_phrase(ranks)} {'' if raised else 'was ' if len(ranks) == 1 else 'were '}{doing}"
+        for (_, raised, doing), ranks in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1])))
     )
 
 
