@@ -7,7 +7,9 @@ the truth (``fault.json``: rank, step, time) without traintrace; with a third
 argument ``data``, rank 1's dataset raises instead, in the DataLoader's worker
 process, while it fetches the batch of step N (the truth written there); with
 ``data_hang`` that read hangs until a file ``release`` appears in the output
-folder (or 300 s), then raises. ``DDP_TIMEOUT_S`` (default 20) is the
+folder (or 300 s), then raises; with ``inf``, rank 1's batch at step N is
+scaled until its loss overflows (the all-reduce spreads NaN to both ranks),
+and every rank writes its losses (``losses<rank>.jsonl``). ``DDP_TIMEOUT_S`` (default 20) is the
 collective timeout. Run under torchrun, Lightning starts no process itself.
 """
 
@@ -44,11 +46,15 @@ class Tiny(L.LightningModule):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         (OUT / f"started{self.global_rank}.txt").write_text(str(self.global_step))  # the last step begun
-        if self.global_rank == 1 and self.global_step == FAULT_STEP and not IN_DATA:
+        if self.global_rank == 1 and self.global_step == FAULT_STEP and not IN_DATA and MODE != "inf":
             truth = {"rank": self.global_rank, "step": self.global_step, "ts": time.time_ns()}
             (OUT / "fault.json").write_text(json.dumps(truth))
             raise RuntimeError(f"injected failure in training_step on rank 1 at step {self.global_step}")
+        if self.global_rank == 1 and self.global_step == FAULT_STEP and MODE == "inf":
+            x, y = x * 1e30, y * 1e30  # a corrupt batch: the loss overflows float32
         loss = nn.functional.mse_loss(self.net(x), y)
+        with (OUT / f"losses{self.global_rank}.jsonl").open("a") as notes:
+            notes.write(json.dumps({"step": self.global_step, "loss": float(loss.detach())}) + "\n")
         self.log("train_loss", loss)
         return loss
 

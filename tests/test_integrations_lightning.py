@@ -475,6 +475,31 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.once
+def test_ddp_loss_that_overflows_on_one_rank_is_diagnosed_as_diverged(tmp_path: Path) -> None:
+    """Rank 1's batch at step 2 overflows its loss; DDP's all-reduce puts NaN in both ranks' weights and the fit
+    runs to its end. From the callback's records, `errors` says the job diverged on rank 1 at step 2 and that
+    rank 0 followed a step later, as the ranks' own notes of their losses (written without traintrace) say."""
+    import json
+    import math
+
+    done = run([sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "2", "inf"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first = {}
+    for rank in (0, 1):
+        notes = [json.loads(line) for line in (tmp_path / f"losses{rank}.jsonl").read_text().splitlines()]
+        first[rank] = min(n["step"] for n in notes if not math.isfinite(n["loss"]))
+    assert first == {0: 3, 1: 2}, first
+    errors, summary = answers(tmp_path / "logs" / "ddp-test")
+    assert errors["status"] == summary["status"] == "diverged", errors["verdict"]
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"]) == (1, first[1]), errors["verdict"]
+    assert culprit["non_finite"]["first_steps"] == {"0": first[0], "1": first[1]}
+    assert errors["verdict"].startswith(f"diverged: rank 1's loss became Infinity at step {first[1]}")
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_data_loading_fault_is_diagnosed_as_data_loading(tmp_path: Path) -> None:
     """Rank 1's dataset raises in its DataLoader worker process while it fetches the batch of step 3 (a corrupt
     sample); Lightning re-raises it in the training process between two steps. `traintrace errors` names

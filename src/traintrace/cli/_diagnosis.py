@@ -360,7 +360,8 @@ def _non_finite(job: Job, restart: int, states: list[RankState]) -> RankState | 
         return None
     # A loss first: the metric people watch, and the one the others' values follow from.
     losses = [r for r in rows if "loss" in str(r["metric"]).lower()] or rows
-    first = min(losses, key=lambda r: (r["step"] is None, r["step"] or 0, r["ts"]))
+    # One iteration can hold several (``loss`` and a logged ``train_loss``): the plain name, else the first by name.
+    first = min(losses, key=lambda r: (r["step"] is None, r["step"] or 0, r["ts"], r["metric"] != "loss", r["metric"]))
     metric = first["metric"]
     same = [r for r in rows if r["metric"] == metric]
     steps: dict[int, Any] = {}
