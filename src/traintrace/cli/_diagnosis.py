@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -297,7 +297,8 @@ def _lost_node(job: Job, states: list[RankState]) -> dict[str, Any] | None:
 
     def silent_stop(st: RankState) -> int | None:
         """When a rank that left no sign stopped: its stream's end, or a silent remote one's last stamp."""
-        if st.error is not None or st.consequence is not None or st.in_collective or st.signal or st.exit_code:
+        # In a collective or not: a killed node's ranks may be anywhere in their step.
+        if st.error is not None or st.consequence is not None or st.signal or st.exit_code:
             return None
         if st.state == "ended":
             return st.stopped_ns
@@ -346,8 +347,8 @@ def _lost_node_sentence(lost: dict[str, Any], states: list[RankState]) -> str:
 
 def _non_finite(job: Job, restart: int, states: list[RankState]) -> RankState | None:
     """The rank whose float metric (a loss) became NaN or infinite first in the attempt, from the writers'
-    ``non_finite_metric`` events (one per rank and metric): the lowest step, then the earliest. A copy of its
-    state, ``diverged`` at that step, with the metric's first step on every rank that had one (the ranks of a
+    ``non_finite_metric`` events (one per rank and metric): the lowest step, then the earliest. A state of that
+    rank, ``diverged`` at that step, with the metric's first step on every rank that had one (the ranks of a
     data-parallel job follow a step later: the all-reduce of its gradients spreads the value)."""
     rows = job.dicts(
         "SELECT stream_rank AS rank, ts, try_cast(attrs->>'step' AS BIGINT) AS step, "
@@ -380,18 +381,15 @@ def _non_finite(job: Job, restart: int, states: list[RankState]) -> RankState | 
         "first_steps": {str(rank): step for rank, step in sorted(steps.items())},
         "finite_ranks": sorted(st.rank for st in states if st.rank not in steps),
     }
-    return replace(
-        state,
+    # A state of its own: where the rank was when it stopped (its error, its signal) is another moment.
+    return RankState(
+        rank=state.rank,
+        restart=state.restart,
+        stream=state.stream,
         state="diverged",
         step=first["step"],
         phase=ITERATION,
-        in_collective=False,
-        collective=None,
-        error=None,
-        consequence=None,
-        hang=None,
-        signal=None,
-        exit_code=None,
+        source=["stream"],
         non_finite=info,
     )
 
