@@ -16,7 +16,10 @@ the loop); ``exit`` (``os._exit(3)`` in backward: no exception, no signal), ``sy
 there: the spans end ``terminated``, the stream closes); ``loader_kill`` (every rank reads
 its batches from a DataLoader with one worker process; the faulty rank's worker kills itself with SIGKILL
 while fetching batch ``--fault-step``); ``sigkill``, ``sigsegv`` (a real null
-pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM);
+pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM); ``freeze`` (stops its own process
+with SIGSTOP in forward, as a suspended job or a debugger would: every thread stops, traintrace's too);
+``gil_stuck`` (locks a pthread mutex twice in forward without releasing the GIL: the deadlock of a C
+extension; no other thread runs, and the SIGTERM handler never does);
 ``kill_in_checkpoint``; ``hang_in_checkpoint`` (sleeps in the save); ``hang_compute`` (sleeps in
 forward); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
@@ -260,10 +263,18 @@ def main() -> None:
                             except (RuntimeError, MemoryError) as exc:
                                 truth.write(event="fault", kind=fault, step=step, rss=resident_bytes(), error=str(exc))
                                 raise
-                        if step == fault_step and fault in ("sigkill", "sigsegv", "sigterm", "hang_compute"):
+                        stops = ("sigkill", "sigsegv", "sigterm", "hang_compute", "freeze", "gil_stuck")
+                        if step == fault_step and fault in stops:
                             truth.write(event="fault", kind=fault, step=step)
                             if fault == "sigkill":
                                 os.kill(os.getpid(), signal.SIGKILL)
+                            elif fault == "freeze":
+                                os.kill(os.getpid(), signal.SIGSTOP)
+                            elif fault == "gil_stuck":
+                                # A PyDLL call keeps the GIL; a futex wait, unlike sleep(), is not ended by a signal.
+                                libc, mutex = ctypes.PyDLL(None), ctypes.create_string_buffer(64)  # zeros: unlocked
+                                libc.pthread_mutex_lock(mutex)
+                                libc.pthread_mutex_lock(mutex)
                             elif fault == "sigsegv":
                                 ctypes.string_at(0)
                             elif fault == "sigterm":

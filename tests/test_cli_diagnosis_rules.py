@@ -19,6 +19,7 @@ from traintrace.cli._diagnosis import (
     _same_failure,
     _sentence,
     _terminated_by,
+    _unresponsive,
 )
 
 S = 1_000_000_000
@@ -426,3 +427,37 @@ def test_the_non_finite_phrase_names_who_followed_and_who_recorded_none() -> Non
     two = diverged(1, 7, ranks_at_first=[1, 2], first_steps={"1": 7, "2": 7})
     assert _non_finite_phrase(two) == "the loss of ranks 1 and 2 became NaN at step 7, the first non-finite value"
     assert _cause(two) == "its loss became NaN at step 7"
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected_s"),
+    [
+        # Stopped, then the launcher's SIGKILL after its SIGTERM's grace: 36 s after the writer's last stamp.
+        ({"state": "killed", "alive_ns": T0, "stopped_ns": T0 - S // 2, "launcher_seen_ns": T0 + 36 * S}, 36),
+        # The OOM killer: the launcher sees it end within the flush interval.
+        ({"state": "killed", "alive_ns": T0, "stopped_ns": T0, "launcher_seen_ns": T0 + S}, None),
+        ({"state": "killed", "alive_ns": T0, "stopped_ns": T0, "launcher_seen_ns": T0 + 10 * S - 1}, None),
+        ({"state": "killed", "alive_ns": T0, "stopped_ns": T0, "launcher_seen_ns": T0 + 10 * S}, 10),
+        # Its last record is later than the stamp (no progress file): the later sign of life counts.
+        ({"state": "killed", "alive_ns": None, "stopped_ns": T0 + 30 * S, "launcher_seen_ns": T0 + 36 * S}, None),
+        # It answered SIGTERM (its handler ran): it was responsive.
+        ({"state": "terminated", "alive_ns": T0, "stopped_ns": T0, "launcher_seen_ns": T0 + 36 * S}, None),
+        # No launcher's view, or no sign of life at all: nothing to compare.
+        ({"state": "killed", "alive_ns": T0, "stopped_ns": T0, "launcher_seen_ns": None}, None),
+        ({"state": "killed", "alive_ns": None, "stopped_ns": None, "launcher_seen_ns": T0 + 36 * S}, None),
+    ],
+)
+def test_a_killed_rank_stopped_responding_only_long_before_the_launcher_saw_it_end(
+    fields: dict[str, Any], expected_s: int | None
+) -> None:
+    st = state(1, step=7, phase="model_forward", signal="SIGKILL", exit_code=-9, **fields)
+    _unresponsive(st)
+    assert (None if st.unresponsive_ns is None else st.unresponsive_ns // S) == expected_s
+    cause = _cause(st)
+    assert cause.startswith("stopped responding") == (expected_s is not None), cause
+    if expected_s is not None:
+        others = [state(0, state="error", step=7, phase="model_backward", in_collective=True, consequence=TIMEOUT)]
+        assert _sentence(st, [st, *others]).startswith(
+            f"rank 1 stopped responding in forward at step 7: its process, traintrace's writer thread included, "
+            f"did nothing for {expected_s} s until the launcher killed it (SIGKILL)"
+        )

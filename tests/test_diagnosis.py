@@ -1004,6 +1004,99 @@ def test_a_running_job_waiting_on_a_rank_without_hang_detection(tmp_path: Path) 
     assert low <= errors["culprit"]["stuck_ns"] / 1e9 <= high, (errors["culprit"]["stuck_ns"], low, high)
 
 
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (``T`` stopped, ``Z`` a zombie), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def pid_of(truth: Path, rank: int) -> int:
+    marks = [json.loads(x) for x in (truth / f"rank{rank}.jsonl").read_text().splitlines() if x.strip()]
+    return int(next(m["pid"] for m in marks if m["event"] == "process_start"))
+
+
+@pytest.mark.parametrize("fault", ["freeze", pytest.param("gil_stuck", marks=pytest.mark.once)])
+def test_a_rank_that_stops_responding(tmp_path: Path, fault: str) -> None:
+    """Rank 1's process stops in forward at step 7: SIGSTOP (a suspended job, a debugger), or C code that never
+    returns and keeps the GIL (a deadlocked extension); traintrace's writer thread stops with it. The others
+    report a hang, time out in their all-reduce and exit; torchrun's SIGTERM to rank 1 goes unanswered and its
+    SIGKILL ends it 30 s later. Not "killed by SIGKILL" (an OOM kill): it stopped responding, for as long as the
+    test saw it before it was gone (the kernel's state of the process: stopped, or its CPU time not growing)."""
+    seen: dict[str, float] = {}
+
+    def watch(process: subprocess.Popen[str], truth: Path) -> None:
+        wait_for_mark(process, truth, 1, "fault")
+        pid = pid_of(truth, 1)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            state = process_state(pid)
+            if state == "T" or (state == "S" and fault == "gil_stuck"):
+                seen.setdefault("stopped", time.time())
+            if state in (None, "Z"):
+                seen["gone"] = time.time()
+                return
+            time.sleep(0.05)
+
+    run = launch(tmp_path, 3, "--fault", fault, "--fault-rank", "1", "--fault-step", "7", during=watch)
+    assert "stopped" in seen and "gone" in seen, seen  # the premise: the kernel had it stopped, then it ended
+    fault = fault_step_of(run, 1)
+    errors = check_culprit(run, 1, 7, "model_forward", "stopped responding")
+    culprit = errors["culprit"]
+    assert errors["rule"] == "stopped responding", errors["verdict"]
+    assert (culprit["state"], culprit["signal"]) == ("killed", "SIGKILL"), culprit
+    assert "rank 1 stopped responding in forward at step 7: its process" in errors["verdict"]
+    assert "ranks 0 and 2 were waiting in a collective in backward at step 7" in errors["verdict"]
+    # From the fault to when the test saw the process gone; the launcher's time is in whole seconds.
+    truth = seen["gone"] - fault["ts"] / 1e9
+    assert truth - 1.5 <= culprit["unresponsive_ns"] / 1e9 <= truth + 0.5, (culprit["unresponsive_ns"], truth)
+    check_goodput(run)
+
+
+@pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
+def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detection: str) -> None:
+    """Read 12 s after rank 1's process stopped (SIGSTOP in forward at step 7), the collectives' timeout not
+    reached: running, rank 1 stopped responding (the others' writers stamp their progress files, its does
+    not), for as long as the test's clock says, hang detection on (the others report hangs) or off."""
+    seen: dict[str, Any] = {}
+
+    def look(process: subprocess.Popen[str], truth: Path) -> None:
+        wait_for_mark(process, truth, 1, "fault")
+        pid = pid_of(truth, 1)
+        time.sleep(12.0)
+        seen["state"] = process_state(pid)
+        seen["looked"] = time.time()
+        seen["errors"] = Run(tmp_path / "logs" / "job", truth, 0, "").cli("errors")
+        seen["answered"] = time.time()
+        os.kill(pid, signal.SIGKILL)  # a stopped process would keep the launcher 30 s in its SIGTERM's grace
+        os.killpg(process.pid, signal.SIGTERM)
+
+    hang_timeout = "1.5" if detection == "on" else "0"
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "freeze", "--fault-rank", "1", "--fault-step", "7"),
+        *("--hang-timeout", hang_timeout, "--gloo-timeout", "120"),
+        during=look,
+    )
+    assert seen["state"] == "T", seen  # the premise: the kernel had it stopped when the command read the job
+    errors = seen["errors"]
+    assert errors["status"] == "running" and errors["rule"] == "stopped responding", errors["verdict"]
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"], culprit["in_collective"]) == (
+        1,
+        7,
+        "model_forward",
+        False,
+    ), errors["verdict"]
+    assert "rank 1 stopped responding in forward at step 7" in errors["verdict"], errors["verdict"]
+    assert errors["verdict"].endswith("ranks 0 and 2 were waiting in a collective in backward at step 7")
+    fault = fault_step_of(run, 1)
+    low, high = seen["looked"] - fault["ts"] / 1e9 - 1.0, seen["answered"] - fault["ts"] / 1e9 + 0.5
+    assert low <= culprit["unresponsive_ns"] / 1e9 <= high, (culprit["unresponsive_ns"], low, high)
+
+
 def steps_done_before(run: Run, rank: int, ts: int) -> int:
     """How many steps the rank had completed before ``ts`` in the fault's attempt, from its own marks."""
     return len([m for m in run.marks()[rank] if m["event"] == "step_end" and m["ts"] < ts])

@@ -102,6 +102,9 @@ UNWIND_NS = 1_000_000_000
 #: least this long before their writers' last stamps, and STUCK_STEPS times their last step's duration.
 STUCK_NS = 1_000_000_000
 STUCK_STEPS = 10
+#: A rank the launcher killed this long after its process's last sign of life (the writer thread's last stamp,
+#: its last record) had stopped responding: its process did nothing, writer included, until it was killed.
+UNRESPONSIVE_NS = 10_000_000_000
 
 
 @dataclass
@@ -149,6 +152,12 @@ class RankState:
     #: ``_non_finite``): the metric, its value and step, and the ranks' own first steps; ``state`` is then
     #: ``diverged`` and ``step`` that step.
     non_finite: dict[str, Any] | None = None
+    #: When the launcher saw the rank's process end (its ``worker_failure``'s ``failed_at``, whole seconds).
+    launcher_seen_ns: int | None = None
+    #: A killed rank whose process showed no sign of life (no writer stamp, no record) for this long before the
+    #: launcher saw it end: stopped (SIGSTOP, a suspended job), stuck in native code holding the GIL, or its host
+    #: froze; SIGTERM went unanswered and the launcher's SIGKILL ended it.
+    unresponsive_ns: int | None = None
 
     @property
     def out_of_memory(self) -> bool:
@@ -191,17 +200,24 @@ def diagnose(job: Job) -> dict[str, Any]:
     known = _Facts(job)
     if any(f["running"] for f in attempts[last]) and not any(f["failed"] for f in attempts[last]):
         states = _rank_states(job, attempts[last], known)
+        _unresponsive_running(job, states)
         if any(s.hang is not None for s in states):
             behind = min(states, key=_hang_key)
             out = _result(
                 "running", "running, without progress: " + _sentence(behind, states), behind, states, last, failed
             )
-            out["rule"] = "hang: the rank behind"
+            out["rule"] = "stopped responding" if behind.unresponsive_ns is not None else "hang: the rank behind"
             return out
         waited_on = _waited_on(states)  # the writers' stamps are fresh: "now"
         if waited_on is not None:
             out = _result("running", _sentence(waited_on, states), waited_on, states, last, failed)
             out["rule"] = "waiting on a rank"
+            return out
+        silent = [s for s in states if s.unresponsive_ns is not None]
+        if silent:
+            quiet = max(silent, key=lambda s: (s.unresponsive_ns or 0, -s.rank))
+            out = _result("running", _sentence(quiet, states), quiet, states, last, failed)
+            out["rule"] = "stopped responding"
             return out
         sentence = _running_sentence(states, failed)
         diverged = _non_finite(job, last, states)
@@ -548,10 +564,12 @@ def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], s
         if not isinstance(rank, int):
             continue
         code = attrs.get("exit_code")
+        failed_at = data.get("failed_at")  # torchelastic's, in whole seconds: when the agent saw it end
         failures[(rank, int(restart or 0))] = {
             "exit_code": code if isinstance(code, int) else None,
             "signal": data.get("signal"),
             "ts": ts,
+            "failed_at_ns": failed_at * 1_000_000_000 if type(failed_at) is int and failed_at > 0 else None,
         }
     return failures, launcher_signal
 
@@ -633,6 +651,7 @@ def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list
         if st.step is None and last_done_step is not None:
             st.step = int(last_done_step) + 1  # outside an iteration: the step it was preparing or saving after
         _from_progress(job, st, f, facts)
+        _unresponsive(st)
     return [st for st, _, _ in started]
 
 
@@ -659,6 +678,7 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
     fail = facts.failures.get((st.rank, st.restart))
     if fail:
         st.exit_code, st.signal = fail["exit_code"], fail["signal"]
+        st.launcher_seen_ns = fail.get("failed_at_ns")
         st.source.append("launcher")
     if primary:
         st.state, st.error = "error", _error_info(primary[0])
@@ -817,6 +837,35 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], facts: _Facts) ->
     st.source.append("progress file")
 
 
+def _unresponsive(st: RankState) -> None:
+    """A rank killed by a signal that the launcher saw end UNRESPONSIVE_NS or more after the last sign of life
+    of its process: the writer thread stamps the progress file every flush interval whatever the training
+    thread does, so a process that stamped nothing for that long did not run at all (torchrun's agent sends
+    SIGTERM when another rank fails, and SIGKILL 30 s later to a process that did not end)."""
+    if st.state != "killed" or st.launcher_seen_ns is None:
+        return
+    last_sign = max(st.alive_ns or 0, st.stopped_ns or 0)
+    if last_sign and st.launcher_seen_ns - last_sign >= UNRESPONSIVE_NS:
+        st.unresponsive_ns = st.launcher_seen_ns - last_sign
+
+
+def _unresponsive_running(job: Job, states: list[RankState]) -> None:
+    """In a running job, a rank read as running whose writer thread last stamped its progress file
+    UNRESPONSIVE_NS or more before the latest stamp of the attempt's other ranks: their processes run, its does
+    not (stopped, stuck holding the GIL, or its host froze or is cut off from the file system)."""
+    files = job.progress_files()
+    stamps = {
+        s.rank: int(getattr(files.get(s.rank), "alive_ns", None) or 0)
+        for s in states
+        if getattr(files.get(s.rank), "restart", s.restart) == s.restart
+    }
+    for st in states:
+        others = [t for r, t in stamps.items() if r != st.rank and t]
+        mine = stamps.get(st.rank, 0)
+        if st.state == "running" and mine and others and max(others) - mine >= UNRESPONSIVE_NS:
+            st.unresponsive_ns = max(others) - mine
+
+
 def _fault_stacks(stream_path: str, limit: int = 65536) -> str | None:
     """What faulthandler wrote beside the stream when the process crashed (docs/reliability.md)."""
     path = Path(stream_path)
@@ -887,7 +936,7 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
         others = [o for o in states if o is not s]
         trouble = [_first_trouble(o) for o in others]
         if all(t is None or (s.stopped_ns or 0) <= t + SKEW_NS for t in trouble):
-            return s, "died first"
+            return s, "stopped responding" if s.unresponsive_ns is not None else "died first"
     early = _left_early(states)
     if early is not None:
         return early, "left early"
@@ -1107,7 +1156,12 @@ def _cause(s: RankState) -> str:
         return f"raised {line}" + (" (the checkpoint's file system was full)" if s.disk and s.disk.get("full") else "")
     if s.state == "killed":
         sig = s.signal or (f"signal {-s.exit_code}" if s.exit_code is not None and s.exit_code < 0 else "a signal")
-        return f"killed by {sig}" + ("" if s.exit_code is None else f" (exit code {s.exit_code})")
+        killed = f"killed by {sig}" + ("" if s.exit_code is None else f" (exit code {s.exit_code})")
+        if s.unresponsive_ns is not None:
+            return f"stopped responding: no sign of life for {s.unresponsive_ns / 1e9:.0f} s, then {killed}"
+        return killed
+    if s.state == "running" and s.unresponsive_ns is not None:
+        return f"stopped responding: no sign of life for {s.unresponsive_ns / 1e9:.0f} s while the other ranks' wrote"
     if s.state == "terminated":
         return f"terminated by {s.signal or 'SIGTERM'}"
     if s.state == "exited":
@@ -1191,6 +1245,19 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         head = (
             f"rank {culprit.rank} hung {_where_stuck(culprit)}: no progress for "
             f"{culprit.stuck_ns / 1e9:.0f} s when the whole job was {_ended_how(states)} from outside"
+        )
+    elif culprit.unresponsive_ns is not None and culprit.state == "running":
+        head = (
+            f"rank {culprit.rank} stopped responding {culprit.doing()}: its process, traintrace's writer thread "
+            f"included, has done nothing for {culprit.unresponsive_ns / 1e9:.0f} s while the other ranks' wrote "
+            "(a stopped or suspended process, native code stuck holding the GIL, or a frozen host)"
+        )
+    elif culprit.unresponsive_ns is not None:
+        head = (
+            f"rank {culprit.rank} stopped responding {culprit.doing()}: its process, traintrace's writer thread "
+            f"included, did nothing for {culprit.unresponsive_ns / 1e9:.0f} s until the launcher killed it "
+            f"({culprit.signal or 'SIGKILL'}) (a stopped or suspended process, native code stuck holding the "
+            "GIL, or a frozen host)"
         )
     elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
         head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
