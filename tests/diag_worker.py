@@ -48,6 +48,7 @@ import resource
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,26 @@ class Batches(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, x.sum(dim=1, keepdim=True)
 
 
+def write_checkpoint(state: dict[str, torch.Tensor], final: Path, step: int, blocking: Any, truth: Truth) -> None:
+    """The background part of an asynchronous save; an exception ends this thread, not the training."""
+    with tt.checkpoint_save_finalization(async_save=blocking):
+        try:
+            torch.save(state, final.with_suffix(".tmp"))
+        except (OSError, RuntimeError) as exc:
+            space = os.statvfs(final.parent)
+            truth.write(
+                event="checkpoint_failed",
+                step=step,
+                error=str(exc),
+                free=space.f_bavail * space.f_frsize,
+                total=space.f_blocks * space.f_frsize,
+                thread="checkpoint",
+            )
+            raise
+        os.replace(final.with_suffix(".tmp"), final)
+    truth.write(event="checkpoint_end", step=step)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("truth")
@@ -132,6 +153,9 @@ def main() -> None:
     # Where checkpoints go (a small file system the test mounted, say), and padding that makes each this large.
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-pad-kb", type=int, default=0)
+    # Rank 0's saves write on a thread of their own while training goes on (torch.distributed.checkpoint's
+    # async_save): the loop waits only for the copy of the state; each save first waits for the one before.
+    parser.add_argument("--async-checkpoint", action="store_true")
     # inf_batch: the faulty rank's batch at the fault step is scaled so that its loss overflows float32 (a
     # corrupt sample); the all-reduce of its gradients spreads NaN to every rank's weights. --nan-check: every
     # rank raises when its loss is NaN (a common guard that misses infinity).
@@ -214,6 +238,7 @@ def main() -> None:
             dataset = Batches(rank, args.steps, kill_at, go, truth)
             batches = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1))
         leaked: list[torch.Tensor] = []
+        writing: threading.Thread | None = None
         first = 0
         saved = sorted(int(p.stem[4:]) for p in checkpoints.glob("step*.pt"))
         if args.resume and restart > 0 and saved:
@@ -306,7 +331,20 @@ def main() -> None:
                             dist.all_reduce(torch.ones(1), group=partner)
                     it.add_metrics(loss=loss.detach())
                 truth.write(event="step_end", step=step)
-                if rank == 0 and (step + 1) % args.checkpoint_every == 0:
+                if rank == 0 and (step + 1) % args.checkpoint_every == 0 and args.async_checkpoint:
+                    if writing is not None:
+                        writing.join()
+                    truth.write(event="checkpoint_start", step=step + 1)
+                    final = checkpoints / f"step{step + 1}.pt"
+                    with tt.checkpoint_save_async(current_iteration=step + 1, checkpoint_path=str(final)) as blocking:
+                        state = {k: v.clone() for k, v in model.module.state_dict().items()}
+                        if args.checkpoint_pad_kb:
+                            state["pad"] = torch.ones(args.checkpoint_pad_kb * 256)
+                    writing = threading.Thread(
+                        target=write_checkpoint, args=(state, final, step + 1, blocking, truth), name="checkpoint"
+                    )
+                    writing.start()
+                elif rank == 0 and (step + 1) % args.checkpoint_every == 0:
                     truth.write(event="checkpoint_start", step=step + 1)
                     saved_to = checkpoints / f"step{step + 1}.tmp"
                     final = checkpoints / f"step{step + 1}.pt"
@@ -349,6 +387,8 @@ def main() -> None:
                         with tt.collective(op="all_reduce"):
                             dist.all_reduce(loss)
                     truth.write(event="validation_end", step=step + 1)
+        if writing is not None:
+            writing.join()
         if fault != "finish_early":
             dist.barrier()
         dist.destroy_process_group()

@@ -432,6 +432,47 @@ def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
     assert disk_facts["last_checkpoint_size"] > 700 * 1024 > disk_facts["free"]
 
 
+def test_a_background_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
+    """Rank 0 saves asynchronously (the state copied in the loop, written on a thread of its own, as
+    torch.distributed.checkpoint's async_save does) 700 KiB checkpoints every 5 steps to a 2 MiB file system:
+    the saves of steps 15 and 20 fail on their thread while training goes on, and the job finishes. Not
+    "healthy": finished with errors, the first named (rank, the step its checkpoint holds, the background save,
+    the full file system), how many, and the last checkpoint that completed, each from the worker's marks."""
+    disk = tmp_path / "checkpoints"
+    disk.mkdir()
+    mount = ("unshare", "-m", "--propagation", "private", "sh", "-c")
+    mount += ('mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"',)
+    run = launch(
+        tmp_path,
+        2,
+        *("--checkpoint-dir", str(disk), "--checkpoint-pad-kb", "700", "--async-checkpoint"),
+        prefix=(*mount, str(disk)),
+    )
+    assert run.returncode == 0, run.output[-3000:]
+    marks = run.marks()[0]
+    failed = [m for m in marks if m["event"] == "checkpoint_failed"]
+    assert failed and all(m["thread"] == "checkpoint" for m in failed), run.output[-3000:]
+    completed = max(m["step"] for m in marks if m["event"] == "checkpoint_end")
+    errors = run.cli("errors")
+    assert errors["status"] == "finished_with_errors", errors["verdict"]
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (
+        0,
+        failed[0]["step"],
+        SpanName.CHECKPOINT_SAVE_FINALIZATION,
+    ), errors["verdict"]
+    verdict = errors["verdict"]
+    assert verdict.startswith(
+        f"finished with errors: rank 0 raised RuntimeError in a background checkpoint save at step {failed[0]['step']}"
+        "; the checkpoint's file system was full"
+    ), verdict
+    assert f"; {len(failed)} errors on 1 rank, the first named; the program went on" in verdict, verdict
+    assert f"; the last checkpoint completed holds step {completed}; 2 ranks finished" in verdict, verdict
+    disk_facts = culprit["disk"]
+    assert (disk_facts["free"], disk_facts["total"]) == (failed[0]["free"], failed[0]["total"]), disk_facts
+    check_goodput(run, failed=False)
+
+
 @pytest.mark.once  # no rank starts: no recording core takes part
 def test_a_node_that_never_joins_the_rendezvous(tmp_path: Path) -> None:
     """A 2-node job of which only one node's launcher starts (the other node down, or a wrong endpoint): the

@@ -27,6 +27,8 @@ SECONDARY = re.compile(
     re.IGNORECASE,
 )
 HANG_ERRORS = (EventName.HANG_SUSPECTED, EventName.HANG_EXIT)
+#: The status of a job whose ranks all finished while one recorded an error it survived (a background save's).
+FINISHED_WITH_ERRORS = "finished_with_errors"
 #: Errors that are the rank being terminated, not anything it raised: PyTorch's when a DataLoader worker died of
 #: SIGTERM (the launcher's SIGTERM reached the rank's process group: torchrun stops the other ranks so after a
 #: failure), and a communication error raised while handling SIGTERM (Lightning's handler broadcasts it to the
@@ -223,6 +225,9 @@ def diagnose(job: Job) -> dict[str, Any]:
         diverged = _non_finite(job, last, states)
         if diverged is not None:
             sentence += f"; {_non_finite_phrase(diverged)}"
+        went_on = _went_on(job, known, states, last)
+        if went_on is not None:
+            sentence += f"; {went_on[1]}"
         return _result("running", sentence, None, states, last, failed)
     if not failed:
         steps = job.one("SELECT max(step) FROM iterations WHERE status = 'ok'")
@@ -237,6 +242,12 @@ def diagnose(job: Job) -> dict[str, Any]:
             sentence = f"diverged: {_non_finite_phrase(diverged)}; {finished}"
             out = _result("diverged", sentence, diverged, states, last, failed)
             out["rule"] = "metric: not finite"
+            return out
+        went_on = _went_on(job, known, states, last)
+        if went_on is not None:
+            raised, phrase = went_on
+            out = _result(FINISHED_WITH_ERRORS, f"finished with errors: {phrase}; {finished}", raised, states, last, [])
+            out["rule"] = "first exception"
             return out
         return _result("healthy", f"healthy: {finished}", None, states, last, failed)
     about = failed[-1]
@@ -450,6 +461,37 @@ def _same_failure(a: RankState | None, b: RankState | None) -> bool:
         return (s.rank, s.step, s.phase, s.state, s.error and s.error["error_type"], s.signal, s.exit_code)
 
     return how(a) == how(b)
+
+
+def _went_on(job: Job, known: _Facts, states: list[RankState], restart: int) -> tuple[RankState, str] | None:
+    """In an attempt no rank of which failed, the first error a rank recorded and survived (a background
+    thread's: an asynchronous checkpoint save that failed, while the training thread went on), and the phrase
+    that says so: which rank raised what where, how many errors in all, and for a checkpoint save, which
+    checkpoint is the last that completed (the one a restart would load)."""
+    raised = [s for s in states if s.state == "error" and s.error is not None]
+    if not raised:
+        return None
+    first = min(raised, key=lambda s: (s.error["ts"] if s.error else 0, s.rank))
+    if first.phase in CHECKPOINT_SAVES:
+        first.disk = _disk(job, first)
+    error = first.error or {}
+    line = _error_line(error.get("error_type"), error.get("message"))
+    phrase = f"rank {first.rank} raised {error.get('error_type')} {first.doing()}{_disk_phrase(first.disk)} ({line})"
+    total = sum(
+        1
+        for s in states
+        for e in known.errors.get(s.stream, [])
+        if e["name"] not in HANG_ERRORS and e["error_type"] not in HANG_ERRORS and not _secondary(e)
+    )
+    ranks = len(raised)
+    if total > 1:
+        phrase += f"; {total} errors on {_count(ranks, 'rank')}, the first named"
+    phrase += "; the program went on"
+    if first.phase in CHECKPOINT_SAVES:
+        row = job.one(f"SELECT max(ckpt_step) FROM stream_facts WHERE restart = {int(restart)} AND NOT is_agent")
+        held = row[0] if row else None
+        phrase += "; no checkpoint completed" if held is None else f"; the last checkpoint completed holds step {held}"
+    return first, phrase
 
 
 def _and(items: list[int]) -> str:
@@ -789,6 +831,11 @@ def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) 
             step = _attrs(span["attrs"]).get("step")
             if isinstance(step, int):
                 st.step = step
+        elif name == SpanName.CHECKPOINT_SAVE_FINALIZATION and st.step is None:
+            # A background save's thread has no iteration open: the step the save holds.
+            held = _attrs(span["attrs"]).get("current_iteration")
+            if type(held) is int:
+                st.step = held
         if name not in CONTAINERS or st.phase in (None, *CONTAINERS):
             if st.in_collective and st.phase is not None and name not in CONTAINERS:
                 st.in_collective = False  # a phase opened after the collective ended
