@@ -18,8 +18,9 @@ its batches from a DataLoader with one worker process; the faulty rank's worker 
 while fetching batch ``--fault-step``); ``sigkill``, ``sigsegv`` (a real null
 pointer read), ``sigterm`` (waits in forward for the test to send SIGTERM); ``freeze`` (stops its own process
 with SIGSTOP in forward, as a suspended job or a debugger would: every thread stops, traintrace's too);
-``gil_stuck`` (locks a pthread mutex twice in forward without releasing the GIL: the deadlock of a C
-extension; no other thread runs, and the SIGTERM handler never does);
+``after_loop`` (an exception after the training loop, before the final barrier); ``gil_stuck`` (locks a
+pthread mutex twice in forward without releasing the GIL: the deadlock of a C extension; no other thread runs,
+and the SIGTERM handler never does);
 ``kill_in_checkpoint``; ``hang_in_checkpoint`` (sleeps in the save); ``hang_compute`` (sleeps in
 forward); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
@@ -389,6 +390,9 @@ def main() -> None:
                     truth.write(event="validation_end", step=step + 1)
         if writing is not None:
             writing.join()
+        if fault == "after_loop":  # writing the final model fails once every step has run
+            truth.write(event="fault", kind=fault, step=None)
+            raise OSError(f"injected failure saving the final model on rank {rank}")
         if fault != "finish_early":
             dist.barrier()
         dist.destroy_process_group()

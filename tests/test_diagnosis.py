@@ -1169,6 +1169,22 @@ def test_an_exception_before_the_training_loop(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 0
 
 
+def test_an_exception_after_the_training_loop(tmp_path: Path) -> None:
+    """Rank 0 raises after its last step (writing the final model fails) while the others wait at the final
+    barrier: outside the training loop after step 11 (the last step every rank's marks end), not "at step 12",
+    a step that never ran."""
+    run = launch(tmp_path, 3, "--fault", "after_loop", "--fault-rank", "0", "--steps", "12")
+    fault = fault_step_of(run, 0)
+    last = max(m["step"] for m in run.marks()[0] if m["event"] == "step_end" and m["ts"] < fault["ts"])
+    assert last == 11
+    errors = check_culprit(run, 0, last, SpanName.APPLICATION, "OSError: injected failure saving the final model")
+    assert errors["verdict"].startswith(
+        "rank 0 raised OSError in the program (outside the training loop) after step 11; "
+    ), errors["verdict"]
+    assert errors["culprit"]["after_loop"]
+    check_goodput(run)
+
+
 @pytest.mark.parametrize("fault", ["exit", "sys_exit"])
 def test_a_rank_exiting_with_a_code(tmp_path: Path, fault: str) -> None:
     """Rank 1 calls os._exit(3) (its last records lost) or sys.exit(3) (its spans end terminated, its stream

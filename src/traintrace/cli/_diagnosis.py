@@ -160,6 +160,9 @@ class RankState:
     #: launcher saw it end: stopped (SIGSTOP, a suspended job), stuck in native code holding the GIL, or its host
     #: froze; SIGTERM went unanswered and the launcher's SIGKILL ended it.
     unresponsive_ns: int | None = None
+    #: Outside the training loop once steps had run (saving the final model, the last barrier): ``step`` is then
+    #: the last step completed, not one being prepared.
+    after_loop: bool = False
 
     @property
     def out_of_memory(self) -> bool:
@@ -175,6 +178,8 @@ class RankState:
             what = f"waiting in a collective{op}" + ("" if self.phase in (None, ITERATION) else f" in {where}")
         else:
             what = f"in {where}"
+        if self.after_loop and self.step is not None:
+            return f"{what} after step {self.step}"
         return what + ("" if self.step is None else f" at step {self.step}")
 
 
@@ -693,6 +698,8 @@ def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list
         if st.step is None and last_done_step is not None:
             st.step = int(last_done_step) + 1  # outside an iteration: the step it was preparing or saving after
         _from_progress(job, st, f, facts)
+        if st.phase == SpanName.APPLICATION and last_done_step is not None and st.step == int(last_done_step) + 1:
+            st.step, st.after_loop = int(last_done_step), True
         _unresponsive(st)
     return [st for st, _, _ in started]
 
