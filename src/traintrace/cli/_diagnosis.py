@@ -1322,7 +1322,7 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     elif culprit.state == "ended":
         head = f"rank {culprit.rank} stopped: {_cause(culprit)} {culprit.doing()}"
     elif culprit.left_early:
-        at = "" if culprit.step is None else f" before step {culprit.step}"
+        at = "" if culprit.step is None else f" {'after' if culprit.after_loop else 'before'} step {culprit.step}"
         head = f"rank {culprit.rank} left early: it finished normally{at} while the others still trained"
     else:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
