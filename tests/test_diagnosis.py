@@ -1110,6 +1110,8 @@ def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detec
         seen["looked"] = time.time()
         seen["errors"] = Run(tmp_path / "logs" / "job", truth, 0, "").cli("errors")
         seen["answered"] = time.time()
+        watch = [sys.executable, "-m", "traintrace.cli", "watch", str(tmp_path / "logs" / "job"), "--once"]
+        seen["watch"] = subprocess.run(watch, check=False, capture_output=True, text=True, timeout=60, env=ENV).stdout
         os.kill(pid, signal.SIGKILL)  # a stopped process would keep the launcher 30 s in its SIGTERM's grace
         os.killpg(process.pid, signal.SIGTERM)
 
@@ -1136,6 +1138,11 @@ def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detec
     fault = fault_step_of(run, 1)
     low, high = seen["looked"] - fault["ts"] / 1e9 - 1.0, seen["answered"] - fault["ts"] / 1e9 + 0.5
     assert low <= culprit["unresponsive_ns"] / 1e9 <= high, (culprit["unresponsive_ns"], low, high)
+    # `watch` says the same of rank 1, and of no other.
+    rows = [line for line in seen["watch"].splitlines() if " rank=" in line]
+    lines = {int(line.split(" rank=")[1].split()[0]): line for line in rows}
+    assert 'note="NOT RESPONDING: no sign of life for ' in lines[1], seen["watch"]
+    assert not any("NOT RESPONDING" in lines[r] for r in (0, 2)), seen["watch"]
 
 
 def steps_done_before(run: Run, rank: int, ts: int) -> int:

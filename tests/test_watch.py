@@ -75,6 +75,23 @@ def test_hang_and_straggler_suspicion() -> None:
     assert "\x1b[33m" in text and "rank 3: boom" in text
 
 
+def test_a_rank_whose_writer_stopped_stamping_is_not_responding() -> None:
+    """Its writer's stamp 12 s behind the others': not responding (not a hang suspect); 9 s: nothing yet."""
+    rows = [
+        RankRow(0, "running", step=7, phase="collective", since_s=12, in_collective=True, silent_s=0.0),
+        RankRow(1, "running", step=7, phase="model_forward", since_s=12, silent_s=12.2),
+        RankRow(2, "running", step=7, phase="collective", since_s=12, in_collective=True, silent_s=0.1),
+    ]
+    _mark_suspects(rows, hang_after_s=10)
+    assert rows[1].note == "NOT RESPONDING: no sign of life for 12s (its process, writer included)"
+    assert rows[0].note.startswith("HANG?") or rows[0].note == "waiting in collective"
+    rows[1].silent_s = 9.0
+    for row in rows:
+        row.note = ""
+    _mark_suspects(rows, hang_after_s=30)
+    assert not any(r.note for r in rows)
+
+
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_watch_a_running_torchrun_job(tmp_path: Path) -> None:

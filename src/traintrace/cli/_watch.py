@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 # ..progress is imported where used: the other commands build this parser but never watch.
 
+#: A running rank whose writer thread last stamped its progress file this much before the latest stamp of the
+#: others stopped responding: its whole process does nothing (stopped, stuck holding the GIL, its host frozen).
+UNRESPONSIVE_S = 10.0
 #: Bytes read from one stream per refresh at most (the rest is read at the next one).
 CHUNK = 8 << 20
 _INTERESTING = (b'"kind":"header"', b'"kind":"error"', b'"kind":"close"', b'"worker_failure"')
@@ -94,6 +97,8 @@ class RankRow:
     restart: int = 0
     pid: int | None = None
     note: str = ""
+    #: Seconds between its writer's last stamp and the latest stamp of any rank's writer.
+    silent_s: float | None = None
 
 
 @dataclass
@@ -121,6 +126,11 @@ class Watcher:
             self.job = self.job or found.job
         ranks = sorted(set(progress) | set(self.rank_streams) | set(range(self.world_size)))
         rows = [self._row(rank, progress.get(rank), now) for rank in ranks]
+        stamps = {rank: p.alive_ns for rank, p in progress.items() if p.alive_ns}
+        latest = max(stamps.values(), default=0)
+        for row in rows:
+            if row.rank in stamps:
+                row.silent_s = (latest - stamps[row.rank]) / 1e9
         _mark_suspects(rows, self.hang_after_s)
         return rows, messages
 
@@ -255,6 +265,10 @@ def _mark_suspects(rows: list[RankRow], hang_after_s: float) -> None:
     from ..progress import RUNNING
 
     running = [r for r in rows if r.state == RUNNING and r.since_s is not None]
+    silent = [r for r in running if r.silent_s is not None and r.silent_s >= UNRESPONSIVE_S]
+    for row in silent:
+        row.note = f"NOT RESPONDING: no sign of life for {row.silent_s:.0f}s (its process, writer included)"
+    running = [r for r in running if r not in silent]
     stalled = [r for r in running if r.since_s is not None and r.since_s >= hang_after_s]
     moving = [r for r in running if r not in stalled]
     if stalled:
