@@ -1089,15 +1089,16 @@ def test_a_rank_that_stops_responding(tmp_path: Path, fault: str) -> None:
     assert (culprit["state"], culprit["signal"]) == ("killed", "SIGKILL"), culprit
     assert "rank 1 stopped responding in forward at step 7: its process" in errors["verdict"]
     assert "ranks 0 and 2 were waiting in a collective in backward at step 7" in errors["verdict"]
-    # From the fault to when the test saw the process gone; the launcher's time is in whole seconds.
+    # From the fault to when the test saw the process gone (about 36 s); the launcher's time is in whole seconds,
+    # and on a loaded machine the test's polling and the launcher's reaping may each lag a little.
     truth = seen["gone"] - fault["ts"] / 1e9
-    assert truth - 1.5 <= culprit["unresponsive_ns"] / 1e9 <= truth + 0.5, (culprit["unresponsive_ns"], truth)
+    assert truth - 3 <= culprit["unresponsive_ns"] / 1e9 <= truth + 2, (culprit["unresponsive_ns"], truth)
     check_goodput(run)
 
 
 @pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
 def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detection: str) -> None:
-    """Read 12 s after rank 1's process stopped (SIGSTOP in forward at step 7), the collectives' timeout not
+    """Read 14 s after rank 1's process stopped (SIGSTOP in forward at step 7), the collectives' timeout not
     reached: running, rank 1 stopped responding (the others' writers stamp their progress files, its does
     not), for as long as the test's clock says, hang detection on (the others report hangs) or off."""
     seen: dict[str, Any] = {}
@@ -1105,7 +1106,7 @@ def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detec
     def look(process: subprocess.Popen[str], truth: Path) -> None:
         wait_for_mark(process, truth, 1, "fault")
         pid = pid_of(truth, 1)
-        time.sleep(12.0)
+        time.sleep(14.0)
         seen["state"] = process_state(pid)
         seen["looked"] = time.time()
         seen["errors"] = Run(tmp_path / "logs" / "job", truth, 0, "").cli("errors")
@@ -1136,7 +1137,8 @@ def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detec
     assert "rank 1 stopped responding in forward at step 7" in errors["verdict"], errors["verdict"]
     assert errors["verdict"].endswith("ranks 0 and 2 were waiting in a collective in backward at step 7")
     fault = fault_step_of(run, 1)
-    low, high = seen["looked"] - fault["ts"] / 1e9 - 1.0, seen["answered"] - fault["ts"] / 1e9 + 0.5
+    # The others' latest stamp is up to a flush interval old when read (more on a loaded machine).
+    low, high = seen["looked"] - fault["ts"] / 1e9 - 3.0, seen["answered"] - fault["ts"] / 1e9 + 0.5
     assert low <= culprit["unresponsive_ns"] / 1e9 <= high, (culprit["unresponsive_ns"], low, high)
     # `watch` says the same of rank 1, and of no other.
     rows = [line for line in seen["watch"].splitlines() if " rank=" in line]
