@@ -461,3 +461,16 @@ def test_a_killed_rank_stopped_responding_only_long_before_the_launcher_saw_it_e
             f"rank 1 stopped responding in forward at step 7: its process, traintrace's writer thread included, "
             f"did nothing for {expected_s} s until the launcher killed it (SIGKILL)"
         )
+
+
+def test_a_cause_unclear_names_the_first_sign_in_a_sentence_that_reads() -> None:
+    """No rule names a culprit: the first sign of trouble, its cause in parentheses whatever its form."""
+    states = [
+        state(0, state="error", step=6, in_collective=True, consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="running", step=8, phase="model_forward", stopped_ns=T0 + 11 * S),
+    ]
+    assert _culprit(states) == (None, "unknown")
+    assert _sentence(None, states).startswith(
+        "failed, cause unclear: the first sign is on rank 0 (failed as a consequence: RuntimeError: Timed out "
+        "waiting 6000ms), waiting in a collective at step 6; "
+    ), _sentence(None, states)

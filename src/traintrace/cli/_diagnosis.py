@@ -1286,7 +1286,10 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         )
         if first is None:
             return "failed, cause unknown: no rank recorded an error, a signal or a hang"
-        return f"failed, cause unclear: the first sign is on rank {first.rank}, which {_cause(first)} {first.doing()}"
+        # The cause reads as a state ("running", "hang: ...") as often as an action: given in parentheses.
+        head = f"failed, cause unclear: the first sign is on rank {first.rank} ({_cause(first)}), {first.doing()}"
+        rest = [s for s in states if s is not first]
+        return head + "; " + _doing_groups(rest, died=True) if rest else head
     if culprit.out_of_memory and culprit.error is not None:
         head = f"rank {culprit.rank} ran out of memory ({culprit.error['error_type']}) {culprit.doing()}"
         head += _memory_phrase(culprit.memory)
