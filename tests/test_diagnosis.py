@@ -1134,7 +1134,9 @@ def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detec
         "model_forward",
         False,
     ), errors["verdict"]
-    assert "rank 1 stopped responding in forward at step 7" in errors["verdict"], errors["verdict"]
+    assert errors["verdict"].startswith(
+        "running, without progress: rank 1 stopped responding in forward at step 7: its process"
+    ), errors["verdict"]
     assert errors["verdict"].endswith("ranks 0 and 2 were waiting in a collective in backward at step 7")
     fault = fault_step_of(run, 1)
     # The others' latest stamp is up to a flush interval old when read (more on a loaded machine).

@@ -223,7 +223,8 @@ def diagnose(job: Job) -> dict[str, Any]:
         silent = [s for s in states if s.unresponsive_ns is not None]
         if silent:
             quiet = max(silent, key=lambda s: (s.unresponsive_ns or 0, -s.rank))
-            out = _result("running", _sentence(quiet, states), quiet, states, last, failed)
+            sentence = "running, without progress: " + _sentence(quiet, states)
+            out = _result("running", sentence, quiet, states, last, failed)
             out["rule"] = "stopped responding"
             return out
         sentence = _running_sentence(states, failed)
