@@ -107,23 +107,32 @@ class Batches(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return x, x.sum(dim=1, keepdim=True)
 
 
+def checkpoint_state(model: nn.Module, pad_kb: int, *, copy: bool) -> dict[str, torch.Tensor]:
+    """What a save writes: the weights (copied, for a save that writes after the loop went on) and padding
+    (optimizer state, say: what makes real checkpoints large)."""
+    state = {k: v.clone() if copy else v for k, v in model.state_dict().items()}
+    if pad_kb:
+        state["pad"] = torch.ones(pad_kb * 256)
+    return state
+
+
+def save(state: dict[str, torch.Tensor], final: Path, step: int, truth: Truth, **note: Any) -> None:
+    """Write to a temporary file, then rename; a failed write leaves the worker's own note of where and why
+    (the space its file system had left) before it is raised."""
+    try:
+        torch.save(state, final.with_suffix(".tmp"))
+    except (OSError, RuntimeError) as exc:
+        space = os.statvfs(final.parent)
+        free, total = space.f_bavail * space.f_frsize, space.f_blocks * space.f_frsize
+        truth.write(event="checkpoint_failed", step=step, error=str(exc), free=free, total=total, **note)
+        raise
+    os.replace(final.with_suffix(".tmp"), final)
+
+
 def write_checkpoint(state: dict[str, torch.Tensor], final: Path, step: int, blocking: Any, truth: Truth) -> None:
     """The background part of an asynchronous save; an exception ends this thread, not the training."""
     with tt.checkpoint_save_finalization(async_save=blocking):
-        try:
-            torch.save(state, final.with_suffix(".tmp"))
-        except (OSError, RuntimeError) as exc:
-            space = os.statvfs(final.parent)
-            truth.write(
-                event="checkpoint_failed",
-                step=step,
-                error=str(exc),
-                free=space.f_bavail * space.f_frsize,
-                total=space.f_blocks * space.f_frsize,
-                thread="checkpoint",
-            )
-            raise
-        os.replace(final.with_suffix(".tmp"), final)
+        save(state, final, step, truth, thread="checkpoint")
     truth.write(event="checkpoint_end", step=step)
 
 
@@ -338,16 +347,13 @@ def main() -> None:
                     truth.write(event="checkpoint_start", step=step + 1)
                     final = checkpoints / f"step{step + 1}.pt"
                     with tt.checkpoint_save_async(current_iteration=step + 1, checkpoint_path=str(final)) as blocking:
-                        state = {k: v.clone() for k, v in model.module.state_dict().items()}
-                        if args.checkpoint_pad_kb:
-                            state["pad"] = torch.ones(args.checkpoint_pad_kb * 256)
+                        state = checkpoint_state(model.module, args.checkpoint_pad_kb, copy=True)
                     writing = threading.Thread(
                         target=write_checkpoint, args=(state, final, step + 1, blocking, truth), name="checkpoint"
                     )
                     writing.start()
                 elif rank == 0 and (step + 1) % args.checkpoint_every == 0:
                     truth.write(event="checkpoint_start", step=step + 1)
-                    saved_to = checkpoints / f"step{step + 1}.tmp"
                     final = checkpoints / f"step{step + 1}.pt"
                     with tt.checkpoint_save(current_iteration=step + 1, checkpoint_path=str(final)):
                         if fault == "checkpoint" and step + 1 == fault_step:
@@ -360,22 +366,7 @@ def main() -> None:
                             truth.write(event="fault", kind=fault, step=step + 1)
                             time.sleep(0.05)
                             os.kill(os.getpid(), signal.SIGKILL)
-                        state = dict(model.module.state_dict())
-                        if args.checkpoint_pad_kb:  # optimizer state, say: what makes real checkpoints large
-                            state["pad"] = torch.ones(args.checkpoint_pad_kb * 256)
-                        try:
-                            torch.save(state, saved_to)
-                        except (OSError, RuntimeError) as exc:  # the worker's own note of where and why
-                            space = os.statvfs(checkpoints)
-                            truth.write(
-                                event="checkpoint_failed",
-                                step=step + 1,
-                                error=str(exc),
-                                free=space.f_bavail * space.f_frsize,
-                                total=space.f_blocks * space.f_frsize,
-                            )
-                            raise
-                        os.replace(saved_to, final)
+                        save(checkpoint_state(model.module, args.checkpoint_pad_kb, copy=False), final, step + 1, truth)
                     truth.write(event="checkpoint_end", step=step + 1)
                 if args.validate_every and (step + 1) % args.validate_every == 0:
                     truth.write(event="validation_start", step=step + 1)

@@ -405,12 +405,9 @@ def test_a_rank_killed_by_the_oom_killer(tmp_path: Path) -> None:
     assert memory["cgroup_limit"] == limit and 0.9 * limit <= memory["cgroup_used"] <= limit, memory
 
 
-@needs_namespace
-def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
-    """Rank 0 saves 700 KiB checkpoints every 5 steps to a 2 MiB file system (a tmpfs in the job's own mount
-    namespace) until one does not fit: PyTorch's zip writer then says only ``unexpected pos ...``. The rank, the
-    step being saved and the phase are named, and the verdict says the file system was full, with the space the
-    worker itself read (statvfs) when its save failed."""
+def launch_on_a_small_disk(tmp_path: Path, *args: str) -> tuple[Run, Path]:
+    """A 2-rank job whose rank 0 saves 700 KiB checkpoints to a 2 MiB file system (a tmpfs in the job's own
+    mount namespace), and that folder."""
     disk = tmp_path / "checkpoints"
     disk.mkdir()
     mount = ("unshare", "-m", "--propagation", "private", "sh", "-c")
@@ -418,9 +415,19 @@ def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
     run = launch(
         tmp_path,
         2,
-        *("--checkpoint-dir", str(disk), "--checkpoint-pad-kb", "700"),
+        *("--checkpoint-dir", str(disk), "--checkpoint-pad-kb", "700", *args),
         prefix=(*mount, str(disk)),
     )
+    return run, disk
+
+
+@needs_namespace
+def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
+    """Rank 0 saves 700 KiB checkpoints every 5 steps to a 2 MiB file system (a tmpfs in the job's own mount
+    namespace) until one does not fit: PyTorch's zip writer then says only ``unexpected pos ...``. The rank, the
+    step being saved and the phase are named, and the verdict says the file system was full, with the space the
+    worker itself read (statvfs) when its save failed."""
+    run, disk = launch_on_a_small_disk(tmp_path)
     failed = [m for m in run.marks()[0] if m["event"] == "checkpoint_failed"]
     assert failed, run.output[-3000:]
     truth = failed[0]
@@ -432,22 +439,14 @@ def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
     assert disk_facts["last_checkpoint_size"] > 700 * 1024 > disk_facts["free"]
 
 
+@needs_namespace
 def test_a_background_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
     """Rank 0 saves asynchronously (the state copied in the loop, written on a thread of its own, as
     torch.distributed.checkpoint's async_save does) 700 KiB checkpoints every 5 steps to a 2 MiB file system:
     the saves of steps 15 and 20 fail on their thread while training goes on, and the job finishes. Not
     "healthy": finished with errors, the first named (rank, the step its checkpoint holds, the background save,
     the full file system), how many, and the last checkpoint that completed, each from the worker's marks."""
-    disk = tmp_path / "checkpoints"
-    disk.mkdir()
-    mount = ("unshare", "-m", "--propagation", "private", "sh", "-c")
-    mount += ('mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"',)
-    run = launch(
-        tmp_path,
-        2,
-        *("--checkpoint-dir", str(disk), "--checkpoint-pad-kb", "700", "--async-checkpoint"),
-        prefix=(*mount, str(disk)),
-    )
+    run, _ = launch_on_a_small_disk(tmp_path, "--async-checkpoint")
     assert run.returncode == 0, run.output[-3000:]
     marks = run.marks()[0]
     failed = [m for m in marks if m["event"] == "checkpoint_failed"]
