@@ -22,7 +22,8 @@ with SIGSTOP in forward, as a suspended job or a debugger would: every thread st
 pthread mutex twice in forward without releasing the GIL: the deadlock of a C extension; no other thread runs,
 and the SIGTERM handler never does);
 ``kill_in_checkpoint``; ``hang_in_checkpoint`` (sleeps in the save); ``hang_compute`` (sleeps in
-forward); ``hang_collective``
+forward); ``hang_data`` (blocks in data loading opening a FIFO nobody writes: a file system that stopped
+answering); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
 (from ``--fault-step`` on); ``hang_init`` (sleeps in model initialisation, before DDP's first
 broadcast); ``finish_early`` (leaves the training loop before that step and exits 0, as a rank whose
@@ -32,9 +33,10 @@ fails as PyTorch's CPU allocator fails when memory runs out); ``cgroup_oom`` (th
 moves itself into the memory cgroup ``--cgroup`` names, which the test made with a limit: the kernel's OOM
 killer ends it with SIGKILL); ``none``.
 
-``--fault-attempt N`` injects the fault only in attempt N (``TORCHELASTIC_RESTART_COUNT``) of a job
-launched with restarts; ``--later-fault KIND`` injects KIND (same rank and step) in the attempts after it.
-Every truth line carries its attempt as ``restart``.
+``--fault-host NAME`` gives the fault to every rank whose ``TRAINTRACE_HOST`` is NAME instead of
+``--fault-rank`` (a bad node). ``--fault-attempt N`` injects the fault only in attempt N
+(``TORCHELASTIC_RESTART_COUNT``) of a job launched with restarts; ``--later-fault KIND`` injects KIND (same rank
+and step) in the attempts after it. Every truth line carries its attempt as ``restart``.
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=30.0)
     parser.add_argument("--fault", default="none")
     parser.add_argument("--fault-rank", type=int, default=1)
+    # Every rank of this host (its TRAINTRACE_HOST) takes the fault instead of --fault-rank: a bad node.
+    parser.add_argument("--fault-host", default=None)
     parser.add_argument("--fault-step", type=int, default=7)
     parser.add_argument("--fault-attempt", type=int, default=None)
     parser.add_argument("--later-fault", default="none")
@@ -175,7 +179,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     truth = Truth(Path(args.truth), rank, restart)
-    truth.write(event="process_start", pid=os.getpid())
+    truth.write(event="process_start", pid=os.getpid(), host=os.environ.get("TRAINTRACE_HOST"))
     # Registered before traintrace's own: runs after it (exit handlers run last-in first-out).
     atexit.register(truth.write, event="exit")
 
@@ -196,8 +200,11 @@ def main() -> None:
             time.sleep(args.linger)
 
         sys.excepthook = linger
-    mine = rank == args.fault_rank and args.fault_attempt in (None, restart)
-    later = rank == args.fault_rank and args.fault_attempt is not None and restart > args.fault_attempt
+    chosen = (
+        rank == args.fault_rank if args.fault_host is None else os.environ.get("TRAINTRACE_HOST") == args.fault_host
+    )
+    mine = chosen and args.fault_attempt in (None, restart)
+    later = chosen and args.fault_attempt is not None and restart > args.fault_attempt
     fault = args.fault if mine else args.later_fault if later else "none"
     fault_step = args.fault_step
     # With --resume, in the truth folder (shared by the attempts), else in a folder of this process's own.
@@ -264,6 +271,12 @@ def main() -> None:
                     break  # its data ran out (uneven inputs): it leaves while the others still train
                 with tt.data_loading():
                     injected("data", step)
+                    if fault == "hang_data" and step == fault_step:
+                        stuck = Path(args.truth) / f"stuck.{rank}.{restart}.fifo"
+                        os.mkfifo(stuck)
+                        truth.write(event="fault", kind=fault, step=step)
+                        # Opening a FIFO no process writes to blocks in the kernel: a read that never returns.
+                        stuck.open("rb").close()
                     if batches is None:
                         x = torch.randn(4, 8, generator=generator)
                         y = x.sum(dim=1, keepdim=True)

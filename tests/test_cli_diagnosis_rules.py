@@ -15,9 +15,11 @@ from traintrace.cli._diagnosis import (
     _diverged_first,
     _error_line,
     _first_line,
+    _lost_node,
     _non_finite_phrase,
     _same_failure,
     _sentence,
+    _stuck_alongside,
     _terminated_by,
     _unresponsive,
 )
@@ -145,9 +147,9 @@ def killed(rank: int, *, waiting: bool, since_s: float, alive_s: float, step: in
     """A rank of a job killed from outside, as its progress file tells it (times in seconds after T0)."""
     return state(
         rank,
-        state="ended",
+        state=fields.pop("state", "ended"),
         step=step,
-        phase="model_backward" if waiting else "model_forward",
+        phase=fields.pop("phase", "model_backward" if waiting else "model_forward"),
         in_collective=waiting,
         since_ns=T0 + int(since_s * S),
         alive_ns=T0 + int(alive_s * S),
@@ -189,10 +191,18 @@ def test_killed_while_waiting_needs_a_long_wait_on_every_side_and_one_rank_behin
     assert rule(
         [killed(0, waiting=True, since_s=60.8, alive_s=61), killed(1, waiting=False, since_s=1, alive_s=61)]
     ) == ("killed together")
-    # Two ranks outside a collective: which one held the others is not known.
+    # Two ranks outside a collective in different places: which one held the others is not known.
     two = [
         killed(0, waiting=True, since_s=1, alive_s=61),
-        *(killed(r, waiting=False, since_s=1, alive_s=61) for r in (1, 2)),
+        killed(1, waiting=False, since_s=1, alive_s=61),
+        killed(2, waiting=False, since_s=1, alive_s=61, phase="data_loading"),
+    ]
+    assert rule(two) == "killed together"
+    # ...or in the same place, one of them only just arrived there: it was moving.
+    two = [
+        killed(0, waiting=True, since_s=1, alive_s=61),
+        killed(1, waiting=False, since_s=1, alive_s=61),
+        killed(2, waiting=False, since_s=60.9, alive_s=61),
     ]
     assert rule(two) == "killed together"
     # The rank outside the collectives is a step ahead of them: it did not hold them up.
@@ -474,3 +484,79 @@ def test_a_cause_unclear_names_the_first_sign_in_a_sentence_that_reads() -> None
         "failed, cause unclear: the first sign is on rank 0 (failed as a consequence: RuntimeError: Timed out "
         "waiting 6000ms), waiting in a collective at step 6; "
     ), _sentence(None, states)
+
+
+def test_ranks_stuck_at_the_same_place_are_named_together_with_their_node() -> None:
+    """Both ranks of node-b stuck in data loading at step 7 (its file system stopped answering) while node-a's
+    waited: both are named, and the node, in every rule that names a hung rank."""
+    hosts = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
+
+    def job(**fields: Any) -> list[RankState]:
+        return [
+            *(killed(r, waiting=True, since_s=1, alive_s=61, host=hosts[r], **fields) for r in (0, 1)),
+            *(killed(r, waiting=False, since_s=1, alive_s=61, host=hosts[r], phase="data_loading") for r in (2, 3)),
+        ]
+
+    states = job()
+    culprit, rule = _culprit(states)
+    assert rule == "killed while waiting for a rank" and culprit is not None
+    assert (culprit.rank, culprit.stuck_with, culprit.stuck_ns) == (2, [3], 60 * S)
+    assert _sentence(culprit, states) == (
+        "ranks 2 and 3 (every rank of node node-b) hung in data loading at step 7, not in a collective: no progress "
+        "for 60 s when the whole job was killed from outside; ranks 0 and 1 were waiting in a collective in "
+        "backward at step 7"
+    )
+    # A whole job killed from outside lost no node, though every host's ranks stopped together.
+    assert _lost_node(None, states) is None  # type: ignore[arg-type]  # decided before the job is read
+
+    # Hang reports: the rank behind, and the one beside it.
+    report = {"ts": T0 + 5 * S, "message": "no progress for 1.7s", "stack": None, "from_ns": None}
+    states = job()
+    for s in states:
+        s.state, s.hang = "hung", dict(report)
+    culprit, rule = _culprit(states)
+    assert rule == "hang: the rank behind" and culprit is not None and culprit.stuck_with == [3]
+    assert _sentence(culprit, states).startswith("ranks 2 and 3 (every rank of node node-b) hung in data loading")
+
+    # The collectives' timeouts, no hang report: both are marked hung from the first timeout.
+    states = job()
+    for s in states[:2]:
+        s.state, s.consequence, s.stopped_ns = "error", TIMEOUT, TIMEOUT["ts"]
+    for s in states[2:]:  # the launcher ended them after the others failed
+        s.state, s.signal, s.stopped_ns = "terminated", "SIGTERM", T0 + 12 * S
+    culprit, rule = _culprit(states)
+    assert rule == "hang: the rank the collectives timed out on" and culprit is not None
+    assert culprit.stuck_with == [3] and states[3].hang is not None and states[3].hang["ts"] == TIMEOUT["ts"]
+
+
+def test_the_node_is_said_only_of_a_group_in_a_job_of_several_hosts() -> None:
+    def stuck(host_of: dict[int, str]) -> str:
+        states = [killed(0, waiting=True, since_s=1, alive_s=61, host=host_of[0])]
+        states += [killed(r, waiting=False, since_s=1, alive_s=61, host=host_of[r]) for r in (1, 2)]
+        culprit, _ = _culprit(states)
+        assert culprit is not None
+        return _sentence(culprit, states).split(" hung ", 1)[0]
+
+    assert stuck({0: "a", 1: "a", 2: "a"}) == "ranks 1 and 2"  # one host: nothing to tell
+    assert stuck({0: "a", 1: "b", 2: "b"}) == "ranks 1 and 2 (every rank of node b)"
+    assert stuck({0: "b", 1: "b", 2: "b"}) == "ranks 1 and 2"
+    assert stuck({0: "a", 1: "b", 2: "c"}) == "ranks 1 and 2"  # two hosts: no node to suspect
+    states = [killed(r, waiting=r == 0, since_s=1, alive_s=61, host="a" if r < 2 else "b") for r in range(4)]
+    culprit, _ = _culprit(states)
+    assert culprit is None or culprit.rank != 0  # ranks 1, 2, 3 outside: 1 on a, 2 and 3 on b
+    states[0].host = states[1].host = "b"
+    states[2].host = states[3].host = "b"
+    states.append(killed(4, waiting=True, since_s=1, alive_s=61, host="a"))
+    culprit, _ = _culprit(states)
+    assert culprit is not None and _sentence(culprit, states).startswith("ranks 1, 2 and 3 (all on node b) hung")
+
+
+def test_a_rank_with_an_error_of_its_own_is_not_stuck_alongside() -> None:
+    """At the culprit's place but with an error (it raised) or a timeout (it waited): not stuck with it."""
+    culprit = killed(1, waiting=False, since_s=1, alive_s=61)
+    raised = killed(2, waiting=False, since_s=1, alive_s=61, state="error", error={"ts": T0, "error_type": "E"})
+    waited = killed(3, waiting=False, since_s=1, alive_s=61, consequence=TIMEOUT)
+    elsewhere = killed(4, waiting=False, since_s=1, alive_s=61, step=8)
+    same = killed(5, waiting=False, since_s=1, alive_s=61)
+    assert [s.rank for s in _stuck_alongside(culprit, [culprit, raised, waited, elsewhere, same])] == [5]
+    assert culprit.stuck_with == [5]

@@ -32,6 +32,7 @@ import pytest
 from tests._reliability import needs_namespace
 from tests.diag_worker import LEAK_BYTES
 from traintrace._names import SpanName
+from traintrace.cli._diagnosis import _ranks_phrase
 
 pytest.importorskip("torch")
 pytest.importorskip("duckdb")
@@ -510,24 +511,20 @@ def process_tree(pid: int) -> list[int]:
     return [pid, *(p for child in children.stdout.split() for p in process_tree(int(child)))]
 
 
-def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 2-node job (two launchers on this machine, named node-a and node-b, 2 ranks each): node-b's launcher and
-    workers are SIGKILLed together at step 10, as when a node goes down. node-a's ranks fail on their all-reduce
-    (connection reset) and its launcher ends the job. The verdict names the node, its ranks and their step
-    (the truth: the processes the test killed, and the step their own notes last began), both within a minute
-    (node-b's silent ranks still count as running) and later (their streams ended without a close record)."""
+def start_two_nodes(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    """Two launchers on this machine, named node-a and node-b (``TRAINTRACE_HOST``), 2 ranks each, running the
+    worker for 200 steps with ``args``; the truth in ``tmp_path/truth``, the records in ``tmp_path/logs/job``."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    truth = tmp_path / "truth"
     env = {**ENV, "TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "job"}
 
     def node(name: str) -> subprocess.Popen[str]:
         command = [
             *(sys.executable, "-m", "traintrace.launch", "--nnodes", "2", "--nproc-per-node", "2"),
             *("--max-restarts", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
-            *("--rdzv-id", "job", "--rdzv-conf", "join_timeout=20", str(WORKER), str(truth)),
-            *("--steps", "200", "--gloo-timeout", "6"),
+            *("--rdzv-id", "job", "--rdzv-conf", "join_timeout=20", str(WORKER), str(tmp_path / "truth")),
+            *("--steps", "200", *args),
         ]
         return subprocess.Popen(
             command,
@@ -538,9 +535,19 @@ def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             start_new_session=True,
         )
 
-    survivor = node("node-a")
+    first = node("node-a")
     time.sleep(0.5)
-    lost = node("node-b")
+    return first, node("node-b")
+
+
+def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2-node job (two launchers on this machine, named node-a and node-b, 2 ranks each): node-b's launcher and
+    workers are SIGKILLed together at step 10, as when a node goes down. node-a's ranks fail on their all-reduce
+    (connection reset) and its launcher ends the job. The verdict names the node, its ranks and their step
+    (the truth: the processes the test killed, and the step their own notes last began), both within a minute
+    (node-b's silent ranks still count as running) and later (their streams ended without a close record)."""
+    truth = tmp_path / "truth"
+    survivor, lost = start_two_nodes(tmp_path, "--gloo-timeout", "6")
     try:
         for rank in range(4):
             wait_for_step(survivor, truth, rank, 10)
@@ -562,15 +569,7 @@ def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     step = steps.pop()
     head = f"node node-b was lost: its launcher and {' and '.join(map(str, lost_ranks)).join(('ranks ', ''))}"
     soon = run.cli("errors")
-    from traintrace.cli import _analysis
-    from traintrace.cli._engine import Job
-
-    monkeypatch.setattr("traintrace.cli._engine.RECENT_S", 0.0)  # read as if a minute later: the streams ended
-    job = Job.open([run.folder], lean=True)
-    try:
-        later = _analysis.errors(job)
-    finally:
-        job.close()
+    later = read_later(run, monkeypatch)
     for errors in (soon, later):
         assert errors["rule"] == "lost node" and errors["status"] == "failed", errors["verdict"]
         assert errors["verdict"].startswith(f"{head} stopped together"), errors["verdict"]
@@ -583,6 +582,97 @@ def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert (errors["culprit"]["rank"], errors["culprit"]["step"]) == (lost_ranks[0], step)
         survivors = [s for s in errors["rank_states"] if s["rank"] not in lost_ranks]
         assert all(s["consequence"] is not None for s in survivors), survivors
+
+
+def read_later(run: Run, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """``errors`` as read a minute after the streams stopped (in this process): another host's silent ranks
+    then count as ended, not running."""
+    from traintrace.cli import _analysis
+    from traintrace.cli._engine import Job
+
+    monkeypatch.setattr("traintrace.cli._engine.RECENT_S", 0.0)
+    job = Job.open([run.folder], lean=True)
+    try:
+        return _analysis.errors(job)
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("ending", ["hang reports", pytest.param("timeouts", marks=pytest.mark.once), "killed"])
+def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
+    """A 2-node job (node-a, node-b, 2 ranks each): at step 8 both of node-b's ranks block in data loading, on
+    a read that never returns (a FIFO nobody writes, as a hung network file system), while node-a's ranks wait
+    for them in the all-reduce. Both stuck ranks are named, with their node, not one of them alone:
+
+    - ``hang reports``: traintrace's hang detection on; node-a's collectives time out (6 s) and its launcher ends;
+      then the scheduler ends node-b (SIGTERM to its launcher);
+    - ``timeouts``: the same with hang detection off: the timeouts and where each rank was say it;
+    - ``killed``: hang detection off, collectives' timeout 60 s; 3 s after the faults the scheduler kills every
+      process. Read at once, the job is running (node-b's ranks are remote: their silence is not death yet) and
+      waits on them; read a minute later, they hung until the kill (and no node is called lost).
+
+    The truth: each rank's host and its fault mark (the worker's own), the step the others last began, and for
+    the kill the test's own clock."""
+    truth = tmp_path / "truth"
+    detection, timeout = {"hang reports": ("1.5", "6"), "timeouts": ("0", "6"), "killed": ("0", "60")}[ending]
+    fault = ("--fault", "hang_data", "--fault-host", "node-b", "--fault-step", "8")
+    first, second = start_two_nodes(tmp_path, "--gloo-timeout", timeout, "--hang-timeout", detection, *fault)
+    times: dict[str, float] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(list(truth.glob("stuck.*.fifo"))) < 2:
+            time.sleep(0.05)
+        if ending == "killed":
+            time.sleep(3.0)
+            times["killed"] = time.time()
+            kill_the_job(truth)
+            times["dead"] = time.time()
+            first.wait(timeout=30)
+        else:
+            first.wait(timeout=120)
+            os.killpg(second.pid, signal.SIGTERM)
+        second.wait(timeout=60)
+    finally:
+        for process in (first, second):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    run = Run(tmp_path / "logs" / "job", truth, first.returncode, "")
+    marks = run.marks()
+    on_b = sorted(r for r, ms in marks.items() if ms[0]["host"] == "node-b")
+    faults = {r: next(m for m in ms if m["event"] == "fault") for r, ms in marks.items() if r in on_b}
+    assert len(on_b) == 2 and len(faults) == 2, marks
+    (step,) = {f["step"] for f in faults.values()}
+    waiting = [r for r in marks if r not in on_b]
+    assert all(max(m["step"] for m in marks[r] if m["event"] == "step_start") == step for r in waiting)
+    head = f"ranks {on_b[0]} and {on_b[1]} (every rank of node node-b)"
+
+    def check(errors: dict[str, Any], rule: str, verdict: str) -> None:
+        assert (errors["rule"], errors["status"]) == (rule, "running" if verdict.startswith("running") else "failed")
+        assert errors["verdict"].startswith(verdict), errors["verdict"]
+        culprit = errors["culprit"]
+        # The culprit is the one whose last step ended first (rule 5) or the lowest rank: either of the two.
+        assert (sorted([culprit["rank"], *culprit["stuck_with"]]), culprit["step"]) == (on_b, step), culprit
+        assert (culprit["phase"], culprit["in_collective"], culprit["host"]) == ("data_loading", False, "node-b")
+        others = [s for s in errors["rank_states"] if s["rank"] in waiting]
+        assert all(s["in_collective"] and s["step"] == step and s["host"] == "node-a" for s in others), others
+        assert errors["verdict"].endswith(
+            f"{_ranks_phrase(waiting)} were waiting in a collective in backward at step {step}"
+        )
+
+    where = f"in data loading at step {step}, not in a collective"
+    if ending != "killed":
+        rule = "hang: the rank behind" if ending == "hang reports" else "hang: the rank the collectives timed out on"
+        check(run.cli("errors"), rule, f"{head} hung {where}; ")
+        return
+    check(run.cli("errors"), "waiting on a rank", f"running, waiting on {head}: {where}, for ")
+    later = read_later(run, monkeypatch)
+    check(later, "killed while waiting for a rank", f"{head} hung {where}: no progress for ")
+    # Stuck from data loading's start (after the step before ended) to the kill, by the worker's marks and the
+    # test's clock, less up to a writer cycle (0.1 s) and scheduling.
+    began = max(next(m["ts"] for m in marks[r] if m["event"] == "step_end" and m["step"] == step - 1) for r in on_b)
+    low = times["killed"] - max(f["ts"] for f in faults.values()) / 1e9 - 0.5
+    assert low <= later["culprit"]["stuck_ns"] / 1e9 <= times["dead"] - began / 1e9, (later["culprit"], low)
 
 
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:

@@ -163,6 +163,11 @@ class RankState:
     #: Outside the training loop once steps had run (saving the final model, the last barrier): ``step`` is then
     #: the last step completed, not one being prepared.
     after_loop: bool = False
+    #: The host its stream names (``TRAINTRACE_HOST``, else the machine's name).
+    host: str | None = None
+    #: For a hung culprit: the other ranks stuck where it was (the same step and phase, not waiting for anyone),
+    #: named with it (every rank of a node whose file system stopped answering, say).
+    stuck_with: list[int] = field(default_factory=list)
 
     @property
     def out_of_memory(self) -> bool:
@@ -210,6 +215,7 @@ def diagnose(job: Job) -> dict[str, Any]:
         _unresponsive_running(job, states)
         if any(s.hang is not None for s in states):
             behind = min(states, key=_hang_key)
+            _stuck_alongside(behind, states)
             out = _result(
                 "running", "running, without progress: " + _sentence(behind, states), behind, states, last, failed
             )
@@ -313,7 +319,8 @@ def _lost_node(job: Job, states: list[RankState]) -> dict[str, Any] | None:
     down, was cut off or was killed whole. The others then fail on their collectives as consequences, and
     without this rule one of the lost ranks is named as if it alone had died (or hung, while the analysis
     runs within a minute and another host's silent ranks still count as running)."""
-    hosts: dict[int, str] = {int(stream): str(host) for stream, host in job.rows("SELECT stream, host FROM streams")}
+    if _killed_together(states):
+        return None  # every rank died with no trouble seen first: the whole job was killed, no node was lost
     launchers: dict[str, bool] = {
         str(host): bool(ended)
         for host, ended in job.rows(
@@ -324,7 +331,7 @@ def _lost_node(job: Job, states: list[RankState]) -> dict[str, Any] | None:
     }
     by_host: dict[str, list[RankState]] = {}
     for st in states:
-        by_host.setdefault(hosts.get(st.stream, ""), []).append(st)
+        by_host.setdefault(st.host or "", []).append(st)
     if len(by_host) < 2:
         return None
 
@@ -537,6 +544,9 @@ class _Facts:
         self.job = job
         self._last_span: dict[int, int] | None = None
         self.failures, self.launcher_signal = _launcher_events(job)
+        self.hosts: dict[int, str] = {
+            int(stream): str(host) for stream, host in job.rows("SELECT stream, host FROM streams") if host
+        }
         self.errors: dict[int, list[dict[str, Any]]] = {}
         for e in job.dicts(
             "SELECT stream, ts, name, error_type, message, stack, span, attrs FROM other "
@@ -708,7 +718,7 @@ def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list
 def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, int | None, int | None]:
     """The rank's state from its stream's facts, with the time to look for open spans at and its error's span."""
     stream = f["stream"]
-    st = RankState(rank=int(f["rank"]), restart=int(f["restart"]), stream=int(stream))
+    st = RankState(rank=int(f["rank"]), restart=int(f["restart"]), stream=int(stream), host=facts.hosts.get(stream))
     errors = facts.errors.get(stream, [])
     hangs = [e for e in errors if e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS]
     real = [e for e in errors if e not in hangs]
@@ -1001,6 +1011,7 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
         others = [s for s in hung if s is not last and s.hang is not None]
         if last.hang is None and last.state != "hung" and others:
             _hung_unreported(last, others)
+        _stuck_alongside(last, states)
         return last, "hang: the rank behind"
     behind = _waited_for(states)
     if behind is not None:
@@ -1022,6 +1033,30 @@ def _hung_unreported(behind: RankState, reported: list[RankState]) -> None:
         "stack": None,
         "from_ns": behind.last_progress_ns,
     }
+
+
+def _same_place(a: RankState, b: RankState) -> bool:
+    """At the same step and phase, both in the same collective or both outside any."""
+    return (a.step, a.phase, a.in_collective, a.collective) == (b.step, b.phase, b.in_collective, b.collective)
+
+
+def _stuck_alongside(culprit: RankState, states: list[RankState]) -> list[RankState]:
+    """The other ranks stuck where the hung culprit is: at its step and phase, not waiting in a collective the
+    others wait in, with no error of their own (a rank that could move on would be in the others' collective
+    by the time they timed out or reported a hang). They are named with it (``stuck_with``)."""
+    if culprit.step is None:
+        return []
+    alongside = [
+        s
+        for s in states
+        if s is not culprit
+        and _same_place(s, culprit)
+        and s.error is None
+        and s.consequence is None
+        and s.state in ("hung", "terminated", "killed", "ended", "running")
+    ]
+    culprit.stuck_with = sorted(s.rank for s in alongside)
+    return alongside
 
 
 def _left_early(states: list[RankState]) -> RankState | None:
@@ -1081,9 +1116,10 @@ def _waited_on(states: list[RankState]) -> RankState | None:
     if any(s.since_ns is None or s.alive_ns is None for s in states):
         return None
     outside = [s for s in states if not s.in_collective]
-    if len(outside) == 1:
-        rank = outside[0]
-        waiting = [s for s in states if s is not rank]
+    if outside and all(_same_place(s, outside[0]) for s in outside):
+        # One rank, or several stuck at the same place (every rank of a node whose file system hangs).
+        rank = min(outside, key=lambda s: s.rank)
+        waiting = [s for s in states if s not in outside]
         if rank.step is None or any(s.step is None or s.step < rank.step for s in waiting):
             return None
     elif not outside:
@@ -1100,9 +1136,11 @@ def _waited_on(states: list[RankState]) -> RankState | None:
     def still(s: RankState) -> int:
         return (s.alive_ns or 0) - (s.since_ns or 0)
 
-    if still(rank) < least or any(still(s) < least for s in waiting):
+    stuck = [rank] if rank.in_collective else outside
+    if any(still(s) < least for s in states):
         return None
-    rank.stuck_ns = still(rank)
+    rank.stuck_ns = min(still(s) for s in stuck)
+    rank.stuck_with = sorted(s.rank for s in stuck if s is not rank)
     return rank
 
 
@@ -1136,7 +1174,8 @@ def _waited_for(states: list[RankState]) -> RankState | None:
         )
     else:
         return None
-    behind.hang = {"ts": timeout.get("ts"), "message": message, "stack": None, "from_ns": behind.last_progress_ns}
+    for stuck in (behind, *_stuck_alongside(behind, states)):
+        stuck.hang = {"ts": timeout.get("ts"), "message": message, "stack": None, "from_ns": stuck.last_progress_ns}
     return behind
 
 
@@ -1291,6 +1330,7 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         head = f"failed, cause unclear: the first sign is on rank {first.rank} ({_cause(first)}), {first.doing()}"
         rest = [s for s in states if s is not first]
         return head + "; " + _doing_groups(rest, died=True) if rest else head
+    who = _group_phrase(culprit, states)
     if culprit.out_of_memory and culprit.error is not None:
         head = f"rank {culprit.rank} ran out of memory ({culprit.error['error_type']}) {culprit.doing()}"
         head += _memory_phrase(culprit.memory)
@@ -1298,10 +1338,10 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         head = f"rank {culprit.rank} raised {culprit.error['error_type']} {culprit.doing()}"
         head += _disk_phrase(culprit.disk)
     elif culprit.stuck_ns is not None and culprit.state == "running":
-        head = f"running, waiting on rank {culprit.rank}: {_where_stuck(culprit)}, for {culprit.stuck_ns / 1e9:.0f} s"
+        head = f"running, waiting on {who}: {_where_stuck(culprit)}, for {culprit.stuck_ns / 1e9:.0f} s"
     elif culprit.stuck_ns is not None:
         head = (
-            f"rank {culprit.rank} hung {_where_stuck(culprit)}: no progress for "
+            f"{who} hung {_where_stuck(culprit)}: no progress for "
             f"{culprit.stuck_ns / 1e9:.0f} s when the whole job was {_ended_how(states)} from outside"
         )
     elif culprit.unresponsive_ns is not None and culprit.state == "running":
@@ -1322,7 +1362,7 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         if culprit.state == "killed":
             head += _host_full_phrase(culprit.memory)
     elif culprit.hang is not None or culprit.state == "hung":
-        head = f"rank {culprit.rank} hung {_where_stuck(culprit)}"
+        head = f"{who} hung {_where_stuck(culprit)}"
     elif culprit.state == "ended":
         head = f"rank {culprit.rank} stopped: {_cause(culprit)} {culprit.doing()}"
     elif culprit.left_early:
@@ -1330,8 +1370,22 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         head = f"rank {culprit.rank} left early: it finished normally{at} while the others still trained"
     else:
         head = f"rank {culprit.rank} {_cause(culprit)} {culprit.doing()}"
-    others = [s for s in states if s is not culprit]
+    others = [s for s in states if s is not culprit and s.rank not in culprit.stuck_with]
     return head + "; " + _doing_groups(others, died=True) if others else head
+
+
+def _group_phrase(culprit: RankState, states: list[RankState]) -> str:
+    """``rank 2``; with ranks stuck alongside, ``ranks 2 and 3``, and in a job of several hosts the host they
+    share: ``ranks 2 and 3 (every rank of node node-b)`` (a node's file system or network is the suspect)."""
+    group = [culprit.rank, *culprit.stuck_with]
+    phrase = _ranks_phrase(group)
+    hosts = {s.host for s in states}
+    mine = {s.host for s in states if s.rank in group}
+    if len(group) < 2 or len(hosts) < 2 or len(mine) != 1 or None in mine:
+        return phrase
+    host = mine.pop()
+    on_host = {s.rank for s in states if s.host == host}
+    return phrase + (f" (every rank of node {host})" if on_host == set(group) else f" (all on node {host})")
 
 
 def _memory(job: Job, st: RankState) -> dict[str, Any] | None:

@@ -225,7 +225,9 @@ def render_verdict(e: dict[str, Any], show_stack: bool = True) -> list[str]:
     culprit = e.get("culprit")
     if culprit is not None:
         out.append("")
-        out.append(f"CULPRIT: rank {culprit['rank']}, restart {culprit['restart']}: {culprit['cause']}")
+        group = [culprit["rank"], *(culprit.get("stuck_with") or [])]
+        who = f"rank {group[0]}" if len(group) == 1 else "ranks " + ", ".join(map(str, group))
+        out.append(f"CULPRIT: {who}, restart {culprit['restart']}: {culprit['cause']}")
         out.append(
             f"  step {culprit['step'] if culprit['step'] is not None else '-'}, phase "
             f"{culprit['phase'] or '-'}{', inside a collective' if culprit['in_collective'] else ''}"
