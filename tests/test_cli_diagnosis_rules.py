@@ -16,6 +16,7 @@ from traintrace.cli._diagnosis import (
     _error_line,
     _first_line,
     _lost_node,
+    _node_ended,
     _non_finite_phrase,
     _same_failure,
     _sentence,
@@ -560,3 +561,50 @@ def test_a_rank_with_an_error_of_its_own_is_not_stuck_alongside() -> None:
     same = killed(5, waiting=False, since_s=1, alive_s=61)
     assert [s.rank for s in _stuck_alongside(culprit, [culprit, raised, waited, elsewhere, same])] == [5]
     assert culprit.stuck_with == [5]
+
+
+def test_a_node_ended_from_outside_is_one_whose_launcher_alone_got_a_signal() -> None:
+    """node-b's launcher got SIGTERM and stopped its ranks at 10 s; node-a's then failed on their collectives."""
+
+    def job() -> list[RankState]:
+        late = {**TIMEOUT, "ts": T0 + 12 * S}
+        return [
+            *(state(r, state="error", consequence=late, host="node-a", stopped_ns=T0 + 12 * S) for r in (0, 1)),
+            *(
+                state(
+                    r,
+                    state="terminated",
+                    signal="SIGTERM",
+                    host="node-b",
+                    launcher_signal="SIGTERM",
+                    stopped_ns=T0 + 10 * S,
+                )
+                for r in (2, 3)
+            ),
+        ]
+
+    ended = _node_ended(job())
+    assert ended is not None and (ended["host"], ended["ranks"], ended["signal"]) == ("node-b", [2, 3], "SIGTERM")
+    assert ended["culprit"].rank == 2 and ended["stopped_ns"] == T0 + 10 * S
+    # Every launcher got it: the whole job's (rule 2's), no node's.
+    states = job()
+    for st in states[:2]:
+        st.launcher_signal = "SIGTERM"
+    assert _node_ended(states) is None
+    # One host: nothing to single out.
+    states = job()
+    for st in states:
+        st.host = "node-b"
+    assert _node_ended(states) is None
+    # node-a's ranks were in trouble first (a timeout at 9 s): the signal came after, not the cause.
+    states = job()
+    states[0].consequence = {**TIMEOUT, "ts": T0 + 9 * S}
+    assert _node_ended(states) is None
+    # A rank of node-b had raised before the signal: rule 1 names it.
+    states = job()
+    states[3].error = {"ts": T0 + 9 * S, "error_type": "ValueError", "message": "bad", "stack": None}
+    assert _node_ended(states) is None
+    # A rank whose host is not known: nothing said of nodes.
+    states = job()
+    states[0].host = None
+    assert _node_ended(states) is None

@@ -675,6 +675,68 @@ def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: p
     assert low <= later["culprit"]["stuck_ns"] / 1e9 <= times["dead"] - began / 1e9, (later["culprit"], low)
 
 
+@pytest.mark.parametrize("signalled", ["node-b", pytest.param("every node", marks=pytest.mark.once)])
+def test_a_node_terminated_from_outside(tmp_path: Path, signalled: str) -> None:
+    """A 2-node job (node-a, node-b, 2 ranks each) training at step 10: SIGTERM to node-b's launcher alone (a
+    preempted spot instance, an evicted pod, a drained node), which stops its ranks; node-a's ranks then fail on
+    their all-reduce and its launcher ends the job. The verdict names the node and says it was ended from
+    outside, not that its first rank failed. SIGTERM to both launchers at once (the scheduler's time limit) is
+    the whole job's, as on one node. The truth: the launchers the test signalled, each rank's host and its own
+    SIGTERM handler's mark, and the step each began last."""
+    truth = tmp_path / "truth"
+    first, second = start_two_nodes(tmp_path, "--gloo-timeout", "6")
+    try:
+        for rank in range(4):
+            wait_for_step(first, truth, rank, 10)
+        for launcher in (second,) if signalled == "node-b" else (first, second):
+            os.kill(launcher.pid, signal.SIGTERM)
+        first.wait(timeout=120)
+        second.wait(timeout=60)
+    finally:
+        for process in (first, second):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    run = Run(tmp_path / "logs" / "job", truth, first.returncode, "")
+    marks = run.marks()
+    hosts = {r: ms[0]["host"] for r, ms in marks.items()}
+    began = {r: max(m["step"] for m in ms if m["event"] == "step_start") for r, ms in marks.items()}
+    handled = {r: next((m["ts"] for m in ms if m["event"] == "sigterm"), None) for r, ms in marks.items()}
+    errors = run.cli("errors")
+    if signalled == "every node":
+        assert errors["rule"] == "terminated together" and errors["culprit"] is None, errors["verdict"]
+        assert errors["verdict"].startswith(
+            "terminated by SIGTERM from outside: the launchers and all 4 ranks got the signal at once"
+        ), errors["verdict"]
+        assert all(handled.values()), handled
+        return
+    on_b = sorted(r for r in marks if hosts[r] == "node-b")
+    on_a = sorted(r for r in marks if r not in on_b)
+    assert len(on_b) == 2 and all(handled[r] for r in on_b), (hosts, handled)
+    # node-b's ranks got the signal before anything happened to node-a's (their handlers' marks, if any, later)
+    assert all(handled[a] is None or handled[a] > max(handled[b] or 0 for b in on_b) for a in on_a), handled
+    (step,) = {began[r] for r in on_b}
+    assert errors["rule"] == "node ended from outside" and errors["status"] == "failed", errors["verdict"]
+    assert errors["verdict"].startswith(
+        f"node node-b was terminated by SIGTERM from outside: its launcher got the signal and stopped "
+        f"{_ranks_phrase(on_b)} "
+    ), errors["verdict"]
+    assert f" at step {step} (a preempted, evicted or drained node" in errors["verdict"], errors["verdict"]
+    assert errors["node_ended"] == {
+        "host": "node-b",
+        "ranks": on_b,
+        "signal": "SIGTERM",
+        "stopped_ns": errors["node_ended"]["stopped_ns"],
+    }
+    assert (errors["culprit"]["rank"], errors["culprit"]["step"]) == (on_b[0], step)
+    # node-b's ranks stopped when their handlers ran (within the writer's 0.1 s), not when node-a failed.
+    assert abs(errors["node_ended"]["stopped_ns"] - min(handled[r] or 0 for r in on_b)) < 200_000_000
+    states = {s["rank"]: s for s in errors["rank_states"]}
+    assert all(states[r]["state"] == "terminated" and states[r]["host"] == "node-b" for r in on_b), states
+    assert all(states[r]["consequence"] is not None and states[r]["step"] == began[r] for r in on_a), states
+    assert errors["verdict"].endswith(f"{_ranks_phrase(on_a)} were waiting in a collective in backward at step {step}")
+
+
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:
     """Rank 0 killed inside its save after step 14: the save before (after step 9) is the last completed one."""
     run = launch(tmp_path, 3, "--fault", "kill_in_checkpoint", "--fault-rank", "0", "--fault-step", "15")

@@ -727,6 +727,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         "rendezvous": verdict.get("rendezvous"),
         # A node whose launcher and ranks stopped together (rule "lost node"): its host, ranks and launcher.
         "lost_node": verdict.get("lost_node"),
+        # A node whose launcher got a signal from outside, alone (rule "node ended from outside"): a preemption.
+        "node_ended": verdict.get("node_ended"),
         "rank_states": verdict["ranks"],
         "first_error": first,
         "error_count": len(all_errors),

@@ -265,15 +265,23 @@ def diagnose(job: Job) -> dict[str, Any]:
     about = failed[-1]
     states = _rank_states(job, attempts[about], known)
     lost = _lost_node(job, states)
+    ended = _node_ended(states) if lost is None else None
     if lost is not None:
         culprit, rule = lost["culprit"], "lost node"
+    elif ended is not None:
+        culprit, rule = ended["culprit"], "node ended from outside"
     else:
         culprit, rule = _culprit(states)
     if culprit is not None and (culprit.out_of_memory or culprit.state == "killed"):
         culprit.memory = _memory(job, culprit)
     if culprit is not None and culprit.state == "error" and culprit.phase in CHECKPOINT_SAVES:
         culprit.disk = _disk(job, culprit)
-    sentence = _lost_node_sentence(lost, states) if lost is not None else _sentence(culprit, states)
+    if lost is not None:
+        sentence = _lost_node_sentence(lost, states)
+    elif ended is not None:
+        sentence = _node_ended_sentence(ended, states)
+    else:
+        sentence = _sentence(culprit, states)
     diverged = _non_finite(job, about, states)
     if diverged is not None and _diverged_first(diverged, culprit):
         # The failure says the values were not finite (a check of the loss): where they first were is the fault.
@@ -307,6 +315,8 @@ def diagnose(job: Job) -> dict[str, Any]:
     out["rule"] = rule
     if lost is not None:
         out["lost_node"] = {k: v for k, v in lost.items() if k != "culprit"}
+    if ended is not None:
+        out["node_ended"] = {k: v for k, v in ended.items() if k != "culprit"}
     out["same_failure_restarts"] = same
     if out_rendezvous is not None:
         out["rendezvous"] = out_rendezvous
@@ -382,6 +392,54 @@ def _lost_node_sentence(lost: dict[str, Any], states: list[RankState]) -> str:
         "(the node went down, was cut off from the network, or was killed whole)"
     )
     others = [st for st in states if st.rank not in lost["ranks"]]
+    return head + "; " + _doing_groups(others, died=True) if others else head
+
+
+def _node_ended(states: list[RankState]) -> dict[str, Any] | None:
+    """A host whose launcher got a signal from outside (``traintrace-run`` writes it in its ``job_end``) while
+    another host's did not, and whose ranks it then stopped, none of them in trouble before and before the
+    other hosts' ranks saw any: that node was ended from outside (a preempted spot instance, an evicted pod, a
+    drained node, a cancelled job step), and the others failed for want of it. Without this rule the first of
+    its ranks was named as terminated by SIGTERM, and the others as merely in forward."""
+    by_host: dict[str, list[RankState]] = {}
+    for st in states:
+        by_host.setdefault(st.host or "", []).append(st)
+    if len(by_host) < 2 or "" in by_host:
+        return None
+    signalled = {h: sig for h, ranks in by_host.items() for sig in {s.launcher_signal for s in ranks} if sig}
+    if not signalled or len(signalled) == len(by_host):
+        return None  # no launcher, or every launcher got the signal: the whole job was (rule 2's)
+    for host, sig in sorted(signalled.items()):
+        ranks = by_host[host]
+        if any(s.error is not None or s.consequence is not None or s.hang is not None for s in ranks):
+            continue
+        if any(s.state not in ("terminated", "killed", "ended") for s in ranks):
+            continue
+        stopped = min(s.stopped_ns or 0 for s in ranks)
+        others = [o for h, group in by_host.items() if h != host for o in group]
+        trouble = [t for t in (_first_trouble(o) for o in others) if t is not None]
+        if trouble and min(trouble) + SKEW_NS < stopped:
+            continue  # another host's ranks were in trouble first: its signal came after
+        return {
+            "culprit": min(ranks, key=lambda s: s.rank),
+            "host": host,
+            "ranks": sorted(s.rank for s in ranks),
+            "signal": sig,
+            "stopped_ns": stopped,
+        }
+    return None
+
+
+def _node_ended_sentence(ended: dict[str, Any], states: list[RankState]) -> str:
+    ranks = [st for st in states if st.rank in ended["ranks"]]
+    doing = {st.doing() for st in ranks}
+    where = f" {doing.pop()}" if len(doing) == 1 else ""
+    head = (
+        f"node {ended['host']} was terminated by {ended['signal']} from outside: its launcher got the signal and "
+        f"stopped {_ranks_phrase(ended['ranks'])}{where} (a preempted, evicted or drained node, or a cancelled "
+        "job step)"
+    )
+    others = [st for st in states if st.rank not in ended["ranks"]]
     return head + "; " + _doing_groups(others, died=True) if others else head
 
 
@@ -543,10 +601,16 @@ class _Facts:
     def __init__(self, job: Job) -> None:
         self.job = job
         self._last_span: dict[int, int] | None = None
-        self.failures, self.launcher_signal = _launcher_events(job)
-        self.hosts: dict[int, str] = {
-            int(stream): str(host) for stream, host in job.rows("SELECT stream, host FROM streams") if host
-        }
+        self.hosts: dict[int, str] = {}
+        launcher_hosts: set[str] = set()
+        for stream, host, is_agent in job.rows("SELECT stream, host, is_agent FROM streams"):
+            if host:
+                self.hosts[int(stream)] = str(host)
+                if is_agent:
+                    launcher_hosts.add(str(host))
+        self.failures, self.launcher_signal, by_stream = _launcher_events(job)
+        self.launcher_hosts = launcher_hosts
+        self.host_signals = {self.hosts[stream]: sig for stream, sig in by_stream.items() if stream in self.hosts}
         self.errors: dict[int, list[dict[str, Any]]] = {}
         for e in job.dicts(
             "SELECT stream, ts, name, error_type, message, stack, span, attrs FROM other "
@@ -581,6 +645,13 @@ class _Facts:
             )
         }
 
+    def signal_of_launcher(self, host: str | None) -> str | None:
+        """The signal the launcher of ``host`` got: its own launcher's when that host has one with a stream,
+        else any launcher's (one launcher for the job, or hosts not named)."""
+        if host is not None and host in self.launcher_hosts:
+            return self.host_signals.get(host)
+        return self.launcher_signal
+
     def last_span_ns(self, st: RankState) -> int:
         """When the stream's spans last began or ended (all streams in one query, on first use). Its events do
         not count: the monitor's device readings and the interval statistics come from other threads, and an
@@ -597,16 +668,18 @@ class _Facts:
         return max(self._last_span.get(st.stream, 0), int(st.last_progress_ns or 0))
 
 
-def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], str | None]:
-    """From the launcher's stream, in one pass: (rank, restart) -> exit code and signal of its worker_failure
-    events, and the signal the launcher got itself (``traintrace-run`` writes torchrun's SignalException in
-    ``job_end``: the job was ended from outside)."""
+def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], str | None, dict[int, str]]:
+    """From the launchers' streams, in one pass: (rank, restart) -> exit code and signal of its worker_failure
+    events, the signal a launcher got itself (``traintrace-run`` writes torchrun's SignalException in
+    ``job_end``: the job was ended from outside), and each launcher stream's own signal (one node's: a
+    preempted or drained node)."""
     failures: dict[tuple[int, int], dict[str, Any]] = {}
     launcher_signal: str | None = None
+    by_stream: dict[int, str] = {}
     failure, end = EventType.WORKER_FAILURE.value, EventType.JOB_END.value
-    for name, attrs_text, ts in job.rows(
-        f"SELECT name, attrs, ts FROM other WHERE is_agent AND kind = 'event' AND name IN ('{failure}', '{end}') "
-        "ORDER BY ts"
+    for stream, name, attrs_text, ts in job.rows(
+        f"SELECT stream, name, attrs, ts FROM other WHERE is_agent AND kind = 'event' "
+        f"AND name IN ('{failure}', '{end}') ORDER BY ts"
     ):
         try:
             attrs = json.loads(attrs_text) if isinstance(attrs_text, str) else dict(attrs_text or {})
@@ -615,8 +688,9 @@ def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], s
         raw = attrs.get("data")
         data: dict[str, Any] = raw if isinstance(raw, dict) else {}
         if name == end:
-            if isinstance(data.get("signal"), str) and launcher_signal is None:
-                launcher_signal = str(data["signal"])
+            if isinstance(data.get("signal"), str):
+                launcher_signal = launcher_signal or str(data["signal"])
+                by_stream.setdefault(int(stream), str(data["signal"]))
             continue
         rank, restart = attrs.get("rank"), attrs.get("restart", 0)
         if not isinstance(rank, int):
@@ -629,7 +703,7 @@ def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], s
             "ts": ts,
             "failed_at_ns": failed_at * 1_000_000_000 if type(failed_at) is int and failed_at > 0 else None,
         }
-    return failures, launcher_signal
+    return failures, launcher_signal, by_stream
 
 
 def _rendezvous_failure(job: Job) -> dict[str, Any] | None:
@@ -734,7 +808,7 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
     primary = [e for e in real if not _secondary(e)]
     secondary = [e for e in real if _secondary(e)]
     st.last_progress_ns = facts.last_ok.get(stream, (None, None))[0]
-    st.launcher_signal = facts.launcher_signal
+    st.launcher_signal = facts.signal_of_launcher(st.host)
     fail = facts.failures.get((st.rank, st.restart))
     if fail:
         st.exit_code, st.signal = fail["exit_code"], fail["signal"]
@@ -1315,7 +1389,8 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
             f"(the scheduler, the OOM killer or a lost node); " + _doing_groups(states)
         )
     if culprit is None and _terminated_together(states):
-        who = "the launcher and " if any(s.launcher_signal for s in states) else ""
+        launchers = "the launchers" if len({s.host for s in states}) > 1 else "the launcher"
+        who = f"{launchers} and " if any(s.launcher_signal for s in states) else ""
         return (
             f"{_ended_how(states)} from outside: {who}all {len(states)} ranks got the signal at once, none failed "
             f"first (the scheduler's time limit, or a cancelled job); " + _doing_groups(states)

@@ -790,10 +790,21 @@ class Job:
             FROM streams s WHERE NOT s.is_agent
             """
         ).fetchall()
+        # A launcher that ended (its stream closed, or its job_end written) had stopped its workers first: no
+        # rank of its host that started while it ran is running, however recent its last record (a remote host's
+        # processes cannot be looked up; a whole multi-node job terminated a second ago is not running).
+        from .._lifecycle import EventType
+
+        launchers_done = self.con.execute(
+            "SELECT host, start_ts, end_ts FROM streams WHERE is_agent AND (closed OR stream IN "
+            f"(SELECT stream FROM other WHERE is_agent AND kind = 'event' AND name = '{EventType.JOB_END.value}'))"
+        ).fetchall()
         running: list[int] = []
         now = time.time_ns()
         for stream, _path, rank, restart, host, pid, start_ts, closed, errors, end_ts, last in rows:
             if closed or not last:
+                continue
+            if any(h == host and began <= start_ts <= ended for h, began, ended in launchers_done):
                 continue
             # Only a stream without a close record needs the progress files (and their module's imports).
             p = self.progress_files().get(rank)
