@@ -1121,6 +1121,42 @@ def test_a_straggler_in_data_parallel_training(tmp_path: Path, nproc: int, fault
     assert errors["status"] == "healthy"
 
 
+@pytest.mark.once
+def test_a_slow_node(tmp_path: Path) -> None:
+    """A 2-node job (node-a, node-b, 2 ranks each) whose node-b ranks are both slower in forward from step 8 on (a
+    throttled or shared host): ``ranks`` names both, and their node, from the step the worker's own marks say."""
+    fault = ("--fault", "slow_compute", "--fault-host", "node-b", "--fault-step", "8")
+    first, second = start_two_nodes(tmp_path, "--steps", "30", *fault)
+    try:
+        assert first.wait(timeout=180) == 0 and second.wait(timeout=60) == 0
+    finally:
+        for process in (first, second):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    run = Run(tmp_path / "logs" / "job", tmp_path / "truth", 0, "")
+    marks = run.marks()
+    on_b = sorted(r for r, ms in marks.items() if ms[0]["host"] == "node-b")
+    result = run.cli("ranks")
+    assert sorted(result["stragglers"]) == on_b and len(on_b) == 2, result["ranks"]
+    assert result["straggler_node"] == {"host": "node-b", "every_rank": True}
+    for rank in on_b:
+        slow = next(r for r in result["ranks"] if r["rank"] == rank)
+        assert (slow["slow_in"], slow["slow_since_step"]) == ("compute", 8), slow
+        start = next(m["ts"] for m in marks[rank] if m["event"] == "step_start" and m["step"] == 8)
+        assert abs(slow["slow_since_ns"] - start) < 0.2e9
+    text = subprocess.run(
+        [sys.executable, "-m", "traintrace.cli", "ranks", str(run.folder)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert f"stragglers: ranks {', '.join(map(str, result['stragglers']))} (every rank of node node-b)" in text, text
+    assert run.cli("errors")["status"] == "healthy"
+
+
 def test_a_hang_seen_while_the_job_still_hangs(tmp_path: Path) -> None:
     """Looked at while it hangs (no timeout has fired yet): running, without progress, rank 1 behind."""
     seen: dict[str, Any] = {}

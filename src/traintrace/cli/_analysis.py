@@ -9,7 +9,7 @@ from typing import Any
 
 from .._names import EventName, SpanName
 from ._device import compute_time_sql, device_summary
-from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose
+from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose, shared_node
 from ._engine import ITERATION, Job, compress_ranks
 
 NS = 1e9
@@ -326,6 +326,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
             "ranks": [],
             "top": [],
             "stragglers": [],
+            "straggler_node": None,
             "job_median_s": None,
             "windows": [],
             "notes": [*job.notes, "no iteration spans: nothing to compare"],
@@ -425,12 +426,22 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         "ranks": rows,
         "top": [r["rank"] for r in ordered[:top]],
         "stragglers": stragglers,
+        # Every straggler on one host of several: a slow node (throttled, a noisy neighbour, a slow disk).
+        "straggler_node": shared_node(stragglers, _rank_hosts(job)) if len(stragglers) > 1 else None,
         "window_s": width / NS,
         "windows": [
             {"rank": rank, "scores": [cells.get(w) for w in range(windows)]} for rank, cells in sorted(heat.items())
         ],
         "notes": list(job.notes),
     }
+
+
+def _rank_hosts(job: Job) -> dict[int, str | None]:
+    """rank -> the host its streams name (None when they name none, or several: a rank moved by a restart)."""
+    hosts: dict[int, set[Any]] = {}
+    for rank, host in job.rows("SELECT DISTINCT rank, host FROM streams WHERE NOT is_agent"):
+        hosts.setdefault(int(rank), set()).add(host or None)
+    return {rank: next(iter(names)) if len(names) == 1 else None for rank, names in hosts.items()}
 
 
 #: The parts of a rank's time compared across ranks; ``compute`` is the step's time outside collectives.

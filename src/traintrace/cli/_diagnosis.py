@@ -1453,14 +1453,24 @@ def _group_phrase(culprit: RankState, states: list[RankState]) -> str:
     """``rank 2``; with ranks stuck alongside, ``ranks 2 and 3``, and in a job of several hosts the host they
     share: ``ranks 2 and 3 (every rank of node node-b)`` (a node's file system or network is the suspect)."""
     group = [culprit.rank, *culprit.stuck_with]
-    phrase = _ranks_phrase(group)
-    hosts = {s.host for s in states}
-    mine = {s.host for s in states if s.rank in group}
-    if len(group) < 2 or len(hosts) < 2 or len(mine) != 1 or None in mine:
-        return phrase
+    return _ranks_phrase(group) + node_phrase(shared_node(group, {s.rank: s.host for s in states}))
+
+
+def shared_node(group: list[int], host_of: dict[int, str | None]) -> dict[str, Any] | None:
+    """The host that every rank of ``group`` (two or more) runs on, in a job of several hosts, and whether they
+    are all of its ranks: ``{"host": "node-b", "every_rank": True}``; None otherwise."""
+    mine = {host_of.get(rank) for rank in group}
+    if len(group) < 2 or len(set(host_of.values())) < 2 or len(mine) != 1 or None in mine:
+        return None
     host = mine.pop()
-    on_host = {s.rank for s in states if s.host == host}
-    return phrase + (f" (every rank of node {host})" if on_host == set(group) else f" (all on node {host})")
+    return {"host": host, "every_rank": {r for r, h in host_of.items() if h == host} == set(group)}
+
+
+def node_phrase(node: dict[str, Any] | None) -> str:
+    """`` (every rank of node node-b)``, `` (all on node node-b)`` or nothing."""
+    if node is None:
+        return ""
+    return f" (every rank of node {node['host']})" if node["every_rank"] else f" (all on node {node['host']})"
 
 
 def _memory(job: Job, st: RankState) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._analysis import CATEGORIES
-from ._diagnosis import _error_line
+from ._diagnosis import _error_line, node_phrase
 from ._engine import compress_ranks
 
 LABELS = {
@@ -177,7 +177,9 @@ def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
         # "straggler: rank 0", not "stragglers: 0" (which reads as a count).
         ranks = r["stragglers"]
         listed = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-        out.append(("straggler: " if len(ranks) == 1 else "stragglers: ") + listed)
+        out.append(
+            ("straggler: " if len(ranks) == 1 else "stragglers: ") + listed + node_phrase(r.get("straggler_node"))
+        )
     else:
         out.append("no stragglers")
     out.append("")
