@@ -21,9 +21,10 @@ with SIGSTOP in forward, as a suspended job or a debugger would: every thread st
 ``after_loop`` (an exception after the training loop, before the final barrier); ``gil_stuck`` (locks a
 pthread mutex twice in forward without releasing the GIL: the deadlock of a C extension; no other thread runs,
 and the SIGTERM handler never does);
-``kill_in_checkpoint``; ``hang_in_checkpoint`` (sleeps in the save); ``hang_compute`` (sleeps in
-forward); ``hang_data`` (blocks in data loading opening a FIFO nobody writes: a file system that stopped
-answering); ``hang_collective``
+``kill_in_checkpoint``; ``torn_checkpoint`` (writes half of its save straight to the final file, then
+SIGKILL: with ``--resume`` a restart loads that file); ``hang_in_checkpoint`` (sleeps in the save);
+``hang_compute`` (sleeps in forward); ``hang_data`` (blocks in data loading opening a FIFO nobody writes: a file
+system that stopped answering); ``hang_collective``
 (an all-reduce its partner never joins); ``slow_compute`` and ``slow_data``
 (from ``--fault-step`` on); ``hang_init`` (sleeps in model initialisation, before DDP's first
 broadcast); ``finish_early`` (leaves the training loop before that step and exits 0, as a rank whose
@@ -45,6 +46,7 @@ import argparse
 import atexit
 import ctypes
 import datetime
+import io
 import json
 import os
 import resource
@@ -260,8 +262,9 @@ def main() -> None:
         saved = sorted(int(p.stem[4:]) for p in checkpoints.glob("step*.pt"))
         if args.resume and restart > 0 and saved:
             truth.write(event="checkpoint_load_start", step=saved[-1])
-            with tt.checkpoint_load():
-                model.module.load_state_dict(torch.load(checkpoints / f"step{saved[-1]}.pt"))
+            loaded = checkpoints / f"step{saved[-1]}.pt"
+            with tt.checkpoint_load(current_iteration=saved[-1], checkpoint_path=str(loaded)):
+                model.module.load_state_dict(torch.load(loaded))
             first = saved[-1]
             truth.write(event="checkpoint_load_end", step=first)
         with tt.training_loop():
@@ -378,6 +381,15 @@ def main() -> None:
                         if fault == "kill_in_checkpoint" and step + 1 == fault_step:
                             truth.write(event="fault", kind=fault, step=step + 1)
                             time.sleep(0.05)
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        if fault == "torn_checkpoint" and step + 1 == fault_step:
+                            # torch.save straight to the final name (no temporary file), killed half-way: the
+                            # file is there, cut short, and the newest.
+                            data = io.BytesIO()
+                            torch.save(checkpoint_state(model.module, args.checkpoint_pad_kb, copy=False), data)
+                            with final.open("wb") as out:
+                                out.write(data.getvalue()[: len(data.getvalue()) // 2])
+                            truth.write(event="fault", kind=fault, step=step + 1, path=str(final))
                             os.kill(os.getpid(), signal.SIGKILL)
                         save(checkpoint_state(model.module, args.checkpoint_pad_kb, copy=False), final, step + 1, truth)
                     truth.write(event="checkpoint_end", step=step + 1)

@@ -10,6 +10,7 @@ import pytest
 from traintrace.cli._diagnosis import (
     RankState,
     _cause,
+    _copied_progress,
     _culprit,
     _disk_phrase,
     _diverged_first,
@@ -608,3 +609,27 @@ def test_a_node_ended_from_outside_is_one_whose_launcher_alone_got_a_signal() ->
     states = job()
     states[0].host = None
     assert _node_ended(states) is None
+
+
+def test_the_launchers_copy_of_a_progress_file_reads_as_the_file() -> None:
+    """What ``traintrace-run`` copied into ``worker_failure`` stands in for a file a restart rewrote; a value of
+    the wrong type reads as unknown, and without ``last_progress_ns`` there is no copy."""
+    copy = _copied_progress(
+        {
+            "last_step": 14,
+            "last_step_done": 14,
+            "last_phase": "checkpoint_save_sync",
+            "in_collective": False,
+            "last_progress_ns": T0,
+            "alive_ns": T0 + S,
+            "phase_started_ns": "soon",
+        },
+        rank=0,
+        restart=0,
+    )
+    assert copy is not None
+    assert (copy.step, copy.step_done, copy.phase, copy.in_collective) == (14, 14, "checkpoint_save_sync", False)
+    assert (copy.updated_ns, copy.alive_ns, copy.phase_started_ns, copy.last_step_ns) == (T0, T0 + S, None, None)
+    assert _copied_progress({"last_step": 3, "last_phase": "model_forward"}, rank=0, restart=0) is None
+    hostile = _copied_progress({"last_progress_ns": T0, "last_phase": 7, "in_collective": "yes"}, rank=0, restart=0)
+    assert hostile is not None and (hostile.phase, hostile.in_collective, hostile.step) == (None, False, None)

@@ -1467,6 +1467,51 @@ def test_a_restart_that_fails_the_same_way(tmp_path: Path) -> None:
     check_goodput(run)
 
 
+def test_a_restart_that_loads_a_checkpoint_cut_short(tmp_path: Path) -> None:
+    """Rank 0 saves straight to the checkpoint's final name (no temporary file) and is killed half-way through
+    the save after step 14; torchrun restarts twice, each restart loads the newest file, cut short, and every rank
+    fails there. The verdict links the failed loads to the save that never completed, says the restarts fail the
+    same way, and places restart 0's rank 0 in that save (its progress file, rewritten by the restarts, is read
+    from the launcher's copy). The truth: the worker's fault mark (the file, its step), its load marks and the
+    saves it completed."""
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "torn_checkpoint", "--fault-rank", "0", "--fault-step", "15", "--fault-attempt", "0"),
+        "--resume",
+        max_restarts=2,
+    )
+    assert run.returncode != 0
+    marks = run.marks()
+    fault = fault_step_of(run, 0)
+    loads = {
+        (m["restart"], r, m["step"]) for r, ms in marks.items() for m in ms if m["event"] == "checkpoint_load_start"
+    }
+    assert loads == {(a, r, fault["step"]) for a in (1, 2) for r in range(3)}, loads
+    assert not any(m["event"] == "checkpoint_load_end" for ms in marks.values() for m in ms)
+    assert fault["step"] not in {m["step"] for m in marks[0] if m["event"] == "checkpoint_end"}
+    errors = run.cli("errors")
+    assert (errors["status"], errors["restart"], errors["failed_restarts"]) == ("failed", 2, [0, 1, 2])
+    assert errors["culprit"]["phase"] == "checkpoint_load" and errors["culprit"]["state"] == "error"
+    unfinished = errors["unfinished_checkpoint"]
+    assert {k: unfinished[k] for k in ("path", "step", "restart", "rank")} == {
+        "path": fault["path"],
+        "step": fault["step"],
+        "restart": 0,
+        "rank": 0,
+    }
+    verdict = errors["verdict"]
+    assert (
+        f"; the checkpoint loaded (step{fault['step']}.pt) never completed: restart 0's rank 0 was saving it at "
+        f"step {fault['step']} when it was killed by SIGKILL" in verdict
+    ), verdict
+    assert errors["same_failure_restarts"] == [1] and "; restart 1 failed the same way" in verdict, verdict
+    assert verdict.endswith(
+        f"; restart 0 had failed first: rank 0 was killed by SIGKILL (exit code -9) in a checkpoint save at step "
+        f"{fault['step']}"
+    ), verdict
+
+
 @pytest.mark.once
 def test_a_restart_that_fails_otherwise(tmp_path: Path) -> None:
     """Rank 1 raises in backward at step 7 in the first attempt, and in forward at step 7 in the restart: the

@@ -291,8 +291,11 @@ def progress_fields(progress: Progress | None) -> dict[str, Any]:
     }
     if progress.step_done is not None:
         fields["last_step_done"] = progress.step_done
-    if progress.phase_started_ns is not None:
-        fields["phase_started_ns"] = progress.phase_started_ns
+    # What the diagnosis reads of a killed rank's file, which a restart rewrites: the launcher's copy outlives it.
+    for name in ("phase_started_ns", "collective_started_ns", "alive_ns", "last_step_ns"):
+        value = getattr(progress, name)
+        if value is not None:
+            fields[name] = value
     return fields
 
 

@@ -740,6 +740,8 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         "lost_node": verdict.get("lost_node"),
         # A node whose launcher got a signal from outside, alone (rule "node ended from outside"): a preemption.
         "node_ended": verdict.get("node_ended"),
+        # The checkpoint a failed load read, whose save an earlier attempt began and never finished.
+        "unfinished_checkpoint": verdict.get("unfinished_checkpoint"),
         "rank_states": verdict["ranks"],
         "first_error": first,
         "error_count": len(all_errors),

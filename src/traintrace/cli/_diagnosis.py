@@ -13,6 +13,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from .._faults import FAULTS_SUFFIX
@@ -289,10 +290,16 @@ def diagnose(job: Job) -> dict[str, Any]:
         culprit, rule = diverged, "metric: not finite"
     elif diverged is not None:
         sentence += f"; before it, {_non_finite_phrase(diverged)}"
+    unfinished = None
+    if culprit is not None and culprit.state == "error" and culprit.phase == SpanName.CHECKPOINT_LOAD:
+        unfinished = _unfinished_save(job, known, culprit, {r: attempts[r] for r in failed if r < about})
+        if unfinished is not None:
+            sentence += _unfinished_phrase(unfinished)
     # A restart that fails as the attempt before it did gets nowhere: say so. One that failed otherwise: the
     # first failure may be the root (a checkpoint it damaged, say), so it is named too.
-    earlier = {r: _culprit(_rank_states(job, attempts[r], known))[0] for r in failed[-1 - MAX_COMPARED : -1]}
-    same = [r for r, c in earlier.items() if _same_failure(culprit, c)]
+    earlier_states = {r: _rank_states(job, attempts[r], known) for r in failed[-1 - MAX_COMPARED : -1]}
+    earlier = {r: _culprit(states)[0] for r, states in earlier_states.items()}
+    same = [r for r, c in earlier.items() if _same_failure_of_attempt(culprit, c, earlier_states[r])]
     if same:
         sentence += f"; {'restart' if len(same) == 1 else 'restarts'} {_and(same)} failed the same way"
     first = failed[0]
@@ -317,6 +324,8 @@ def diagnose(job: Job) -> dict[str, Any]:
         out["lost_node"] = {k: v for k, v in lost.items() if k != "culprit"}
     if ended is not None:
         out["node_ended"] = {k: v for k, v in ended.items() if k != "culprit"}
+    if unfinished is not None:
+        out["unfinished_checkpoint"] = unfinished
     out["same_failure_restarts"] = same
     if out_rendezvous is not None:
         out["rendezvous"] = out_rendezvous
@@ -443,6 +452,64 @@ def _node_ended_sentence(ended: dict[str, Any], states: list[RankState]) -> str:
     return head + "; " + _doing_groups(others, died=True) if others else head
 
 
+def _unfinished_save(
+    job: Job, facts: _Facts, culprit: RankState, earlier: dict[int, list[dict[str, Any]]]
+) -> dict[str, Any] | None:
+    """For a rank whose checkpoint load failed: the save of that checkpoint an earlier attempt began and never
+    finished (its rank killed, terminated or failed in it), when the load names the checkpoint (its
+    ``checkpoint_path`` or ``current_iteration``) and no save of that path completed. A save that writes straight
+    to its final name leaves the file cut short; the restart loads the newest file and fails, every time."""
+    saves = ", ".join(f"'{n}'" for n in CHECKPOINT_SAVES)
+    load = job.rows(
+        f"""
+        SELECT attrs->>'checkpoint_path', try_cast(attrs->>'current_iteration' AS BIGINT)
+        FROM spans_small WHERE stream = {int(culprit.stream)} AND name = '{SpanName.CHECKPOINT_LOAD}'
+        ORDER BY ts DESC LIMIT 1
+        """
+    )
+    if not load or (load[0][0] is None and load[0][1] is None):
+        return None
+    path, step = load[0]
+    done = {
+        str(p)
+        for (p,) in job.rows(
+            f"SELECT DISTINCT attrs->>'checkpoint_path' FROM spans_small WHERE name IN ({saves}) "
+            f"AND status = '{SpanStatus.OK}' AND NOT open AND attrs->>'checkpoint_path' IS NOT NULL"
+        )
+    }
+    if path is not None and str(path) in done:
+        return None  # that checkpoint was written whole: something else is wrong with it
+    for restart in sorted(earlier, reverse=True):
+        for st in _rank_states(job, earlier[restart], facts):
+            if st.phase not in CHECKPOINT_SAVES or st.state not in ("killed", "terminated", "ended", "exited", "error"):
+                continue
+            if step is not None and st.step != step:
+                continue
+            return {"path": path, "step": st.step, "restart": restart, "rank": st.rank, "how": _ended_phrase(st)}
+    return None
+
+
+def _ended_phrase(st: RankState) -> str:
+    """How a rank's process ended, after "when it": "was killed by SIGKILL", "raised OSError"."""
+    if st.state == "error" and st.error is not None:
+        return f"raised {st.error['error_type']}"
+    if st.state in ("killed", "terminated"):
+        return f"was {_cause(st)}"
+    if st.state == "exited":
+        return f"exited with exit code {st.exit_code}"
+    return "stopped (its stream ended without a close record)"
+
+
+def _unfinished_phrase(unfinished: dict[str, Any]) -> str:
+    what = f"the checkpoint loaded ({Path(unfinished['path']).name})" if unfinished["path"] else "the checkpoint loaded"
+    at = "" if unfinished["step"] is None else f" at step {unfinished['step']}"
+    return (
+        f"; {what} never completed: restart {unfinished['restart']}'s rank {unfinished['rank']} was saving it"
+        f"{at} when it {unfinished['how']} (a save written straight to its final name leaves a partial file that "
+        "every restart loads: write to a temporary name, then rename)"
+    )
+
+
 def _non_finite(job: Job, restart: int, states: list[RankState]) -> RankState | None:
     """The rank whose float metric (a loss) became NaN or infinite first in the attempt, from the writers'
     ``non_finite_metric`` events (one per rank and metric): the lowest step, then the earliest. A state of that
@@ -532,6 +599,22 @@ def _same_failure(a: RankState | None, b: RankState | None) -> bool:
         return (s.rank, s.step, s.phase, s.state, s.error and s.error["error_type"], s.signal, s.exit_code)
 
     return how(a) == how(b)
+
+
+def _same_failure_of_attempt(culprit: RankState | None, theirs: RankState | None, states: list[RankState]) -> bool:
+    """An earlier attempt failed as this one did: its culprit failed the same way, or several ranks raised the
+    same error in the same place in both and another of them happened to be first there (every rank loading the
+    same broken checkpoint)."""
+    if _same_failure(culprit, theirs):
+        return True
+    mine = next((s for s in states if culprit is not None and s.rank == culprit.rank), None)
+    if culprit is None or theirs is None or mine is None or mine.error is None:
+        return False
+
+    def place(s: RankState) -> tuple[Any, ...]:  # the exit code is the launcher's: a rank it stopped differs
+        return (s.step, s.phase, s.state, s.error and s.error["error_type"])
+
+    return place(culprit) == place(theirs) == place(mine)
 
 
 def _went_on(job: Job, known: _Facts, states: list[RankState], restart: int) -> tuple[RankState, str] | None:
@@ -702,8 +785,37 @@ def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], s
             "signal": data.get("signal"),
             "ts": ts,
             "failed_at_ns": failed_at * 1_000_000_000 if type(failed_at) is int and failed_at > 0 else None,
+            "progress": _copied_progress(data, rank, int(restart or 0)),
         }
     return failures, launcher_signal, by_stream
+
+
+def _copied_progress(data: dict[str, Any], rank: int, restart: int) -> SimpleNamespace | None:
+    """The dead rank's progress file as the launcher copied it into ``worker_failure`` (``progress_fields``), read
+    as the file is: a restart rewrites the file, and the failed attempt's exact step and phase are then only
+    here. None without the copy (an older launcher, no file); a hostile value reads as unknown."""
+
+    def number(name: str) -> int | None:
+        value = data.get(name)
+        return value if type(value) is int else None
+
+    updated = number("last_progress_ns")
+    if updated is None:
+        return None
+    phase = data.get("last_phase")
+    return SimpleNamespace(
+        rank=rank,
+        restart=restart,
+        step=number("last_step"),
+        step_done=number("last_step_done"),
+        phase=phase if isinstance(phase, str) else None,
+        in_collective=data.get("in_collective") is True,
+        updated_ns=updated,
+        phase_started_ns=number("phase_started_ns"),
+        collective_started_ns=number("collective_started_ns"),
+        alive_ns=number("alive_ns"),
+        last_step_ns=number("last_step_ns"),
+    )
 
 
 def _rendezvous_failure(job: Job) -> dict[str, Any] | None:
@@ -943,9 +1055,12 @@ def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) 
 
 def _from_progress(job: Job, st: RankState, f: dict[str, Any], facts: _Facts) -> None:
     """A rank that died without writing its last records: the progress file knows its exact step and phase."""
-    progress = job.progress_files().get(st.rank)
+    progress: Any = job.progress_files().get(st.rank)
     if progress is None or getattr(progress, "restart", st.restart) != st.restart:
-        return
+        # A later attempt rewrote the file: the launcher's copy of it, made when it saw this attempt's rank die.
+        progress = (facts.failures.get((st.rank, st.restart)) or {}).get("progress")
+        if progress is None:
+            return
     if st.state not in ("killed", "exited", "ended", "terminated", "running") or st.hang is not None:
         return  # an exception or a hang report says where the rank was; the file says where it ended up
     if st.state == "exited" and f["closed"]:
