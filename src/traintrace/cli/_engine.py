@@ -804,7 +804,10 @@ class Job:
         for stream, _path, rank, restart, host, pid, start_ts, closed, errors, end_ts, last in rows:
             if closed or not last:
                 continue
-            if any(h == host and began <= start_ts <= ended for h, began, ended in launchers_done):
+            if any(
+                h is not None and h == host and None not in (began, ended, start_ts) and began <= start_ts <= ended
+                for h, began, ended in launchers_done
+            ):
                 continue
             # Only a stream without a close record needs the progress files (and their module's imports).
             p = self.progress_files().get(rank)
