@@ -23,6 +23,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -511,9 +513,11 @@ def process_tree(pid: int) -> list[int]:
     return [pid, *(p for child in children.stdout.split() for p in process_tree(int(child)))]
 
 
-def start_two_nodes(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+@contextmanager
+def two_nodes(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str]]]:
     """Two launchers on this machine, named node-a and node-b (``TRAINTRACE_HOST``), 2 ranks each, running the
-    worker for 200 steps with ``args``; the truth in ``tmp_path/truth``, the records in ``tmp_path/logs/job``."""
+    worker for 200 steps with ``args``; the truth in ``tmp_path/truth``, the records in ``tmp_path/logs/job``.
+    On the way out, what still runs of either is killed."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -535,9 +539,16 @@ def start_two_nodes(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], 
             start_new_session=True,
         )
 
-    first = node("node-a")
-    time.sleep(0.5)
-    return first, node("node-b")
+    launched = [node("node-a")]
+    try:
+        time.sleep(0.5)
+        launched.append(node("node-b"))
+        yield launched[0], launched[1]
+    finally:
+        for process in launched:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -547,19 +558,13 @@ def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     (the truth: the processes the test killed, and the step their own notes last began), both within a minute
     (node-b's silent ranks still count as running) and later (their streams ended without a close record)."""
     truth = tmp_path / "truth"
-    survivor, lost = start_two_nodes(tmp_path, "--gloo-timeout", "6")
-    try:
+    with two_nodes(tmp_path, "--gloo-timeout", "6") as (survivor, lost):
         for rank in range(4):
             wait_for_step(survivor, truth, rank, 10)
         killed = process_tree(lost.pid)
         for pid in killed:
             os.kill(pid, signal.SIGKILL)
         survivor.wait(timeout=120)
-    finally:
-        for process in (survivor, lost):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
     run = Run(tmp_path / "logs" / "job", truth, survivor.returncode, "")
     marks = run.marks()
     lost_ranks = sorted(r for r, ms in marks.items() if any(m.get("pid") in killed for m in ms))
@@ -616,9 +621,8 @@ def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: p
     truth = tmp_path / "truth"
     detection, timeout = {"hang reports": ("1.5", "6"), "timeouts": ("0", "6"), "killed": ("0", "60")}[ending]
     fault = ("--fault", "hang_data", "--fault-host", "node-b", "--fault-step", "8")
-    first, second = start_two_nodes(tmp_path, "--gloo-timeout", timeout, "--hang-timeout", detection, *fault)
     times: dict[str, float] = {}
-    try:
+    with two_nodes(tmp_path, "--gloo-timeout", timeout, "--hang-timeout", detection, *fault) as (first, second):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(list(truth.glob("stuck.*.fifo"))) < 2:
             time.sleep(0.05)
@@ -632,11 +636,6 @@ def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: p
             first.wait(timeout=120)
             os.killpg(second.pid, signal.SIGTERM)
         second.wait(timeout=60)
-    finally:
-        for process in (first, second):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
     run = Run(tmp_path / "logs" / "job", truth, first.returncode, "")
     marks = run.marks()
     on_b = sorted(r for r, ms in marks.items() if ms[0]["host"] == "node-b")
@@ -684,19 +683,13 @@ def test_a_node_terminated_from_outside(tmp_path: Path, signalled: str) -> None:
     the whole job's, as on one node. The truth: the launchers the test signalled, each rank's host and its own
     SIGTERM handler's mark, and the step each began last."""
     truth = tmp_path / "truth"
-    first, second = start_two_nodes(tmp_path, "--gloo-timeout", "6")
-    try:
+    with two_nodes(tmp_path, "--gloo-timeout", "6") as (first, second):
         for rank in range(4):
             wait_for_step(first, truth, rank, 10)
         for launcher in (second,) if signalled == "node-b" else (first, second):
             os.kill(launcher.pid, signal.SIGTERM)
         first.wait(timeout=120)
         second.wait(timeout=60)
-    finally:
-        for process in (first, second):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
     run = Run(tmp_path / "logs" / "job", truth, first.returncode, "")
     marks = run.marks()
     hosts = {r: ms[0]["host"] for r, ms in marks.items()}
@@ -1126,14 +1119,8 @@ def test_a_slow_node(tmp_path: Path) -> None:
     """A 2-node job (node-a, node-b, 2 ranks each) whose node-b ranks are both slower in forward from step 8 on (a
     throttled or shared host): ``ranks`` names both, and their node, from the step the worker's own marks say."""
     fault = ("--fault", "slow_compute", "--fault-host", "node-b", "--fault-step", "8")
-    first, second = start_two_nodes(tmp_path, "--steps", "30", *fault)
-    try:
+    with two_nodes(tmp_path, "--steps", "30", *fault) as (first, second):
         assert first.wait(timeout=180) == 0 and second.wait(timeout=60) == 0
-    finally:
-        for process in (first, second):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
     run = Run(tmp_path / "logs" / "job", tmp_path / "truth", 0, "")
     marks = run.marks()
     on_b = sorted(r for r, ms in marks.items() if ms[0]["host"] == "node-b")
