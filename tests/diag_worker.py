@@ -356,6 +356,7 @@ def main() -> None:
                         with tt.collective(op="all_reduce", group="pair"):
                             dist.all_reduce(torch.ones(1), group=partner)
                     it.add_metrics(loss=loss.detach())
+                    truth.write(event="step_leaving", step=step)  # the iteration's span ends between these two
                 truth.write(event="step_end", step=step)
                 if rank == 0 and (step + 1) % args.checkpoint_every == 0 and args.async_checkpoint:
                     if writing is not None:
