@@ -5,11 +5,13 @@ Each scenario runs ``tests/diag_worker.py``, a small DDP training script using t
 wrote itself, without traintrace (its own JSON lines of step, checkpoint and fault times): the culprit rank,
 its step, its phase and its cause, and goodput within one point.
 
-The workers record with the core of the pass (``TRAINTRACE_PURE`` is passed on). Jobs where the core's own
-behaviour decides the answer (a death by signal, SIGTERM, a hang, the progress file of a running job, an
-exception's open spans) run in both passes of ``scripts/test``; those whose answer comes from the launcher's
-stream and the step times (restarts, stragglers, the rendezvous) and three of the five exception sites are
-marked ``once``: both cores write the same records (tests/test_native_encoder.py).
+The workers record with the core of the pass (``TRAINTRACE_PURE`` is passed on). Each way the core's own
+behaviour decides an answer (an exception's open spans, a death by SIGKILL or SIGSEGV, MemoryError, SIGTERM's
+handler, a hang report, a checkpoint's records, the progress file of a running or frozen job, an exit) has a
+job that runs in both passes of ``scripts/test``. The others are marked ``once``, saying which job covers
+their core's part in the pure pass: those whose answer comes from the launchers' streams and the step times
+(restarts, stragglers, nodes, the rendezvous), and further jobs of a kind already run (both cores write the
+same records: tests/test_native_encoder.py). The suite must fit CI's 30 minutes.
 """
 
 from __future__ import annotations
@@ -283,6 +285,7 @@ def test_a_loss_that_becomes_infinite_on_one_rank(tmp_path: Path) -> None:
     assert run.cli("summary")["status"] == "diverged"
 
 
+@pytest.mark.once  # in the pure pass, the pure core's error records: test_an_exception_on_one_rank
 def test_a_nan_check_that_fails_every_rank(tmp_path: Path) -> None:
     """The same corrupt batch, and every rank raises when its loss is NaN (a guard that misses infinity): all
     three raise FloatingPointError at step 8 within moments of each other, so the first error names any of them.
@@ -300,6 +303,7 @@ def test_a_nan_check_that_fails_every_rank(tmp_path: Path) -> None:
     assert "then rank" in errors["verdict"] and "raised FloatingPointError" in errors["verdict"]
 
 
+@pytest.mark.once  # in the pure pass, the pure core's error records: test_an_exception_on_one_rank
 def test_an_exception_in_a_checkpoint_save(tmp_path: Path) -> None:
     """Rank 0 fails while saving after step 9: the step it was saving (10), in checkpoint_save_sync."""
     run = launch(tmp_path, 3, "--fault", "checkpoint", "--fault-rank", "0", "--fault-step", "10")
@@ -308,6 +312,7 @@ def test_an_exception_in_a_checkpoint_save(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 5  # the checkpoint after step 4 protects steps 0-4 on every rank
 
 
+@pytest.mark.once  # in the pure pass, the pure core's error records: test_an_exception_on_one_rank
 def test_two_ranks_exception_in_forward(tmp_path: Path) -> None:
     """A 2-rank job: the same answer."""
     run = launch(tmp_path, 2, "--fault", "forward", "--fault-rank", "1", "--fault-step", "6")
@@ -385,6 +390,7 @@ def memory_cgroup(limit: int) -> tuple[Path, str]:
     pytest.skip("no memory cgroup controller here: the kernel's OOM killer is not reachable")
 
 
+@pytest.mark.once  # in the pure pass, a SIGKILLed pure core: test_a_rank_killed_by_a_signal
 def test_a_rank_killed_by_the_oom_killer(tmp_path: Path) -> None:
     """Rank 1 leaks 64 MiB a step inside a memory cgroup limited to four of them (a container's limit): the
     kernel's OOM killer sends SIGKILL, which leaves no message. The rank, its last step (its own marks) and the
@@ -561,6 +567,7 @@ def two_nodes(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str
             process.wait()
 
 
+@pytest.mark.once  # in the pure pass, the launchers' records: the pure core takes no other part
 def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 2-node job (two launchers on this machine, named node-a and node-b, 2 ranks each): node-b's launcher and
     workers are SIGKILLed together at step 10, as when a node goes down. node-a's ranks fail on their all-reduce
@@ -613,7 +620,9 @@ def read_later(run: Run, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         job.close()
 
 
-@pytest.mark.parametrize("ending", ["hang reports", pytest.param("timeouts", marks=pytest.mark.once), "killed"])
+@pytest.mark.parametrize(
+    "ending", ["hang reports", *(pytest.param(e, marks=pytest.mark.once) for e in ("timeouts", "killed"))]
+)
 def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
     """A 2-node job (node-a, node-b, 2 ranks each): at step 8 both of node-b's ranks block in data loading, on
     a read that never returns (a FIFO nobody writes, as a hung network file system), while node-a's ranks wait
@@ -684,7 +693,8 @@ def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: p
     assert low <= later["culprit"]["stuck_ns"] / 1e9 <= times["dead"] - began / 1e9, (later["culprit"], low)
 
 
-@pytest.mark.parametrize("signalled", ["node-b", pytest.param("every node", marks=pytest.mark.once)])
+@pytest.mark.once  # the launchers' signals; in the pure pass, SIGTERM's handler: test_sigterm_from_outside
+@pytest.mark.parametrize("signalled", ["node-b", "every node"])
 def test_a_node_terminated_from_outside(tmp_path: Path, signalled: str) -> None:
     """A 2-node job (node-a, node-b, 2 ranks each) training at step 10: SIGTERM to node-b's launcher alone (a
     preempted spot instance, an evicted pod, a drained node), which stops its ranks; node-a's ranks then fail on
@@ -820,6 +830,7 @@ def test_the_whole_job_killed_just_after_a_checkpoint(tmp_path: Path) -> None:
     assert summary["steps_completed"] == saved[-1], summary
 
 
+@pytest.mark.once  # in the pure pass, the pure core's hang report and SIGKILL: tests of each alone
 def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
     """Rank 1 hangs in forward at step 6; before any timeout or hang report, the whole job is SIGKILLed (the
     scheduler's time limit). The progress files say the others had waited in a collective since, and until when
@@ -857,7 +868,7 @@ def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
     assert "ranks 0 and 2 were waiting in a collective" in errors["verdict"], errors["verdict"]
 
 
-@pytest.mark.parametrize("hung", [False, True])
+@pytest.mark.parametrize("hung", [False, pytest.param(True, marks=pytest.mark.once)])
 def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool) -> None:
     """SIGTERM to the launcher and every rank at once (the scheduler's time limit: Slurm signals every task),
     while the job trains, or while rank 1 hangs in forward: no rank is blamed for the signal; a hang is named."""
@@ -899,6 +910,7 @@ def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool) -
     assert low <= culprit["stuck_ns"] / 1e9 <= high, (culprit["stuck_ns"], low, high)
 
 
+@pytest.mark.once  # in the pure pass, the pure core's hang report and SIGKILL: tests of each alone
 def test_a_job_hung_in_a_collective_killed_by_the_scheduler(tmp_path: Path) -> None:
     """Rank 0 waits at step 6 in an all-reduce its partner never joins; the others wait for it at step 7; the
     whole job is SIGKILLed 3 s later, before any timeout: rank 0 is named, inside a collective at step 6."""
@@ -928,6 +940,7 @@ def test_a_job_hung_in_a_collective_killed_by_the_scheduler(tmp_path: Path) -> N
     assert all(r["in_collective"] and r["step"] == fault["step"] + 1 for r in others), others
 
 
+@pytest.mark.once  # in the pure pass, a SIGKILLed pure core: test_a_rank_killed_by_a_signal
 def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
     """SIGKILL to ranks 1 and 2 at once while they run step 7 (a node lost, the OOM killer); the launcher stops
     the others: one of the two is named, and the verdict says the other was killed too."""
@@ -980,7 +993,7 @@ def test_sigterm_from_outside(tmp_path: Path) -> None:
     check_goodput(run)
 
 
-@pytest.mark.parametrize("detection", ["on", "off"])
+@pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
 def test_a_rank_hung_in_compute(tmp_path: Path, detection: str) -> None:
     """Rank 1 sleeps in forward; the others wait in the all-reduce until gloo times out: rank 1 is named.
 
@@ -1005,7 +1018,7 @@ def test_a_rank_hung_in_compute(tmp_path: Path, detection: str) -> None:
         assert not errors["hang_suspects"]
 
 
-@pytest.mark.parametrize("detection", ["on", "off"])
+@pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
 def test_a_rank_hung_in_a_checkpoint_save(tmp_path: Path, detection: str) -> None:
     """Rank 0 stalls in its save after step 9 (a file system that stopped answering); the others wait for it in
     the all-reduce of step 10. A save has a longer hang timeout than a step, so with detection on only the
@@ -1028,7 +1041,10 @@ def test_a_rank_hung_in_a_checkpoint_save(tmp_path: Path, detection: str) -> Non
         assert all(r["hang"] is not None for r in others)  # their own reports; rank 0 made none
 
 
-@pytest.mark.parametrize(("linger", "detection"), [("0", "on"), ("1.0", "on"), ("0", "off")])
+@pytest.mark.parametrize(
+    ("linger", "detection"),
+    [("0", "on"), pytest.param("1.0", "on", marks=pytest.mark.once), pytest.param("0", "off", marks=pytest.mark.once)],
+)
 def test_a_rank_hung_in_a_collective(tmp_path: Path, linger: str, detection: str) -> None:
     """Rank 0 waits in an all-reduce its partner never joins; the others wait for rank 0 one step later.
 
@@ -1188,6 +1204,7 @@ def test_a_hang_seen_while_the_job_still_hangs(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.once  # in the pure pass, a running pure core: test_a_hang_seen_while_the_job_still_hangs
 def test_a_running_job_waiting_on_a_rank_without_hang_detection(tmp_path: Path) -> None:
     """Looked at 3 s into rank 1's hang, hang detection off and no timeout yet: still running, waiting on rank 1,
     from the progress files' phases and the writers' stamps; how long, by the worker's marks and the test's clock."""
@@ -1274,7 +1291,8 @@ def test_a_rank_that_stops_responding(tmp_path: Path, fault: str) -> None:
     check_goodput(run)
 
 
-@pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
+@pytest.mark.once  # in the pure pass, the writer's stamps of a frozen process: test_a_rank_that_stops_responding
+@pytest.mark.parametrize("detection", ["on", "off"])
 def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detection: str) -> None:
     """Read 14 s after rank 1's process stopped (SIGSTOP in forward at step 7), the collectives' timeout not
     reached: running, rank 1 stopped responding (the others' writers stamp their progress files, its does
@@ -1332,6 +1350,7 @@ def steps_done_before(run: Run, rank: int, ts: int) -> int:
     return len([m for m in run.marks()[rank] if m["event"] == "step_end" and m["ts"] < ts])
 
 
+@pytest.mark.once  # in the pure pass, the pure core's error records: test_an_exception_on_one_rank
 def test_an_exception_in_validation(tmp_path: Path) -> None:
     """A validation pass every 4 steps; rank 1 raises in the one after step 7: validation, step 8 (the step
     being prepared, as for a checkpoint save), while the others wait in the pass's all-reduce."""
@@ -1347,6 +1366,7 @@ def test_an_exception_in_validation(tmp_path: Path) -> None:
     check_goodput(run)
 
 
+@pytest.mark.once  # in the pure pass, the pure core's error records: test_an_exception_on_one_rank
 def test_an_exception_before_the_training_loop(tmp_path: Path) -> None:
     """Rank 2 raises while building the model: no step, model initialisation."""
     run = launch(tmp_path, 3, "--fault", "model_init", "--fault-rank", "2")
@@ -1358,6 +1378,7 @@ def test_an_exception_before_the_training_loop(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 0
 
 
+@pytest.mark.once  # in the pure pass, the pure core's error records: test_an_exception_on_one_rank
 def test_an_exception_after_the_training_loop(tmp_path: Path) -> None:
     """Rank 0 raises after its last step (writing the final model fails) while the others wait at the final
     barrier: outside the training loop after step 11 (the last step every rank's marks end), not "at step 12",
@@ -1458,6 +1479,7 @@ def test_a_restart_that_fails_the_same_way(tmp_path: Path) -> None:
     check_goodput(run)
 
 
+@pytest.mark.once  # in the pure pass, the pure core's checkpoint records: test_a_rank_dying_during_a_checkpoint_save
 def test_a_restart_that_loads_a_checkpoint_cut_short(tmp_path: Path) -> None:
     """Rank 0 saves straight to the checkpoint's final name (no temporary file) and is killed half-way through
     the save after step 14; torchrun restarts twice, each restart loads the newest file, cut short, and every rank
@@ -1524,6 +1546,7 @@ def test_a_restart_that_fails_otherwise(tmp_path: Path) -> None:
     check_goodput(run)
 
 
+@pytest.mark.once  # in the pure pass, the pure core's exits: test_a_rank_exiting_with_a_code
 def test_a_rank_that_leaves_early(tmp_path: Path) -> None:
     """Rank 1's data runs out before step 6 (uneven inputs): it leaves the loop, closes and exits 0; the others
     wait for it in backward's all-reduce at step 6 until gloo says the peer is gone. Rank 1 is named, not the
@@ -1546,6 +1569,7 @@ def test_a_rank_that_leaves_early(tmp_path: Path) -> None:
     check_goodput(run)
 
 
+@pytest.mark.once  # in the pure pass, the pure core's hang report: test_a_rank_hung_in_compute[on]
 def test_a_rank_stuck_before_the_loop(tmp_path: Path) -> None:
     """Rank 1 is stuck in model initialisation (a slow download, a stuck file system) before DDP's first
     broadcast; the others time out in that broadcast and torchrun stops rank 1. No step and no collective span
