@@ -203,6 +203,9 @@ def _clean_traintrace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterat
             "MASTER_PORT",
         ):
             monkeypatch.delenv(key, raising=False)
+    # The command's scanner reads every job of the suite, however small (by default it reads only jobs of
+    # 32 MiB or more); DuckDB's reader reads them in the pure pass. tests/test_cli_reader.py tests the default.
+    monkeypatch.setenv("TRAINTRACE_READER", "native")
     monkeypatch.chdir(tmp_path)
     _recorder._warned.clear()
     framework_logs.active = False  # set by the Lightning/HF callbacks for the process (trackers' tests)

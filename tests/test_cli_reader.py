@@ -162,11 +162,19 @@ def test_random_files_give_the_same_table(
 def test_the_scanner_is_used_when_built_and_duckdb_reads_when_asked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Built: the scanner reads (also under TRAINTRACE_PURE=0); TRAINTRACE_READER=duckdb or TRAINTRACE_PURE=1:
-    DuckDB's read_json, as before; a compressed file is always DuckDB's."""
+    """Built: the scanner reads (also under TRAINTRACE_PURE=0), by default only a job of SCANNER_MIN_BYTES or
+    more; TRAINTRACE_READER=duckdb or TRAINTRACE_PURE=1: DuckDB's read_json, as before; a compressed file is
+    always DuckDB's."""
     write_job(tmp_path / "job", Script(ranks=2))
+    size = sum(p.stat().st_size for p in (tmp_path / "job").glob("*.jsonl"))
     monkeypatch.delenv("TRAINTRACE_READER", raising=False)
     monkeypatch.setenv("TRAINTRACE_PURE", "0")
+    assert Job.open([tmp_path / "job"], lean=True).reader == "duckdb"  # small: the default leaves it to DuckDB
+    monkeypatch.setattr(_reader, "SCANNER_MIN_BYTES", size)
+    assert Job.open([tmp_path / "job"], lean=True).reader == "native"
+    monkeypatch.setattr(_reader, "SCANNER_MIN_BYTES", size + 1)
+    assert Job.open([tmp_path / "job"], lean=True).reader == "duckdb"
+    use("native", monkeypatch)
     assert Job.open([tmp_path / "job"], lean=True).reader == "native"
     monkeypatch.setenv("TRAINTRACE_PURE", "1")
     assert Job.open([tmp_path / "job"], lean=True).reader == "duckdb"

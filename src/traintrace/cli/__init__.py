@@ -344,7 +344,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return _dispatch(args, job, parse_ranks)
     except Exception as exc:  # noqa: BLE001 - turned into an exit code
-        duckdb = sys.modules.get("duckdb")
+        duckdb = sys.modules.get("_duckdb") or sys.modules.get("duckdb")  # whichever import_duckdb loaded
         if args.command == "query" and duckdb is not None and isinstance(exc, duckdb.Error):
             print(terminal_safe(f"traintrace: query failed: {exc}"), file=sys.stderr)
             return EXIT_USAGE
