@@ -21,12 +21,11 @@ import logging
 import os
 from pathlib import Path
 
+from ._format import FAULTS_SUFFIX
 from ._safefs import open_dir, open_nofollow
 
 log = logging.getLogger("traintrace.lib")
 
-#: Suffix added to a stream's path for its fault file.
-FAULTS_SUFFIX = ".faults.txt"
 
 _state: dict[str, object] = {}
 

@@ -14,6 +14,9 @@ from typing import Final, NamedTuple
 SCHEMA: Final = "traintrace"
 SCHEMA_VERSION: Final = 1
 
+#: Suffix added to a stream's path for its fault file (faulthandler's tracebacks of a fatal signal).
+FAULTS_SUFFIX: Final = ".faults.txt"
+
 
 class Field(NamedTuple):
     """A record field: its DuckDB column type, and the Python types a reader accepts (empty: unchecked)."""

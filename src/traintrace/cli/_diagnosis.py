@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .._faults import FAULTS_SUFFIX
+from .._format import FAULTS_SUFFIX  # not .._faults: it imports what the recording side needs
 from .._lifecycle import EventType  # not ..events: it would import the recorder
 from .._names import EventName, SpanName, SpanStatus
 from ._engine import Job
