@@ -28,8 +28,9 @@ __all__ = ["READERS", "SCANNER_MIN_BYTES", "native_scanner", "reader_wanted", "s
 READERS = ("auto", "native", "duckdb")
 
 #: Below this many bytes of files ``auto`` leaves a job to DuckDB's read_json: the Arrow scan needs the
-#: ``duckdb`` package's Python layers, about 40 ms to import, and the scanner saves that from about 40 MB on
-#: (``summary`` on a 2-core VM: 15 MB 0.31 s with the scanner, 0.28 s without; 60 MB 0.47 s, 0.49 s).
+#: ``duckdb`` package's Python layers (about 90 ms to import on a 2-core VM), which the scanner repays from
+#: about 40 MB of files on (``summary`` there: 15 MB 0.31 s with the scanner, 0.28 s without; 60 MB 0.47 s,
+#: 0.49 s).
 SCANNER_MIN_BYTES = 32 << 20
 
 _SCAN_TYPES = {"VARCHAR": "str", "BIGINT": "int", "JSON": "json"}
