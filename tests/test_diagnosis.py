@@ -567,7 +567,7 @@ def two_nodes(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str
             process.wait()
 
 
-@pytest.mark.once  # in the pure pass, the launchers' records: the pure core takes no other part
+@pytest.mark.once  # a launcher's end; in the pure pass, a SIGKILLed pure core: test_a_rank_killed_by_a_signal
 def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 2-node job (two launchers on this machine, named node-a and node-b, 2 ranks each): node-b's launcher and
     workers are SIGKILLed together at step 10, as when a node goes down. node-a's ranks fail on their all-reduce
