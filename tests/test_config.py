@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,25 @@ def test_bad_environment_value_names_the_variable(monkeypatch: pytest.MonkeyPatc
     with pytest.warns(tt.TraintraceWarning, match=r"TRAINTRACE_SHINY is not a setting"):
         tt.configure()
     tt.close()
+
+
+def test_the_variables_that_are_not_settings_are_never_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every variable docs/configuration.md lists as not a setting (the command's, the build's) is read by
+    configure() without a warning: a user who exports TRAINTRACE_READER or TRAINTRACE_CACHE_DIR for the
+    command must not be warned by every training job."""
+    table = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    start = table.index("Variables that are not settings")
+    rows = [line for line in table[start:].splitlines()[4:] if line.startswith("| `TRAINTRACE_")]
+    names = [name for row in rows for name in re.findall(r"`(TRAINTRACE_[A-Z_]+)`", row.split("|")[1])]
+    assert {"TRAINTRACE_READER", "TRAINTRACE_CACHE_DIR", "TRAINTRACE_SPARK_MASTER"} <= set(names), names
+    for name in names:
+        if name not in ("TRAINTRACE_CONFIG", "TRAINTRACE_DISABLED", "TRAINTRACE_PURE"):  # these change the run
+            monkeypatch.setenv(name, "x")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tt.configure(backends=[])
+    tt.close()
+    assert not [str(w.message) for w in caught if issubclass(w.category, tt.TraintraceWarning)]
 
 
 def test_missing_and_broken_config_files(tmp_path: Path) -> None:

@@ -619,7 +619,9 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 #: ``TRAINTRACE_*`` variables that are not settings of the library: read by
 #: ``configure()`` itself, by the ``traintrace`` command, or at import (``pure``: the
 #: pure-Python recording core) (docs/configuration.md).
-OWN_VARIABLES = frozenset({"config", "disabled", "memory_limit", "pure", "pure_build", "native_cflags"})
+OWN_VARIABLES = frozenset(
+    {"config", "disabled", "memory_limit", "reader", "cache_dir", "spark_master", "pure", "pure_build", "native_cflags"}
+)
 
 
 def _unknown_variable(key: str, candidates: Sequence[str]) -> None:
