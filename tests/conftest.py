@@ -203,8 +203,10 @@ def _clean_traintrace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterat
             "MASTER_PORT",
         ):
             monkeypatch.delenv(key, raising=False)
-    # The command's scanner reads every job of the suite, however small (by default it reads only jobs of
-    # 32 MiB or more); DuckDB's reader reads them in the pure pass. tests/test_cli_reader.py tests the default.
+    # The command's scanner reads the suite's jobs however small (by default it reads only jobs of 32 MiB or
+    # more): here and in the processes that inherit the environment; tests/test_diagnosis.py passes it to the
+    # commands it runs on real jobs. DuckDB's reader reads them in the pure pass; tests/test_cli_reader.py tests
+    # the default.
     monkeypatch.setenv("TRAINTRACE_READER", "native")
     monkeypatch.chdir(tmp_path)
     _recorder._warned.clear()
