@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -148,13 +149,53 @@ def test_each_command_reads_each_file_once_with_its_schema(tmp_path: Path, monke
     job_dir = _small_job(tmp_path / "job", ranks=3)
     log: list[str] = []
     connect = Job._connect
-    monkeypatch.setattr(Job, "_connect", lambda self: Recording(connect(self), log))
+    monkeypatch.setattr(Job, "_connect", lambda self, **kw: Recording(connect(self, **kw), log))
     job = Job.open([job_dir], lean=True)
     reads = [sql for sql in log if "read_json" in sql]
     assert len(reads) == 1, reads
-    assert "columns=" in reads[0] and "$files" in reads[0]
+    assert "columns=" in reads[0]
+    assert all(str(path.resolve()) in reads[0] for path in job_dir.glob("*.jsonl")), reads[0]
     del log[:]
     _analysis.summary(job)
     _analysis.ranks(job)
     _analysis.errors(job)
     assert log and not [sql for sql in log if "read_json" in sql or "read_parquet" in sql]
+
+
+def _without_timings(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_timings(v) for k, v in value.items() if k not in ("load_seconds", "seconds", "elapsed")}
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    if isinstance(value, float):
+        return round(value, 12)  # sums over one thread or two differ in the last bits
+    return value
+
+
+def test_a_small_job_gets_the_answers_of_the_full_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job under SMALL_JOB_BYTES is read on one DuckDB thread without the costliest optimisers (their planning
+    costs more than the queries on it): every answer is the one the engine gives with its defaults, on a job with
+    a straggler, checkpoints, a failure and a restart."""
+    from tests.cli_jobs import Script, write_job
+    from traintrace.cli import _analysis, _engine
+
+    monkeypatch.setenv("TRAINTRACE_READER", "duckdb")
+    write_job(tmp_path / "job", Script())
+
+    def answers(threads: int | None = None) -> tuple[Any, tuple[int, set[str]]]:
+        job = _engine.Job.open([tmp_path / "job"], lean=True, threads=threads)
+        settings = job.con.execute("SELECT current_setting('threads'), current_setting('disabled_optimizers')")
+        found = settings.fetchone()
+        assert found is not None
+        data = [_analysis.summary(job), _analysis.ranks(job), _analysis.errors(job)]
+        threads, skipped = found
+        return _without_timings(data), (threads, set(filter(None, skipped.split(","))))
+
+    small, small_settings = answers()
+    assert small_settings == (1, set(_engine.SMALL_JOB_SKIPPED_OPTIMIZERS))
+    assert answers(threads=2)[1][0] == 2  # --threads is the user's word
+    monkeypatch.setattr(_engine, "SMALL_JOB_BYTES", 0)
+    full, full_settings = answers()
+    assert full_settings == (os.cpu_count(), set())
+    assert small == full
+    assert small[2]["culprit"] is not None or small[2]["errors"], small[2]  # a failing job: something to compare

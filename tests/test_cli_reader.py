@@ -207,7 +207,7 @@ def test_a_command_reads_each_file_once(tmp_path: Path, monkeypatch: pytest.Monk
         handle.write('{"seq": 999, "kind": "event", "ts": 1.5, "name": "x"}\n{"seq": 1000, "kind"')
     log: list[str] = []
     connect = Job._connect
-    monkeypatch.setattr(Job, "_connect", lambda self: Recording(connect(self), log))
+    monkeypatch.setattr(Job, "_connect", lambda self, **kw: Recording(connect(self, **kw), log))
     job = Job.open([tmp_path / "job"], lean=True)
     assert job.reader == "native" and len(scanners) == 1
     files = sorted((tmp_path / "job").glob("*.jsonl"))

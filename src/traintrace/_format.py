@@ -16,6 +16,8 @@ SCHEMA_VERSION: Final = 1
 
 #: Suffix added to a stream's path for its fault file (faulthandler's tracebacks of a fatal signal).
 FAULTS_SUFFIX: Final = ".faults.txt"
+#: Suffix of a rank's progress file (``traintrace.progress``), beside the job's streams.
+PROGRESS_SUFFIX: Final = ".progress"
 
 
 class Field(NamedTuple):

@@ -25,6 +25,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from ._format import PROGRESS_SUFFIX
 from ._names import SpanName
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("traintrace.lib")
 
 #: The file's suffix, replacing the stream's (``rank0.jsonl`` -> ``rank0.progress``).
-SUFFIX: Final = ".progress"
+SUFFIX: Final = PROGRESS_SUFFIX
 #: ``b"TTPROGR\\0"`` read as a little-endian int64 (a reader on another byte order sees garbage).
 MAGIC: Final = int.from_bytes(b"TTPROGR\0", "little")
 VERSION: Final = 1

@@ -282,7 +282,8 @@ class SparkJob(Job):
 
     remote: list[str] | None = None
 
-    def _connect(self) -> Any:
+    def _connect(self, small: bool = False) -> Any:
+        """A Spark connection (``small`` is DuckDB's: Spark plans its own way)."""
         import tempfile
 
         self._tmp = tempfile.TemporaryDirectory(prefix="traintrace-spark-")
