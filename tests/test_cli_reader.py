@@ -220,3 +220,37 @@ def test_a_command_reads_each_file_once(tmp_path: Path, monkeypatch: pytest.Monk
     _analysis.ranks(job)
     _analysis.errors(job)
     assert log and not [sql for sql in log if "read_json" in sql or "read_parquet" in sql or "_scan" in sql]
+
+
+@pytest.mark.subprocess
+def test_the_scanner_needs_no_python_layer_of_duckdb_but_its_sources(tmp_path: Path) -> None:
+    """The Arrow scan of the scanner's columns sets up DuckDB's ``_sources`` modules alone (not the package's other
+    layers, 90 ms to import); a later ``import duckdb`` runs the package as usual, and its scan still works."""
+    import os
+    import subprocess
+
+    write_job(tmp_path / "job", Script(ranks=2))
+    code = (
+        "import json, sys\n"
+        "from traintrace.cli._engine import Job\n"
+        f"first = Job.open([{str(tmp_path / 'job')!r}], lean=True)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'duckdb')\n"
+        "import duckdb\n"
+        "assert duckdb.sql('SELECT 42').fetchall() == [(42,)]\n"
+        f"second = Job.open([{str(tmp_path / 'job')!r}], lean=True)\n"
+        "print('ANSWER', json.dumps([first.reader, first.reader_error, first.record_count, loaded,"
+        " second.reader, second.reader_error, second.record_count, 'duckdb._relation' in sys.modules]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRAINTRACE_READER": "native"}
+    env.pop("TRAINTRACE_PURE", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    reader, error, records, loaded, reader2, error2, records2, package = json.loads(
+        result.stdout.rsplit("ANSWER ", 1)[1]
+    )
+    assert (reader, error) == ("native", "") and (reader2, error2) == ("native", "")
+    assert records == records2 > 0
+    assert "duckdb._sources" in loaded and "duckdb" not in loaded and "duckdb._relation" not in loaded, loaded
+    assert package  # the package imported later is whole

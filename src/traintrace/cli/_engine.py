@@ -189,6 +189,42 @@ def import_duckdb() -> ModuleType:
     return duckdb
 
 
+def enable_arrow_scan(engine: ModuleType) -> None:
+    """Let ``engine`` (from :func:`import_duckdb`) scan Arrow streams, the native scanner's columns.
+
+    The scan adapts what it reads through the ``duckdb._sources`` modules, which the package's ``__init__``
+    hands to the extension (``_set_arrow_sources``) after importing all its other layers (about 90 ms). Those
+    modules need only the standard library: they are imported on their own (about 15 ms), beneath a stand-in for
+    the package that is removed at once, so that a later ``import duckdb`` runs the package's ``__init__`` as
+    usual (and finds the same modules). Where that is not possible (another DuckDB), the package is imported.
+    """
+    if getattr(engine, "__name__", "") != "_duckdb" or "duckdb" in sys.modules:
+        return  # the package is (or is being) imported: it sets the scan up itself
+    hand_over = getattr(engine, "_set_arrow_sources", None)
+    if hand_over is not None:
+        import importlib
+        from importlib.util import find_spec
+
+        before = set(sys.modules)
+        try:
+            spec = find_spec("duckdb")
+            if spec is not None and spec.submodule_search_locations:
+                stand_in = ModuleType("duckdb")
+                stand_in.__path__ = list(spec.submodule_search_locations)
+                sys.modules["duckdb"] = stand_in
+                try:
+                    sources = importlib.import_module("duckdb._sources")
+                finally:
+                    del sys.modules["duckdb"]
+                hand_over(sources)
+                return
+        except Exception:  # noqa: BLE001 - another layout of the package: import it whole
+            for name in set(sys.modules) - before:
+                if name.startswith("duckdb."):
+                    del sys.modules[name]
+    import duckdb  # noqa: F401
+
+
 #: The metadata file of a Parquet export (``traintrace export --format parquet``); Spark and DuckDB
 #: skip names starting with an underscore when they list the folder.
 EXPORT_META = "_traintrace.json"
@@ -545,10 +581,7 @@ class Job:
         con = self.con
         names, _, _ = self._select_parts()
         try:
-            # The Arrow scan of DuckDB's engine is set up by its package's Python layers, which import_duckdb
-            # leaves out: a job large enough for the scanner pays their import here.
-            import duckdb  # noqa: F401
-
+            enable_arrow_scan(import_duckdb())
             con.register("_traintrace_scan", scan)
             try:
                 # The scanner gives attrs as written; json() writes it as DuckDB's reader does (minified, numbers

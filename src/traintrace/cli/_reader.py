@@ -5,8 +5,7 @@ read and hands DuckDB their columns through the Arrow C stream interface; a line
 cannot be sure of is left to DuckDB's reader, so the table holds the same rows either way
 (docs/analysis.md, "The engine"). Without the extension, with ``TRAINTRACE_PURE=1`` or with
 ``TRAINTRACE_READER=duckdb``, DuckDB's ``read_json`` reads the files, as it always did; by default
-(``auto``) it also reads a job under ``SCANNER_MIN_BYTES``, where the Python layers of DuckDB's package
-that the Arrow scan needs cost more to import than the scanner saves.
+(``auto``) it also reads a job under ``SCANNER_MIN_BYTES``, where the scanner saves nothing.
 """
 
 from __future__ import annotations
@@ -27,11 +26,11 @@ __all__ = ["READERS", "SCANNER_MIN_BYTES", "native_scanner", "reader_wanted", "s
 #: ``SCANNER_MIN_BYTES``), ``native`` (the scanner whenever it is built) or ``duckdb``.
 READERS = ("auto", "native", "duckdb")
 
-#: Below this many bytes of files ``auto`` leaves a job to DuckDB's read_json: the Arrow scan needs the
-#: ``duckdb`` package's Python layers (about 90 ms to import on a 2-core VM), which the scanner repays from
-#: about 40 MB of files on (``summary`` there: 15 MB 0.31 s with the scanner, 0.28 s without; 60 MB 0.47 s,
-#: 0.49 s).
-SCANNER_MIN_BYTES = 32 << 20
+#: Below this many bytes of files ``auto`` leaves a job to DuckDB's read_json: the Arrow scan needs DuckDB's
+#: ``_sources`` modules (about 15 ms to import, ``_engine.enable_arrow_scan``), and below about 16 MB the two
+#: readers take the same time (``summary``, medians of 7 on a 2-core VM: 10 MB 0.350 s with the scanner, 0.367
+#: without; 15 MB 0.397 s, 0.391; 60 MB 0.482 s, 0.588).
+SCANNER_MIN_BYTES = 16 << 20
 
 _SCAN_TYPES = {"VARCHAR": "str", "BIGINT": "int", "JSON": "json"}
 
