@@ -199,3 +199,23 @@ def test_a_small_job_gets_the_answers_of_the_full_engine(tmp_path: Path, monkeyp
     assert full_settings == (os.cpu_count(), set())
     assert small == full
     assert small[2]["culprit"] is not None or small[2]["errors"], small[2]  # a failing job: something to compare
+
+
+@pytest.mark.parametrize("version", ["1.1.3", "1.2.2"])
+def test_a_duckdb_older_than_the_floor_is_named_with_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], version: str
+) -> None:
+    """DuckDB before 1.3 lacks what the command's statements use (read_json's file_index): the command says
+    which version it needs and how to get it, and exits with the missing-extra status, instead of a binder
+    error's traceback (measured: 1.1.3 and 1.2.2 failed so, 1.3.2 to 2.0.1 answer alike)."""
+    from traintrace.cli import main
+    from traintrace.cli._engine import MIN_DUCKDB, MissingExtra, _version_tuple, import_duckdb
+
+    engine = import_duckdb()
+    monkeypatch.setattr(engine, "__version__", version)
+    with pytest.raises(MissingExtra, match=r"DuckDB 1\.3 or later \(this environment has " + version):
+        import_duckdb()
+    assert main(["summary", str(_small_job(tmp_path / "job"))]) == 4
+    assert "pip install -U 'traintrace[analysis]'" in capsys.readouterr().err
+    assert _version_tuple("1.3.0") == MIN_DUCKDB and _version_tuple("2.0.1") > MIN_DUCKDB
+    assert _version_tuple("1.10.0") > MIN_DUCKDB and _version_tuple("dev") > MIN_DUCKDB

@@ -69,6 +69,21 @@ SMALL_JOB_SKIPPED_OPTIMIZERS = (
     "common_subexpressions",
 )
 
+
+def _skip_optimizers(con: Any, error: type[Exception]) -> None:
+    """Leave the :data:`SMALL_JOB_SKIPPED_OPTIMIZERS` this DuckDB knows out of ``con``'s plans (an older one
+    lacks some, and refuses a list that names one)."""
+    skipped: list[str] = []
+    for names in (SMALL_JOB_SKIPPED_OPTIMIZERS, *((name,) for name in SMALL_JOB_SKIPPED_OPTIMIZERS)):
+        try:
+            con.execute(f"SET disabled_optimizers = '{','.join([*skipped, *names])}'")
+        except error:
+            continue
+        if len(names) > 1:
+            return
+        skipped.extend(names)
+
+
 #: DuckDB's memory limit unless --memory-limit says otherwise.
 DEFAULT_MEMORY_LIMIT = os.environ.get("TRAINTRACE_MEMORY_LIMIT", "1500MB")
 
@@ -150,6 +165,11 @@ def sql_list(values: Sequence[str] | Sequence[int]) -> str:
     return "[" + ", ".join(sql_string(v) if isinstance(v, str) else str(int(v)) for v in values) + "]"
 
 
+#: The oldest DuckDB the command runs on: read_json's file_index column came with 1.3 (the analysis extra's floor;
+#: 1.3 to 2.0 answer alike on the benchmark's jobs).
+MIN_DUCKDB = (1, 3)
+
+
 def import_duckdb() -> ModuleType:
     """DuckDB's engine: its C extension module ``_duckdb`` where the package ships it as one.
 
@@ -174,19 +194,38 @@ def import_duckdb() -> ModuleType:
         and package.origin is not None
         and Path(engine.origin).parent == Path(package.origin).parent.parent
     )
+    engine_module: ModuleType | None = None
     if beside:
         try:
             import _duckdb
 
             if all(hasattr(_duckdb, name) for name in ("connect", "Error", "__version__")):
-                return _duckdb
+                engine_module = _duckdb
         except ImportError:
             pass
+    if engine_module is None:
+        try:
+            import duckdb
+        except ImportError:
+            raise missing from None
+        engine_module = duckdb
+    version = str(getattr(engine_module, "__version__", ""))
+    if _version_tuple(version) < MIN_DUCKDB:
+        floor = ".".join(map(str, MIN_DUCKDB))
+        raise MissingExtra(
+            f"the traintrace command needs DuckDB {floor} or later (this environment has {version or 'an unknown'}"
+            "): pip install -U 'traintrace[analysis]'"
+        )
+    return engine_module
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``1.3.2`` -> (1, 3); a version it cannot read is taken as new enough (a development build, say)."""
+    parts = version.split(".")
     try:
-        import duckdb
-    except ImportError:
-        raise missing from None
-    return duckdb
+        return (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return (1 << 30,)
 
 
 def enable_arrow_scan(engine: ModuleType) -> None:
@@ -473,9 +512,9 @@ class Job:
             config["threads"] = self.threads
         elif small:
             config["threads"] = 1
-        if small:
-            config["disabled_optimizers"] = ",".join(SMALL_JOB_SKIPPED_OPTIMIZERS)
         con = duckdb.connect(":memory:", config=config)
+        if small:
+            _skip_optimizers(con, duckdb.Error)
         # Progress is tracked (query_progress) but never printed by DuckDB itself: ours goes to stderr.
         # Off unless shown: in a Jupyter kernel DuckDB refuses the setting without ipywidgets.
         try:
