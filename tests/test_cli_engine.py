@@ -219,3 +219,27 @@ def test_a_duckdb_older_than_the_floor_is_named_with_what_to_do(
     assert "pip install -U 'traintrace[analysis]'" in capsys.readouterr().err
     assert _version_tuple("1.3.0") == MIN_DUCKDB and _version_tuple("2.0.1") > MIN_DUCKDB
     assert _version_tuple("1.10.0") > MIN_DUCKDB and _version_tuple("dev") > MIN_DUCKDB
+
+
+def test_a_job_beyond_the_memory_limit_says_to_raise_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DuckDB out of memory under --memory-limit is the user's limit, not a bug: exit 5 and what to do, no
+    traceback, whether it runs out while loading (a real 1 MB limit) or in an analysis (ranks' medians per step)."""
+    from traintrace.cli import EXIT_OUT_OF_MEMORY, _analysis, main
+    from traintrace.cli._engine import DEFAULT_MEMORY_LIMIT, import_duckdb
+
+    job = _small_job(tmp_path / "job", ranks=2, steps=200)
+    assert main(["summary", str(job), "--memory-limit", "1MB"]) == EXIT_OUT_OF_MEMORY
+    err = capsys.readouterr().err
+    assert "limit (1MB) allows: raise --memory-limit" in err and "Traceback" not in err, err
+
+    engine = import_duckdb()
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise engine.OutOfMemoryException("Out of Memory Error: failed to allocate data of size 16.0 MiB")
+
+    monkeypatch.setattr(_analysis, "ranks", out_of_memory)
+    assert main(["ranks", str(job)]) == EXIT_OUT_OF_MEMORY
+    err = capsys.readouterr().err
+    assert f"limit ({DEFAULT_MEMORY_LIMIT}) allows" in err and "16.0 MiB" in err and "Traceback" not in err, err

@@ -26,20 +26,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_MISSING_EXTRA", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_INTERNAL",
+    "EXIT_MISSING_EXTRA",
+    "EXIT_OK",
+    "EXIT_OUT_OF_MEMORY",
+    "EXIT_USAGE",
+    "main",
+]
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
 EXIT_MISSING_EXTRA = 4
+EXIT_OUT_OF_MEMORY = 5
 
 EXIT_CODES = f"""exit codes:
   {EXIT_OK}  success (also when the job itself failed: that is an answer, not an error)
   {EXIT_INTERNAL}  unexpected internal error (a bug: please report it with the traceback)
   {EXIT_USAGE}  bad command line, or a query that DuckDB rejects
   {EXIT_BAD_INPUT}  no traintrace records found (no .jsonl files, or none with a traintrace header)
-  {EXIT_MISSING_EXTRA}  DuckDB is missing: pip install 'traintrace[analysis]'
+  {EXIT_MISSING_EXTRA}  DuckDB is missing (or older than 1.3): pip install -U 'traintrace[analysis]'
+  {EXIT_OUT_OF_MEMORY}  the job needs more memory than DuckDB's limit allows: raise --memory-limit
 """
 
 EXAMPLES = {
@@ -338,6 +348,10 @@ def _run(args: argparse.Namespace) -> int:
     except LoadError as exc:
         print(terminal_safe(f"traintrace: {exc}"), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Exception as exc:
+        if not _out_of_memory(exc):
+            raise
+        return _say_out_of_memory(exc, args.memory_limit)
     if args.command != "query":
         # Everything is loaded: the analyses need no file access of DuckDB's (outputs are written by Python).
         job.restrict_external_access()
@@ -345,12 +359,36 @@ def _run(args: argparse.Namespace) -> int:
         return _dispatch(args, job, parse_ranks)
     except Exception as exc:  # noqa: BLE001 - turned into an exit code
         duckdb = sys.modules.get("_duckdb") or sys.modules.get("duckdb")  # whichever import_duckdb loaded
+        if _out_of_memory(exc):
+            return _say_out_of_memory(exc, args.memory_limit)
         if args.command == "query" and duckdb is not None and isinstance(exc, duckdb.Error):
             print(terminal_safe(f"traintrace: query failed: {exc}"), file=sys.stderr)
             return EXIT_USAGE
         traceback.print_exc()
         print("traintrace: internal error (exit 1); please report it with the traceback above", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is DuckDB's: out of memory under its limit."""
+    duckdb = sys.modules.get("_duckdb") or sys.modules.get("duckdb")
+    oom = getattr(duckdb, "OutOfMemoryException", None)
+    return isinstance(oom, type) and isinstance(exc, oom)
+
+
+def _say_out_of_memory(exc: BaseException, limit: str | None) -> int:
+    from ._engine import DEFAULT_MEMORY_LIMIT
+
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    print(
+        terminal_safe(
+            f"traintrace: the job needs more memory than DuckDB's limit ({limit or DEFAULT_MEMORY_LIMIT}) allows: "
+            "raise --memory-limit or TRAINTRACE_MEMORY_LIMIT (DuckDB spills its tables to a temporary folder, but "
+            f"each step's working set must fit; ranks needs the most). {first}"
+        ),
+        file=sys.stderr,
+    )
+    return EXIT_OUT_OF_MEMORY
 
 
 def _run_spark(args: argparse.Namespace) -> int:
