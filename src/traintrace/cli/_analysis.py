@@ -343,7 +343,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     for rank, part, value in job.rows(
         """
         SELECT rank, 'compute', median(comp) / 1e9 FROM step_parts GROUP BY rank
-        UNION ALL SELECT rank, 'collective', median(coll) / 1e9 FROM step_parts WHERE has_coll GROUP BY rank
+        UNION ALL SELECT rank, 'collective', median(coll) / 1e9 FROM step_parts WHERE coll IS NOT NULL GROUP BY rank
         UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9 FROM loading_parts GROUP BY rank
         """
     ):
@@ -503,8 +503,10 @@ def _step_parts(job: Job) -> None:
             FROM placed c JOIN ends e ON c.stream = e.stream AND c.its = e.its
             WHERE c.o = 1 AND c.ts < e.iend GROUP BY c.stream, c.its
         )
-        SELECT it.rank, it.restart, it.k, it.step, it.ts, it.dur, coalesce(inside.coll, 0) AS coll,
-               inside.coll IS NOT NULL AS has_coll,
+        -- One row per completed step of every rank: only the columns read, the small ones as INTEGER (a
+        -- 64-rank job's steps are a third of the command's peak memory).
+        SELECT it.rank::INTEGER AS rank, it.restart::INTEGER AS restart, it.k::INTEGER AS k, it.step, it.ts,
+               inside.coll AS coll,  -- NULL: no collective in the step
                -- the step's own work: its compute phases' device time where measured, else outside collectives
                coalesce(gc.gpu_compute, it.dur - coalesce(inside.coll, 0)) AS comp
         FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts
