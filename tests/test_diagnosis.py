@@ -1293,16 +1293,18 @@ def test_a_rank_that_stops_responding(tmp_path: Path, fault: str) -> None:
 
 
 @pytest.mark.once  # in the pure pass, the writer's stamps of a frozen process: test_a_rank_that_stops_responding
-@pytest.mark.parametrize("detection", ["on", "off"])
-def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detection: str) -> None:
-    """Read 14 s after rank 1's process stopped (SIGSTOP in forward at step 7), the collectives' timeout not
-    reached: running, rank 1 stopped responding (the others' writers stamp their progress files, its does
-    not), for as long as the test's clock says, hang detection on (the others report hangs) or off."""
+@pytest.mark.parametrize(("fault", "detection"), [("freeze", "on"), ("freeze", "off"), ("gil_stuck", "on")])
+def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, fault: str, detection: str) -> None:
+    """Read 14 s after rank 1's process stopped in forward at step 7 (SIGSTOP, or C code keeping the GIL), the
+    collectives' timeout not reached: running, rank 1 stopped responding (the others' writers stamp their
+    progress files, its does not), for as long as the test's clock says, hang detection on (the others report
+    hangs) or off; the verdict says what the kernel says of the process (stopped, or alive in native code) and
+    what to do, as the test's own reading of /proc says."""
     seen: dict[str, Any] = {}
 
     def look(process: subprocess.Popen[str], truth: Path) -> None:
         wait_for_mark(process, truth, 1, "fault")
-        pid = pid_of(truth, 1)
+        seen["pid"] = pid = pid_of(truth, 1)
         time.sleep(14.0)
         seen["state"] = process_state(pid)
         seen["looked"] = time.time()
@@ -1317,11 +1319,12 @@ def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detec
     run = launch(
         tmp_path,
         3,
-        *("--fault", "freeze", "--fault-rank", "1", "--fault-step", "7"),
+        *("--fault", fault, "--fault-rank", "1", "--fault-step", "7"),
         *("--hang-timeout", hang_timeout, "--gloo-timeout", "120"),
         during=look,
     )
-    assert seen["state"] == "T", seen  # the premise: the kernel had it stopped when the command read the job
+    # The premise: the kernel had it stopped, or asleep holding the GIL, when the command read the job.
+    assert seen["state"] == ("T" if fault == "freeze" else "S"), seen
     errors = seen["errors"]
     assert errors["status"] == "running" and errors["rule"] == "stopped responding", errors["verdict"]
     culprit = errors["culprit"]
@@ -1335,9 +1338,16 @@ def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, detec
         "running, without progress: rank 1 stopped responding in forward at step 7: its process"
     ), errors["verdict"]
     assert errors["verdict"].endswith("ranks 0 and 2 were waiting in a collective in backward at step 7")
-    fault = fault_step_of(run, 1)
+    pid = seen["pid"]
+    assert (culprit["pid"], culprit["process_state"]) == (pid, seen["state"]), culprit
+    if fault == "freeze":
+        assert f"(process {pid} is stopped, state T: a SIGSTOP" in errors["verdict"], errors["verdict"]
+        assert f"; kill -CONT {pid} resumes it)" in errors["verdict"], errors["verdict"]
+    else:
+        assert f"(process {pid} is alive, state S, but runs no Python" in errors["verdict"], errors["verdict"]
+    fault_record = fault_step_of(run, 1)
     # The others' latest stamp is up to a flush interval old when read (more on a loaded machine).
-    low, high = seen["looked"] - fault["ts"] / 1e9 - 3.0, seen["answered"] - fault["ts"] / 1e9 + 0.5
+    low, high = seen["looked"] - fault_record["ts"] / 1e9 - 3.0, seen["answered"] - fault_record["ts"] / 1e9 + 0.5
     assert low <= culprit["unresponsive_ns"] / 1e9 <= high, (culprit["unresponsive_ns"], low, high)
     # `watch` says the same of rank 1, and of no other.
     rows = [line for line in seen["watch"].splitlines() if " rank=" in line]

@@ -71,6 +71,7 @@ __all__ = [
     "find_progress_files",
     "last_progress",
     "pid_alive",
+    "process_state",
     "progress_fields",
     "progress_path",
     "read_job_progress",
@@ -343,6 +344,19 @@ def pid_alive(pid: int, since_ns: int | None = None) -> bool:
         if started is not None and started > since_ns + 2_000_000_000:
             return False
     return True
+
+
+def process_state(pid: int, since_ns: int | None = None) -> str | None:
+    """The kernel's state of process ``pid`` of this host (the letter of ``/proc/<pid>/stat``: ``R`` running,
+    ``S`` sleeping, ``D`` waiting in the kernel, ``T`` stopped, ``t`` stopped by a debugger); None when it is
+    gone, a zombie, another process that reused its pid (``since_ns`` as for :func:`pid_alive`), or unreadable
+    (not Linux)."""
+    if not pid_alive(pid, since_ns):
+        return None
+    try:
+        return stat_fields(f"/proc/{pid}/stat")[0].decode("ascii")
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
 
 
 def stream_state(

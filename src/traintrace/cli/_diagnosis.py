@@ -169,6 +169,11 @@ class RankState:
     #: For a hung culprit: the other ranks stuck where it was (the same step and phase, not waiting for anyone),
     #: named with it (every rank of a node whose file system stopped answering, say).
     stuck_with: list[int] = field(default_factory=list)
+    #: For a rank of a running job that stopped responding, whose process is on this host: its pid and the
+    #: kernel's state of it (``T``: stopped, a SIGSTOP or a suspended job; ``t``: a debugger; ``R``/``S``/``D``:
+    #: alive but doing nothing traintrace's writer could see, native code holding the GIL or a deadlock).
+    pid: int | None = None
+    process_state: str | None = None
 
     @property
     def out_of_memory(self) -> bool:
@@ -1118,6 +1123,38 @@ def _unresponsive_running(job: Job, states: list[RankState]) -> None:
         mine = stamps.get(st.rank, 0)
         if st.state == "running" and mine and others and max(others) - mine >= UNRESPONSIVE_NS:
             st.unresponsive_ns = max(others) - mine
+            _look_at_process(st, files.get(st.rank))
+
+
+def _look_at_process(st: RankState, progress: Any) -> None:
+    """The kernel's state of an unresponsive rank's process, where it runs on this host (``RankState.pid``)."""
+    import socket
+
+    from ..progress import process_state
+
+    pid = getattr(progress, "pid", None)
+    if not isinstance(pid, int) or getattr(progress, "host", None) != socket.gethostname():
+        return
+    state = process_state(pid, getattr(progress, "created_ns", None))
+    if state is not None:
+        st.pid, st.process_state = pid, state
+
+
+def _why_unresponsive(st: RankState) -> str:
+    """The likely causes of a rank that stopped responding, narrowed by its process's state where known."""
+    if st.process_state == "t":
+        return f"process {st.pid} is stopped by a debugger, state t"
+    if st.process_state == "T":
+        return (
+            f"process {st.pid} is stopped, state T: a SIGSTOP, or a suspended job or shell; "
+            f"kill -CONT {st.pid} resumes it"
+        )
+    if st.process_state is not None:
+        return (
+            f"process {st.pid} is alive, state {st.process_state}, but runs no Python: native code holding the GIL, "
+            f"or a deadlock; py-spy dump --native --pid {st.pid} shows where"
+        )
+    return "a stopped or suspended process, native code stuck holding the GIL, or a frozen host"
 
 
 def _fault_stacks(stream_path: str, limit: int = 65536) -> str | None:
@@ -1538,7 +1575,7 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         head = (
             f"rank {culprit.rank} stopped responding {culprit.doing()}: its process, traintrace's writer thread "
             f"included, has done nothing for {culprit.unresponsive_ns / 1e9:.0f} s while the other ranks' wrote "
-            "(a stopped or suspended process, native code stuck holding the GIL, or a frozen host)"
+            f"({_why_unresponsive(culprit)})"
         )
     elif culprit.unresponsive_ns is not None:
         head = (
