@@ -487,8 +487,9 @@ def _step_parts(job: Job) -> None:
             SELECT stream, ts, dur FROM spans_small
             WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
         ), timed AS (
-            -- Only streams with collectives need the steps placed: the running maximum sorts every step.
-            SELECT stream, ts, dur FROM it WHERE stream IN (SELECT stream FROM col)
+            -- Only streams with collectives need the steps placed: the running maximum sorts every step. Read
+            -- from iterations, not it: a CTE read twice is materialised, every step of every rank at once.
+            SELECT stream, ts, dur FROM iterations WHERE status = 'ok' AND stream IN (SELECT stream FROM col)
         ), placed AS (
             -- Each collective with the start of the latest step that began at or before it (an as-of join,
             -- written as a running maximum so that every engine runs it).
