@@ -1353,6 +1353,8 @@ def test_a_running_job_with_a_rank_that_stopped_responding(tmp_path: Path, fault
     rows = [line for line in seen["watch"].splitlines() if " rank=" in line]
     lines = {int(line.split(" rank=")[1].split()[0]): line for line in rows}
     assert 'note="NOT RESPONDING: no sign of life for ' in lines[1], seen["watch"]
+    said = f"; stopped, state T: kill -CONT {pid} resumes it)" if fault == "freeze" else "; alive, state S, running no"
+    assert said in lines[1], seen["watch"]
     assert not any("NOT RESPONDING" in lines[r] for r in (0, 2)), seen["watch"]
 
 

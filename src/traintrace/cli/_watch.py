@@ -82,6 +82,10 @@ class _Tail:
     identity: tuple[int, int] = (0, 0)
 
 
+#: The note of a rank whose writer stopped stamping while the others' did.
+NOT_RESPONDING = "NOT RESPONDING"
+
+
 @dataclass
 class RankRow:
     """One rank in a snapshot."""
@@ -132,6 +136,9 @@ class Watcher:
             if row.rank in stamps:
                 row.silent_s = (latest - stamps[row.rank]) / 1e9
         _mark_suspects(rows, self.hang_after_s)
+        for row in rows:
+            if row.note.startswith(NOT_RESPONDING):
+                row.note = row.note[:-1] + _kernel_says(progress.get(row.rank)) + ")"
         return rows, messages
 
     # -- streams ------------------------------------------------------------
@@ -254,6 +261,24 @@ class Watcher:
         return progress.last_step_ns / 1e9 if progress.last_step_ns else None
 
 
+def _kernel_says(progress: Progress | None) -> str:
+    """What the kernel says of an unresponsive rank's process on this host (``errors`` says the same), or ""."""
+    import socket
+
+    from ..progress import process_state
+
+    if progress is None or not progress.pid or progress.host != socket.gethostname():
+        return ""
+    state = process_state(progress.pid, progress.created_ns)
+    if state == "T":
+        return f"; stopped, state T: kill -CONT {progress.pid} resumes it"
+    if state == "t":
+        return "; stopped by a debugger, state t"
+    if state is not None:
+        return f"; alive, state {state}, running no Python: py-spy dump --native --pid {progress.pid}"
+    return ""
+
+
 def _mapping(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -267,7 +292,7 @@ def _mark_suspects(rows: list[RankRow], hang_after_s: float) -> None:
     running = [r for r in rows if r.state == RUNNING and r.since_s is not None]
     silent = [r for r in running if r.silent_s is not None and r.silent_s >= UNRESPONSIVE_S]
     for row in silent:
-        row.note = f"NOT RESPONDING: no sign of life for {row.silent_s:.0f}s (its process, writer included)"
+        row.note = f"{NOT_RESPONDING}: no sign of life for {row.silent_s:.0f}s (its process, writer included)"
     running = [r for r in running if r not in silent]
     stalled = [r for r in running if r.since_s is not None and r.since_s >= hang_after_s]
     moving = [r for r in running if r not in stalled]
