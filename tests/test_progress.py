@@ -383,3 +383,29 @@ def test_an_iteration_that_failed_is_not_a_completed_step(tmp_path: Path, core: 
     )
     report = json.loads(errors.stdout)
     assert report["culprit"]["rank"] == 0 and report["culprit"]["step"] == truth["failed"], report
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_process_state_is_the_kernels_letter_for_the_process_itself() -> None:
+    """A real child: sleeping (S), then stopped by SIGSTOP (T), then gone (None); a pid that another process
+    took after the rank's file was made is not the rank's (None)."""
+    import signal
+
+    from traintrace.progress import process_state
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while process_state(child.pid) != "S" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert process_state(child.pid) == "S"
+        os.kill(child.pid, signal.SIGSTOP)
+        while process_state(child.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert process_state(child.pid) == "T"
+        assert process_state(child.pid, since_ns=time.time_ns() - 3600 * 10**9) is None  # started after the file
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) is None
