@@ -53,6 +53,11 @@ EXIT_CODES = f"""exit codes:
 """
 
 EXAMPLES = {
+    "watch": """examples:
+  traintrace watch traintrace_logs/myjob              # live table, refreshed every second
+  traintrace watch traintrace_logs/myjob --once       # one snapshot
+  traintrace watch traintrace_logs/myjob | tee watch.log   # plain lines when piped
+""",
     "summary": """examples:
   traintrace summary traintrace_logs/myjob
   traintrace summary traintrace_logs/myjob/rank0.jsonl traintrace_logs/myjob/rank1.jsonl
@@ -189,9 +194,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print rows as a JSON list of objects")
     p.add_argument("--limit", type=_count(0), default=1000, help="most rows to print in a table (default 1000)")
 
-    from ._watch import add_parser as add_watch
-
-    add_watch(sub, EXIT_CODES)
+    # Defined here, not in _watch: building the parser would import it (and its dataclasses) for every command.
+    p = sub.add_parser(
+        "watch",
+        help="a running job, live: per-rank step, step time, phase, hangs and errors as they happen",
+        description="A job, live, from its files and progress files: per-rank step, step time, phase, "
+        "time since the last progress, collectives, hang and straggler suspicions, errors as they appear.",
+        epilog=EXAMPLES["watch"] + "\n" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("paths", nargs=1, metavar="PATH", help="the job folder (<log_dir>/<job>)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument(
+        "--hang-after",
+        type=float,
+        default=30.0,
+        help="seconds without progress after which a rank is a hang suspect (default 30)",
+    )
+    p.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
     return parser
 
 

@@ -37,35 +37,6 @@ UNRESPONSIVE_S = 10.0
 CHUNK = 8 << 20
 _INTERESTING = (b'"kind":"header"', b'"kind":"error"', b'"kind":"close"', b'"worker_failure"')
 
-EXAMPLES = """examples:
-  traintrace watch traintrace_logs/myjob              # live table, refreshed every second
-  traintrace watch traintrace_logs/myjob --once       # one snapshot
-  traintrace watch traintrace_logs/myjob | tee watch.log   # plain lines when piped
-"""
-
-
-def add_parser(sub: Any, exit_codes: str) -> None:
-    """Register ``watch`` among the command's subcommands."""
-    p = sub.add_parser(
-        "watch",
-        help="a running job, live: per-rank step, step time, phase, hangs and errors as they happen",
-        description="A job, live, from its files and progress files: per-rank step, step time, phase, "
-        "time since the last progress, collectives, hang and straggler suspicions, errors as they appear.",
-        epilog=EXAMPLES + "\n" + exit_codes,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("paths", nargs=1, metavar="PATH", help="the job folder (<log_dir>/<job>)")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    p.add_argument(
-        "--hang-after",
-        type=float,
-        default=30.0,
-        help="seconds without progress after which a rank is a hang suspect (default 30)",
-    )
-    p.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
-
-
 # ---------------------------------------------------------------- stream tailing
 
 
