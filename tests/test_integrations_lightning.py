@@ -114,11 +114,24 @@ def by_id(spans: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {s["id"]: s for s in spans}
 
 
+class EpochsSeen(L.Callback):
+    """Lightning's own epoch at each training batch: the truth for the iteration spans' ``epoch``."""
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.epochs.append(trainer.current_epoch)
+
+
 def test_fit_records_nested_spans_steps_and_logged_metrics(memory: tt.MemoryBackend, tmp_path: Path) -> None:
     """A fit with validation and a checkpoint: spans nest, counts and metrics match Lightning's."""
     logger = CapturingLogger()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1)
-    run = trainer(tmp_path, callbacks=[TraintraceCallback(), checkpoint], logger=logger)
+    seen = EpochsSeen()
+    run = trainer(tmp_path, callbacks=[TraintraceCallback(), checkpoint, seen], logger=logger)
     train, val = loaders()
     run.fit(TinyModule(), train, val)
     tt.flush()
@@ -133,6 +146,8 @@ def test_fit_records_nested_spans_steps_and_logged_metrics(memory: tt.MemoryBack
     iterations = memory.spans(tt.SpanName.ITERATION)
     assert len(iterations) == run.global_step == 8
     assert [s["attrs"]["step"] for s in iterations] == list(range(8))
+    # The epoch is read once an epoch (on_train_epoch_start), and is still each batch's own.
+    assert [s["attrs"]["epoch"] for s in iterations] == seen.epochs == [0] * 4 + [1] * 4
     for span in iterations:
         assert span["parent"] == loop["id"]
         assert span["attrs"]["batch_size"] == 16

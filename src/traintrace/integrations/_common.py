@@ -65,6 +65,14 @@ def batch_info(batch: Any) -> tuple[int | None, int | None]:
     """
     kind = type(batch)
     if kind is tuple or kind is list:
+        # The common case first, without the loop's slice and calls: (inputs, targets) of tensors.
+        shape = getattr(batch[0], "shape", None) if batch else None
+        if shape is not None:
+            try:
+                if len(shape) > 0:
+                    return int(shape[0]), None
+            except (TypeError, ValueError, IndexError):
+                pass
         for item in batch[:4]:
             size = _first_dim(item)
             if size is not None:

@@ -26,7 +26,8 @@ from .. import _api
 from .._checkpoint import measure_size
 from .._config import Config, build_config
 from .._names import EventName, SpanName, SpanStatus, Verbosity, level_of
-from .._progress import PHASE_CODES, enter_timed_phase
+from .._progress import PHASE_CODES, S_COUNTER, S_PHASE_T0, enter_timed_phase
+from .._progress import failed as progress_failed
 from .._recorder import Recorder, Span, current_span, warn_once
 from ..backends._scalars import framework_logs_metrics
 from ._common import (
@@ -176,6 +177,7 @@ class TraintraceCallback(Callback):
         self._eval: Span | None = None
         self._eval_batches = 0
         self._iter: Span | None = None
+        self._epoch: int | None = None  # the training epoch under way (on_train_epoch_start)
         # Phases (forward, backward, optimizer step) and the wait for a batch are timed
         # between hooks and recorded as finished spans; with a span listener (NVTX)
         # present they are opened and closed as usual so that ranges appear live.
@@ -227,7 +229,7 @@ class TraintraceCallback(Callback):
         """
         span = Span(name, attrs, level)
         span.__enter__()
-        return span if span.open else None
+        return span if span._rec is not None else None  # ``open``, without the property's call
 
     @staticmethod
     def _stop(span: Span | None, metrics: Mapping[str, Any] | None = None, status: str | None = None) -> None:
@@ -242,8 +244,13 @@ class TraintraceCallback(Callback):
             # loader hangs is found there).
             self._wait_t0 = t0 = perf_counter_ns()
             rec = self._rec
-            if rec is not None:
-                enter_timed_phase(rec, _WAIT_CODE, t0)
+            # enter_timed_phase(rec, _WAIT_CODE, t0), inline: one frame less in every step
+            if rec is not None and (prog := rec._progress) is not None:
+                try:
+                    prog[S_PHASE_T0] = t0
+                    prog[S_COUNTER] = next(rec._progress_seq) | _WAIT_CODE
+                except Exception:  # noqa: BLE001 - never raise into training
+                    progress_failed(rec)
 
     def _end_wait(self, status: str = SpanStatus.OK) -> Span | None:
         """End the wait for a batch (if any) with ``status``; the data_loading span it made, if one."""
@@ -256,7 +263,10 @@ class TraintraceCallback(Callback):
             rec = self._rec
             if rec is None:
                 return None
-            return record_finished(rec, SpanName.DATA_LOADING, _WAIT, t0, perf_counter_ns(), self._loop, None, status)
+            # The recorder's own call, not record_finished's: one frame less in every step.
+            return rec.record_span(
+                SpanName.DATA_LOADING, t0, perf_counter_ns(), parent=self._loop, level=_WAIT, status=status
+            )
         wait = self._wait_span
         if wait is not None:
             self._wait_span = None
@@ -282,7 +292,7 @@ class TraintraceCallback(Callback):
             else:
                 rec = self._rec
                 if rec is not None:
-                    record_finished(rec, current, _PHASE, self._mark, now, self._iter)
+                    rec.record_span(current, self._mark, now, parent=self._iter, level=_PHASE)
         if name is not None and self._profile and self._iter is not None:
             self._phase = name
             if self._live_phases and self.phase_spans:
@@ -290,8 +300,13 @@ class TraintraceCallback(Callback):
             else:
                 self._mark = now
                 rec = self._rec
-                if rec is not None:
-                    enter_timed_phase(rec, PHASE_CODES[name], now)
+                # enter_timed_phase(rec, PHASE_CODES[name], now), inline: one frame less in every phase
+                if rec is not None and (prog := rec._progress) is not None:
+                    try:
+                        prog[S_PHASE_T0] = now
+                        prog[S_COUNTER] = next(rec._progress_seq) | PHASE_CODES[name]
+                    except Exception:  # noqa: BLE001 - never raise into training
+                        progress_failed(rec)
 
     def _end_pending_save(self) -> None:
         pending = self._pending_save
@@ -458,11 +473,15 @@ class TraintraceCallback(Callback):
             self._stop(loop, metrics)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning counts the epoch up after on_train_epoch_end: read once here, not at every batch (a property
+        # chain, 1 to 2 µs inside a step).
+        self._epoch = trainer.current_epoch
         if self._profile:
             self._end_wait()
             self._begin_wait()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch = None
         rec = self._rec
         if self._wait_t0 is not None and rec is not None:
             enter_timed_phase(rec, PHASE_CODES[SpanName.TRAINING_LOOP], perf_counter_ns())  # no batch awaited
@@ -482,7 +501,10 @@ class TraintraceCallback(Callback):
         if not self._trace:
             return
         step = trainer.global_step
-        attrs: dict[str, Any] = {"step": step, "batch_idx": batch_idx, "epoch": trainer.current_epoch}
+        epoch = self._epoch
+        if epoch is None:
+            epoch = trainer.current_epoch
+        attrs: dict[str, Any] = {"step": step, "batch_idx": batch_idx, "epoch": epoch}
         size = safe_call(self.batch_size_fn, batch, "batch_size") if self.batch_size_fn else None
         tokens = safe_call(self.tokens_fn, batch, "tokens") if self.tokens_fn else None
         if size is None or tokens is None:
@@ -544,7 +566,12 @@ class TraintraceCallback(Callback):
                 span.add_metrics(timings)
                 timings.clear()
             elif loss is not None:
-                span.add_metrics(loss=loss)
+                # add_metrics(loss=loss) without its call: the span is open and this callback's.
+                held = span.metrics
+                if held is None:
+                    span.metrics = {"loss": loss}
+                else:
+                    held["loss"] = loss
             span.__exit__(None, None, None)
         if self._profile:
             self._begin_wait()
