@@ -9,7 +9,8 @@ process, while it fetches the batch of step N (the truth written there); with
 ``data_hang`` that read hangs until a file ``release`` appears in the output
 folder (or 300 s), then raises; with ``inf``, rank 1's batch at step N is
 scaled until its loss overflows (the all-reduce spreads NaN to both ranks),
-and every rank writes its losses (``losses<rank>.jsonl``). ``DDP_TIMEOUT_S`` (default 20) is the
+and every rank writes its losses (``losses<rank>.jsonl``). A rank that fails writes the exception that
+ended it (``ended<rank>.txt``). ``DDP_TIMEOUT_S`` (default 20) is the
 collective timeout. Run under torchrun, Lightning starts no process itself.
 """
 
@@ -119,4 +120,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException as exc:
+        # The truth of how the rank ended (the exception that left the fit), written without traintrace.
+        rank = os.environ.get("LOCAL_RANK", "0")
+        (OUT / f"ended{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        raise

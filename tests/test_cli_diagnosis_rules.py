@@ -78,6 +78,39 @@ def test_a_timeout_says_its_rank_waited_in_a_collective_no_span_recorded() -> No
     assert _culprit(states) == (None, "unknown")
 
 
+def test_the_rank_waited_for_is_named_when_the_teardown_fails_it_too() -> None:
+    """Under torchrun the rank that hung is then stopped with SIGTERM, and Lightning's handler, broadcasting it,
+    may fail first: "Connection closed by peer", after the others' timeout. That is the teardown, not a
+    collective it waited in; a timeout of its own, even a later one, makes it a waiter."""
+    closed = {
+        "ts": T0 + 12 * S,
+        "error_type": "RuntimeError",
+        "message": "[pair.cc:553] Connection closed by peer [127.0.0.1]:9607",
+        "stack": None,
+    }
+    states = [
+        state(0, state="error", step=3, phase="model_backward", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="error", step=3, phase="data_loading", consequence=closed, last_progress_ns=T0),
+    ]
+    culprit, rule = _culprit(states)
+    assert rule == "hang: the rank the collectives timed out on"
+    assert culprit is states[1] and culprit.hang is not None
+    assert culprit.hang["message"].startswith("not in a collective when rank 0's collective failed")
+    later_timeout = {**TIMEOUT, "ts": T0 + 12 * S}
+    states = [
+        state(0, state="error", step=3, phase="model_backward", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="error", step=3, phase="data_loading", consequence=later_timeout, last_progress_ns=T0),
+    ]
+    assert _culprit(states) == (None, "unknown")
+    # Closed before the others timed out: it failed first, by what it says (not this rule).
+    early = {**closed, "ts": T0 + 5 * S}
+    states = [
+        state(0, state="error", step=3, phase="model_backward", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),
+        state(1, state="error", step=3, phase="data_loading", consequence=early, last_progress_ns=T0),
+    ]
+    assert _culprit(states)[1] != "hang: the rank the collectives timed out on"
+
+
 def test_at_the_same_step_the_rank_in_an_earlier_phase_is_behind() -> None:
     """Both ranks reported a hang at the same step, neither in a recorded collective: the one still loading its
     batch holds up the one in backward (whose all-reduce waits for it), whichever finished its last step first."""

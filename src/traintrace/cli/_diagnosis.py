@@ -27,6 +27,8 @@ SECONDARY = re.compile(
     r"|gloo|nccl|socket|remote (?:worker|process)|peer|watchdog|ProcessGroup|unreachable|store",
     re.IGNORECASE,
 )
+#: A consequence that is a collective of the rank's own timing out (it waited too), not a peer gone.
+TIMED_OUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 HANG_ERRORS = (EventName.HANG_SUSPECTED, EventName.HANG_EXIT)
 #: The status of a job whose ranks all finished while one recorded an error it survived (a background save's).
 FINISHED_WITH_ERRORS = "finished_with_errors"
@@ -1387,9 +1389,17 @@ def _waited_for(states: list[RankState]) -> RankState | None:
     timeout = first.consequence or {}
     said = _first_line(timeout.get("message"), 100)
     ahead = min(s.step or 0 for s in known if s is not behind)
+    # Its own failure, if any, came after the others' collective failed and was no timeout of its own: the
+    # teardown (a peer gone, the launcher's SIGTERM), not a collective it waited in too.
+    own = behind.consequence
+    torn_down = (
+        own is not None
+        and (own.get("ts") or 0) > (timeout.get("ts") or 0)
+        and not TIMED_OUT.search(str(own.get("message") or ""))
+    )
     if (
         not behind.in_collective
-        and behind.consequence is None
+        and (own is None or torn_down)
         and (behind.step or 0) <= min(s.step or 0 for s in peers)
     ):
         message = f"not in a collective when rank {first.rank}'s collective failed: {said}"
