@@ -96,6 +96,10 @@ def test_the_rank_waited_for_is_named_when_the_teardown_fails_it_too() -> None:
     assert rule == "hang: the rank the collectives timed out on"
     assert culprit is states[1] and culprit.hang is not None
     assert culprit.hang["message"].startswith("not in a collective when rank 0's collective failed")
+    # How it ended is said after the hang, as a signal would be.
+    assert _cause(culprit).endswith(
+        "; then failed as a consequence: RuntimeError: Connection closed by peer [127.0.0.1]:9607"
+    )
     later_timeout = {**TIMEOUT, "ts": T0 + 12 * S}
     states = [
         state(0, state="error", step=3, phase="model_backward", consequence=TIMEOUT, stopped_ns=T0 + 10 * S),

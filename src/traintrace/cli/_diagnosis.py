@@ -1478,7 +1478,12 @@ def _cause(s: RankState) -> str:
         return f"hang: no progress for {s.stuck_ns / 1e9:.1f} s, then the whole job was {how} from outside"
     if s.hang is not None and s.error is None:
         then = {"terminated": f"; then terminated by {s.signal or 'SIGTERM'}", "killed": "; then killed"}
-        return f"hang: stopped making progress ({_first_line(s.hang['message'])}){then.get(s.state, '')}"
+        ending = then.get(s.state, "")
+        if not ending and s.state == "error" and s.consequence is not None:
+            # The teardown's error (a peer gone once the others gave up), said as how the rank ended.
+            kind = s.consequence["error_type"]
+            ending = f"; then failed as a consequence: {kind}: {_error_line(kind, s.consequence['message'])}"
+        return f"hang: stopped making progress ({_first_line(s.hang['message'])}){ending}"
     if s.state == "error" and s.error is not None:
         line = f"{s.error['error_type']}: {_error_line(s.error['error_type'], s.error['message'])}"
         if s.out_of_memory:
