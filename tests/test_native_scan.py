@@ -305,6 +305,42 @@ def test_chunks_and_threads_do_not_change_what_is_read(
 # ------------------------------------------------------------------ examples
 
 
+near_keys = st.sampled_from(["name", "names", "nam", "n\\u0061me", "kind", "kinds", "stat", "status", "id", "ids", "x"])
+
+
+@SETTINGS
+@given(
+    base=records(well_formed=True),
+    changes=st.lists(st.tuples(st.integers(0, 12), near_keys, json_values), max_size=12),
+    rnd=st.randoms(use_true_random=False),
+    lean=st.booleans(),
+)
+def test_lines_that_repeat_a_key_order_are_read_key_by_key(
+    tmp_path: Path, base: dict[str, Any], changes: list[tuple[int, str, Any]], rnd: random.Random, lean: bool
+) -> None:
+    """The scanner expects each line's keys in the previous line's order: lines of one key order, some with a key
+    at a position replaced by one that starts like the expected one, extends it, or spells it with an escape."""
+    base_line = json.dumps(base, separators=(",", ":")).encode()
+    lines = [base_line, base_line]
+    well_formed = {base_line}
+    for position, near, value in changes:
+        items = list(base.items())
+        if not items:
+            break
+        at = position % len(items)
+        key_text = json.dumps(near).replace("\\\\u", "\\u")
+        parts = [json.dumps(k) + ":" + json.dumps(v) for k, v in items]
+        parts[at] = key_text + ":" + json.dumps(value)
+        line = ("{" + ",".join(parts) + "}").encode()
+        lines += [line, base_line]
+        spelled = json.loads(key_text)
+        if spelled not in SQL_COLUMNS and spelled not in base:  # a key of no field, once: as well-formed
+            well_formed.add(line)
+    path = tmp_path / "rank0.jsonl"
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    check_file(path, lean=lean, must_convert=well_formed)
+
+
 def test_what_duckdb_decides_is_left_to_it(tmp_path: Path) -> None:
     """Values whose conversion is DuckDB's (a float duration rounds half to even, a number in a text field, an
     escaped key, a key twice, NaN, a lone surrogate, a cut line) are left, byte for byte; the rest is converted."""

@@ -89,7 +89,8 @@ typedef struct {
     char *name;
     size_t len;
     int type;
-    int column; /* output column of a core field (after `file`), -1 for a rare one */
+    int column;  /* output column of a core field (after `file`), -1 for a rare one */
+    int literal; /* the name is written as is in JSON (no quote, backslash, control or non-ASCII byte) */
 } Field;
 
 typedef struct {
@@ -781,9 +782,15 @@ static int place_fields(Shared *sh) {
     return -1;
 }
 
+#define SHAPE_KEYS 64
+
 typedef struct {
     Value v[MAX_FIELDS];
     uint64_t seen;
+    /* The tracked field of each of the previous line's first SHAPE_KEYS keys (-1: another key): lines of one
+     * file mostly repeat their keys in the same order, so a key is first compared with the one expected. */
+    signed char shape[SHAPE_KEYS];
+    int shape_n;
     /* step and batch_size from attrs */
     int64_t step, batch;
     int has_step, has_batch, odd_attr; /* odd_attr: a value DuckDB would cast in a way we do not repeat */
@@ -871,17 +878,29 @@ static int parse_line(const Shared *sh, const char *p, Line *ln, Bytes *scratch)
         p = skip_ws(p + 1);
         return *p == '\n' ? 0 : DEFER;
     }
-    for (;;) {
+    for (int key = 0;; key++) {
         if (*p != '"') return DEFER;
         const char *k = p + 1;
         escaped = 0;
-        const char *kend = scan_string(k, &escaped);
-        if (kend == NULL) return DEFER;
-        int f = lookup_field(sh, k, (size_t)(kend - k));
-        if (escaped) { /* DuckDB matches the decoded name: a tracked one spelled with escapes is its to read */
-            if (decode_string(k, kend, scratch)) return -1;
-            if (lookup_field(sh, scratch->data, scratch->len) >= 0) return DEFER;
-            f = -1;
+        const char *kend;
+        int f = key < ln->shape_n ? ln->shape[key] : -1;
+        /* The expected key, spelled exactly (its closing quote right after the name): the key scan_string and
+           lookup_field would find. The line is padded, so reading past a shorter key is safe. */
+        if (f >= 0 && k[sh->fields[f].len] == '"' && same_bytes(k, sh->fields[f].name, sh->fields[f].len)) {
+            kend = k + sh->fields[f].len;
+        } else {
+            kend = scan_string(k, &escaped);
+            if (kend == NULL) return DEFER;
+            f = lookup_field(sh, k, (size_t)(kend - k));
+            if (escaped) { /* DuckDB matches the decoded name: a tracked one spelled with escapes is its to read */
+                if (decode_string(k, kend, scratch)) return -1;
+                if (lookup_field(sh, scratch->data, scratch->len) >= 0) return DEFER;
+                f = -1;
+            }
+            if (key < SHAPE_KEYS) {
+                ln->shape[key] = (signed char)(f >= 0 && sh->fields[f].literal ? f : -1);
+                if (key >= ln->shape_n) ln->shape_n = key + 1;
+            }
         }
         p = skip_ws(kend + 1);
         if (*p != ':') return DEFER;
@@ -1116,6 +1135,7 @@ static Batch *produce(Shared *sh, int ci, Work *w, int *err, char *message, size
     w->batch = b;
     char *p = buf.data + start, *end = buf.data + buf.len, *stop = buf.data + limit;
     Line ln;
+    ln.shape_n = 0;
     while (p < stop) {
         char *nl = memchr(p, '\n', (size_t)(end - p));
         if (nl == NULL) nl = end; /* the file's last line, without a newline: the sentinel ends it */
@@ -1510,6 +1530,11 @@ static int Scanner_init(Scanner *self, PyObject *args, PyObject *kwds) {
         Field *fd = &sh->fields[sh->nfields];
         fd->name = copy_utf8(name, &fd->len);
         if (fd->name == NULL) goto fail;
+        fd->literal = 1;
+        for (size_t c = 0; c < fd->len; c++) {
+            unsigned char ch = (unsigned char)fd->name[c];
+            if (ch == '"' || ch == '\\' || ch < 0x20 || ch >= 0x80) fd->literal = 0;
+        }
         sh->nfields++;
         const char *t = PyUnicode_AsUTF8(type);
         if (t == NULL) goto fail;
