@@ -11,8 +11,11 @@ as DuckDB reads them: the first one counts. A crash in C ends the test run, whic
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import random
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -414,6 +417,54 @@ def test_each_file_is_read_once_and_the_stream_taken_once(tmp_path: Path) -> Non
     with pytest.raises(RuntimeError, match="once"):
         s.__arrow_c_stream__()
     assert [r[0] for r in read(scanner(paths[1:]))].count(1) == 102  # file numbers are places in the list
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_started_early_the_stream_gives_the_same_rows_and_an_unread_scanner_stops(tmp_path: Path) -> None:
+    """start() reads ahead on the workers (the engine calls it before DuckDB is imported): the stream then gives
+    the rows a scanner started by its stream gives. A scanner started and dropped unread stops its workers
+    (they wait for room no reader makes), and a vanished file still fails the stream."""
+    paths = []
+    for i in range(4):
+        path = tmp_path / f"rank{i}.jsonl"
+        path.write_text(
+            "".join(
+                json.dumps({"kind": "span", "name": "iteration", "seq": n, "ts": n, "dur": i, "attrs": {"step": n}})
+                + "\n"
+                for n in range(3000)
+            )
+        )
+        paths.append(path)
+    expected = sorted(read(scanner(paths, lean=True, threads=3, chunk_size=4096)))
+    early = scanner(paths, lean=True, threads=3, chunk_size=4096)
+    before = _threads()
+    early.start()
+    early.start()  # once
+    assert _threads() == before + 3
+    time.sleep(0.2)  # the workers fill their window and wait
+    assert sorted(read(early)) == expected and len(expected) == 12000
+    with pytest.raises(RuntimeError, match="once"):
+        early.start()
+
+    for _ in range(3):
+        dropped = scanner(paths, threads=2, chunk_size=4096)
+        dropped.start()
+        time.sleep(0.05)
+        del dropped
+        gc.collect()
+    assert _threads() == before
+
+    gone = tmp_path / "gone.jsonl"
+    gone.write_text('{"kind":"span"}\n' * 10)
+    s = scanner([gone], threads=2)
+    gone.unlink()
+    s.start()
+    with pytest.raises(OSError, match=r"gone\.jsonl"):
+        s._drain()
 
 
 def test_an_unread_stream_has_no_deferred_lines_and_bad_paths_raise(tmp_path: Path) -> None:

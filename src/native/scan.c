@@ -1426,7 +1426,30 @@ static void stream_release(struct ArrowArrayStream *s) {
 typedef struct {
     PyObject_HEAD Shared *sh;
     int streamed;
+    int launched; /* the workers were started (by start() or the stream) */
 } Scanner;
+
+/* Start the worker threads, once: 0, or -1 with OSError set when not even one could start. */
+static int start_workers(Scanner *self) {
+#if SCAN_THREADS
+    if (self->launched) return 0;
+    Shared *sh = self->sh;
+    for (int i = 0; i < sh->nworkers; i++) {
+        if (pthread_create(&sh->workers[i], NULL, worker_main, sh) != 0) {
+            if (i == 0) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                return -1;
+            }
+            break; /* fewer workers than asked: still correct */
+        }
+        LOCK(sh);
+        sh->started++;
+        UNLOCK(sh);
+    }
+#endif
+    self->launched = 1;
+    return 0;
+}
 
 static void stream_capsule_free(PyObject *capsule) {
     struct ArrowArrayStream *s = PyCapsule_GetPointer(capsule, "arrow_array_stream");
@@ -1703,6 +1726,11 @@ fail:
 }
 
 static void Scanner_dealloc(Scanner *self) {
+    if (self->sh != NULL && self->launched && !self->streamed) {
+        /* Started early, never streamed: the workers wait for room that no reader will make. */
+        Py_BEGIN_ALLOW_THREADS stop_workers(self->sh);
+        Py_END_ALLOW_THREADS
+    }
     if (self->sh != NULL) shared_decref(self->sh);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1729,6 +1757,16 @@ static PyObject *Scanner_schema(Scanner *self, PyObject *Py_UNUSED(ignored)) {
         free(s);
     }
     return capsule;
+}
+
+static PyObject *Scanner_start(Scanner *self, PyObject *Py_UNUSED(ignored)) {
+    if (check_ready(self)) return NULL;
+    if (self->streamed) {
+        PyErr_SetString(PyExc_RuntimeError, "a Scanner reads its files once: its stream was already taken");
+        return NULL;
+    }
+    if (start_workers(self)) return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Scanner_stream(Scanner *self, PyObject *args, PyObject *kwds) {
@@ -1759,21 +1797,11 @@ static PyObject *Scanner_stream(Scanner *self, PyObject *args, PyObject *kwds) {
     s->get_last_error = stream_last_error;
     s->release = stream_release;
     s->private_data = st;
-#if SCAN_THREADS
-    for (int i = 0; i < sh->nworkers; i++) {
-        if (pthread_create(&sh->workers[i], NULL, worker_main, sh) != 0) {
-            if (i == 0) {
-                s->release(s);
-                free(s);
-                return PyErr_SetFromErrno(PyExc_OSError);
-            }
-            break; /* fewer workers than asked: still correct */
-        }
-        LOCK(sh);
-        sh->started++;
-        UNLOCK(sh);
+    if (start_workers(self)) {
+        s->release(s);
+        free(s);
+        return NULL;
     }
-#endif
     self->streamed = 1;
     PyObject *capsule = PyCapsule_New(s, "arrow_array_stream", stream_capsule_free);
     if (capsule == NULL) {
@@ -1897,6 +1925,8 @@ static PyObject *Scanner_drain(Scanner *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyMethodDef Scanner_methods[] = {
     {"_drain", (PyCFunction)Scanner_drain, METH_NOARGS, "Read the stream to its end here; the rows read."},
+    {"start", (PyCFunction)Scanner_start, METH_NOARGS,
+     "Begin reading on the worker threads now, before the stream is taken (at most a few batches ahead)."},
     {"__arrow_c_schema__", (PyCFunction)Scanner_schema, METH_NOARGS, "The Arrow schema of the stream, as a capsule."},
     {"__arrow_c_stream__", (PyCFunction)(void (*)(void))Scanner_stream, METH_VARARGS | METH_KEYWORDS,
      "The records as an Arrow C stream capsule (once: the files are read while it is consumed)."},

@@ -531,12 +531,19 @@ class Job:
             self.files = [check_tail(p) for p in self.paths]
         else:
             reads = self._read_export()
+        scan = self._scanner() if self.export is None else None
+        if scan is not None:
+            # The scanner's threads read the first batches while DuckDB is imported and connected (50 to 100 ms).
+            try:
+                scan.start()
+            except (OSError, RuntimeError) as exc:
+                self.reader_error = str(exc)
+                scan = None
         self.con = con = self._connect(small=sum(f.size for f in self.files) < SMALL_JOB_BYTES)
         rare_sql = f"""
             CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{_rare_spec()}'))
             FROM raw WHERE rare IS NOT NULL
         """
-        scan = self._scanner() if self.export is None else None
         with self._progress_while("reading"):
             # A file is named by its place in the list read (8 bytes per row, not the path).
             paths = sql_list([str(f.path) for f in self.files])
