@@ -344,6 +344,42 @@ def test_lines_that_repeat_a_key_order_are_read_key_by_key(
     check_file(path, lean=lean, must_convert=well_formed)
 
 
+near_attr_keys = st.sampled_from(
+    ["step", "steps", "ste", "st\\u0065p", "batch_size", "batch_sizes", "batch_siz", "b\\u0061tch_size", "loss", "x"]
+)
+attr_values = st.integers(-5, 10**12) | st.floats(allow_nan=False) | json_values
+
+
+@SETTINGS
+@given(
+    attrs=st.lists(st.tuples(st.sampled_from(["step", "batch_size", "loss", "lr", "x" * 45]), attr_values), max_size=6),
+    changes=st.lists(st.tuples(st.integers(0, 8), near_attr_keys, attr_values), max_size=10),
+    lean=st.booleans(),
+)
+def test_iterations_that_repeat_an_attrs_key_order_are_read_key_by_key(
+    tmp_path: Path, attrs: list[tuple[str, Any]], changes: list[tuple[int, str, Any]], lean: bool
+) -> None:
+    """attrs' keys are expected in the previous line's order too: plain iterations of one attrs key order (keys
+    twice, a key longer than any compared), some with a key at a position replaced by one that starts like the
+    expected one, extends it, or spells it with an escape; each read as json.loads and DuckDB's cast read it."""
+    head = '{"kind":"span","name":"iteration","ts":1,"dur":2,"attrs":{'
+
+    def line(parts: list[str]) -> bytes:
+        return (head + ",".join(parts) + "}}").encode()
+
+    parts = [json.dumps(k) + ":" + json.dumps(v) for k, v in attrs]
+    base_line = line(parts)
+    lines = [base_line, base_line]
+    for position, near, value in changes:
+        changed = list(parts) or [""]
+        changed[position % len(changed)] = json.dumps(near).replace("\\\\u", "\\u") + ":" + json.dumps(value)
+        lines += [line([p for p in changed if p]), base_line]
+    path = tmp_path / "rank0.jsonl"
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    plain = all(type(v) is int and 0 <= v < 2**63 for k, v in attrs if k in ("step", "batch_size"))
+    check_file(path, lean=lean, must_convert={base_line} if plain else set())
+
+
 def test_what_duckdb_decides_is_left_to_it(tmp_path: Path) -> None:
     """Values whose conversion is DuckDB's (a float duration rounds half to even, a number in a text field, an
     escaped key, a key twice, NaN, a lone surrogate, a cut line) are left, byte for byte; the rest is converted."""

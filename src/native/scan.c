@@ -79,8 +79,11 @@ struct ArrowArrayStream {
 #define MAX_DEPTH 1024
 /* A line longer than this is deferred to DuckDB (its own maximum_object_size decides). */
 #define MAX_LINE (64 * 1024 * 1024)
-/* Bytes after the sentinel of the last line, so that eight-byte reads from inside a line stay in the buffer. */
-#define PAD 16
+/* The longest key compared with an expected one (scan_string and a lookup find longer ones). */
+#define EXPECT_MAX 40
+/* Bytes after the sentinel of the last line, so that eight-byte reads from inside a line stay in the buffer, and
+ * so does the comparison of an expected key (its closing quote, its bytes a word at a time) from a line cut short. */
+#define PAD (EXPECT_MAX + 24)
 
 enum { T_STR, T_INT, T_JSON, T_RARE_STR, T_RARE_INT };
 enum { COL_DICT, COL_I64, COL_UTF8 };
@@ -783,6 +786,7 @@ static int place_fields(Shared *sh) {
 }
 
 #define SHAPE_KEYS 64
+#define ATTR_KEYS 16
 
 typedef struct {
     Value v[MAX_FIELDS];
@@ -794,6 +798,13 @@ typedef struct {
     /* step and batch_size from attrs */
     int64_t step, batch;
     int has_step, has_batch, odd_attr; /* odd_attr: a value DuckDB would cast in a way we do not repeat */
+    /* attrs' first ATTR_KEYS keys as an earlier line of the same chunk spelled them (pointing into the chunk's
+     * buffer, which outlives its lines; NULL: none expected) and whether each spells step (1), batch_size (2)
+     * or another key (0): attrs repeat their keys in one order as the top level does. */
+    const char *akey[ATTR_KEYS];
+    size_t aklen[ATTR_KEYS];
+    signed char akind[ATTR_KEYS];
+    int akey_n;
 } Line;
 
 /* attrs' top-level keys: the first step and batch_size, as integers. */
@@ -802,22 +813,43 @@ static const char *scan_attrs(const Shared *sh, const char *p, Line *ln, Bytes *
     int seen_step = 0, seen_batch = 0;
     p = skip_ws(p + 1);
     if (*p == '}') return p + 1;
-    for (;;) {
+    for (int key = 0;; key++) {
         if (*p != '"') return NULL;
         const char *k = p + 1;
-        escaped = 0;
-        const char *kend = scan_string(k, &escaped);
-        if (kend == NULL) return NULL;
-        size_t kn = (size_t)(kend - k);
-        int which = 0;
-        if (escaped) { /* DuckDB decodes the key: one that spells step or batch_size is its to read */
-            if (decode_string(k, kend, scratch)) return NULL;
-            if ((scratch->len == sh->step_key_len && same_bytes(scratch->data, sh->step_key, scratch->len)) ||
-                (scratch->len == sh->batch_key_len && same_bytes(scratch->data, sh->batch_key, scratch->len)))
-                ln->odd_attr = 1;
-        } else if (!seen_step && kn == sh->step_key_len && same_bytes(k, sh->step_key, kn))
+        const char *kend;
+        int which = 0, spelled;
+        const char *expected = key < ln->akey_n ? ln->akey[key] : NULL;
+        /* The expected key, spelled exactly (its closing quote right after it): the key scan_string would find,
+         * without an escape. Both sides are in the padded chunk buffer. */
+        if (expected != NULL && k[ln->aklen[key]] == '"' && same_bytes(k, expected, ln->aklen[key])) {
+            kend = k + ln->aklen[key];
+            spelled = ln->akind[key];
+        } else {
+            escaped = 0;
+            kend = scan_string(k, &escaped);
+            if (kend == NULL) return NULL;
+            size_t kn = (size_t)(kend - k);
+            spelled = 0;
+            if (escaped) { /* DuckDB decodes the key: one that spells step or batch_size is its to read */
+                if (decode_string(k, kend, scratch)) return NULL;
+                if ((scratch->len == sh->step_key_len && same_bytes(scratch->data, sh->step_key, scratch->len)) ||
+                    (scratch->len == sh->batch_key_len && same_bytes(scratch->data, sh->batch_key, scratch->len)))
+                    ln->odd_attr = 1;
+            } else if (kn == sh->step_key_len && same_bytes(k, sh->step_key, kn)) {
+                spelled = 1;
+            } else if (kn == sh->batch_key_len && same_bytes(k, sh->batch_key, kn)) {
+                spelled = 2;
+            }
+            if (key < ATTR_KEYS) {
+                ln->akey[key] = escaped || kn > EXPECT_MAX ? NULL : k;
+                ln->aklen[key] = kn;
+                ln->akind[key] = (signed char)spelled;
+                if (key >= ln->akey_n) ln->akey_n = key + 1;
+            }
+        }
+        if (spelled == 1 && !seen_step)
             which = 1;
-        else if (!seen_batch && kn == sh->batch_key_len && same_bytes(k, sh->batch_key, kn))
+        else if (spelled == 2 && !seen_batch)
             which = 2;
         p = skip_ws(kend + 1);
         if (*p != ':') return NULL;
@@ -851,6 +883,9 @@ static const char *scan_attrs(const Shared *sh, const char *p, Line *ln, Bytes *
                 p = skip_value(p);
                 if (p == NULL) return NULL;
             }
+        } else if (*p == '-' || (*p >= '0' && *p <= '9')) { /* a number (a loss, say): skip_value's own check */
+            p = scan_number(p, &integral);
+            if (p == NULL) return NULL;
         } else {
             p = skip_value(p);
             if (p == NULL) return NULL;
@@ -1136,6 +1171,7 @@ static Batch *produce(Shared *sh, int ci, Work *w, int *err, char *message, size
     char *p = buf.data + start, *end = buf.data + buf.len, *stop = buf.data + limit;
     Line ln;
     ln.shape_n = 0;
+    ln.akey_n = 0;
     while (p < stop) {
         char *nl = memchr(p, '\n', (size_t)(end - p));
         if (nl == NULL) nl = end; /* the file's last line, without a newline: the sentinel ends it */
@@ -1553,7 +1589,7 @@ static int Scanner_init(Scanner *self, PyObject *args, PyObject *kwds) {
         Field *fd = &sh->fields[sh->nfields];
         fd->name = copy_utf8(name, &fd->len);
         if (fd->name == NULL) goto fail;
-        fd->literal = 1;
+        fd->literal = fd->len <= EXPECT_MAX;
         for (size_t c = 0; c < fd->len; c++) {
             unsigned char ch = (unsigned char)fd->name[c];
             if (ch == '"' || ch == '\\' || ch < 0x20 || ch >= 0x80) fd->literal = 0;
