@@ -67,6 +67,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     sides = {"old": args.old, "new": args.new}
+    # Both sides with their bytecode cached, as an installed package has it: with PYTHONDONTWRITEBYTECODE set (as
+    # on this project's machines) a side whose caches were never written would compile its sources every run.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    for src in sides.values():
+        _run(src, COMMANDS[0], args.jobs[0])
     print(f"{'job':36} {'command':8} {'wall old':>9} {'wall new':>9} {'CPU old':>8} {'CPU new':>8}  same answers")
     for job in args.jobs:
         for command in COMMANDS:

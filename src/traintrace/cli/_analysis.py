@@ -281,12 +281,13 @@ def _progress_fields(job: Job) -> dict[str, Any]:
         expr = "coalesce(" + ", ".join(f"try_cast(e.a.{a} AS DOUBLE)" for a in aliases) + ")"
         # Rates are per rank or per job depending on the writer: take rank 0's (or the lowest rank's).
         figures.append(f"max({expr})" if key in counters else f"avg(CASE WHEN e.stream_rank = l.r THEN {expr} END)")
-    # Every field in one statement (a small job's cost is mostly statements).
+    # Every field in one statement (a small job's cost is mostly statements); the attributes of these events
+    # only, parsed once each (``a``), not of every record other than an iteration.
     row = job.one(
         f"""SELECT {", ".join(figures)}
-            FROM other e CROSS JOIN (SELECT min(stream_rank) AS r FROM other
-                                     WHERE kind = 'event' AND name IN ({names})) l
-            WHERE e.kind = 'event' AND e.name IN ({names})"""
+            FROM (SELECT stream_rank, {job.attr_fields("attrs")} AS a FROM other
+                  WHERE kind = 'event' AND name IN ({names})) e
+            CROSS JOIN (SELECT min(stream_rank) AS r FROM other WHERE kind = 'event' AND name IN ({names})) l"""
     )
     out: dict[str, Any] = {}
     for key, value in zip(FIELD_ALIASES, row or (None,) * len(FIELD_ALIASES), strict=True):

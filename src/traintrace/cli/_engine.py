@@ -29,7 +29,7 @@ __all__ = ["EXPORT_META", "Job", "LoadError", "MissingExtra", "discover", "find_
 #: Record fields read into columns (``_format.FIELDS``); everything else a record holds is ignored.
 COLUMNS: dict[str, str] = SQL_COLUMNS
 
-#: Attribute fields the analyses read from the (few) records other than iterations: column ``a``.
+#: Attribute fields the analyses read from progress events (``Job.attr_fields``).
 ATTR_FIELDS = (
     "step",
     "loss",
@@ -272,7 +272,7 @@ EXPORT_VERSION = 1
 
 
 #: Bumped whenever the tables a cache file holds change meaning.
-CACHE_VERSION = 2  # 2: raw has the plain column
+CACHE_VERSION = 3  # 2: raw has the plain column; 3: other and spans_small have no column a
 
 
 def cache_folder() -> Path:
@@ -705,11 +705,13 @@ class Job:
         self.con.execute(f"SET allowed_directories = [{folder}]")
         self.con.execute("SET enable_external_access = false")
 
-    def _attr_fields(self, attrs: str) -> str:
+    def attr_fields(self, attrs: str) -> str:
         """SQL: a struct of the ``ATTR_FIELDS`` of the JSON column ``attrs``, each as ``->>`` gives it.
 
-        One extraction of the list of keys parses each document once instead of once per key (a third of
-        ``other``'s time on a 64-rank job). The Spark engine extracts them one by one.
+        For the few records that hold such figures (progress events), in the query that reads them: built for
+        every record in ``other`` it took half of that table's time on a job with phase spans, for nothing.
+        One extraction of the list of keys parses each document once instead of once per key. The Spark engine
+        extracts them one by one.
         """
         keys = ", ".join(f"'{f}'" for f in ATTR_FIELDS)
         return (
@@ -741,12 +743,11 @@ class Job:
             """
         )
         con.execute(
-            f"""
+            """
             CREATE TABLE other AS
             SELECT h.stream, h.rank AS stream_rank, h.restart AS stream_restart, h.is_agent,
                    r.* EXCLUDE (rare, step, batch_size, plain), x.error_type, x.message, x.stack, x.thread_name,
-                   x.count, x.reason, x.source, x.role,
-                   {self._attr_fields("r.attrs")} AS a
+                   x.count, x.reason, x.source, x.role
             FROM raw r JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
             LEFT JOIN rare x ON x.file = r.file AND x.ts = r.ts AND x.kind = r.kind AND x.seq IS NOT DISTINCT FROM r.seq
             WHERE NOT r.plain AND r.kind <> 'header'
@@ -757,17 +758,13 @@ class Job:
             """
             CREATE TABLE spans_small AS
             SELECT file, stream, stream_rank AS rank, stream_restart AS restart, is_agent, name, id, parent,
-                   tid, link, ts, dur, gpu_dur, gpu_idle, status, attrs, a, false AS open, seq
+                   tid, link, ts, dur, gpu_dur, gpu_idle, status, attrs, false AS open, seq
             FROM other WHERE kind = 'span'
             UNION ALL
             SELECT s.file, s.stream, s.stream_rank, s.stream_restart, s.is_agent, s.name, s.id, s.parent, s.tid,
                    s.link, s.ts, e.dur, e.gpu_dur, e.gpu_idle, coalesce(e.status, 'open'),
                    CASE WHEN e.attrs IS NULL THEN s.attrs WHEN s.attrs IS NULL THEN e.attrs
                         ELSE json_merge_patch(s.attrs, e.attrs) END,
-                   CASE WHEN e.a IS NULL THEN s.a ELSE {"""
-            + ", ".join(f"'{f}': coalesce(e.a.{f}, s.a.{f})" for f in ATTR_FIELDS)
-            + """}
-                   END,
                    e.id IS NULL, NULL
             FROM (SELECT * FROM other WHERE kind = 'start') s
             LEFT JOIN (SELECT * FROM other WHERE kind = 'end') e ON s.stream = e.stream AND s.id = e.id
@@ -1044,7 +1041,7 @@ class Job:
             CREATE OR REPLACE VIEW records AS
             SELECT x.* EXCLUDE (file), p.path AS file FROM (
             SELECT stream, stream_rank AS rank, stream_restart AS restart, is_agent AS agent,
-                   * EXCLUDE (stream, stream_rank, stream_restart, is_agent, a)
+                   * EXCLUDE (stream, stream_rank, stream_restart, is_agent)
             FROM other
             UNION ALL BY NAME
             SELECT stream, rank, restart, false AS agent, 'span' AS kind, '{ITERATION}' AS name, ts, seq, dur,

@@ -96,8 +96,9 @@ def export_chrome(
         "rates": f"""
             SELECT ',' || to_json({{'name': 'progress', 'ph': 'C', 'pid': rank, 'ts': {us},
                 'args': json_merge_patch('{{}}'::JSON, json_object({counter_args}))}})
-            FROM (SELECT *, stream_rank AS rank FROM other)
-            WHERE kind = 'event' AND name = 'training_iterations' AND {cond}
+            FROM (SELECT *, stream_rank AS rank, {job.attr_fields("attrs")} AS a FROM other
+                  WHERE kind = 'event' AND name = 'training_iterations')
+            WHERE {cond}
         """,
     }
     counts: dict[str, int] = {}

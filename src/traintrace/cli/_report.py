@@ -178,9 +178,10 @@ def report_data(job: Job, windows: int = 60) -> dict[str, Any]:
         f"""SELECT least((ts - {start}) // {width}, {windows - 1}) AS w,
                    avg(coalesce(try_cast(a.samples_per_second AS DOUBLE), try_cast(a.samples_per_sec AS DOUBLE))),
                    avg(coalesce(try_cast(a.tokens_per_second AS DOUBLE), try_cast(a.tokens_per_sec AS DOUBLE)))
-            FROM other WHERE kind = 'event' AND name = 'training_iterations'
-              AND stream_rank = (SELECT min(stream_rank) FROM other WHERE kind = 'event'
-                                 AND name = 'training_iterations')
+            FROM (SELECT ts, {job.attr_fields("attrs")} AS a FROM other
+                  WHERE kind = 'event' AND name = 'training_iterations'
+                    AND stream_rank = (SELECT min(stream_rank) FROM other WHERE kind = 'event'
+                                       AND name = 'training_iterations'))
             GROUP BY ALL ORDER BY 1"""
     )
     by_w = {x["w"]: x for x in series}

@@ -308,7 +308,7 @@ class SparkJob(Job):
 
     # ------------------------------------------------------------ loading
 
-    def _attr_fields(self, attrs: str) -> str:
+    def attr_fields(self, attrs: str) -> str:
         return "{" + ", ".join(f"'{f}': {attrs}->>'{f}'" for f in ATTR_FIELDS) + "}"
 
     def _load(self) -> None:
