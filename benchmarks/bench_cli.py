@@ -14,7 +14,9 @@ runs, each as its own process so that wall time and peak memory (ru_maxrss from 
 * ``traintrace export --format parquet`` once, then ``summary``, ``ranks``, ``errors`` on the export;
 * with ``--export``, ``export`` (chrome) of all ranks and of 4 ranks;
 * with ``--engine spark``, ``summary``, ``ranks``, ``errors`` with ``--engine spark`` on the folder and on the
-  export (checking that they answer as DuckDB does).
+  export (checking that they answer as DuckDB does);
+* with ``--written-steps N``, the same on a one-rank job that traintrace itself writes (the demo's loop without
+  the model, six spans a step: mostly phase spans, where gen_job writes iterations).
 
 The fixed cost is ``traintrace summary`` of a one-rank job of 10 iterations (best of five, bytecode cached as
 in an installed package), beside Python's start, ``import duckdb`` and a DuckDB connection alone. Prints
@@ -89,6 +91,44 @@ def job(folder: Path, ranks: int, iterations: int, checkpoint_every: int) -> int
         marker.write_text(str(records))
         print(f"generated {records:,} records in {time.perf_counter() - started:.1f} s")
     return int(marker.read_text())
+
+
+# A job traintrace itself writes: the demo's loop without the model (a wait for the batch, the iteration and
+# its four phases, the loss), one rank. Its records are mostly phase spans, unlike gen_job's iterations.
+WRITTEN = """
+import sys
+import traintrace as tt
+tt.configure(job_id="written", log_dir=sys.argv[1], blocking=True)
+with tt.application():
+    with tt.training_loop(num_epochs=1):
+        for step in range(int(sys.argv[2])):
+            with tt.data_loading():
+                pass
+            with tt.training_iteration(step) as it:
+                with tt.zero_grad():
+                    pass
+                with tt.forward():
+                    pass
+                with tt.backward():
+                    pass
+                with tt.optimizer_step():
+                    pass
+                it.add_metrics(loss=1.0 / (step + 1), batch_size=32)
+tt.close()
+"""
+
+
+def written_job(folder: Path, steps: int) -> tuple[Path, int]:
+    """The job's folder (``folder/written``, as traintrace names it) and its number of records."""
+    marker = folder / ".complete"
+    if not marker.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        started = time.perf_counter()
+        run([sys.executable, "-c", WRITTEN, str(folder), str(steps)])
+        records = sum(sum(1 for _ in p.open("rb")) for p in (folder / "written").glob("*.jsonl"))
+        marker.write_text(str(records))
+        print(f"traintrace wrote {records:,} records in {time.perf_counter() - started:.1f} s")
+    return folder / "written", int(marker.read_text())
 
 
 def bench(folder: Path, records: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -212,6 +252,12 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20_000, help="iterations per rank (default 20,000)")
     parser.add_argument("--checkpoint-every", type=int, default=2000)
     parser.add_argument("--dir", default=None, help="folder for the jobs (default /tmp)")
+    parser.add_argument(
+        "--written-steps",
+        type=int,
+        default=0,
+        help="also a one-rank job traintrace writes itself, this many steps of six spans (default: none)",
+    )
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--export", action="store_true", help="also time export --format chrome")
     parser.add_argument(
@@ -264,6 +310,11 @@ def main() -> None:
         print(f"job: {ranks} ranks x {args.iterations:,} iterations, {records:,} records, {size / 1e6:,.0f} MB")
         results = bench(folder, records, args)
         everything["jobs"][ranks] = {"records": records, "bytes": size, "results": results}
+    if args.written_steps:
+        folder, records = written_job(root / f"traintrace-bench-written-{args.written_steps}", args.written_steps)
+        size = sum(p.stat().st_size for p in folder.glob("*.jsonl"))
+        print(f"job written by traintrace: {args.written_steps:,} steps, {records:,} records, {size / 1e6:,.0f} MB")
+        everything["written"] = {"records": records, "bytes": size, "results": bench(folder, records, args)}
     everything["load_average_after"] = os.getloadavg()
     _print_scaling(everything["jobs"])
     out_file = root / f"traintrace-bench-{args.iterations}-results.json"

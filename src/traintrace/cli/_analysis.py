@@ -680,7 +680,11 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
                 SELECT stream, kind, name, ts,
                        row_number() OVER (PARTITION BY stream ORDER BY ts DESC, seq DESC NULLS LAST) AS n
                 FROM (
-                    SELECT stream, kind, name, ts, coalesce(seq, 0) AS seq FROM other
+                    -- Only the records at their stream's latest time can be its last: the window sorts those, not
+                    -- every record (most of a job that records phase spans).
+                    SELECT o.stream, o.kind, o.name, o.ts, coalesce(o.seq, 0) AS seq FROM other o
+                    JOIN (SELECT stream, max(ts) AS ts FROM other GROUP BY stream) m
+                      ON o.stream = m.stream AND o.ts = m.ts
                     UNION ALL
                     SELECT stream, 'span', 'iteration', ts, seq FROM (
                         SELECT stream, max(ts) AS ts, max(seq) AS seq FROM iterations GROUP BY stream)
