@@ -203,6 +203,76 @@ def test_a_small_job_gets_the_answers_of_the_full_engine(tmp_path: Path, monkeyp
     assert small[2]["culprit"] is not None or small[2]["errors"], small[2]  # a failing job: something to compare
 
 
+def test_a_job_beyond_the_memory_limit_is_kept_compressed_with_the_same_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose files outgrow COMPRESS_ABOVE_SHARE of the memory limit goes into a database file in the
+    scratch folder, compressed, instead of memory: every answer is the in-memory one (a straggler, checkpoints,
+    a failure, a restart), the tables really are compressed, and the cache keeps them as it keeps in-memory ones."""
+    from tests.cli_jobs import Script, write_job
+    from traintrace.cli import _analysis, _engine
+
+    write_job(tmp_path / "job", Script())
+    monkeypatch.setattr(_engine, "SMALL_JOB_BYTES", 0)  # the threshold applies to jobs that are not small
+
+    def answers(job: Any) -> Any:
+        return _without_timings([_analysis.summary(job), _analysis.ranks(job), _analysis.errors(job)])
+
+    in_memory = _engine.Job.open([tmp_path / "job"], lean=True)
+    assert in_memory.storage == "memory"
+    expected = answers(in_memory)
+    monkeypatch.setattr(_engine, "COMPRESS_ABOVE_SHARE", 0.0)
+    job = _engine.Job.open([tmp_path / "job"], lean=True)
+    assert job.storage == "compressed"
+    database = job.con.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()")
+    assert Path(database.fetchone()[0]).parent == Path(job.scratch)
+    assert answers(job) == expected
+    assert expected[2]["culprit"] is not None or expected[2]["errors"]  # a failing job: something to compare
+    monkeypatch.setenv("TRAINTRACE_CACHE_DIR", str(tmp_path / "cache"))
+    written = _engine.Job.open([tmp_path / "job"], cache=True)
+    assert written.storage == "compressed" and not written.cached and written.cache_path is not None
+    reread = _engine.Job.open([tmp_path / "job"], cache=True)
+    assert reread.cached and answers(reread) == answers(written) == expected
+
+
+def test_a_compressed_job_database_holds_compressed_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a job of more than one DuckDB row group (122,880 rows: benchmarks/gen_job.py, 3 ranks x 50,000 steps)
+    the raw table is written compressed (NULL columns constant, integers bit-packed, names a dictionary), with the
+    in-memory answers."""
+    from traintrace.cli import _analysis, _engine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from gen_job import generate
+    finally:
+        sys.path.pop(0)
+    generate(tmp_path / "job", 3, 50_000, 10_000)
+
+    def answers(job: Any) -> Any:
+        return _without_timings([_analysis.summary(job), _analysis.errors(job)])
+
+    expected = answers(_engine.Job.open([tmp_path / "job"], lean=True))
+    monkeypatch.setattr(_engine, "COMPRESS_ABOVE_SHARE", 0.0)
+    job = _engine.Job.open([tmp_path / "job"], lean=True)
+    assert job.storage == "compressed" and job.record_count > 150_000
+    storage = job.con.execute("SELECT compression, count(*) FROM pragma_storage_info('raw') GROUP BY ALL")
+    segments = dict(storage.fetchall())
+    assert {"Constant", "BitPacking"} <= set(segments), segments
+    assert answers(job) == expected
+
+
+def test_memory_sizes_are_read_as_duckdb_reads_them() -> None:
+    """MB is 1000**2 bytes and MiB 1024**2, as in DuckDB; what only DuckDB interprets (80%) gives None, and the
+    job then stays in memory."""
+    from traintrace.cli._engine import size_bytes
+
+    assert size_bytes("1500MB") == 1_500_000_000
+    assert size_bytes(" 4 GiB ") == 4 << 30
+    assert size_bytes("1.5gb") == 1_500_000_000
+    assert size_bytes("512kib") == 512 << 10
+    assert size_bytes("80%") is None and size_bytes("1500") is None and size_bytes("MB") is None
+
+
 @pytest.mark.parametrize("version", ["1.1.3", "1.2.2"])
 def test_a_duckdb_older_than_the_floor_is_named_with_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], version: str

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -59,6 +60,17 @@ ATTR_FIELDS = (
 #: than to run (10 records: 137 ms of statements with the defaults, 99 ms so; a 10 MB job the same either way,
 #: a 60 MB job 40% slower on one thread).
 SMALL_JOB_BYTES = 4 << 20
+#: A job whose files hold more than this share of DuckDB's memory limit is read into a database file in the
+#: job's scratch folder, compressed, instead of into memory: its tables would not fit, and DuckDB would spill them
+#: to disk uncompressed and read them back on every pass. Compressed (about a tenth of the size on generated jobs:
+#: 64 ranks' raw table 534 -> 57 MB), they stay in DuckDB's buffers. The compression costs about 0.2 µs a record,
+#: which a job that fits in memory does not repay (128 ranks x 50,000 steps, 1.2 GB of files: summary 3.1 -> 4.4 s),
+#: one twice the limit roughly does (256 ranks: summary 9.2 -> 7.6 s, errors 6.0 -> 7.1 s, peak 1.7 -> 0.6 GB),
+#: one far beyond it does (512 ranks: summary 25-27 -> 19-22 s, ranks 59 -> 49 s, peak 1.7 -> 1.0 GB).
+COMPRESS_ABOVE_SHARE = 2.0
+#: The compression methods a compressed job database does without: analysing them (FSST and ZSTD for strings,
+#: roaring bitmaps for NULL masks) made its writes 20 to 40% slower, for a table 5 to 15% smaller.
+COMPRESSION_SKIPPED = ("fsst", "zstd", "roaring")
 #: The optimisers left out on a small job: a third of its planning time (join_order alone 7 ms of the 10 of
 #: stream_facts); the filter pushdown that turns a filtered cross product into a join stays on.
 SMALL_JOB_SKIPPED_OPTIMIZERS = (
@@ -82,6 +94,20 @@ def _skip_optimizers(con: Any, error: type[Exception]) -> None:
         if len(names) > 1:
             return
         skipped.extend(names)
+
+
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def size_bytes(text: str) -> int | None:
+    """A memory size as DuckDB reads it (``1500MB``, ``4GiB``: MB = 1000**2, MiB = 1024**2) in bytes; None for
+    anything else (a share such as ``80%``, which DuckDB alone interprets)."""
+    match = _SIZE.fullmatch(text)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        return None
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
 #: DuckDB's memory limit unless --memory-limit says otherwise.
@@ -370,6 +396,9 @@ class Job:
     reader: str = ""
     #: Why the scanner was not used although built (DuckDB could not take its stream, say), for tests and bug reports.
     reader_error: str = ""
+    #: Where DuckDB keeps the tables: ``memory``, or ``compressed`` (a database file in the scratch folder, for a job
+    #: larger than :data:`COMPRESS_ABOVE_SHARE` of the memory limit); empty before loading.
+    storage: str = ""
 
     @classmethod
     def open(
@@ -484,10 +513,14 @@ class Job:
             partial.unlink(missing_ok=True)
             self.con.execute(f"ATTACH {sql_string(str(partial))} AS cache_out")
             try:
+                # "memory", or the compressed database file's name ("job")
+                source = self.con.execute("SELECT current_database()").fetchone()[0]
                 for (table,) in self.con.execute(
-                    "SELECT table_name FROM duckdb_tables() WHERE database_name = 'memory' AND NOT temporary"
+                    "SELECT table_name FROM duckdb_tables() WHERE database_name = $db AND NOT temporary", {"db": source}
                 ).fetchall():
-                    self.con.execute(f'CREATE TABLE cache_out.main."{table}" AS SELECT * FROM memory.main."{table}"')
+                    self.con.execute(
+                        f'CREATE TABLE cache_out.main."{table}" AS SELECT * FROM "{source}".main."{table}"'
+                    )
                 self.con.execute("CREATE TABLE cache_out.main.job_meta AS SELECT $m AS meta", {"m": json.dumps(meta)})
             finally:
                 self.con.execute("DETACH cache_out")
@@ -499,21 +532,35 @@ class Job:
 
     # ------------------------------------------------------------ loading
 
-    def _connect(self, small: bool = False) -> Any:
-        """An in-memory DuckDB database; ``small``: for a job under :data:`SMALL_JOB_BYTES`."""
+    def _connect(self, small: bool = False, source_bytes: int = 0) -> Any:
+        """A DuckDB database for the job's tables; ``small``: for a job under :data:`SMALL_JOB_BYTES`.
+
+        In memory, unless the job's files (``source_bytes``) hold more than :data:`COMPRESS_ABOVE_SHARE` of the
+        memory limit: then a database file in the scratch folder, whose tables DuckDB compresses as it writes them.
+        """
         duckdb = import_duckdb()
         self._tmp = tempfile.TemporaryDirectory(prefix="traintrace-duckdb-")
+        limit = self.memory_limit or DEFAULT_MEMORY_LIMIT
         config: dict[str, Any] = {
             "preserve_insertion_order": False,
             # Past this DuckDB spills to the temporary folder instead of growing: memory stays bounded.
-            "memory_limit": self.memory_limit or DEFAULT_MEMORY_LIMIT,
+            "memory_limit": limit,
             "temp_directory": self._tmp.name,
         }
         if self.threads:
             config["threads"] = self.threads
         elif small:
             config["threads"] = 1
-        con = duckdb.connect(":memory:", config=config)
+        limit_bytes = size_bytes(limit)
+        compressed = not small and limit_bytes is not None and source_bytes > COMPRESS_ABOVE_SHARE * limit_bytes
+        database = str(Path(self._tmp.name) / "job.duckdb") if compressed else ":memory:"
+        con = duckdb.connect(database, config=config)
+        self.storage = "compressed" if compressed else "memory"
+        if compressed:
+            try:
+                con.execute(f"SET disabled_compression_methods = '{','.join(COMPRESSION_SKIPPED)}'")
+            except duckdb.Error:  # an older DuckDB that lacks one of them: it analyses them too, a little slower
+                pass
         if small:
             _skip_optimizers(con, duckdb.Error)
         # Progress is tracked (query_progress) but never printed by DuckDB itself: ours goes to stderr.
@@ -540,7 +587,8 @@ class Job:
             except (OSError, RuntimeError) as exc:
                 self.reader_error = str(exc)
                 scan = None
-        self.con = con = self._connect(small=sum(f.size for f in self.files) < SMALL_JOB_BYTES)
+        source_bytes = sum(f.size for f in self.files)
+        self.con = con = self._connect(small=source_bytes < SMALL_JOB_BYTES, source_bytes=source_bytes)
         rare_sql = f"""
             CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{_rare_spec()}'))
             FROM raw WHERE rare IS NOT NULL

@@ -282,8 +282,8 @@ class SparkJob(Job):
 
     remote: list[str] | None = None
 
-    def _connect(self, small: bool = False) -> Any:
-        """A Spark connection (``small`` is DuckDB's: Spark plans its own way)."""
+    def _connect(self, small: bool = False, source_bytes: int = 0) -> Any:
+        """A Spark connection (``small`` and ``source_bytes`` are DuckDB's: Spark plans and stores its own way)."""
         import tempfile
 
         self._tmp = tempfile.TemporaryDirectory(prefix="traintrace-spark-")
