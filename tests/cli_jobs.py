@@ -38,7 +38,11 @@ class Script:
     restart_gap_s: float = 60.0
     name_prefix: str = ""
     message: str = "CUDA error: an illegal memory access"
+    ranks_per_host: int | None = None  # hosts node0, node1, ... of this many ranks each; None: every rank on "h"
     files: dict[int, Path] = field(default_factory=dict)
+
+    def host(self, rank: int) -> str:
+        return "h" if self.ranks_per_host is None else f"node{rank // self.ranks_per_host}"
 
     def step_dur(self, rank: int) -> int:
         factor = self.straggler_factor if rank == self.straggler else 1.0
@@ -97,7 +101,7 @@ def _attempt(  # noqa: PLR0917
         local_world_size=world,
         node_rank=0,
         restart=restart,
-        host="h",
+        host=script.host(rank),
         pid=100 + rank + 10 * restart,
         library_version="0",
         python="3",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -566,6 +567,42 @@ def test_ranks_stuck_at_the_same_place_are_named_together_with_their_node() -> N
     culprit, rule = _culprit(states)
     assert rule == "hang: the rank the collectives timed out on" and culprit is not None
     assert culprit.stuck_with == [3] and states[3].hang is not None and states[3].hang["ts"] == TIMEOUT["ts"]
+
+
+@pytest.mark.parametrize("failing_rank_ahead_s", [0.0, 0.08])
+@pytest.mark.parametrize(("ranks", "failing"), [(8, 5), (4, 3)])
+def test_a_rank_that_raised_in_a_job_torn_down_silently_is_not_a_lost_node(
+    tmp_path: Path, failing_rank_ahead_s: float, ranks: int, failing: int
+) -> None:
+    """Hosts of two ranks (four, or two): one rank raises in step 25 and every other rank stops in that step
+    without a trace (SIGKILLed by a scheduler or launcher, or sitting in a collective's C code where no signal
+    handler runs). Every host but the failing rank's stopped silently, and so did the failing rank's neighbour,
+    at the same moment: the job was torn down, no node was lost, and the culprit is the exception, whether the
+    others' last records came 50 ms before it (their step's start) or 30 ms after it (its timeline 80 ms
+    ahead). Every one of these read "node node0 was lost" before (the generated 64-rank job too)."""
+    from tests.cli_jobs import Script, write_job
+    from traintrace.cli import _analysis
+    from traintrace.cli._engine import Job
+
+    ahead = {(failing, 0): -failing_rank_ahead_s}
+    script = Script(ranks=ranks, ranks_per_host=2, fail_rank=failing, straggler=None, extra_s=ahead)
+    write_job(tmp_path, script)
+    assert script.fail_step is not None
+    job = Job.open([tmp_path], lean=True)
+    try:
+        errors = _analysis.errors(job)
+    finally:
+        job.close()
+    assert errors["rule"] == "first exception" and errors.get("lost_node") is None, errors["verdict"]
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["error"]["error_type"]) == (
+        failing,
+        script.fail_step,
+        "RuntimeError",
+    )
+    assert errors["verdict"].startswith(
+        f"restart 0 failed: rank {failing} raised RuntimeError in a step (between phases) at step {script.fail_step}"
+    ), errors["verdict"]
 
 
 def test_the_node_is_said_only_of_a_group_in_a_job_of_several_hosts() -> None:

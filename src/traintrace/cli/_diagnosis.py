@@ -383,6 +383,17 @@ def _lost_node(job: Job, states: list[RankState]) -> dict[str, Any] | None:
         stopped = [int(t or 0) for t in stops]
         if max(stopped) - min(stopped) > NODE_WINDOW_NS:
             continue
+        if any(
+            (t := silent_stop(st)) is not None and abs(t - min(stopped)) <= NODE_WINDOW_NS
+            for h, group in by_host.items()
+            if h != host
+            for st in group
+        ):
+            # A rank of another host stopped as silently at the same moment: the job was torn down (around a
+            # rank's failure, or from outside), not one node lost; the other rules name what happened. A lost
+            # node's peers see trouble (a collective's error, a hang), or are ended later. A generated 64-rank
+            # job whose rank 37 raised while the others stopped without a trace read "node node0 was lost".
+            continue
         others = [st for h, group in by_host.items() if h != host for st in group]
         trouble = [t for t in (_first_trouble(o) for o in others) if t is not None]
         if not trouble or max(stopped) > min(trouble) + SKEW_NS:
