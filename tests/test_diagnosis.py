@@ -607,6 +607,36 @@ def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert all(s["consequence"] is not None for s in survivors), survivors
 
 
+@pytest.mark.once  # the records' reading, not the core that wrote them (test_a_node_lost_mid_training's pair)
+def test_a_rank_raises_and_the_scheduler_kills_the_two_node_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2-node job (two launchers, 2 ranks each): rank 3 raises in forward at step 10 and stays (its process
+    lingers, as one finishing its exception hook); the others wait in their all-reduce for it, where no Python
+    signal handler runs. Then everything is SIGKILLed at once (a scheduler's kill-on-bad-exit, an operator's
+    scancel). Every rank but 3 ends without a trace, on both nodes: the verdict names rank 3's exception (the
+    truth: the worker's own mark before it raised), not a lost node, both within a minute (the others' writers
+    stamped on until the kill) and later, when their streams' ends are all there is (it read "node node-a was
+    lost: its launcher and ranks 0 and 1 stopped together" then)."""
+    truth = tmp_path / "truth"
+    with two_nodes(tmp_path, "--fault", "forward", "--fault-rank", "3", "--fault-step", "10", "--linger", "60") as (
+        first,
+        _,
+    ):
+        wait_for_mark(first, truth, 3, "fault", 10)
+        time.sleep(1.0)  # its writer flushes the error (every 0.1 s); the others' all-reduce waits for 6 s
+        killed = kill_the_job(truth)
+        assert len(killed) >= 6, killed  # two launchers and four workers
+    run = Run(tmp_path / "logs" / "job", truth, -9, "")
+    fault = next(m for m in run.marks()[3] if m["event"] == "fault")
+    for errors in (run.cli("errors"), read_later(run, monkeypatch)):
+        assert errors["rule"] == "first exception" and errors.get("lost_node") is None, errors["verdict"]
+        culprit = errors["culprit"]
+        assert (culprit["rank"], culprit["step"], culprit["phase"]) == (3, fault["step"], "model_forward")
+        assert culprit["error"]["message"] == "injected failure in forward on rank 3 at step 10", culprit["error"]
+        assert errors["verdict"].startswith("rank 3 raised RuntimeError in forward at step 10"), errors["verdict"]
+
+
 def read_later(run: Run, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """``errors`` as read a minute after the streams stopped (in this process): another host's silent ranks
     then count as ended, not running."""
