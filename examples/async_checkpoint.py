@@ -101,10 +101,12 @@ def main() -> None:
     parser.add_argument("--job-id", default="async-demo")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
+    parser.add_argument("--checkpoint-dir", help="where the checkpoints go (default: a new temporary folder)")
     args = parser.parse_args()
 
     tt.configure(log_dir=args.log_dir, job_id=args.job_id)
-    root = Path(tempfile.mkdtemp(prefix="traintrace-async-"))
+    root = Path(args.checkpoint_dir or tempfile.mkdtemp(prefix="traintrace-async-"))
+    root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)

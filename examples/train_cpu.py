@@ -28,15 +28,8 @@ def make_data(samples: int, features: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--log-dir", default="traintrace_logs")
-    parser.add_argument("--job-id", default="demo")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=32)
-    args = parser.parse_args()
-
-    tt.configure(job_id=args.job_id, log_dir=args.log_dir, log_interval=20)
+def run(args: argparse.Namespace, checkpoint_dir: Path) -> int:
+    """The instrumented run; the number of steps it made."""
     torch.manual_seed(0)
     with tt.application(tt.ApplicationMetrics.create(checkpoint_enabled=True, checkpoint_strategy="sync")):
         with tt.data_loader_init():
@@ -48,7 +41,6 @@ def main() -> None:
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * len(train))
         loss_fn = nn.MSELoss()
-        checkpoint_dir = Path(tempfile.mkdtemp(prefix="traintrace-demo-"))
         step = 0
         with tt.training_loop(num_epochs=args.epochs):
             for epoch in range(args.epochs):
@@ -87,6 +79,21 @@ def main() -> None:
                 ) as save:
                     torch.save(model.state_dict(), path)
                     save.add_metrics(checkpoint_size=path.stat().st_size)
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--log-dir", default="traintrace_logs")
+    parser.add_argument("--job-id", default="demo")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args()
+
+    tt.configure(job_id=args.job_id, log_dir=args.log_dir, log_interval=20)
+    # The checkpoints are the demo's own: removed when it ends (the records stay in the log folder).
+    with tempfile.TemporaryDirectory(prefix="traintrace-demo-") as scratch:
+        step = run(args, Path(scratch))
     tt.close()
     print(f"trained {step} steps; records in {Path(args.log_dir) / args.job_id}")
 

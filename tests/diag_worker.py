@@ -209,13 +209,14 @@ def main() -> None:
     later = chosen and args.fault_attempt is not None and restart > args.fault_attempt
     fault = args.fault if mine else args.later_fault if later else "none"
     fault_step = args.fault_step
-    # With --resume, in the truth folder (shared by the attempts), else in a folder of this process's own.
+    # With --resume, in the truth folder (shared by the attempts), else in a folder of this process's own, also in
+    # the truth folder (the test's): a killed worker cannot remove it, and thousands piled up in /tmp.
     if args.checkpoint_dir:
         checkpoints = Path(args.checkpoint_dir)
     elif args.resume:
         checkpoints = Path(args.truth) / "checkpoints"
     else:
-        checkpoints = Path(tempfile.mkdtemp(prefix="tt-diag-"))
+        checkpoints = Path(tempfile.mkdtemp(prefix=f"checkpoints-rank{rank}-", dir=args.truth))
     checkpoints.mkdir(parents=True, exist_ok=True)
 
     def injected(where: str, step: int) -> None:

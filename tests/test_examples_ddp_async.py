@@ -67,7 +67,7 @@ def test_async_checkpoint_example_links_background_writes(tmp_path: Path) -> Non
     """Each async save: a blocking span and a linked finalisation span that ends with the size written."""
     command = [
         sys.executable, str(ROOT / "examples" / "async_checkpoint.py"), "--log-dir", str(tmp_path / "logs"),
-        "--job-id", "async", "--steps", "20", "--every", "10",
+        "--job-id", "async", "--steps", "20", "--every", "10", "--checkpoint-dir", str(tmp_path / "checkpoints"),
     ]  # fmt: skip
     done = subprocess.run(
         command, env=environment(), cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False
@@ -77,6 +77,8 @@ def test_async_checkpoint_example_links_background_writes(tmp_path: Path) -> Non
     saves = stream.spans(tt.SpanName.CHECKPOINT_SAVE_ASYNC)
     finals = stream.spans(tt.SpanName.CHECKPOINT_SAVE_FINALIZATION)
     assert len(saves) == len(finals) == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step10", "step20"]
+    assert {s["attrs"]["checkpoint_directory"] for s in saves} == {str(tmp_path / "checkpoints")}
     assert sorted(f["link"] for f in finals) == sorted(s["id"] for s in saves)
     assert all(f["status"] == "ok" and f["attrs"]["checkpoint_size"] > 0 for f in finals)
     loop = stream.spans(tt.SpanName.TRAINING_LOOP)[0]
