@@ -570,22 +570,24 @@ def test_ranks_stuck_at_the_same_place_are_named_together_with_their_node() -> N
 
 
 @pytest.mark.parametrize("failing_rank_ahead_s", [0.0, 0.08])
-@pytest.mark.parametrize(("ranks", "failing"), [(8, 5), (4, 3)])
+@pytest.mark.parametrize(("ranks", "per_host", "failing"), [(8, 2, 5), (4, 2, 3), (6, 5, 5), (3, 2, 2)])
 def test_a_rank_that_raised_in_a_job_torn_down_silently_is_not_a_lost_node(
-    tmp_path: Path, failing_rank_ahead_s: float, ranks: int, failing: int
+    tmp_path: Path, failing_rank_ahead_s: float, ranks: int, per_host: int, failing: int
 ) -> None:
-    """Hosts of two ranks (four, or two): one rank raises in step 25 and every other rank stops in that step
-    without a trace (SIGKILLed by a scheduler or launcher, or sitting in a collective's C code where no signal
-    handler runs). Every host but the failing rank's stopped silently, and so did the failing rank's neighbour,
-    at the same moment: the job was torn down, no node was lost, and the culprit is the exception, whether the
-    others' last records came 50 ms before it (their step's start) or 30 ms after it (its timeline 80 ms
-    ahead). Every one of these read "node node0 was lost" before (the generated 64-rank job too)."""
+    """Hosts of two ranks (four, or two), or a host of five and one of the failing rank alone (or of two and
+    one): one rank raises in step 25 and every other rank stops in that step without a trace (SIGKILLed by a
+    scheduler or launcher, or sitting in a collective's C code where no signal handler runs). The other hosts'
+    ranks stopped silently at that moment: the job was torn down around the exception, no node was lost, and the
+    culprit is the exception, whether the others' last records came 50 ms before it (their step's start) or 30
+    ms after it (its timeline 80 ms ahead). Every one of these read "node node0 was lost" before (the generated
+    64-rank job too; the layouts with the failing rank alone on its host until a later fix, found by
+    ``test_random_scripted_jobs``)."""
     from tests.cli_jobs import Script, write_job
     from traintrace.cli import _analysis
     from traintrace.cli._engine import Job
 
     ahead = {(failing, 0): -failing_rank_ahead_s}
-    script = Script(ranks=ranks, ranks_per_host=2, fail_rank=failing, straggler=None, extra_s=ahead)
+    script = Script(ranks=ranks, ranks_per_host=per_host, fail_rank=failing, straggler=None, extra_s=ahead)
     write_job(tmp_path, script)
     assert script.fail_step is not None
     job = Job.open([tmp_path], lean=True)

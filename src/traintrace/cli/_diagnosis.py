@@ -394,6 +394,16 @@ def _lost_node(job: Job, states: list[RankState]) -> dict[str, Any] | None:
             # node's peers see trouble (a collective's error, a hang), or are ended later. A generated 64-rank
             # job whose rank 37 raised while the others stopped without a trace read "node node0 was lost".
             continue
+        if any(
+            st.error is not None and st.consequence is None and abs(st.error["ts"] - min(stopped)) <= NODE_WINDOW_NS
+            for h, group in by_host.items()
+            if h != host
+            for st in group
+        ):
+            # A rank of another host raised an error of its own (not a collective's: a lost peer's are) at that
+            # moment: the job was torn down around it, on a host where it alone ran too (a random scripted job:
+            # rank 5 alone on node1 raised, node0's five ranks stopped without a trace: "node node0 was lost").
+            continue
         others = [st for h, group in by_host.items() if h != host for st in group]
         trouble = [t for t in (_first_trouble(o) for o in others) if t is not None]
         if not trouble or max(stopped) > min(trouble) + SKEW_NS:
