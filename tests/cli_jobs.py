@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hypothesis import strategies as st
+
 S = 1_000_000_000
 T0 = 1_800_000_000 * S
+#: What gloo raises in a collective whose peer died.
+CLOSED_BY_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:29500"
 
 
 @dataclass
@@ -39,6 +43,15 @@ class Script:
     name_prefix: str = ""
     message: str = "CUDA error: an illegal memory access"
     ranks_per_host: int | None = None  # hosts node0, node1, ... of this many ranks each; None: every rank on "h"
+    # How the failing rank fails: "raise" (an exception half-way through the step; the others stop there without
+    # a trace, killed) or "died" (it stops without a trace at the step's start, SIGKILLed; the others' collective
+    # fails half-way through the step plus ``consequence_after_s``: a communication error, a consequence).
+    # Or "terminated": no rank fails; the scheduler's SIGTERM reaches every rank in that step at once (rank r
+    # handles it ``r * signal_spread_s`` after rank 0), and each closes its stream. ``expected`` knows "raise" only.
+    fault: str = "raise"
+    peers_fail: bool = False  # "raise": the others' collective fails (as in "died") instead of their being killed
+    consequence_after_s: float = 0.0
+    signal_spread_s: float = 0.0
     files: dict[int, Path] = field(default_factory=dict)
 
     def host(self, rank: int) -> str:
@@ -107,6 +120,23 @@ def _attempt(  # noqa: PLR0917
         python="3",
     )
     tid = 7
+
+    def peer_failed(name: str, began: int, d: int, span: int, cause: int) -> None:
+        """The rank's collective in its step (span ``span`` named ``name``, begun at ``began``, of ``d`` ns)
+        fails after ``cause``: a peer is gone, a consequence."""
+        failed_at = max(began + d // 2, cause + S // 1000) + round(script.consequence_after_s * S)
+        rec(
+            "error",
+            failed_at,
+            name="exception",
+            span=span,
+            tid=tid,
+            error_type="RuntimeError",
+            message=CLOSED_BY_PEER,
+            stack=f'Traceback (most recent call last):\n  File "train.py", line 12\nRuntimeError: {CLOSED_BY_PEER}',
+        )
+        rec("end", failed_at, name=name, id=span, dur=failed_at - began, status="error")
+
     rec("thread", start, tid=tid, thread_name="MainThread")
     rec("start", start, name="main_function", id=1, parent=0, tid=tid)
     now = start
@@ -124,6 +154,25 @@ def _attempt(  # noqa: PLR0917
     for step in range(first, last):
         d = script.step_dur_at(rank, step)
         name = script.name_prefix + "iteration" if script.name_prefix else "iteration"
+        if restart == 0 and step == script.fail_step and script.fault == "terminated":
+            rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
+            # Every rank is in this step when the signal comes: after the last one began it.
+            began = max(first_attempt_step_start(script, r, step) for r in range(script.ranks))
+            at = began + S // 1000 + round(rank * script.signal_spread_s * S)
+            rec("event", at, name="signal", span=ids, tid=tid, attrs={"reason": "SIGTERM"})
+            rec("end", at, name=name, id=ids, dur=at - now, status="terminated")
+            rec("end", at, name="training_loop", id=loop, dur=at - start, status="terminated")
+            rec("end", at, name="main_function", id=1, dur=at - start, status="terminated")
+            rec("close", at, records=seq + 1, dropped=0)
+            failed = True
+            break
+        if restart == 0 and step == script.fail_step and script.fault == "died":
+            rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
+            if rank != script.fail_rank:
+                # Not before the failing rank died: ranks in lockstep wait for each other (a straggler's peers wait).
+                peer_failed(name, now, d, ids, first_attempt_step_start(script, script.fail_rank, step))
+            failed = True
+            break
         if restart == 0 and step == script.fail_step:
             if rank == script.fail_rank:
                 rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
@@ -141,6 +190,13 @@ def _attempt(  # noqa: PLR0917
                 rec("end", now + d // 2, name=name, id=ids, dur=d // 2, status="error")
             else:
                 rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
+                if script.peers_fail:
+                    fail_rank = script.fail_rank
+                    assert fail_rank is not None
+                    raised = (
+                        first_attempt_step_start(script, fail_rank, step) + script.step_dur_at(fail_rank, step) // 2
+                    )
+                    peer_failed(name, now, d, ids, raised)
             failed = True
             break
         rec(
@@ -178,15 +234,30 @@ def _attempt(  # noqa: PLR0917
     return lines
 
 
+def first_attempt_step_start(script: Script, rank: int, step: int) -> int:
+    """When ``rank`` began ``step`` in the first attempt (as ``_attempt`` writes it)."""
+    now = T0 + round(script.init_s * S)
+    for k in range(step):
+        now += script.step_dur_at(rank, k)
+        if (k + 1) % script.checkpoint_every == 0:
+            now += round((script.save_s + script.save_extra_s.get((rank, k + 1), 0.0)) * S)
+    return now
+
+
 def attempt1_start(script: Script) -> int:
     worst = max(script.step_dur(r) for r in range(script.ranks))
     assert script.fail_step is not None
     saves = script.fail_step // script.checkpoint_every
+    # "died": after the others' consequences, which come up to a step and consequence_after_s later.
+    waited = worst + round(script.consequence_after_s * S) if script.fault == "died" or script.peers_fail else 0
+    if script.fault == "terminated":
+        waited = worst + round(script.ranks * script.signal_spread_s * S)
     return (
         T0
         + round(script.init_s * S)
         + script.fail_step * worst
         + saves * round(script.save_s * S)
+        + waited
         + round(script.restart_gap_s * S)
     )
 
@@ -272,3 +343,39 @@ class Recording:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._con, name)
+
+
+@st.composite
+def scripts(draw: st.DrawFn) -> Script:
+    """Any scripted job: 1 to 8 ranks on one host or several, ranks missing, a straggler or none, checkpoints
+    every step to never; a clean run, or a rank that raises (the others killed, or their collectives failing) or
+    dies without a trace (the others' collectives failing at once or half a minute later), its clock up to 45 ms
+    ahead of the others', or the scheduler's SIGTERM on every rank at once; then a restart."""
+    ranks = draw(st.integers(1, 8))
+    steps = draw(st.integers(2, 30))
+    fault = draw(st.sampled_from(["raise", "died", "terminated"]))
+    fails = draw(st.booleans())
+    fail_rank = draw(st.integers(0, ranks - 1)) if fails and fault != "terminated" else None
+    ahead = draw(st.sampled_from([0.0, 0.0, 0.02, 0.045])) if fails else 0.0
+    missing = draw(st.integers(0, 2))
+    return Script(
+        ranks=ranks,
+        world_size=ranks + missing if missing else None,
+        steps=steps,
+        step_s=draw(st.sampled_from([0.05, 0.1, 0.25])),
+        straggler=draw(st.none() | st.integers(0, ranks - 1)),
+        straggler_factor=draw(st.sampled_from([1.5, 2.0, 3.0])),
+        init_s=draw(st.sampled_from([0.2, 1.0, 3.0])),
+        checkpoint_every=draw(st.integers(1, 12)),
+        save_s=draw(st.sampled_from([0.1, 0.5])),
+        load_s=draw(st.sampled_from([0.1, 0.5])),
+        fail_rank=fail_rank,
+        fail_step=draw(st.integers(0, steps - 1)) if fails else None,
+        restart_gap_s=draw(st.sampled_from([1.0, 60.0])),
+        ranks_per_host=draw(st.none() | st.integers(1, ranks)),
+        fault=fault,
+        peers_fail=draw(st.booleans()),
+        consequence_after_s=draw(st.sampled_from([0.0, 0.5, 30.0])),
+        signal_spread_s=draw(st.sampled_from([0.0, 0.005])),
+        extra_s={(fail_rank, 0): -ahead} if ahead and fail_rank is not None else {},
+    )

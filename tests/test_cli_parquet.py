@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 pytest.importorskip("duckdb")
 
-from tests.cli_jobs import SCRIPT_IDS, SCRIPTS, Script, write_job
+from tests.cli_jobs import SCRIPT_IDS, SCRIPTS, Script, scripts, write_job
 from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
 from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
 from traintrace.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_USAGE, main
@@ -95,6 +96,21 @@ def damaged_job(folder: Path) -> Path:
 def test_scripted_jobs_answer_the_same_from_parquet(script: Script, tmp_path: Path) -> None:
     write_job(tmp_path / "job", script)
     check_round_trip(tmp_path / "job", tmp_path)
+
+
+@pytest.mark.once
+@settings(
+    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(script=scripts())
+def test_random_scripted_jobs_answer_the_same_from_parquet(
+    script: Script, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Any scripted job (tests/cli_jobs.py: failures of every kind the scripts make, restarts, hosts, missing
+    ranks): the export answers as the files do."""
+    folder = tmp_path_factory.mktemp("random")
+    write_job(folder / "job", script)
+    check_round_trip(folder / "job", folder)
 
 
 def test_a_damaged_job_answers_the_same_notes_included(tmp_path: Path) -> None:
