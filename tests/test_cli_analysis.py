@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
+from tests._examples import examples
 from tests.cli_jobs import Script, expected, scripts, write_job
 
 pytest.importorskip("duckdb")
@@ -415,7 +416,8 @@ def test_a_resolved_hang_is_not_hang_time(tmp_path: Path) -> None:
     assert s["status"] == "healthy" and "resolved" in s["verdict"]
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
+@settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scripts())
 # Rank 5 alone on its host raised; node0's five ranks stopped without a trace: read "node node0 was lost".
 @example(Script(ranks=6, ranks_per_host=5, steps=2, step_s=0.05, straggler=None, init_s=0.2, checkpoint_every=1,

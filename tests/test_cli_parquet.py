@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 
 pytest.importorskip("duckdb")
 
+from tests._examples import examples
 from tests.cli_jobs import SCRIPT_IDS, SCRIPTS, Script, scripts, write_job
 from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
 from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
@@ -99,8 +100,11 @@ def test_scripted_jobs_answer_the_same_from_parquet(script: Script, tmp_path: Pa
 
 
 @pytest.mark.once
+@pytest.mark.slow
 @settings(
-    max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=examples(10),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(script=scripts())
 def test_random_scripted_jobs_answer_the_same_from_parquet(
