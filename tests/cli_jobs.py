@@ -50,6 +50,8 @@ class Script:
     # handles it ``r * signal_spread_s`` after rank 0), and each closes its stream. ``expected`` knows "raise" only.
     fault: str = "raise"
     peers_fail: bool = False  # "raise": the others' collective fails (as in "died") instead of their being killed
+    # "raise": this many restarts fail the same way (the rank raises in the same step again), then one completes.
+    fails_again: int = 0
     consequence_after_s: float = 0.0
     signal_spread_s: float = 0.0
     files: dict[int, Path] = field(default_factory=dict)
@@ -81,7 +83,8 @@ def write_job(folder: Path, script: Script) -> Script:
             attempts = [(0, 0, script.steps if script.fail_step is None else script.fail_step + 1)]
             if script.fail_step is not None:
                 resume = (script.fail_step // script.checkpoint_every) * script.checkpoint_every
-                attempts.append((1, resume, script.steps))
+                attempts += [(k, resume, script.fail_step + 1) for k in range(1, script.fails_again + 1)]
+                attempts.append((script.fails_again + 1, resume, script.steps))
             for restart, first, last in attempts:
                 out.write("".join(_attempt(script, rank, world, restart, first, last)))
     return script
@@ -90,7 +93,7 @@ def write_job(folder: Path, script: Script) -> Script:
 def _attempt(  # noqa: PLR0917
     script: Script, rank: int, world: int, restart: int, first: int, last: int
 ) -> list[str]:
-    start = T0 if restart == 0 else attempt1_start(script)
+    start = attempt_start(script, restart)
     d = script.step_dur(rank)
     lines = []
     seq = 0
@@ -173,7 +176,7 @@ def _attempt(  # noqa: PLR0917
                 peer_failed(name, now, d, ids, first_attempt_step_start(script, script.fail_rank, step))
             failed = True
             break
-        if restart == 0 and step == script.fail_step:
+        if step == script.fail_step and restart <= script.fails_again:
             if rank == script.fail_rank:
                 rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
                 rec(
@@ -242,6 +245,26 @@ def first_attempt_step_start(script: Script, rank: int, step: int) -> int:
         if (k + 1) % script.checkpoint_every == 0:
             now += round((script.save_s + script.save_extra_s.get((rank, k + 1), 0.0)) * S)
     return now
+
+
+def attempt_start(script: Script, restart: int) -> int:
+    """When attempt ``restart`` begins (0: T0): a failed restart resumes from the last save before the failing
+    step, loads it and fails in that step again, and the next begins ``restart_gap_s`` after."""
+    if restart == 0:
+        return T0
+    if restart == 1:
+        return attempt1_start(script)
+    assert script.fail_step is not None
+    worst = max(script.step_dur(r) for r in range(script.ranks))
+    every = script.checkpoint_every
+    resume = (script.fail_step // every) * every
+    saves = script.fail_step // every - resume // every
+    failing = (
+        round((script.init_s + script.load_s) * S)
+        + (script.fail_step - resume + 1) * worst
+        + saves * round(script.save_s * S)
+    )
+    return attempt_start(script, restart - 1) + failing + round(script.restart_gap_s * S)
 
 
 def attempt1_start(script: Script) -> int:
@@ -350,10 +373,12 @@ def scripts(draw: st.DrawFn) -> Script:
     """Any scripted job: 1 to 8 ranks on one host or several, ranks missing, a straggler or none, checkpoints
     every step to never; a clean run, or a rank that raises (the others killed, or their collectives failing) or
     dies without a trace (the others' collectives failing at once or half a minute later), its clock up to 45 ms
-    ahead of the others', or the scheduler's SIGTERM on every rank at once; then a restart."""
+    ahead of the others', or the scheduler's SIGTERM on every rank at once; then a restart, after up to two
+    restarts that fail the same way when the rank raised."""
     ranks = draw(st.integers(1, 8))
     steps = draw(st.integers(2, 30))
     fault = draw(st.sampled_from(["raise", "died", "terminated"]))
+    peers_fail = draw(st.booleans())
     fails = draw(st.booleans())
     fail_rank = draw(st.integers(0, ranks - 1)) if fails and fault != "terminated" else None
     ahead = draw(st.sampled_from([0.0, 0.0, 0.02, 0.045])) if fails else 0.0
@@ -374,7 +399,8 @@ def scripts(draw: st.DrawFn) -> Script:
         restart_gap_s=draw(st.sampled_from([1.0, 60.0])),
         ranks_per_host=draw(st.none() | st.integers(1, ranks)),
         fault=fault,
-        peers_fail=draw(st.booleans()),
+        peers_fail=peers_fail,
+        fails_again=draw(st.integers(0, 2)) if fault == "raise" and not peers_fail else 0,
         consequence_after_s=draw(st.sampled_from([0.0, 0.5, 30.0])),
         signal_spread_s=draw(st.sampled_from([0.0, 0.005])),
         extra_s={(fail_rank, 0): -ahead} if ahead and fail_rank is not None else {},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -416,6 +417,24 @@ def test_a_resolved_hang_is_not_hang_time(tmp_path: Path) -> None:
     assert s["status"] == "healthy" and "resolved" in s["verdict"]
 
 
+def _check_failure(script: Script, e: dict[str, Any]) -> None:
+    """errors of a scripted job that failed, against the script."""
+    if script.fault == "terminated":
+        # Within the clock-skew allowance of each other: nobody went first.
+        if script.ranks > 1:
+            assert (e["culprit"], e["rule"]) == (None, "terminated together"), e["verdict"]
+        return
+    c = e["culprit"]
+    assert c is not None, e["verdict"]
+    assert (c["rank"], c["step"]) == (script.fail_rank, script.fail_step), e["verdict"]
+    # The last failed restart's culprit; the earlier ones failed the same way.
+    assert (c["restart"], e["same_failure_restarts"]) == (script.fails_again, list(range(script.fails_again)))
+    if script.fault == "raise":
+        assert (e["rule"], c["error"]["error_type"]) == ("first exception", "RuntimeError"), e["verdict"]
+    else:
+        assert e["rule"] == "died first" and c["error"] is None, e["verdict"]
+
+
 @pytest.mark.slow
 @settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scripts())
@@ -423,10 +442,11 @@ def test_a_resolved_hang_is_not_hang_time(tmp_path: Path) -> None:
 @example(Script(ranks=6, ranks_per_host=5, steps=2, step_s=0.05, straggler=None, init_s=0.2, checkpoint_every=1,
                 save_s=0.1, load_s=0.1, fail_rank=5, fail_step=0, restart_gap_s=1.0))  # fmt: skip
 def test_random_scripted_jobs(script: Script) -> None:
-    """summary, errors and ranks of any scripted job against the script: the culprit's rank and step and the rule
-    that named it; wall time, goodput, every badput category, step statistics and steps completed and lost by
-    ``expected``'s arithmetic (steps of one length only); the straggler, given enough steps to show it. (600
-    examples at a time passed when written; the example found a wrong lost-node verdict.)"""
+    """summary, errors and ranks of any scripted job against the script: the culprit's rank, step and restart,
+    the rule that named it and the restarts that failed the same way; restarts, steps completed and lost; wall
+    time, goodput, every badput category and step statistics by ``expected``'s arithmetic (steps of one length,
+    one failure by an exception); the straggler, given enough steps to show it. (600 examples at a time passed
+    when written; the example found a wrong lost-node verdict.)"""
     with tempfile.TemporaryDirectory() as folder:
         write_job(Path(folder), script)
         job = _open(Path(folder))
@@ -436,23 +456,18 @@ def test_random_scripted_jobs(script: Script) -> None:
             r = _analysis.ranks(job, top=2)
         finally:
             job.close()
+    assert s["steps_completed"] == script.steps
     if script.fail_step is None:
         assert e["culprit"] is None and e["status"] != "failed", e["verdict"]
-    elif script.fault == "terminated":
-        # Within the clock-skew allowance of each other: nobody went first.
-        if script.ranks > 1:
-            assert (e["culprit"], e["rule"]) == (None, "terminated together"), e["verdict"]
+        assert (s["restarts"], s["steps_lost"]) == (0, 0)
     else:
-        c = e["culprit"]
-        assert c is not None, e["verdict"]
-        assert (c["rank"], c["step"]) == (script.fail_rank, script.fail_step), e["verdict"]
-        if script.fault == "raise":
-            assert (e["rule"], c["error"]["error_type"]) == ("first exception", "RuntimeError"), e["verdict"]
-        else:
-            assert e["rule"] == "died first" and c["error"] is None, e["verdict"]
+        # Every failed attempt started the steps from the last save to the failing one and kept none of them.
+        lost = (script.fail_step % script.checkpoint_every + 1) * (script.fails_again + 1)
+        assert (s["restarts"], s["steps_lost"]) == (script.fails_again + 1, lost), s
+        _check_failure(script, e)
     if script.ranks >= 3 and script.straggler is not None and script.steps >= 6:
         assert r["stragglers"] == [script.straggler], r["ranks"]
-    if script.extra_s or script.fault != "raise" or script.peers_fail:
+    if script.extra_s or script.fault != "raise" or script.peers_fail or script.fails_again:
         return  # expected() knows steps of one length, and the failure by an exception
     truth = expected(script)
     # expected() adds seconds to T0 in floats (1.8e9 s): a few hundred nanoseconds off.
