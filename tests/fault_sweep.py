@@ -71,21 +71,7 @@ def launch_two_nodes(folder: Path, *args: str, timeout: float = 150) -> Run:
         for launcher in launchers:
             launcher.wait(timeout=max(ends - time.monotonic(), 1))
         returncode = max(launcher.returncode for launcher in launchers)
-    run = Run(folder / "logs" / "job", folder / "truth", returncode, "")
-    # A launcher may end before the workers it stopped: read the job once they are gone, or a worker still
-    # alive on this host is a running rank (docs/analysis.md, "Running jobs"), as it would be.
-    pids = [marks[0]["pid"] for marks in run.marks().values() if marks and "pid" in marks[0]]
-    while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in pids) and time.monotonic() < ends + 30:
-        time.sleep(0.1)
-    return run
-
-
-def _alive(pid: int) -> bool:
-    """Not a zombie (a process that ended, waiting for its parent to read its status)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return Run(folder / "logs" / "job", folder / "truth", returncode, "")
 
 
 def main() -> int:
