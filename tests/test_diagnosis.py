@@ -1050,6 +1050,30 @@ def test_a_rank_hung_in_compute(tmp_path: Path, detection: str) -> None:
 
 
 @pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
+def test_a_rank_hung_loading_its_first_batch(tmp_path: Path, detection: str) -> None:
+    """Rank 1 blocks in data loading before step 0 (a file system that stopped answering) while the others wait
+    in step 0's all-reduce. With no iteration begun it had no step and counted as ahead of them: the verdict named
+    rank 0 (`hung inside a collective`), or, with detection off, said `cause unclear`. Its hang begins at the
+    training loop's start, not at the stream's: its initialisation is not hang time."""
+    hang_timeout = "1.5" if detection == "on" else "0"
+    run = launch(
+        tmp_path, 3, "--fault", "hang_data", "--fault-rank", "1", "--fault-step", "0", "--hang-timeout", hang_timeout
+    )
+    assert fault_step_of(run, 1)["step"] == 0
+    errors = check_culprit(run, 1, 0, "data_loading", "hang")
+    assert errors["verdict"].startswith("rank 1 hung in data loading at step 0, not in a collective;")
+    others = [r for r in errors["rank_states"] if r["rank"] != 1]
+    assert all(r["in_collective"] and r["step"] == 0 for r in others), others
+    summary = check_goodput(run)
+    assert summary["breakdown_s"]["initialization"] > 0, summary["breakdown_s"]
+    if detection == "on":
+        assert errors["rule"] == "hang: the rank behind"
+        assert summary["breakdown_s"]["hang"] > 0
+    else:
+        assert errors["rule"] == "hang: the rank the collectives timed out on"
+
+
+@pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
 def test_a_rank_hung_in_a_checkpoint_save(tmp_path: Path, detection: str) -> None:
     """Rank 0 stalls in its save after step 9 (a file system that stopped answering); the others wait for it in
     the all-reduce of step 10. A save has a longer hang timeout than a step, so with detection on only the

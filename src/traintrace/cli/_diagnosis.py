@@ -926,7 +926,26 @@ def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list
         if st.phase == SpanName.APPLICATION and last_done_step is not None and st.step == int(last_done_step) + 1:
             st.step, st.after_loop = int(last_done_step), True
         _unresponsive(st)
-    return [st for st, _, _ in started]
+    states = [st for st, _, _ in started]
+    _first_batch(states, facts)
+    return states
+
+
+def _first_batch(states: list[RankState], facts: _Facts) -> None:
+    """A rank of the attempt still loading its first batch (in data loading or between steps, no iteration begun,
+    none completed) is at the attempt's first step: the one the ranks that completed none yet are in (its peers
+    cannot complete a step before it begins it, their all-reduce waits for it). Without this a rank stuck
+    loading its first batch would have no step and count as ahead of the ranks waiting for it."""
+
+    def completed_none(s: RankState) -> bool:
+        return facts.last_ok.get(s.stream, (None, None))[1] is None
+
+    firsts = [s.step for s in states if s.step is not None and completed_none(s)]
+    if not firsts:
+        return
+    for s in states:
+        if s.step is None and s.phase in (SpanName.DATA_LOADING, SpanName.TRAINING_LOOP) and completed_none(s):
+            s.step = min(firsts)
 
 
 def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, int | None, int | None]:
