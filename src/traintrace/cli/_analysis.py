@@ -105,14 +105,18 @@ def summary(job: Job) -> dict[str, Any]:
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
         step_counts.setdefault(rank, {True: 0, False: 0})[bool(lost)] += int(count)
-    # A step a failed rank was still in when it stopped (its start written, never its end) was lost too.
-    for rank, count in job.rows(
+    # A step a failed rank was still in when it stopped (its start written, never its end) was lost too, with the
+    # time from its start to the end of the stream (a rank that hung in it until it was terminated).
+    for rank, seconds, count in job.rows(
         f"""
-        SELECT f.rank, count(*) FROM spans_small s JOIN stream_facts f USING (stream)
+        SELECT f.rank, sum({_clipped("s.ts", "greatest(f.end_ts - s.ts, 0)")}) / 1e9, count(*)
+        FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE s.name = '{SpanName.ITERATION}' AND s.open AND f.failed AND NOT f.running AND NOT f.is_agent
         GROUP BY ALL
         """
     ):
+        per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
+        per_rank[rank]["lost_progress"] += seconds
         step_counts.setdefault(rank, {True: 0, False: 0})[True] += int(count)
     case = _category_case("s.name")
     spans_sql = f"""

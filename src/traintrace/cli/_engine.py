@@ -136,6 +136,18 @@ RARE_KINDS = ("header", "error", "thread", "dropped")
 RARE_FIELDS = tuple(k for k in COLUMNS if k not in CORE_COLUMNS)
 
 ITERATION = SpanName.ITERATION
+#: Phases whose end (ok) is progress to the hang detection (traintrace._stats), like an iteration's.
+PROGRESS_PHASES = (
+    SpanName.CHECKPOINT_SAVE_SYNC,
+    SpanName.CHECKPOINT_SAVE_ASYNC,
+    SpanName.CHECKPOINT_LOAD,
+    SpanName.VALIDATION,
+    SpanName.TEST,
+    SpanName.DISTRIBUTED_INIT,
+    SpanName.DATA_LOADER_INIT,
+    SpanName.MODEL_INIT,
+    SpanName.OPTIMIZER_INIT,
+)
 _PLAIN_ITERATION = f"kind = 'span' AND name = '{ITERATION}'"
 BIG = 9_000_000_000_000_000_000
 
@@ -909,6 +921,7 @@ class Job:
         final = SpanName.CHECKPOINT_SAVE_FINALIZATION
         failed = f"'{SpanStatus.ERROR}', '{SpanStatus.TERMINATED}'"
         outer = f"'{SpanName.APPLICATION}', '{SpanName.TRAINING_LOOP}', '{SpanName.ITERATION}'"
+        progress = ", ".join(f"'{name}'" for name in PROGRESS_PHASES)
         self._running_streams()
         self.con.execute(
             f"""
@@ -962,9 +975,16 @@ class Job:
                 WHERE r.plain AND r.ts + r.dur <= hang.hang_ts
                 GROUP BY hang.stream
             ), hang_pairs AS (
-                SELECT hang.stream, max(s.ts + s.dur) AS iter_end
+                -- Or of the last progress other than an iteration, as the hang detection measures it: a phase that
+                -- ended ok (a checkpoint save or load, validation, test, initialisation), the training loop's start.
+                SELECT hang.stream,
+                       max(CASE WHEN s.name = '{SpanName.TRAINING_LOOP}'
+                                 AND (s.open OR s.ts + s.dur > hang.hang_ts) THEN s.ts
+                                ELSE s.ts + s.dur END) AS iter_end
                 FROM hang JOIN spans_small s USING (stream)
-                WHERE s.name = '{ITERATION}' AND NOT s.open AND s.ts + s.dur <= hang.hang_ts
+                WHERE (s.name = '{SpanName.TRAINING_LOOP}' AND s.ts <= hang.hang_ts)
+                   OR (NOT s.open AND s.ts + s.dur <= hang.hang_ts
+                       AND (s.name = '{ITERATION}' OR (s.name IN ({progress}) AND s.status = '{ok}')))
                 GROUP BY hang.stream
             )
             SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
