@@ -20,6 +20,13 @@ S = 1_000_000_000
 T0 = 1_800_000_000 * S
 #: What gloo raises in a collective whose peer died.
 CLOSED_BY_PEER = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:29500"
+#: What gloo raises in a collective that waited longer than the process group's timeout.
+TIMED_OUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting {ms}ms for recv operation"
+#: Where a hung rank can be stuck: a phase of its step (not in a collective), or a collective the others never
+#: joined (one more at the end of its step).
+HANG_PHASES = ("data_loading", "model_forward", "model_backward", "optimizer_update", "collective")
+#: Hangs past the step's all-reduce (in backward): the others finish that step and wait in the next one's.
+PAST_ALL_REDUCE = ("optimizer_update", "collective")
 
 
 @dataclass
@@ -47,13 +54,26 @@ class Script:
     # a trace, killed) or "died" (it stops without a trace at the step's start, SIGKILLed; the others' collective
     # fails half-way through the step plus ``consequence_after_s``: a communication error, a consequence).
     # Or "terminated": no rank fails; the scheduler's SIGTERM reaches every rank in that step at once (rank r
-    # handles it ``r * signal_spread_s`` after rank 0), and each closes its stream. ``expected`` knows "raise" only.
+    # handles it ``r * signal_spread_s`` after rank 0), and each closes its stream. Or "hang": the failing rank
+    # stops making progress in ``hang_phase`` of its step while the others wait in their backward's all-reduce
+    # (``hang_timeline``). ``expected`` knows "raise" only.
     fault: str = "raise"
     peers_fail: bool = False  # "raise": the others' collective fails (as in "died") instead of their being killed
     # "raise": this many restarts fail the same way (the rank raises in the same step again), then one completes.
     fails_again: int = 0
     consequence_after_s: float = 0.0
     signal_spread_s: float = 0.0
+    hang_phase: str = "model_forward"  # one of HANG_PHASES
+    # traintrace's hang detection: each rank reports ``hang_suspected`` this long after its last progress (None:
+    # off); the hung rank itself does not when ``hung_reports`` is false (its phase's limit is longer).
+    hang_report_s: float | None = 1.5
+    hung_reports: bool = True
+    # How the hang ends: "timeout" (the waiting ranks' collectives time out ``collective_timeout_s`` after they
+    # began, they raise and close, and the launcher's SIGTERM reaches the hung rank half a second after the first)
+    # or "killed" (from outside, ``kill_after_s`` after the last hang report: nothing more is written).
+    hang_end: str = "timeout"
+    collective_timeout_s: float = 30.0
+    kill_after_s: float = 5.0
     files: dict[int, Path] = field(default_factory=dict)
 
     def host(self, rank: int) -> str:
@@ -80,7 +100,8 @@ def write_job(folder: Path, script: Script) -> Script:
         path = folder / f"rank{rank}.jsonl"
         script.files[rank] = path
         with path.open("w") as out:
-            attempts = [(0, 0, script.steps if script.fail_step is None else script.fail_step + 1)]
+            last = script.steps if script.fail_step is None or script.fault == "hang" else script.fail_step + 1
+            attempts = [(0, 0, last)]
             if script.fail_step is not None:
                 resume = (script.fail_step // script.checkpoint_every) * script.checkpoint_every
                 attempts += [(k, resume, script.fail_step + 1) for k in range(1, script.fails_again + 1)]
@@ -169,6 +190,10 @@ def _attempt(  # noqa: PLR0917
             rec("close", at, records=seq + 1, dropped=0)
             failed = True
             break
+        if restart == 0 and script.fault == "hang" and script.fail_step is not None and step == hang_step(script, rank):
+            _hang(script, rank, rec, lines, loop, ids, now)
+            failed = True
+            break
         if restart == 0 and step == script.fail_step and script.fault == "died":
             rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
             if rank != script.fail_rank:
@@ -176,7 +201,7 @@ def _attempt(  # noqa: PLR0917
                 peer_failed(name, now, d, ids, first_attempt_step_start(script, script.fail_rank, step))
             failed = True
             break
-        if step == script.fail_step and restart <= script.fails_again:
+        if script.fault == "raise" and step == script.fail_step and restart <= script.fails_again:
             if rank == script.fail_rank:
                 rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
                 rec(
@@ -237,6 +262,136 @@ def _attempt(  # noqa: PLR0917
     return lines
 
 
+def hang_step(script: Script, rank: int) -> int:
+    """The step ``rank`` hangs in: the hung rank's, or the next one for the others when it hung past the
+    step's all-reduce."""
+    assert script.fail_step is not None
+    ahead = rank != script.fail_rank and script.hang_phase in PAST_ALL_REDUCE
+    return script.fail_step + 1 if ahead else script.fail_step
+
+
+def hang_timeline(script: Script) -> tuple[dict[int, dict[str, int | None]], int]:
+    """Per rank, when (ns) it began its hang step (``began``), began waiting in its all-reduce (``waits``;
+    None for the hung rank), reported a hang (``report``, or None), its collective timed out (``timeout``, or
+    None) and its stream stopped (``stopped``: its last record); and when the attempt ended (the launcher's
+    SIGTERM to the hung rank, or the kill from outside)."""
+    assert script.fail_step is not None
+    times: dict[int, dict[str, int | None]] = {}
+    for rank in range(script.ranks):
+        step = hang_step(script, rank)
+        began = first_attempt_step_start(script, rank, step)
+        # Ranks in lockstep: none made progress after the last of them began the step (its peers waited for it
+        # in the previous step's all-reduce), and none waits in this step's before then.
+        latest = max(first_attempt_step_start(script, r, step) for r in range(script.ranks))
+        hung = rank == script.fail_rank
+        reports = script.hang_report_s is not None and (script.hung_reports or not hung)
+        report = latest + round((script.hang_report_s or 0.0) * S) + rank * S // 1000 if reports else None
+        waits = None if hung else max(began + script.step_dur_at(rank, step) // 2, latest) + S // 10_000
+        timeout = None
+        if waits is not None and script.hang_end == "timeout":
+            timeout = waits + round(script.collective_timeout_s * S)
+        times[rank] = {"began": began, "waits": waits, "report": report, "timeout": timeout, "stopped": None}
+    if script.hang_end == "timeout":
+        ended = min(t["timeout"] or 0 for t in times.values() if t["timeout"] is not None) + S // 2
+        for t in times.values():
+            t["stopped"] = t["timeout"] or ended
+        return times, ended
+    for t in times.values():
+        t["stopped"] = t["report"] or t["waits"] or t["began"]
+    return times, max(t["stopped"] or 0 for t in times.values()) + round(script.kill_after_s * S)
+
+
+def _hang(script: Script, rank: int, rec: Any, lines: list[str], loop: int, ids: int, now: int) -> None:  # noqa: PLR0917
+    """``rank``'s records in the step it hangs in, from ``now`` (the training loop's span is ``loop``, span ids
+    above ``ids`` are free), as traintrace writes them for the hung rank (stuck in ``hang_phase``) and for the
+    ranks waiting for it (in backward's all-reduce, which may time out)."""
+    t = hang_timeline(script)[0][rank]
+    step = hang_step(script, rank)
+    d = script.step_dur_at(rank, step)
+    tid, watchdog = 7, 9
+    hung = rank == script.fail_rank
+    phase = script.hang_phase if hung else "collective"
+    opened: list[tuple[str, int, int]] = []  # (name, id, began): the spans open in the hang
+
+    def start(name: str, parent: int, at: int, **attrs: Any) -> int:
+        nonlocal ids
+        ids += 1
+        rec("start", at, name=name, id=ids, parent=parent, tid=tid, **({"attrs": attrs} if attrs else {}))
+        opened.append((name, ids, at))
+        return ids
+
+    def done(name: str, parent: int, at: int, dur: int) -> None:
+        nonlocal ids
+        ids += 1
+        rec("span", at, name=name, id=ids, parent=parent, tid=tid, dur=dur, status="ok")
+
+    if hung and phase == "data_loading":
+        start("data_loading", loop, now)
+    else:
+        it = start(script.name_prefix + "iteration" if script.name_prefix else "iteration", loop, now, step=step)
+        if hung and phase == "model_forward":
+            start("model_forward", it, now)
+        elif hung and phase in PAST_ALL_REDUCE:
+            done("model_forward", it, now, d // 4)
+            done("model_backward", it, now + d // 4, d // 4)
+            if phase == "optimizer_update":
+                start("optimizer_update", it, now + d // 2)
+            else:
+                done("optimizer_update", it, now + d // 2, d // 4)
+                start("collective", it, now + 3 * d // 4, op="all_reduce", group="pair")
+        else:
+            done("model_forward", it, now, d // 4)
+            backward = start("model_backward", it, now + d // 4)
+            if t["waits"] is not None:
+                start("collective", backward, t["waits"], op="all_reduce", bytes=644)
+    if t["report"] is not None:
+        reported = t["report"]
+        idle = (reported - now) / S
+        rec("thread", reported, tid=watchdog, thread_name="traintrace-watchdog")
+        rec(
+            "error",
+            reported,
+            name="hang_suspected",
+            span=0,
+            tid=watchdog,
+            message=f"no progress for {idle:.1f}s (limit {script.hang_report_s:g}s); last completed step {step - 1}",
+            stack=f'Thread "MainThread" (tid {tid}):\n  File "train.py", line 20, in main\n',
+            attrs={
+                "idle_seconds": round(idle, 3),
+                "limit_seconds": script.hang_report_s,
+                "last_step": step - 1,
+                "completed_steps": step,
+                "open_spans": [
+                    {"name": n, "id": i, "open_seconds": round((reported - b) / S, 3), "tid": tid} for n, i, b in opened
+                ],
+                "threads": 3,
+                "progress_phase": phase,
+            },
+        )
+    if t["timeout"] is not None:
+        at = t["timeout"]
+        message = TIMED_OUT.format(ms=round(script.collective_timeout_s * 1000))
+        for name, span, began in reversed(opened):
+            if name == "model_backward":
+                rec(
+                    "error",
+                    at,
+                    name="exception",
+                    span=span,
+                    tid=tid,
+                    error_type="RuntimeError",
+                    message=message,
+                    stack=f'Traceback (most recent call last):\n  File "train.py", line 14\nRuntimeError: {message}',
+                )
+            rec("end", at, name=name, id=span, dur=at - began, status="error")
+        loop_began = T0 + round(script.init_s * S)
+        rec("end", at, name="training_loop", id=loop, dur=at - loop_began, status="error")
+        rec("end", at, name="main_function", id=1, dur=at - T0, status="error")
+        rec("close", at, records=len(lines) + 1, dropped=0)
+    elif hung and script.hang_end == "timeout":
+        rec("event", t["stopped"], name="signal", span=opened[-1][1], tid=tid, attrs={"signal": "SIGTERM"})
+
+
 def first_attempt_step_start(script: Script, rank: int, step: int) -> int:
     """When ``rank`` began ``step`` in the first attempt (as ``_attempt`` writes it)."""
     now = T0 + round(script.init_s * S)
@@ -268,6 +423,8 @@ def attempt_start(script: Script, restart: int) -> int:
 
 
 def attempt1_start(script: Script) -> int:
+    if script.fault == "hang":
+        return hang_timeline(script)[1] + round(script.restart_gap_s * S)
     worst = max(script.step_dur(r) for r in range(script.ranks))
     assert script.fail_step is not None
     saves = script.fail_step // script.checkpoint_every
@@ -373,16 +530,35 @@ def scripts(draw: st.DrawFn) -> Script:
     """Any scripted job: 1 to 8 ranks on one host or several, ranks missing, a straggler or none, checkpoints
     every step to never; a clean run, or a rank that raises (the others killed, or their collectives failing) or
     dies without a trace (the others' collectives failing at once or half a minute later), its clock up to 45 ms
-    ahead of the others', or the scheduler's SIGTERM on every rank at once; then a restart, after up to two
-    restarts that fail the same way when the rank raised."""
+    ahead of the others', or the scheduler's SIGTERM on every rank at once, or a rank that hangs (in a phase of
+    its step or a collective the others never joined, while they wait in theirs; reported by hang detection or
+    not; ended by the collectives' timeout or a kill from outside); then a restart, after up to two restarts that
+    fail the same way when the rank raised."""
     ranks = draw(st.integers(1, 8))
     steps = draw(st.integers(2, 30))
-    fault = draw(st.sampled_from(["raise", "died", "terminated"]))
+    fault = draw(
+        st.sampled_from(["raise", "died", "terminated", "hang"] if ranks > 1 else ["raise", "died", "terminated"])
+    )
     peers_fail = draw(st.booleans())
     fails = draw(st.booleans())
     fail_rank = draw(st.integers(0, ranks - 1)) if fails and fault != "terminated" else None
     ahead = draw(st.sampled_from([0.0, 0.0, 0.02, 0.045])) if fails else 0.0
     missing = draw(st.integers(0, 2))
+    every = draw(st.integers(1, 12))
+    fail_step = draw(st.integers(0, steps - 1)) if fails else None
+    hang_phase = draw(st.sampled_from(HANG_PHASES))
+    last = fail_step is not None and ((fail_step + 1) % every == 0 or fail_step == steps - 1)
+    if hang_phase in PAST_ALL_REDUCE and last:
+        hang_phase = "model_forward"  # the others would save a checkpoint or finish after the hung step
+    hang_end = draw(st.sampled_from(["timeout", "killed"]))
+    collective_timeout_s = draw(st.sampled_from([6.0, 30.0, 1800.0]))
+    hang_report_s = draw(st.sampled_from([None, 1.5, 60.0, 600.0]))
+    if hang_end == "timeout" and hang_report_s is not None and hang_report_s >= collective_timeout_s:
+        hang_report_s = None  # the ranks were gone before their detection fired
+    if hang_end == "killed":
+        # Killed without a hang report, or with the hung rank's stream ending where it stopped, the stream says no
+        # more than that it was cut off: the progress files (not written here) are what tell such a hang.
+        hang_report_s = hang_report_s or 600.0
     return Script(
         ranks=ranks,
         world_size=ranks + missing if missing else None,
@@ -391,11 +567,11 @@ def scripts(draw: st.DrawFn) -> Script:
         straggler=draw(st.none() | st.integers(0, ranks - 1)),
         straggler_factor=draw(st.sampled_from([1.5, 2.0, 3.0])),
         init_s=draw(st.sampled_from([0.2, 1.0, 3.0])),
-        checkpoint_every=draw(st.integers(1, 12)),
+        checkpoint_every=every,
         save_s=draw(st.sampled_from([0.1, 0.5])),
         load_s=draw(st.sampled_from([0.1, 0.5])),
         fail_rank=fail_rank,
-        fail_step=draw(st.integers(0, steps - 1)) if fails else None,
+        fail_step=fail_step,
         restart_gap_s=draw(st.sampled_from([1.0, 60.0])),
         ranks_per_host=draw(st.none() | st.integers(1, ranks)),
         fault=fault,
@@ -404,4 +580,57 @@ def scripts(draw: st.DrawFn) -> Script:
         consequence_after_s=draw(st.sampled_from([0.0, 0.5, 30.0])),
         signal_spread_s=draw(st.sampled_from([0.0, 0.005])),
         extra_s={(fail_rank, 0): -ahead} if ahead and fail_rank is not None else {},
+        hang_phase=hang_phase,
+        hang_report_s=hang_report_s,
+        hung_reports=hang_end == "killed" or draw(st.booleans()),
+        hang_end=hang_end,
+        collective_timeout_s=collective_timeout_s,
     )
+
+
+def expected_hang(script: Script) -> dict[str, Any]:
+    """What ``traintrace summary`` must say of a job whose first attempt hung (``fault="hang"``) and whose restart
+    completed, by docs/analysis.md's definitions: a rank that reported the hang spent it in ``hang``, from its last
+    progress (the end of its last step, or of the save after it; the training loop's start before its first step)
+    to the end of its stream; a rank that did not lost the step it was in (or, loading its batch, spent the time
+    in ``data_loading``)."""
+    assert script.fail_step is not None
+    times, _ = hang_timeline(script)
+    every = script.checkpoint_every
+    resume = (script.fail_step // every) * every
+    t1 = attempt1_start(script)
+    per_rank: dict[int, dict[str, float]] = {}
+    ends = []
+    for rank in range(script.ranks):
+        t = times[rank]
+        cat = dict.fromkeys(("productive", "lost_progress", "checkpoint_save", "hang", "data_loading"), 0)
+        cat["initialization"] = 2 * round(script.init_s * S)
+        cat["checkpoint_load"] = round(script.load_s * S)
+        hung_step = hang_step(script, rank)
+        for step in range(hung_step):
+            cat["productive" if step < resume else "lost_progress"] += script.step_dur_at(rank, step)
+            if (step + 1) % every == 0:
+                cat["checkpoint_save"] += round((script.save_s + script.save_extra_s.get((rank, step + 1), 0.0)) * S)
+        began, stopped = t["began"] or 0, t["stopped"] or 0
+        if t["report"] is not None:
+            cat["hang"] = stopped - began
+        elif rank == script.fail_rank and script.hang_phase == "data_loading":
+            cat["data_loading"] = stopped - began
+        else:
+            cat["lost_progress"] += stopped - began
+        now = t1 + round((script.init_s + script.load_s) * S)
+        for step in range(resume, script.steps):
+            cat["productive"] += script.step_dur_at(rank, step)
+            now += script.step_dur_at(rank, step)
+            if (step + 1) % every == 0:
+                save = round((script.save_s + script.save_extra_s.get((rank, step + 1), 0.0)) * S)
+                cat["checkpoint_save"] += save
+                now += save
+        ends.append(now)
+        per_rank[rank] = {k: v / S for k, v in cat.items()}
+        per_rank[rank]["covered"] = (stopped - T0 + now - t1) / S
+    wall = (max(ends) - T0) / S
+    n = script.ranks
+    mean = {k: sum(v[k] for v in per_rank.values()) / n for k in per_rank[0]}
+    mean["restart_idle"] = wall - mean.pop("covered")
+    return {"wall_s": wall, "goodput": mean["productive"] / wall, "breakdown": mean}

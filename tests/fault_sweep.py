@@ -5,14 +5,14 @@
 Each job is tests/diag_worker.py under traintrace-run (gloo on CPU, 2 to 4 ranks; with ``--nodes 2``, two
 launchers of 2 ranks each on this machine, named node-a and node-b, as tests/test_diagnosis.py's two-node jobs)
 with one fault drawn at random: an exception in a phase (data loading, forward, backward, optimizer, between
-phases), SIGKILL, SIGSEGV, an exit with a code (``os._exit`` or ``sys.exit``), a hang in compute or in a
-collective (hang detection on or off), or a rank slow in compute from some step on. The faulty rank, the step,
-the checkpoint interval, the step time and how long a failed rank lingers are drawn too. Checked as
-tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the worker's own
-marks say; ``ranks`` names the slow rank, its part and its first slow step; goodput within a point of the marks'
-and the steps completed and lost. A line per job; the exit status is the number of jobs whose answer was wrong
-(at most 99). It takes 10 to 20 s a job on a 2-core machine: not part of the suite, whose fixed cases cover every
-fault.
+phases), SIGKILL, SIGSEGV, an exit with a code (``os._exit`` or ``sys.exit``), a hang in compute, in data loading
+(from the first batch on) or in a collective (hang detection on or off), or a rank slow in compute from some step
+on. The faulty rank, the step, the checkpoint interval, the step time and how long a failed rank lingers are drawn
+too. Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
+worker's own marks say; ``ranks`` names the slow rank, its part and its first slow step; goodput within a point of
+the marks' and the steps completed and lost. A line per job; the exit status is the number of jobs whose answer was
+wrong (at most 99). It takes 10 to 20 s a job on a 2-core machine: not part of the suite, whose fixed cases cover
+every fault.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
     "sys_exit": ("model_backward", "exit code", True),
     "hang_compute": ("model_forward", "hang", True),
     "hang_collective": ("iteration", "hang", True),
+    "hang_data": ("data_loading", "hang", True),
     "slow_compute": (None, "", False),
 }
 
@@ -91,7 +92,8 @@ def main() -> int:
         nproc = draw.choice([2, 3, 4]) if args.nodes == 1 else 4
         fault = draw.choice(sorted(FAULTS))
         rank = draw.randrange(nproc)
-        step = draw.randrange(2, 9 if fault == "slow_compute" else 19)
+        # A rank can hang loading its very first batch; the slow rank needs steps before it to compare with.
+        step = draw.randrange(0 if fault == "hang_data" else 2, 9 if fault == "slow_compute" else 19)
         extra = ["--checkpoint-every", str(draw.choice([3, 5, 50])), "--step-ms", str(draw.choice([10, 30, 60]))]
         if fault.startswith("hang"):
             extra += ["--hang-timeout", draw.choice(["1.5", "0"])]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from tests._examples import examples
-from tests.cli_jobs import Script, expected, scripts, write_job
+from tests.cli_jobs import PAST_ALL_REDUCE, Script, expected, expected_hang, scripts, write_job
 
 pytest.importorskip("duckdb")
 
@@ -431,6 +431,19 @@ def _check_failure(script: Script, e: dict[str, Any]) -> None:
     assert (c["restart"], e["same_failure_restarts"]) == (script.fails_again, list(range(script.fails_again)))
     if script.fault == "raise":
         assert (e["rule"], c["error"]["error_type"]) == ("first exception", "RuntimeError"), e["verdict"]
+    elif script.fault == "hang":
+        # Reports name the rank behind; without any, the collectives that timed out waiting for it do.
+        timed_out = "hang: the rank the collectives timed out on"
+        rule = "hang: the rank behind" if script.hang_report_s is not None else timed_out
+        phase = "iteration" if script.hang_phase == "collective" else script.hang_phase  # between its phases
+        assert (e["rule"], c["phase"]) == (rule, phase), e["verdict"]
+        assert c["cause"].startswith("hang: ") and c["error"] is None, c["cause"]
+        assert e["verdict"].startswith(f"restart 0 failed: rank {script.fail_rank} hung "), e["verdict"]
+        # One line says what every other rank was doing: waiting in its collective.
+        for other in range(script.ranks):
+            if other != script.fail_rank:
+                state = next(s for s in e["rank_states"] if s["rank"] == other and s["restart"] == 0)
+                assert state["in_collective"], (other, e["verdict"])
     else:
         assert e["rule"] == "died first" and c["error"] is None, e["verdict"]
 
@@ -441,12 +454,23 @@ def _check_failure(script: Script, e: dict[str, Any]) -> None:
 # Rank 5 alone on its host raised; node0's five ranks stopped without a trace: read "node node0 was lost".
 @example(Script(ranks=6, ranks_per_host=5, steps=2, step_s=0.05, straggler=None, init_s=0.2, checkpoint_every=1,
                 save_s=0.1, load_s=0.1, fail_rank=5, fail_step=0, restart_gap_s=1.0))  # fmt: skip
+# Rank 0 hung loading its first batch: named as rank 1 (reported) or "cause unclear" (timed out); its init was hang.
+@example(Script(ranks=2, steps=2, step_s=0.05, straggler=None, init_s=0.2, checkpoint_every=1, save_s=0.1, load_s=0.1,
+                fail_rank=0, fail_step=0, restart_gap_s=1.0, fault="hang", hang_phase="data_loading",
+                hang_report_s=600.0, hang_end="killed"))  # fmt: skip
+@example(Script(ranks=3, steps=5, straggler=None, fail_rank=1, fail_step=0, fault="hang", hang_phase="data_loading",
+                hang_report_s=None, hang_end="timeout"))  # fmt: skip
+# Rank 2 hung in forward with detection off: its step until torchrun's SIGTERM was "other", not lost progress.
+@example(Script(ranks=4, steps=20, straggler=None, checkpoint_every=5, fail_rank=2, fail_step=7, fault="hang",
+                hang_phase="model_forward", hang_report_s=None, hang_end="timeout"))  # fmt: skip
 def test_random_scripted_jobs(script: Script) -> None:
     """summary, errors and ranks of any scripted job against the script: the culprit's rank, step and restart,
     the rule that named it and the restarts that failed the same way; restarts, steps completed and lost; wall
     time, goodput, every badput category and step statistics by ``expected``'s arithmetic (steps of one length,
-    one failure by an exception); the straggler, given enough steps to show it. (600 examples at a time passed
-    when written; the example found a wrong lost-node verdict.)"""
+    one failure by an exception), and by ``expected_hang``'s for a hang (its phase, the rule and where every other
+    rank waited too); the straggler, given enough steps to show it. (600 examples at a time passed when written;
+    the example found a wrong lost-node verdict, the hangs a rank hung loading its first batch named wrongly, an
+    open iteration's time counted as `other` and initialisation counted as hang time.)"""
     with tempfile.TemporaryDirectory() as folder:
         write_job(Path(folder), script)
         job = _open(Path(folder))
@@ -461,12 +485,21 @@ def test_random_scripted_jobs(script: Script) -> None:
         assert e["culprit"] is None and e["status"] != "failed", e["verdict"]
         assert (s["restarts"], s["steps_lost"]) == (0, 0)
     else:
-        # Every failed attempt started the steps from the last save to the failing one and kept none of them.
+        # Every failed attempt started the steps from the last save to the failing one and kept none of them; a
+        # hang past the step's all-reduce let the others begin the next one too.
         lost = (script.fail_step % script.checkpoint_every + 1) * (script.fails_again + 1)
+        if script.fault == "hang" and script.hang_phase in PAST_ALL_REDUCE:
+            lost += 1
         assert (s["restarts"], s["steps_lost"]) == (script.fails_again + 1, lost), s
         _check_failure(script, e)
     if script.ranks >= 3 and script.straggler is not None and script.steps >= 6:
         assert r["stragglers"] == [script.straggler], r["ranks"]
+    if script.fault == "hang" and script.fail_step is not None:
+        hung = expected_hang(script)
+        assert s["wall_s"] == pytest.approx(hung["wall_s"], abs=1e-6)
+        assert s["goodput"] == pytest.approx(hung["goodput"], rel=1e-6)
+        for key in _analysis.CATEGORIES:
+            assert s["breakdown_s"][key] == pytest.approx(hung["breakdown"].get(key, 0.0), abs=1e-6), (key, s)
     if script.extra_s or script.fault != "raise" or script.peers_fail or script.fails_again:
         return  # expected() knows steps of one length, and the failure by an exception
     truth = expected(script)
