@@ -72,6 +72,9 @@ class Script:
     # began, they raise and close, and the launcher's SIGTERM reaches the hung rank half a second after the first)
     # or "killed" (from outside, ``kill_after_s`` after the last hang report: nothing more is written).
     hang_end: str = "timeout"
+    # Every rank of the hung rank's host hangs with it, at the same place (a node whose file system stopped
+    # answering), when there is such a host with other ranks beside ranks elsewhere (``hung_ranks``).
+    hang_node: bool = False
     collective_timeout_s: float = 30.0
     kill_after_s: float = 5.0
     files: dict[int, Path] = field(default_factory=dict)
@@ -262,11 +265,20 @@ def _attempt(  # noqa: PLR0917
     return lines
 
 
+def hung_ranks(script: Script) -> list[int]:
+    """The ranks that hang: the failing one, and with ``hang_node`` every rank of its host when others wait."""
+    if not script.hang_node or script.fail_rank is None:
+        return [script.fail_rank] if script.fail_rank is not None else []
+    host = script.host(script.fail_rank)
+    same = [r for r in range(script.ranks) if script.host(r) == host]
+    return same if len(same) < script.ranks else [script.fail_rank]
+
+
 def hang_step(script: Script, rank: int) -> int:
     """The step ``rank`` hangs in: the hung rank's, or the next one for the others when it hung past the
     step's all-reduce."""
     assert script.fail_step is not None
-    ahead = rank != script.fail_rank and script.hang_phase in PAST_ALL_REDUCE
+    ahead = rank not in hung_ranks(script) and script.hang_phase in PAST_ALL_REDUCE
     return script.fail_step + 1 if ahead else script.fail_step
 
 
@@ -283,7 +295,7 @@ def hang_timeline(script: Script) -> tuple[dict[int, dict[str, int | None]], int
         # Ranks in lockstep: none made progress after the last of them began the step (its peers waited for it
         # in the previous step's all-reduce), and none waits in this step's before then.
         latest = max(first_attempt_step_start(script, r, step) for r in range(script.ranks))
-        hung = rank == script.fail_rank
+        hung = rank in hung_ranks(script)
         reports = script.hang_report_s is not None and (script.hung_reports or not hung)
         report = latest + round((script.hang_report_s or 0.0) * S) + rank * S // 1000 if reports else None
         waits = None if hung else max(began + script.step_dur_at(rank, step) // 2, latest) + S // 10_000
@@ -309,7 +321,7 @@ def _hang(script: Script, rank: int, rec: Any, lines: list[str], loop: int, ids:
     step = hang_step(script, rank)
     d = script.step_dur_at(rank, step)
     tid, watchdog = 7, 9
-    hung = rank == script.fail_rank
+    hung = rank in hung_ranks(script)
     phase = script.hang_phase if hung else "collective"
     opened: list[tuple[str, int, int]] = []  # (name, id, began): the spans open in the hang
 
@@ -527,13 +539,13 @@ class Recording:
 
 @st.composite
 def scripts(draw: st.DrawFn) -> Script:
-    """Any scripted job: 1 to 8 ranks on one host or several, ranks missing, a straggler or none, checkpoints
-    every step to never; a clean run, or a rank that raises (the others killed, or their collectives failing) or
-    dies without a trace (the others' collectives failing at once or half a minute later), its clock up to 45 ms
-    ahead of the others', or the scheduler's SIGTERM on every rank at once, or a rank that hangs (in a phase of
-    its step or a collective the others never joined, while they wait in theirs; reported by hang detection or
-    not; ended by the collectives' timeout or a kill from outside); then a restart, after up to two restarts that
-    fail the same way when the rank raised."""
+    """Any scripted job: 1 to 8 ranks on one host or several, ranks missing, a straggler or none, checkpoints every
+    step to never; a clean run, or a rank that raises (the others killed, or their collectives failing) or dies
+    without a trace (the others' collectives failing at once or half a minute later), its clock up to 45 ms ahead of
+    the others', or the scheduler's SIGTERM on every rank at once, or a rank that hangs (in a phase of its step or a
+    collective the others never joined, while they wait in theirs; alone or with every rank of its host; reported by
+    hang detection or not; ended by the collectives' timeout or a kill from outside); then a restart, after up to
+    two restarts that fail the same way when the rank raised."""
     ranks = draw(st.integers(1, 8))
     steps = draw(st.integers(2, 30))
     fault = draw(
@@ -584,6 +596,7 @@ def scripts(draw: st.DrawFn) -> Script:
         hang_report_s=hang_report_s,
         hung_reports=hang_end == "killed" or draw(st.booleans()),
         hang_end=hang_end,
+        hang_node=hang_phase not in PAST_ALL_REDUCE and draw(st.booleans()),
         collective_timeout_s=collective_timeout_s,
     )
 
@@ -614,7 +627,7 @@ def expected_hang(script: Script) -> dict[str, Any]:
         began, stopped = t["began"] or 0, t["stopped"] or 0
         if t["report"] is not None:
             cat["hang"] = stopped - began
-        elif rank == script.fail_rank and script.hang_phase == "data_loading":
+        elif rank in hung_ranks(script) and script.hang_phase == "data_loading":
             cat["data_loading"] = stopped - began
         else:
             cat["lost_progress"] += stopped - began

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from tests._examples import examples
-from tests.cli_jobs import PAST_ALL_REDUCE, Script, expected, expected_hang, scripts, write_job
+from tests.cli_jobs import PAST_ALL_REDUCE, Script, expected, expected_hang, hung_ranks, scripts, write_job
 
 pytest.importorskip("duckdb")
 
@@ -426,26 +426,41 @@ def _check_failure(script: Script, e: dict[str, Any]) -> None:
         return
     c = e["culprit"]
     assert c is not None, e["verdict"]
+    if script.fault == "hang":
+        _check_hang(script, e)
+        return
     assert (c["rank"], c["step"]) == (script.fail_rank, script.fail_step), e["verdict"]
     # The last failed restart's culprit; the earlier ones failed the same way.
     assert (c["restart"], e["same_failure_restarts"]) == (script.fails_again, list(range(script.fails_again)))
     if script.fault == "raise":
         assert (e["rule"], c["error"]["error_type"]) == ("first exception", "RuntimeError"), e["verdict"]
-    elif script.fault == "hang":
-        # Reports name the rank behind; without any, the collectives that timed out waiting for it do.
-        timed_out = "hang: the rank the collectives timed out on"
-        rule = "hang: the rank behind" if script.hang_report_s is not None else timed_out
-        phase = "iteration" if script.hang_phase == "collective" else script.hang_phase  # between its phases
-        assert (e["rule"], c["phase"]) == (rule, phase), e["verdict"]
-        assert c["cause"].startswith("hang: ") and c["error"] is None, c["cause"]
-        assert e["verdict"].startswith(f"restart 0 failed: rank {script.fail_rank} hung "), e["verdict"]
-        # One line says what every other rank was doing: waiting in its collective.
-        for other in range(script.ranks):
-            if other != script.fail_rank:
-                state = next(s for s in e["rank_states"] if s["rank"] == other and s["restart"] == 0)
-                assert state["in_collective"], (other, e["verdict"])
     else:
         assert e["rule"] == "died first" and c["error"] is None, e["verdict"]
+
+
+def _check_hang(script: Script, e: dict[str, Any]) -> None:
+    """errors of a scripted job whose first attempt hung, against the script."""
+    c = e["culprit"]
+    hung = hung_ranks(script)
+    # One of the ranks stuck together (each as far behind), the others named with it.
+    assert c["rank"] in hung and sorted([c["rank"], *c["stuck_with"]]) == hung, e["verdict"]
+    assert (c["step"], c["restart"], e["same_failure_restarts"]) == (script.fail_step, 0, []), e["verdict"]
+    # Reports name the rank behind; without any, the collectives that timed out waiting for it do.
+    timed_out = "hang: the rank the collectives timed out on"
+    rule = "hang: the rank behind" if script.hang_report_s is not None else timed_out
+    phase = "iteration" if script.hang_phase == "collective" else script.hang_phase  # between its phases
+    assert (e["rule"], c["phase"]) == (rule, phase), e["verdict"]
+    assert c["cause"].startswith("hang: ") and c["error"] is None, c["cause"]
+    if len(hung) == 1:
+        assert e["verdict"].startswith(f"restart 0 failed: rank {c['rank']} hung "), e["verdict"]
+    else:
+        said = f"(every rank of node {script.host(c['rank'])}) hung "
+        assert e["verdict"].startswith("restart 0 failed: ranks ") and said in e["verdict"], e["verdict"]
+    # One line says what every other rank was doing: waiting in its collective.
+    for other in range(script.ranks):
+        if other not in hung:
+            state = next(s for s in e["rank_states"] if s["rank"] == other and s["restart"] == 0)
+            assert state["in_collective"], (other, e["verdict"])
 
 
 @pytest.mark.slow
