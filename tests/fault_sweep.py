@@ -2,17 +2,18 @@
 
     .venv/bin/python -m tests.fault_sweep --seed 1 --jobs 25
 
-Each job is tests/diag_worker.py under traintrace-run (gloo on CPU, 2 to 4 ranks; with ``--nodes 2``, two
-launchers of 2 ranks each on this machine, named node-a and node-b, as tests/test_diagnosis.py's two-node jobs)
-with one fault drawn at random: an exception in a phase (data loading, forward, backward, optimizer, between
-phases), SIGKILL, SIGSEGV, an exit with a code (``os._exit`` or ``sys.exit``), a hang in compute, in data loading
-(from the first batch on) or in a collective (hang detection on or off), or a rank slow in compute from some step
-on. The faulty rank, the step, the checkpoint interval, the step time and how long a failed rank lingers are drawn
-too. Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
-worker's own marks say; ``ranks`` names the slow rank, its part and its first slow step; goodput within a point of
-the marks' and the steps completed and lost. A line per job; the exit status is the number of jobs whose answer was
-wrong (at most 99). It takes 10 to 20 s a job on a 2-core machine: not part of the suite, whose fixed cases cover
-every fault.
+Each job is tests/diag_worker.py under traintrace-run (gloo on CPU, 2 to 4 ranks; with ``--nodes 2``, two launchers
+of 2 ranks each on this machine, named node-a and node-b, as tests/test_diagnosis.py's two-node jobs) with one fault
+drawn at random: an exception in a phase (data loading, forward, backward, optimizer, between phases), SIGKILL,
+SIGSEGV, an exit with a code (``os._exit`` or ``sys.exit``), a hang in compute, in data loading (from the first
+batch on), in a collective or in rank 0's checkpoint save (hang detection on or off), an exception in that save, a
+batch whose loss overflows (the job diverges), or a rank slow in compute or data loading from some step on. The
+faulty rank, the step, the checkpoint interval, the step time and how long a failed rank lingers are drawn too.
+Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
+worker's own marks say (a diverged job: the first infinite loss's rank and step); ``ranks`` names the slow rank, its
+part and its first slow step; goodput within a point of the marks' and the steps completed and lost. A line per job;
+the exit status is the number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a 2-core
+machine: not part of the suite, whose fixed cases cover every fault.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.test_diagnosis import Run, check_culprit, check_goodput, fault_step_of, launch, two_nodes
+from tests.test_diagnosis import (
+    Run,
+    check_culprit,
+    check_goodput,
+    fault_step_of,
+    first_non_finite_loss,
+    launch,
+    two_nodes,
+)
 from traintrace.cli._engine import RECENT_S
 
 #: fault -> the phase the culprit was in (None: read from the worker's marks), the cause said, the job failed.
@@ -43,22 +52,39 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
     "hang_compute": ("model_forward", "hang", True),
     "hang_collective": ("iteration", "hang", True),
     "hang_data": ("data_loading", "hang", True),
+    # Rank 0 saves (the replicated model): it fails or stalls in the save after a step the interval divides.
+    "checkpoint": ("checkpoint_save_sync", "OSError", True),
+    "hang_in_checkpoint": ("checkpoint_save_sync", "hang", True),
+    "inf_batch": (None, "", False),
     "slow_compute": (None, "", False),
+    "slow_data": (None, "", False),
 }
+#: Faults in rank 0's checkpoint save.
+IN_SAVE = ("checkpoint", "hang_in_checkpoint")
 
 
 def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> None:
     phase, cause, failed = FAULTS[fault]
-    if fault in ("exit", "sys_exit"):
+    if fault in ("exit", "sys_exit", "hang_in_checkpoint"):
         mark = fault_step_of(run, rank)
-        check_culprit(run, rank, mark["step"], str(phase), f"exit code {mark['exit_code']}")
+        said = f"exit code {mark['exit_code']}" if "exit_code" in mark else cause
+        check_culprit(run, rank, mark["step"], str(phase), said)
     elif phase is not None:
         check_culprit(run, rank, step, phase, cause)
+    elif fault == "inf_batch":
+        # The first infinite loss by the workers' own notes; the job runs on to its end.
+        first = first_non_finite_loss(run)
+        assert first[:2] == (step, rank), first
+        errors = run.cli("errors")
+        assert (errors["status"], errors["rule"]) == ("diverged", "metric: not finite"), errors["verdict"]
+        culprit = errors["culprit"]
+        assert (culprit["rank"], culprit["step"], culprit["state"]) == (rank, step, "diverged"), errors["verdict"]
     else:
         ranks = run.cli("ranks")
         assert ranks["stragglers"] == [rank], ranks["stragglers"]
         slow = next(r for r in ranks["ranks"] if r["rank"] == rank)
-        assert (slow["slow_in"], slow["slow_since_step"]) == ("compute", step), slow
+        part = "compute" if fault == "slow_compute" else "data_loading"
+        assert (slow["slow_in"], slow["slow_since_step"]) == (part, step), slow
         errors = run.cli("errors")
         assert errors["status"] != "failed", errors["verdict"]
     if goodput:
@@ -81,7 +107,12 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=20)
     parser.add_argument("--keep", action="store_true", help="keep every job's folder (a wrong one's is always kept)")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two launchers of 2 ranks each")
+    parser.add_argument("--faults", default="", help=f"comma-separated, to draw from these only: {', '.join(FAULTS)}")
     args = parser.parse_args()
+    faults = sorted(FAULTS) if not args.faults else sorted(args.faults.split(","))
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        parser.error(f"unknown fault {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
     draw = random.Random(args.seed)
     wrong = 0
     # Two nodes: the goodput (the ranks' streams only) is checked once the last job is over a minute old. Within
@@ -90,14 +121,19 @@ def main() -> int:
     later: list[tuple[str, Path, Run, bool]] = []
     for _ in range(args.jobs):
         nproc = draw.choice([2, 3, 4]) if args.nodes == 1 else 4
-        fault = draw.choice(sorted(FAULTS))
+        fault = draw.choice(faults)
         rank = draw.randrange(nproc)
         # A rank can hang loading its very first batch; the slow rank needs steps before it to compare with.
-        step = draw.randrange(0 if fault == "hang_data" else 2, 9 if fault == "slow_compute" else 19)
-        extra = ["--checkpoint-every", str(draw.choice([3, 5, 50])), "--step-ms", str(draw.choice([10, 30, 60]))]
+        slow = fault.startswith("slow")
+        step = draw.randrange(0 if fault == "hang_data" else 2, 9 if slow else 19)
+        every = draw.choice([3, 5, 50])
+        if fault in IN_SAVE:
+            rank, every = 0, draw.choice([3, 5])
+            step = every * draw.randrange(1, 18 // every + 1)  # the save after step ``step - 1``
+        extra = ["--checkpoint-every", str(every), "--step-ms", str(draw.choice([10, 30, 60]))]
         if fault.startswith("hang"):
             extra += ["--hang-timeout", draw.choice(["1.5", "0"])]
-        elif fault == "slow_compute":
+        elif slow:
             extra += ["--steps", "30"]
         elif FAULTS[fault][1] == "RuntimeError" and draw.random() < 0.3:
             extra += ["--linger", draw.choice(["0.5", "2.0"])]
