@@ -75,6 +75,10 @@ class Script:
     # Every rank of the hung rank's host hangs with it, at the same place (a node whose file system stopped
     # answering), when there is such a host with other ranks beside ranks elsewhere (``hung_ranks``).
     hang_node: bool = False
+    # "stall": step ``fail_step`` lasts this much longer on every rank (a slow file system, a long garbage
+    # collection); hang detection reports it when ``hang_report_s`` is shorter, and then that it resolved. The job
+    # goes on to its end.
+    stall_s: float = 120.0
     collective_timeout_s: float = 30.0
     kill_after_s: float = 5.0
     files: dict[int, Path] = field(default_factory=dict)
@@ -89,6 +93,8 @@ class Script:
     def step_dur_at(self, rank: int, step: int) -> int:
         """One step's duration; ``expected`` assumes ``step_dur`` (no ``straggler_from`` or ``extra_s``)."""
         d = self.step_dur(rank) if step >= self.straggler_from else round(self.step_s * S)
+        if self.fault == "stall" and step == self.fail_step:
+            d += round(self.stall_s * S)  # every rank: the others wait for the stalled one in the all-reduce
         return d + round(self.extra_s.get((rank, step), 0.0) * S)
 
 
@@ -103,9 +109,9 @@ def write_job(folder: Path, script: Script) -> Script:
         path = folder / f"rank{rank}.jsonl"
         script.files[rank] = path
         with path.open("w") as out:
-            last = script.steps if script.fail_step is None or script.fault == "hang" else script.fail_step + 1
+            last = script.fail_step + 1 if script.fail_step is not None and script.fault == "raise" else script.steps
             attempts = [(0, 0, last)]
-            if script.fail_step is not None:
+            if script.fail_step is not None and script.fault != "stall":
                 resume = (script.fail_step // script.checkpoint_every) * script.checkpoint_every
                 attempts += [(k, resume, script.fail_step + 1) for k in range(1, script.fails_again + 1)]
                 attempts.append((script.fails_again + 1, resume, script.steps))
@@ -230,6 +236,21 @@ def _attempt(  # noqa: PLR0917
                     peer_failed(name, now, d, ids, raised)
             failed = True
             break
+        limit = script.hang_report_s or 0.0
+        stalled = script.fault == "stall" and step == script.fail_step and 0 < limit < script.stall_s
+        if stalled:  # reported by hang detection, then resolved
+            reported = now + round(limit * S) + rank * S // 1000
+            rec("thread", reported, tid=9, thread_name="traintrace-watchdog")
+            rec(
+                "error",
+                reported,
+                name="hang_suspected",
+                span=0,
+                tid=9,
+                message=f"no progress for {limit:.1f}s; last completed step {step - 1}",
+                stack=f'Thread "MainThread" (tid {tid}):\n  File "train.py", line 20, in main\n',
+                attrs={"last_step": step - 1, "completed_steps": step, "progress_phase": "collective"},
+            )
         rec(
             "span",
             now,
@@ -241,6 +262,9 @@ def _attempt(  # noqa: PLR0917
             status="ok",
             attrs={"step": step, "loss": 1.0 / (1 + step), "batch_size": 8},
         )
+        if stalled:
+            resolved = {"hang_seconds": round(d / S - limit, 3), "last_step": step}
+            rec("event", now + d, name="hang_resolved", span=0, tid=9, attrs=resolved)
         ids += 1
         now += d
         if (step + 1) % script.checkpoint_every == 0:
@@ -544,16 +568,15 @@ def scripts(draw: st.DrawFn) -> Script:
     without a trace (the others' collectives failing at once or half a minute later), its clock up to 45 ms ahead of
     the others', or the scheduler's SIGTERM on every rank at once, or a rank that hangs (in a phase of its step or a
     collective the others never joined, while they wait in theirs; alone or with every rank of its host; reported by
-    hang detection or not; ended by the collectives' timeout or a kill from outside); then a restart, after up to
+    hang detection or not; ended by the collectives' timeout or a kill from outside), or a step that stalls on
+    every rank and goes on (reported and resolved or not); then a restart, after up to
     two restarts that fail the same way when the rank raised."""
     ranks = draw(st.integers(1, 8))
     steps = draw(st.integers(2, 30))
-    fault = draw(
-        st.sampled_from(["raise", "died", "terminated", "hang"] if ranks > 1 else ["raise", "died", "terminated"])
-    )
+    fault = draw(st.sampled_from(["raise", "died", "terminated", "stall", *(["hang"] if ranks > 1 else [])]))
     peers_fail = draw(st.booleans())
     fails = draw(st.booleans())
-    fail_rank = draw(st.integers(0, ranks - 1)) if fails and fault != "terminated" else None
+    fail_rank = draw(st.integers(0, ranks - 1)) if fails and fault not in ("terminated", "stall") else None
     ahead = draw(st.sampled_from([0.0, 0.0, 0.02, 0.045])) if fails else 0.0
     missing = draw(st.integers(0, 2))
     every = draw(st.integers(1, 12))
@@ -597,6 +620,7 @@ def scripts(draw: st.DrawFn) -> Script:
         hung_reports=hang_end == "killed" or draw(st.booleans()),
         hang_end=hang_end,
         hang_node=hang_phase not in PAST_ALL_REDUCE and draw(st.booleans()),
+        stall_s=draw(st.sampled_from([5.0, 120.0])),
         collective_timeout_s=collective_timeout_s,
     )
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from tests._examples import examples
-from tests.cli_jobs import PAST_ALL_REDUCE, Script, expected, expected_hang, hung_ranks, scripts, write_job
+from tests.cli_jobs import PAST_ALL_REDUCE, S, Script, expected, expected_hang, hung_ranks, scripts, write_job
 
 pytest.importorskip("duckdb")
 
@@ -463,6 +463,23 @@ def _check_hang(script: Script, e: dict[str, Any]) -> None:
             assert state["in_collective"], (other, e["verdict"])
 
 
+def _check_stall(script: Script, s: dict[str, Any], e: dict[str, Any]) -> None:
+    """A step that stalled on every rank, then went on: no failure, no hang or lost time, the stall in the step."""
+    assert (e["culprit"], e["status"]) == (None, "healthy"), e["verdict"]
+    n = script.ranks
+    reported = script.hang_report_s is not None and script.hang_report_s < script.stall_s
+    said = f"(a hang was suspected on {n} rank{'s' if n > 1 else ''} and resolved)"
+    assert (said in e["verdict"]) == reported, e["verdict"]
+    assert (s["restarts"], s["steps_lost"]) == (0, 0), s
+    steps = {r: [script.step_dur_at(r, k) / S for k in range(script.steps)] for r in range(n)}
+    saves = script.steps // script.checkpoint_every * script.save_s
+    assert s["wall_s"] == pytest.approx(max(script.init_s + sum(d) + saves for d in steps.values()), abs=1e-6)
+    assert s["breakdown_s"]["productive"] == pytest.approx(sum(sum(d) for d in steps.values()) / n, abs=1e-6)
+    assert (s["breakdown_s"]["hang"], s["breakdown_s"]["lost_progress"]) == (0, 0), s["breakdown_s"]
+    stalled = script.fail_step or 0
+    assert s["step_time"]["max_s"] == pytest.approx(max(d[stalled] for d in steps.values()))
+
+
 @pytest.mark.slow
 @settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scripts())
@@ -496,7 +513,9 @@ def test_random_scripted_jobs(script: Script) -> None:
         finally:
             job.close()
     assert s["steps_completed"] == script.steps
-    if script.fail_step is None:
+    if script.fault == "stall" and script.fail_step is not None:
+        _check_stall(script, s, e)
+    elif script.fail_step is None:
         assert e["culprit"] is None and e["status"] != "failed", e["verdict"]
         assert (s["restarts"], s["steps_lost"]) == (0, 0)
     else:
