@@ -120,6 +120,12 @@ def write_job(folder: Path, script: Script) -> Script:
     return script
 
 
+def _raised(rec: Any, at: int, span: int, tid: int, message: str) -> None:
+    """A RuntimeError with ``message`` raised in span ``span`` at ``at``, as traintrace records an exception."""
+    stack = f'Traceback (most recent call last):\n  File "train.py", line 9\nRuntimeError: {message}'
+    rec("error", at, name="exception", span=span, tid=tid, error_type="RuntimeError", message=message, stack=stack)
+
+
 def _attempt(  # noqa: PLR0917
     script: Script, rank: int, world: int, restart: int, first: int, last: int
 ) -> list[str]:
@@ -158,16 +164,7 @@ def _attempt(  # noqa: PLR0917
         """The rank's collective in its step (span ``span`` named ``name``, begun at ``began``, of ``d`` ns)
         fails after ``cause``: a peer is gone, a consequence."""
         failed_at = max(began + d // 2, cause + S // 1000) + round(script.consequence_after_s * S)
-        rec(
-            "error",
-            failed_at,
-            name="exception",
-            span=span,
-            tid=tid,
-            error_type="RuntimeError",
-            message=CLOSED_BY_PEER,
-            stack=f'Traceback (most recent call last):\n  File "train.py", line 12\nRuntimeError: {CLOSED_BY_PEER}',
-        )
+        _raised(rec, failed_at, span, tid, CLOSED_BY_PEER)
         rec("end", failed_at, name=name, id=span, dur=failed_at - began, status="error")
 
     rec("thread", start, tid=tid, thread_name="MainThread")
@@ -213,17 +210,7 @@ def _attempt(  # noqa: PLR0917
         if script.fault == "raise" and step == script.fail_step and restart <= script.fails_again:
             if rank == script.fail_rank:
                 rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
-                rec(
-                    "error",
-                    now + d // 2,
-                    name="exception",
-                    span=ids,
-                    tid=tid,
-                    error_type="RuntimeError",
-                    message=script.message,
-                    stack=f'Traceback (most recent call last):\n  File "train.py", line 9\n'
-                    f"RuntimeError: {script.message}",
-                )
+                _raised(rec, now + d // 2, ids, tid, script.message)
                 rec("end", now + d // 2, name=name, id=ids, dur=d // 2, status="error")
             else:
                 rec("start", now, name=name, id=ids, parent=loop, tid=tid, attrs={"step": step})
@@ -409,16 +396,7 @@ def _hang(script: Script, rank: int, rec: Any, lines: list[str], loop: int, ids:
         message = TIMED_OUT.format(ms=round(script.collective_timeout_s * 1000))
         for name, span, began in reversed(opened):
             if name == "model_backward":
-                rec(
-                    "error",
-                    at,
-                    name="exception",
-                    span=span,
-                    tid=tid,
-                    error_type="RuntimeError",
-                    message=message,
-                    stack=f'Traceback (most recent call last):\n  File "train.py", line 14\nRuntimeError: {message}',
-                )
+                _raised(rec, at, span, tid, message)
             rec("end", at, name=name, id=span, dur=at - began, status="error")
         loop_began = T0 + round(script.init_s * S)
         rec("end", at, name="training_loop", id=loop, dur=at - loop_began, status="error")
