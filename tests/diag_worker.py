@@ -133,9 +133,15 @@ def save(state: dict[str, torch.Tensor], final: Path, step: int, truth: Truth, *
     os.replace(final.with_suffix(".tmp"), final)
 
 
-def write_checkpoint(state: dict[str, torch.Tensor], final: Path, step: int, blocking: Any, truth: Truth) -> None:
-    """The background part of an asynchronous save; an exception ends this thread, not the training."""
+def write_checkpoint(  # noqa: PLR0917 - a thread's target, called by position
+    state: dict[str, torch.Tensor], final: Path, step: int, blocking: Any, truth: Truth, fail: bool = False
+) -> None:
+    """The background part of an asynchronous save; an exception ends this thread, not the training. ``fail``:
+    the write fails (a storage error), after the worker's own note."""
     with tt.checkpoint_save_finalization(async_save=blocking):
+        if fail:
+            truth.write(event="fault", kind="async_save", step=step)
+            raise OSError(f"injected failure writing the checkpoint of step {step} in the background")
         save(state, final, step, truth, thread="checkpoint")
     truth.write(event="checkpoint_end", step=step)
 
@@ -366,8 +372,11 @@ def main() -> None:
                     final = checkpoints / f"step{step + 1}.pt"
                     with tt.checkpoint_save_async(current_iteration=step + 1, checkpoint_path=str(final)) as blocking:
                         state = checkpoint_state(model.module, args.checkpoint_pad_kb, copy=True)
+                    fails = fault == "async_save" and step + 1 == fault_step
                     writing = threading.Thread(
-                        target=write_checkpoint, args=(state, final, step + 1, blocking, truth), name="checkpoint"
+                        target=write_checkpoint,
+                        args=(state, final, step + 1, blocking, truth, fails),
+                        name="checkpoint",
                     )
                     writing.start()
                 elif rank == 0 and (step + 1) % args.checkpoint_every == 0:
@@ -403,6 +412,9 @@ def main() -> None:
                         if fault == "validation" and step + 1 == fault_step:
                             truth.write(event="fault", kind=fault, step=step + 1)
                             raise ValueError(f"injected failure in validation on rank {rank} after step {step}")
+                        if fault == "hang_validation" and step + 1 == fault_step:  # stuck reading its batch
+                            truth.write(event="fault", kind=fault, step=step + 1)
+                            time.sleep(3600)
                         with tt.collective(op="all_reduce"):
                             dist.all_reduce(loss)
                     truth.write(event="validation_end", step=step + 1)

@@ -4,16 +4,20 @@
 
 Each job is tests/diag_worker.py under traintrace-run (gloo on CPU, 2 to 4 ranks; with ``--nodes 2``, two launchers
 of 2 ranks each on this machine, named node-a and node-b, as tests/test_diagnosis.py's two-node jobs) with one fault
-drawn at random: an exception in a phase (data loading, forward, backward, optimizer, between phases), SIGKILL,
-SIGSEGV, an exit with a code (``os._exit`` or ``sys.exit``), a hang in compute, in data loading (from the first
-batch on), in a collective or in rank 0's checkpoint save (hang detection on or off), an exception in that save, a
-batch whose loss overflows (the job diverges), or a rank slow in compute or data loading from some step on. The
-faulty rank, the step, the checkpoint interval, the step time and how long a failed rank lingers are drawn too.
+drawn at random: an exception in a phase (data loading, forward, backward, optimizer, between phases, a validation
+pass, building the model, writing the final model after the loop, rank 0's background checkpoint write), SIGKILL,
+SIGSEGV, an exit with a code (``os._exit`` or ``sys.exit``), a process that stops responding (SIGSTOP, or C code
+that keeps the GIL), a rank that leaves the loop early, a hang in compute, in data loading (from the first batch
+on), in a collective, in a validation pass, in model initialisation or in rank 0's checkpoint save (hang detection
+on or off), an exception in that save or a SIGKILL inside it, a DataLoader worker killed (torchrun restarts the job,
+which finishes), a batch whose loss overflows (the job diverges), or a rank slow in compute or data loading from
+some step on. The faulty rank, the step, the checkpoint interval, validation passes, asynchronous saves, the step
+time and how long a failed rank lingers are drawn too.
 Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
 worker's own marks say (a diverged job: the first infinite loss's rank and step); ``ranks`` names the slow rank, its
 part and its first slow step; goodput within a point of the marks' and the steps completed and lost. A line per job;
 the exit status is the number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a 2-core
-machine: not part of the suite, whose fixed cases cover every fault.
+machine (40 s for a process that stops responding): not part of the suite, whose fixed cases cover every fault.
 """
 
 from __future__ import annotations
@@ -55,12 +59,34 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
     # Rank 0 saves (the replicated model): it fails or stalls in the save after a step the interval divides.
     "checkpoint": ("checkpoint_save_sync", "OSError", True),
     "hang_in_checkpoint": ("checkpoint_save_sync", "hang", True),
+    "kill_in_checkpoint": ("checkpoint_save_sync", "killed by SIGKILL", True),
+    # A validation pass after every N-th step (N drawn); the faulty rank raises in the one after step ``step - 1``.
+    "validation": ("validation_loop", "ValueError", True),
+    "hang_validation": ("validation_loop", "hang", True),
+    # Rank 0's background write of an asynchronous save fails; training goes on and the job finishes.
+    "async_save": (None, "", False),
+    # The process stops in forward (SIGSTOP, or C code that keeps the GIL): the others time out, torchrun's
+    # SIGTERM goes unanswered and its SIGKILL ends it 30 s later.
+    "freeze": ("model_forward", "stopped responding", True),
+    "gil_stuck": ("model_forward", "stopped responding", True),
+    # Before the first step: an exception building the model, or stuck there before DDP's first broadcast.
+    "model_init": ("model_initialization", "RuntimeError", True),
+    "hang_init": ("model_initialization", "did not fail", True),
+    # Writing the final model fails after the last step, while the others wait at the final barrier.
+    "after_loop": ("main_function", "OSError", True),
+    "finish_early": (None, "", True),
+    # The rank's DataLoader worker is killed in the first attempt; torchrun restarts the job, which finishes.
+    "loader_kill": (None, "", False),
     "inf_batch": (None, "", False),
     "slow_compute": (None, "", False),
     "slow_data": (None, "", False),
 }
 #: Faults in rank 0's checkpoint save.
-IN_SAVE = ("checkpoint", "hang_in_checkpoint")
+IN_SAVE = ("checkpoint", "hang_in_checkpoint", "kill_in_checkpoint", "async_save")
+#: Faults in a validation pass.
+IN_VALIDATION = ("validation", "hang_validation")
+#: Faults before the first step: no step to draw.
+BEFORE_LOOP = ("model_init", "hang_init")
 
 
 def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> None:
@@ -69,8 +95,52 @@ def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> N
         mark = fault_step_of(run, rank)
         said = f"exit code {mark['exit_code']}" if "exit_code" in mark else cause
         check_culprit(run, rank, mark["step"], str(phase), said)
+    elif fault == "after_loop":
+        mark = fault_step_of(run, rank)
+        last = max(m["step"] for m in run.marks()[rank] if m["event"] == "step_end" and m["ts"] < mark["ts"])
+        errors = check_culprit(run, rank, last, str(phase), cause)
+        assert errors["culprit"]["after_loop"], errors["verdict"]
     elif phase is not None:
-        check_culprit(run, rank, step, phase, cause)
+        errors = check_culprit(run, rank, None if fault in BEFORE_LOOP else step, phase, cause)
+        if fault in ("freeze", "gil_stuck"):
+            assert errors["rule"] == "stopped responding", errors["verdict"]
+        if fault == "hang_init":
+            assert errors["rule"] == "hang: the rank the collectives timed out on", errors["verdict"]
+    elif fault == "finish_early":
+        mark = fault_step_of(run, rank)
+        errors = run.cli("errors")
+        culprit = errors["culprit"]
+        assert culprit is not None and errors["rule"] == "left early", errors["verdict"]
+        assert (culprit["rank"], culprit["step"], culprit["left_early"]) == (rank, mark["step"], True), errors[
+            "verdict"
+        ]
+        assert errors["status"] == "failed", errors["verdict"]
+    elif fault == "loader_kill":
+        mark = fault_step_of(run, rank)
+        errors = run.cli("errors")
+        culprit = errors["culprit"]
+        assert culprit is not None, errors["verdict"]
+        assert (culprit["rank"], culprit["restart"], culprit["step"], culprit["phase"]) == (
+            rank,
+            mark["restart"],
+            mark["step"],
+            "data_loading",
+        ), errors["verdict"]
+        assert "DataLoader worker" in culprit["cause"], culprit["cause"]
+        assert errors["status"] == "recovered" and errors["verdict"].endswith("finished"), errors["verdict"]
+    elif fault == "async_save":
+        mark = fault_step_of(run, rank)
+        errors = run.cli("errors")
+        culprit = errors["culprit"]
+        assert errors["status"] == "finished_with_errors" and culprit is not None, errors["verdict"]
+        assert (culprit["rank"], culprit["step"], culprit["phase"]) == (
+            rank,
+            mark["step"],
+            "checkpoint_save_finalization",
+        ), errors["verdict"]
+        assert errors["verdict"].startswith(
+            f"finished with errors: rank {rank} raised OSError in a background checkpoint save at step {mark['step']}"
+        ), errors["verdict"]
     elif fault == "inf_batch":
         # The first infinite loss by the workers' own notes; the job runs on to its end.
         first = first_non_finite_loss(run)
@@ -113,6 +183,8 @@ def main() -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         parser.error(f"unknown fault {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
+    if args.nodes == 2:  # the two launchers restart nothing
+        faults = [f for f in faults if f != "loader_kill"] or parser.error("loader_kill needs one node")
     draw = random.Random(args.seed)
     wrong = 0
     # Two nodes: the goodput (the ranks' streams only) is checked once the last job is over a minute old. Within
@@ -131,7 +203,20 @@ def main() -> int:
             rank, every = 0, draw.choice([3, 5])
             step = every * draw.randrange(1, 18 // every + 1)  # the save after step ``step - 1``
         extra = ["--checkpoint-every", str(every), "--step-ms", str(draw.choice([10, 30, 60]))]
-        if fault.startswith("hang"):
+        # A validation pass every few steps in some jobs (always for a fault in it); async saves in others.
+        validate = draw.choice([0, 0, 2, 3, 4])
+        if fault in IN_VALIDATION:
+            validate = draw.choice([2, 3, 4])
+            step = validate * draw.randrange(1, 18 // validate + 1)  # the pass after step ``step - 1``
+        if validate:
+            extra += ["--validate-every", str(validate)]
+        if fault == "async_save" or (fault not in IN_SAVE and draw.random() < 0.25):
+            extra += ["--async-checkpoint"]
+        restarts = 0
+        if fault == "loader_kill":
+            extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]
+            restarts = 1
+        if fault in ("hang_init", "freeze", "gil_stuck") or fault.startswith("hang"):
             extra += ["--hang-timeout", draw.choice(["1.5", "0"])]
         elif slow:
             extra += ["--steps", "30"]
@@ -142,7 +227,10 @@ def main() -> int:
         began = time.monotonic()
         try:
             faulty = ("--fault", fault, "--fault-rank", str(rank), "--fault-step", str(step), *extra)
-            run = launch(folder, nproc, *faulty) if args.nodes == 1 else launch_two_nodes(folder, *faulty)
+            if args.nodes == 1:
+                run = launch(folder, nproc, *faulty, max_restarts=restarts)
+            else:
+                run = launch_two_nodes(folder, *faulty)
             check(run, fault, rank, step, goodput=args.nodes == 1)
         except Exception:  # an assertion or anything else: the job's answer is wrong
             wrong += 1
