@@ -9,9 +9,16 @@ process, while it fetches the batch of step N (the truth written there); with
 ``data_hang`` that read hangs until a file ``release`` appears in the output
 folder (or 300 s), then raises; with ``inf``, rank 1's batch at step N is
 scaled until its loss overflows (the all-reduce spreads NaN to both ranks),
-and every rank writes its losses (``losses<rank>.jsonl``). A rank that fails writes the exception that
+and every rank writes its losses (``losses<rank>.jsonl``). Faults the Lightning
+sweep (tests/lightning_sweep.py) draws too: ``sigkill`` and ``hang`` in the
+training step, ``backward`` (a gradient hook raises inside the backward pass),
+``optimizer`` (the optimizer's step raises), ``validation`` (the validation
+step raises in the pass that follows step N - 1, N a multiple of the steps of an
+epoch). A rank that fails writes the exception that
 ended it (``ended<rank>.txt``). ``DDP_TIMEOUT_S`` (default 20) is the
-collective timeout. Run under torchrun, Lightning starts no process itself.
+collective timeout; ``FAULT_RANK`` (default 1) the faulty rank, ``EPOCHS``
+(default 1) the epochs (4 steps each); ``DEVICES`` (default 2) the ranks.
+Under torchrun, Lightning starts no process itself.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -37,6 +45,32 @@ MODE = sys.argv[3] if len(sys.argv) > 3 else ""
 IN_DATA = MODE in ("data", "data_hang")
 BATCH = 8
 TIMEOUT_S = float(os.environ.get("DDP_TIMEOUT_S", "20"))
+FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
+EPOCHS = int(os.environ.get("EPOCHS", "1"))
+DEVICES = int(os.environ.get("DEVICES", "2"))
+#: Modes that fail inside the training step's own code.
+IN_STEP = ("", "sigkill", "hang")
+
+
+def note_fault(rank: int, step: int, **more: object) -> None:
+    """The truth of where the fault was injected, written without traintrace."""
+    truth = {"rank": rank, "step": step, "mode": MODE, "ts": time.time_ns(), **more}
+    (OUT / "fault.json").write_text(json.dumps(truth))
+
+
+class FaultySGD(torch.optim.SGD):
+    """SGD whose step raises on the faulty rank at FAULT_STEP (``optimizer``)."""
+
+    def __init__(self, params: object, rank: int, module: L.LightningModule) -> None:
+        super().__init__(params, lr=0.05)  # type: ignore[arg-type]
+        self.rank, self.module = rank, module
+
+    def step(self, closure: object = None) -> object:  # type: ignore[override]
+        loss = super().step(closure)  # type: ignore[arg-type]  # Lightning's closure runs forward and backward
+        if MODE == "optimizer" and self.rank == FAULT_RANK and self.module.global_step == FAULT_STEP:
+            note_fault(self.rank, self.module.global_step)
+            raise RuntimeError(f"injected failure in the optimizer step on rank {self.rank}")
+        return loss
 
 
 class Tiny(L.LightningModule):
@@ -47,13 +81,27 @@ class Tiny(L.LightningModule):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         (OUT / f"started{self.global_rank}.txt").write_text(str(self.global_step))  # the last step begun
-        if self.global_rank == 1 and self.global_step == FAULT_STEP and not IN_DATA and MODE != "inf":
-            truth = {"rank": self.global_rank, "step": self.global_step, "ts": time.time_ns()}
-            (OUT / "fault.json").write_text(json.dumps(truth))
-            raise RuntimeError(f"injected failure in training_step on rank 1 at step {self.global_step}")
-        if self.global_rank == 1 and self.global_step == FAULT_STEP and MODE == "inf":
+        faulty = self.global_rank == FAULT_RANK and self.global_step == FAULT_STEP
+        if faulty and MODE in IN_STEP:
+            note_fault(self.global_rank, self.global_step)
+            if MODE == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if MODE == "hang":
+                time.sleep(3600)
+            raise RuntimeError(
+                f"injected failure in training_step on rank {self.global_rank} at step {self.global_step}"
+            )
+        if faulty and MODE == "inf":
             x, y = x * 1e30, y * 1e30  # a corrupt batch: the loss overflows float32
         loss = nn.functional.mse_loss(self.net(x), y)
+        if faulty and MODE == "backward":
+            step, rank = self.global_step, self.global_rank
+
+            def fail(grad: torch.Tensor) -> torch.Tensor:
+                note_fault(rank, step)
+                raise RuntimeError(f"injected failure in backward on rank {rank} at step {step}")
+
+            loss.register_hook(fail)
         with (OUT / f"losses{self.global_rank}.jsonl").open("a") as notes:
             notes.write(json.dumps({"step": self.global_step, "loss": float(loss.detach())}) + "\n")
         self.log("train_loss", loss)
@@ -61,10 +109,13 @@ class Tiny(L.LightningModule):
 
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
         x, y = batch
+        if MODE == "validation" and self.global_rank == FAULT_RANK and self.global_step == FAULT_STEP:
+            note_fault(self.global_rank, self.global_step)
+            raise ValueError(f"injected failure in validation_step on rank {self.global_rank}")
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        return FaultySGD(self.parameters(), self.global_rank, self)
 
 
 class FaultyData(TensorDataset):
@@ -78,23 +129,23 @@ class FaultyData(TensorDataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         fetched, self.fetched = self.fetched, self.fetched + 1
-        if self.rank == 1 and fetched == FAULT_STEP * BATCH:
-            truth = {"rank": self.rank, "step": FAULT_STEP, "index": index, "ts": time.time_ns()}
-            (OUT / "fault.json").write_text(json.dumps(truth))
+        if self.rank == FAULT_RANK and fetched == FAULT_STEP * BATCH:
+            note_fault(self.rank, FAULT_STEP, index=index)
             if MODE == "data_hang":
                 # A read that does not return (a stalled network file system, say), until the test says so.
                 deadline = time.monotonic() + 300
                 while not (OUT / "release").exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
-                raise ValueError(f"released the read of sample {index} on rank 1")
-            raise ValueError(f"injected corrupt sample {index} on rank 1")
+                raise ValueError(f"released the read of sample {index} on rank {self.rank}")
+            raise ValueError(f"injected corrupt sample {index} on rank {self.rank}")
         return super().__getitem__(index)
 
 
 def main() -> None:
     out = OUT
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randn(64, 1, generator=generator))
+    samples = 32 * DEVICES  # 4 batches a rank and epoch
+    data = TensorDataset(torch.randn(samples, 8, generator=generator), torch.randn(samples, 1, generator=generator))
     train = DataLoader(data, batch_size=BATCH)
     if IN_DATA:
         rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -104,8 +155,8 @@ def main() -> None:
         # A short collective timeout: the rank left waiting for a failed one gives up soon.
         strategy=L.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=TIMEOUT_S)),
         accelerator="cpu",
-        devices=2,
-        max_epochs=1,
+        devices=DEVICES,
+        max_epochs=EPOCHS,
         callbacks=[callback],
         default_root_dir=str(out),
         logger=False,

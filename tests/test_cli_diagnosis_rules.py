@@ -325,6 +325,67 @@ def test_a_running_job_waiting_on_a_rank_is_said_without_calling_it_a_hang() -> 
     )
 
 
+def live(rank: int, step: int | None, phase: str, *, since_s: float, waiting: bool = False) -> RankState:
+    """A rank of a running job, its writer's last stamp 40 s after T0, as its progress file tells it."""
+    return state(
+        rank,
+        state="running",
+        step=step,
+        phase=phase,
+        in_collective=waiting,
+        since_ns=T0 + int(since_s * S),
+        alive_ns=T0 + 40 * S,
+        last_step_ns=30_000_000 if step else None,
+    )
+
+
+def test_no_collective_recorded_the_rank_behind_in_the_step_is_waited_on() -> None:
+    """The Lightning and Hugging Face callbacks record no collective: DDP's all-reduce waits inside backward. A
+    rank in forward while the others sit in backward of the same step (or a step behind them) is waited on, once
+    every rank has been still for ten steps; not when a rank is outside a step's phases, nor with a collective
+    recorded (the other rules decide then)."""
+    from traintrace.cli._diagnosis import _waited_on
+
+    ranks = [live(0, 3, "model_backward", since_s=9), live(1, 3, "model_forward", since_s=8)]
+    ranks.append(live(2, 3, "model_backward", since_s=9.5))
+    waited_on = _waited_on(ranks)
+    assert waited_on is not None and (waited_on.rank, waited_on.stuck_ns, waited_on.stuck_with) == (1, 32 * S, [])
+    assert _sentence(waited_on, ranks) == (
+        "running, waiting on rank 1: in forward at step 3, not in a collective, for 32 s; "
+        "ranks 0 and 2 were in backward at step 3"
+    )
+    # Stuck in its optimizer step while the others wait in the next step's backward.
+    ahead = [live(0, 4, "model_backward", since_s=9), live(1, 3, "optimizer_update", since_s=8)]
+    assert (_waited_on(ahead) or state(-1)).rank == 1
+    # Two ranks of a node at the same place, behind the others: named together.
+    node = [live(r, 3, "data_loading", since_s=8) for r in (2, 3)] + [live(0, 3, "model_backward", since_s=9)]
+    waited_on = _waited_on(node)
+    assert waited_on is not None and (waited_on.rank, waited_on.stuck_with) == (2, [3])
+    # Moving a moment ago: a step takes 30 ms, ten of them 0.3 s, and at least 1 s.
+    assert _waited_on([live(0, 3, "model_backward", since_s=39.5), live(1, 3, "model_forward", since_s=8)]) is None
+    # Someone outside a step's phases (a save the others may wait for at a barrier).
+    assert _waited_on([live(0, 3, "checkpoint_save_sync", since_s=8), live(1, 3, "model_backward", since_s=8)]) is None
+    # A rank in a recorded collective: the existing rules decide (two ranks outside at different places: none).
+    mixed = [live(0, 3, "model_backward", since_s=9, waiting=True), live(1, 3, "model_forward", since_s=8)]
+    mixed.append(live(2, 3, "data_loading", since_s=8))
+    assert _waited_on(mixed) is None
+
+
+def test_before_any_step_the_rank_loading_its_first_batch_is_waited_on() -> None:
+    """No rank has begun a step (the Trainer fetches a step's batch, and gathers its token count, before the
+    step begins): the one rank in data loading outside the gather is waited on, without a step; not when a rank
+    is still outside the training loop."""
+    from traintrace.cli._diagnosis import _waited_on
+
+    ranks = [live(0, None, "data_loading", since_s=8)]
+    ranks += [live(r, None, "data_loading", since_s=8.5, waiting=True) for r in (1, 2)]
+    waited_on = _waited_on(ranks)
+    assert waited_on is not None and (waited_on.rank, waited_on.step) == (0, None)
+    assert _sentence(waited_on, ranks).startswith("running, waiting on rank 0: in data loading, not in a collective,")
+    ranks[1] = live(1, None, "model_initialization", since_s=8.5)
+    assert _waited_on(ranks) is None
+
+
 def test_killed_while_every_rank_waits_names_the_one_a_step_behind() -> None:
     behind = killed(0, waiting=True, since_s=1, alive_s=61, step=6)
     ahead = [killed(r, waiting=True, since_s=1.05, alive_s=61) for r in (1, 2)]

@@ -611,6 +611,56 @@ def test_ddp_data_loading_hang_is_diagnosed_while_the_rank_still_hangs(tmp_path:
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.once
+def test_ddp_hang_in_a_training_step_is_named_while_the_others_wait_in_backward(tmp_path: Path) -> None:
+    """Rank 1 hangs in its training step at step 2 (no exception, no report: hang detection waits 10 minutes, the
+    collectives 120 s); rank 0 waits in DDP's all-reduce inside backward, which the callback records no collective
+    span for. Read 4 s later, the job runs and `errors` says it waits on rank 1, in forward at step 2, for as long
+    as the script's own clock says (it said "running: 2 ranks still writing" before: two ranks outside a recorded
+    collective at different places matched no rule)."""
+    import json
+    import os
+    import signal
+
+    from tests._fault_runs import start
+    from traintrace.progress import read_progress
+
+    logs = tmp_path / "logs" / "ddp-test"
+    script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "2", "hang"]
+    launcher = start(script, tmp_path, DDP_TIMEOUT_S="120")
+    pids = [launcher.pid]
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "fault.json").exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(4.0)
+        progress = [read_progress(logs / f"rank{rank}.progress") for rank in (0, 1)]
+        pids += [p.pid for p in progress if p is not None]
+        assert launcher.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
+        looked = time.time_ns()
+        errors, _ = answers(logs)
+        answered = time.time_ns()
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.wait(timeout=30)
+    truth = json.loads((tmp_path / "fault.json").read_text())
+    assert (truth["rank"], truth["step"]) == (1, 2)
+    culprit = errors["culprit"]
+    assert (errors["status"], errors["rule"]) == ("running", "waiting on a rank"), errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, 2, tt.SpanName.FORWARD), errors["verdict"]
+    assert errors["verdict"].startswith("running, waiting on rank 1: in forward at step 2, not in a collective, for ")
+    assert errors["verdict"].endswith(" s; rank 0 was in backward at step 2"), errors["verdict"]
+    # Still since the fault, by the script's clock: the progress files are stamped every flush interval (1 s).
+    low, high = (looked - truth["ts"]) / 1e9 - 1.5, (answered - truth["ts"]) / 1e9
+    assert low <= culprit["stuck_ns"] / 1e9 <= high, (culprit["stuck_ns"], low, high)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_data_loading_hang_seen_by_hang_detection(tmp_path: Path) -> None:
     """The same hang with traintrace's hang detection firing first (3 s here; 10 minutes by default, before
     gloo's 30-minute timeout): both ranks report a hang and neither is in a recorded collective. The reports

@@ -67,6 +67,8 @@ COLLECTIVE = SpanName.COLLECTIVE
 ITERATION = SpanName.ITERATION
 #: Where a rank is no more precisely than its open spans already say.
 COARSE = (*CONTAINERS, ITERATION, COLLECTIVE)
+#: Where a rank in the training loop waits for its first batch, before any step has begun.
+FIRST_BATCH_PHASES = (SpanName.DATA_LOADING, SpanName.TRAINING_LOOP)
 #: The phases of a training step in the order it runs them: at the same step, a rank in an earlier one is behind.
 STEP_ORDER = {SpanName.DATA_LOADING: 0, SpanName.FORWARD: 1, SpanName.BACKWARD: 2, SpanName.OPTIMIZER_STEP: 3}
 #: How phases read in a sentence.
@@ -944,7 +946,7 @@ def _first_batch(states: list[RankState], facts: _Facts) -> None:
     if not firsts:
         return
     for s in states:
-        if s.step is None and s.phase in (SpanName.DATA_LOADING, SpanName.TRAINING_LOOP) and completed_none(s):
+        if s.step is None and s.phase in FIRST_BATCH_PHASES and completed_none(s):
             s.step = min(firsts)
 
 
@@ -1378,9 +1380,10 @@ def _ended_how(states: list[RankState]) -> str:
 def _waited_on(states: list[RankState]) -> RankState | None:
     """In a job killed from outside (the scheduler's time limit on a hung job), or running, the rank the others
     wait for: the only rank not in a collective, at their step or behind (or, every rank in a collective, the
-    one a step behind all the others), whose progress file says it had been where it was for at least STUCK_NS
-    (and STUCK_STEPS steps) when its writer last stamped the file, while every other rank had been waiting as
-    long by its own file."""
+    one a step behind all the others; or, no rank in a recorded collective, the one behind all the others in the
+    training step), whose progress file says it had been where it was for at least STUCK_NS (and STUCK_STEPS
+    steps) when its writer last stamped the file, while every other rank had been waiting as long by its own
+    file."""
     if any(s.since_ns is None or s.alive_ns is None for s in states):
         return None
     outside = [s for s in states if not s.in_collective]
@@ -1388,14 +1391,26 @@ def _waited_on(states: list[RankState]) -> RankState | None:
         # One rank, or several stuck at the same place (every rank of a node whose file system hangs).
         rank = min(outside, key=lambda s: s.rank)
         waiting = [s for s in states if s not in outside]
-        if rank.step is None or any(s.step is None or s.step < rank.step for s in waiting):
+        if rank.step is None:
+            # No step known: only when no rank has begun one, all in the loop for their first batch (the Hugging
+            # Face Trainer fetches a step's batch before the step begins).
+            if any(s.step is not None or s.phase not in FIRST_BATCH_PHASES for s in states):
+                return None
+        elif any(s.step is None or s.step < rank.step for s in waiting):
             return None
+        stuck = outside
     elif not outside:
         # Every rank in a collective: the one a step behind all the others is in one they never joined.
         rank = min(states, key=lambda s: (s.step if s.step is not None else -1, s.rank))
         waiting = [s for s in states if s is not rank]
         if rank.step is None or any(s.step is None or s.step <= rank.step for s in waiting):
             return None
+        stuck = [rank]
+    elif len(outside) == len(states):
+        behind = _behind_in_step(states)
+        if behind is None:
+            return None
+        rank, stuck = behind
     else:
         return None
     steps = sorted(s.last_step_ns for s in states if s.last_step_ns)
@@ -1404,12 +1419,29 @@ def _waited_on(states: list[RankState]) -> RankState | None:
     def still(s: RankState) -> int:
         return (s.alive_ns or 0) - (s.since_ns or 0)
 
-    stuck = [rank] if rank.in_collective else outside
     if any(still(s) < least for s in states):
         return None
     rank.stuck_ns = min(still(s) for s in stuck)
     rank.stuck_with = sorted(s.rank for s in stuck if s is not rank)
     return rank
+
+
+def _behind_in_step(states: list[RankState]) -> tuple[RankState, list[RankState]] | None:
+    """No rank in a recorded collective (the Lightning and Hugging Face callbacks record none: DDP's all-reduce
+    runs inside backward), every rank in a phase of a training step: the rank behind all the others, at an
+    earlier step or an earlier phase of the same one (in forward while they are in backward, whose all-reduce
+    waits for its gradients), and the ranks at its very place with it. None when no one rank is behind."""
+    if any(s.step is None or s.phase not in STEP_ORDER for s in states):
+        return None
+
+    def where(s: RankState) -> tuple[int, int]:
+        return s.step or 0, STEP_ORDER[s.phase or ""]
+
+    rank = min(states, key=lambda s: (*where(s), s.rank))
+    stuck = [s for s in states if where(s) == where(rank)]
+    if len(stuck) == len(states):
+        return None
+    return rank, stuck
 
 
 def _waited_for(states: list[RankState]) -> RankState | None:
