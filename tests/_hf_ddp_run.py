@@ -3,14 +3,18 @@ the Hugging Face Trainer with DDP over gloo on the CPU, the traintrace callback 
 rank 1 raises while computing its loss at global step N, after writing the truth (``fault.json``: rank,
 step, time) without traintrace; with a third argument ``data``, rank 1's dataset raises instead, in the
 DataLoader's worker process, on the first sample of the N-th batch it fetches (``data_hang``: that read hangs
-until a file ``release`` appears in the output folder). Each rank notes the last step it began
-(``started<rank>.txt``), also without traintrace. ``DDP_TIMEOUT_S`` (default 20): the collective timeout.
+until a file ``release`` appears in the output folder). Faults tests/transformers_sweep.py draws too:
+``sigkill`` and ``hang`` while computing the loss, ``backward`` (a gradient hook raises inside the backward
+pass), ``optimizer`` (the optimizer's step raises), ``save`` (writing the checkpoint of step N raises; a save
+every 2 steps). Each rank notes the last step it began (``started<rank>.txt``), also without traintrace.
+``DDP_TIMEOUT_S`` (default 20): the collective timeout; ``FAULT_RANK`` (default 1): the faulty rank.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,6 +33,12 @@ MODE = sys.argv[3] if len(sys.argv) > 3 else ""
 IN_DATA = MODE in ("data", "data_hang")
 BATCH = 4
 VOCAB, SEQ = 50, 8
+FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
+
+
+def note_fault(rank: int, step: int, **more: Any) -> None:
+    """The truth of where the fault was injected, written without traintrace."""
+    (OUT / "fault.json").write_text(json.dumps({"rank": rank, "step": step, "ts": time.time_ns(), **more}))
 
 
 class FaultyData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -43,15 +53,17 @@ class FaultyData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         fetched, self.fetched = self.fetched, self.fetched + 1
-        if int(os.environ.get("RANK", "0")) == 1 and fetched == FAULT_STEP * BATCH:
-            truth = {"rank": 1, "batch": FAULT_STEP, "index": index, "ts": time.time_ns()}
-            (OUT / "fault.json").write_text(json.dumps(truth))
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == FAULT_RANK and fetched == FAULT_STEP * BATCH:
+            (OUT / "fault.json").write_text(
+                json.dumps({"rank": rank, "batch": FAULT_STEP, "index": index, "ts": time.time_ns()})
+            )
             if MODE == "data_hang":
                 # A read that does not return until the test says so (or 300 s).
                 deadline = time.monotonic() + 300
                 while not (OUT / "release").exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
-            raise ValueError(f"injected corrupt sample {index} on rank 1")
+            raise ValueError(f"injected corrupt sample {index} on rank {rank}")
         return self.rows[index]
 
 
@@ -60,12 +72,46 @@ class FaultyTrainer(Trainer):
         (OUT / f"started{self.args.process_index}.txt").write_text(str(self.state.global_step))
         return super().training_step(*args, **kwargs)
 
+    def _faulty(self, *modes: str) -> bool:
+        return self.args.process_index == FAULT_RANK and self.state.global_step == FAULT_STEP and MODE in modes
+
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.args.process_index == 1 and self.state.global_step == FAULT_STEP and not IN_DATA:
-            truth = {"rank": 1, "step": self.state.global_step, "ts": time.time_ns()}
-            (OUT / "fault.json").write_text(json.dumps(truth))
-            raise RuntimeError(f"injected failure in compute_loss on rank 1 at step {self.state.global_step}")
-        return super().compute_loss(model, inputs, *args, **kwargs)
+        rank, step = self.args.process_index, self.state.global_step
+        if self._faulty("", "sigkill", "hang"):
+            note_fault(rank, step)
+            if MODE == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if MODE == "hang":
+                time.sleep(3600)
+            raise RuntimeError(f"injected failure in compute_loss on rank {rank} at step {step}")
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        if self._faulty("backward") and isinstance(loss, torch.Tensor):
+
+            def fail(grad: torch.Tensor) -> torch.Tensor:
+                note_fault(rank, step)
+                raise RuntimeError(f"injected failure in backward on rank {rank} at step {step}")
+
+            loss.register_hook(fail)
+        return loss
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        if self._faulty("save"):
+            note_fault(self.args.process_index, self.state.global_step)
+            raise OSError(f"injected failure saving the checkpoint of step {self.state.global_step}")
+        return super()._save_checkpoint(*args, **kwargs)
+
+
+class FaultySGD(torch.optim.SGD):
+    """SGD whose step raises on the faulty rank at FAULT_STEP (``optimizer``)."""
+
+    trainer: FaultyTrainer | None = None
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        trainer = self.trainer
+        if trainer is not None and trainer._faulty("optimizer"):
+            note_fault(trainer.args.process_index, trainer.state.global_step)
+            raise RuntimeError(f"injected failure in the optimizer step on rank {trainer.args.process_index}")
+        return super().step(closure)
 
 
 def main() -> None:
@@ -90,7 +136,15 @@ def main() -> None:
         logging_steps=1,
     )
     train = FaultyData(data) if IN_DATA else data
-    trainer = FaultyTrainer(model=model, args=arguments, train_dataset=train, callbacks=[TraintraceTrainerCallback()])
+    optimizer = FaultySGD(model.parameters(), lr=0.05)
+    trainer = FaultyTrainer(
+        model=model,
+        args=arguments,
+        train_dataset=train,
+        callbacks=[TraintraceTrainerCallback()],
+        optimizers=(optimizer, None) if MODE == "optimizer" else (None, None),
+    )
+    optimizer.trainer = trainer
     trainer.train()
 
 
