@@ -1163,7 +1163,11 @@ def test_a_running_job_is_running(tmp_path: Path) -> None:
 def test_a_straggler_in_data_parallel_training(tmp_path: Path, nproc: int, fault: str, rank: int, part: str) -> None:
     """One rank slower in forward (or data loading) from step 8 on: the all-reduce makes every rank's step as
     long, yet ``ranks`` names it, the part it is slow in, and the step it became slow at; with 2 ranks too."""
-    run = launch(tmp_path, nproc, "--fault", fault, "--fault-rank", str(rank), "--fault-step", "8", "--steps", "30")
+    # 80 ms slower: a step is slow when it is at least halfway from the level before the onset to the level after
+    # it, and on a machine busy with other jobs two steps in a row delayed by 20 ms (half of 40) once moved the
+    # onset two steps early, with 2 ranks (one rank's steps the reference).
+    faulty = ("--fault", fault, "--fault-rank", str(rank), "--fault-step", "8", "--slow-ms", "80")
+    run = launch(tmp_path, nproc, *faulty, "--steps", "30")
     assert run.returncode == 0, run.output[-3000:]
     marks = run.marks()
     durations = {
