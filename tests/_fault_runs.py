@@ -41,3 +41,16 @@ def answers(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         return _analysis.errors(job), _analysis.summary(job)
     finally:
         job.close()
+
+
+def say_wrong(job: object, folder: Path) -> None:
+    """A sweep's line for a job whose answer was wrong (an assertion or anything else raised while checking it)."""
+    import traceback
+
+    print(f"WRONG {job} ({folder}):\n{traceback.format_exc(limit=2)}", flush=True)
+
+
+def tally(jobs: int, wrong: int) -> int:
+    """A sweep's last line, and its exit status: the number of wrong answers (at most 99)."""
+    print(f"{jobs - wrong} of {jobs} jobs answered right")
+    return min(wrong, 99)

@@ -28,9 +28,9 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
+from tests._fault_runs import say_wrong, tally
 from tests.test_diagnosis import (
     Run,
     check_culprit,
@@ -234,7 +234,7 @@ def main() -> int:
             check(run, fault, rank, step, goodput=args.nodes == 1)
         except Exception:  # an assertion or anything else: the job's answer is wrong
             wrong += 1
-            print(f"WRONG {job} ({folder}):\n{traceback.format_exc(limit=2)}", flush=True)
+            say_wrong(job, folder)
             continue
         if args.nodes == 2:
             later.append((job, folder, run, FAULTS[fault][2]))
@@ -250,13 +250,12 @@ def main() -> int:
             check_goodput(run, failed=failed)
         except Exception:  # as above
             wrong += 1
-            print(f"WRONG {job} ({folder}):\n{traceback.format_exc(limit=2)}", flush=True)
+            say_wrong(job, folder)
             continue
         print(f"right {job}: goodput", flush=True)
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
-    print(f"{args.jobs - wrong} of {args.jobs} jobs answered right")
-    return min(wrong, 99)
+    return tally(args.jobs, wrong)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests._fault_runs import answers, child_env
+from tests._fault_runs import answers, child_env, say_wrong, tally
 
 HERE = Path(__file__).resolve().parent
 LIGHTNING_STEPS_PER_EPOCH = 4
@@ -268,13 +267,12 @@ def main() -> int:
                 verdict = f"{check(folder, job, live)}; at the end: {verdict}"
         except Exception:  # an assertion or anything else: the job's answer is wrong
             wrong += 1
-            print(f"WRONG {job} ({folder}):\n{traceback.format_exc(limit=2)}", flush=True)
+            say_wrong(job, folder)
             continue
         print(f"right {job} ({time.monotonic() - began:.0f} s): {verdict}", flush=True)
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
-    print(f"{args.jobs - wrong} of {args.jobs} jobs answered right")
-    return min(wrong, 99)
+    return tally(args.jobs, wrong)
 
 
 if __name__ == "__main__":

@@ -554,6 +554,20 @@ def _hang_truth(folder: Path) -> dict[str, Any]:
     return truth
 
 
+def _kill_all(pids: list[int], launcher: Any) -> None:
+    """SIGKILL to each process (the ranks, which Lightning started as children of the first), then reap the
+    launching one."""
+    import os
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    launcher.wait(timeout=30)
+
+
 def _check_data_hang(errors: dict[str, Any], truth: dict[str, Any], state: str | None) -> None:
     # Rank 1 never began the step whose batch it was reading; rank 0 began it and waited in DDP's all-reduce
     # (in backward) until gloo gave up.
@@ -618,8 +632,6 @@ def test_ddp_hang_in_a_training_step_is_named_while_the_others_wait_in_backward(
     as the script's own clock says (it said "running: 2 ranks still writing" before: two ranks outside a recorded
     collective at different places matched no rule)."""
     import json
-    import os
-    import signal
 
     from tests._fault_runs import start
     from traintrace.progress import read_progress
@@ -640,12 +652,7 @@ def test_ddp_hang_in_a_training_step_is_named_while_the_others_wait_in_backward(
         errors, _ = answers(logs)
         answered = time.time_ns()
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        launcher.wait(timeout=30)
+        _kill_all(pids, launcher)
     truth = json.loads((tmp_path / "fault.json").read_text())
     assert (truth["rank"], truth["step"]) == (1, 2)
     culprit = errors["culprit"]
@@ -667,8 +674,6 @@ def test_ddp_data_loading_hang_seen_by_hang_detection(tmp_path: Path) -> None:
     carry the progress file's phase, so rank 1 is in data loading and rank 0 in backward of the same step, and
     the rank still loading its batch is the one behind. (Before, the reports said only "between phases" and
     "between steps", and rank 0 was named.)"""
-    import os
-    import signal
 
     from tests._fault_runs import start
     from traintrace.progress import read_progress
@@ -690,12 +695,7 @@ def test_ddp_data_loading_hang_seen_by_hang_detection(tmp_path: Path) -> None:
         errors, _ = answers(logs)
     finally:
         (tmp_path / "release").write_text("")
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        launcher.wait(timeout=30)
+        _kill_all(pids, launcher)
     truth = _hang_truth(tmp_path)
     assert truth["began"] == {0: truth["step"], 1: truth["step"] - 1}, truth
     culprit = errors["culprit"]
