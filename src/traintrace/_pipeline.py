@@ -55,7 +55,7 @@ _PAST_BUDGET = 8 * _CHUNK
 # The writer holds the GIL for at most about this long (ns) before it lets a waiting thread
 # in (``Pipeline._yield``): CPython hands the GIL over to a waiting thread only after the
 # switch interval (5 ms) unless the holder lets go, so a longer slice stalls the training thread.
-_SLICE_NS = 400_000
+_SLICE_NS = 200_000
 # Items the pure-Python writer converts between two looks at the clock.
 _PURE_STEP = 64
 # Nanoseconds the writer sleeps between slices, long enough for a waiting thread to wake and take the GIL.
