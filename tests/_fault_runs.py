@@ -43,6 +43,44 @@ def answers(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         job.close()
 
 
+def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, Any]:
+    """A framework job's straggler (``slow``: its training step's own code, ``slow_data``: its batches), as
+    ``traintrace ranks`` names it, against the script's own notes (``fault.json``: the rank and the first slow
+    step or batch and when it began; ``steps<rank>.jsonl``: when each step's own code began, every rank).
+
+    The step a slow batch delayed is the first to begin after that batch's fetch began (a loader that fetches
+    a batch ahead delays the step before it). The notes also show the premise: data-parallel training evened
+    the ranks' step times (each rank's median step within a fifth of the others'), so the step time alone cannot
+    tell the straggler. Returns ``ranks``' answer."""
+    import itertools
+    import json
+    import statistics
+
+    from traintrace.cli import _analysis
+    from traintrace.cli._engine import Job
+
+    truth = json.loads((out / "fault.json").read_text())
+    notes = {r: [json.loads(line) for line in (out / f"steps{r}.jsonl").read_text().splitlines()] for r in range(ranks)}
+    late = [n["step"] for n in notes[truth["rank"]] if n["ts"] > truth["ts"]]
+    expected = truth["step"] if mode == "slow" else min(late)
+    medians = []
+    for rank_notes in notes.values():
+        after = [n["ts"] for n in rank_notes if n["step"] >= expected]
+        medians.append(statistics.median(b - a for a, b in itertools.pairwise(after)))
+    assert max(medians) < 1.2 * min(medians), f"the ranks' steps were not evened: {medians}"
+    job = Job.open([logs])
+    try:
+        data = _analysis.ranks(job)
+    finally:
+        job.close()
+    rows = {r["rank"]: r for r in data["ranks"]}
+    culprit = rows[truth["rank"]]
+    assert data["stragglers"] == [truth["rank"]], data
+    part = "compute" if mode == "slow" else "data_loading"
+    assert (culprit["slow_in"], culprit["slow_since_step"]) == (part, expected), culprit
+    return data
+
+
 def say_wrong(job: object, folder: Path) -> None:
     """A sweep's line for a job whose answer was wrong (an assertion or anything else raised while checking it)."""
     import traceback

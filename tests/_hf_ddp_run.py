@@ -8,6 +8,10 @@ until a file ``release`` appears in the output folder). Faults tests/transformer
 pass), ``optimizer`` (the optimizer's step raises), ``save`` (writing the checkpoint of step N raises; a save
 every 2 steps). Each rank notes the last step it began (``started<rank>.txt``), also without traintrace.
 ``DDP_TIMEOUT_S`` (default 20): the collective timeout; ``FAULT_RANK`` (default 1): the faulty rank.
+Stragglers: ``slow`` (the faulty rank's loss computation sleeps ``SLOW_MS``, default 60, from step N on) and
+``slow_data`` (its dataset sleeps ``SLOW_MS`` on the first sample of each batch from its N-th on, in the
+training process); ``fault.json`` is written at the first slow step or batch, and each rank notes when each
+step's own code began (``steps<rank>.jsonl``). ``MAX_STEPS`` (default 8).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from traintrace.integrations.transformers import TraintraceTrainerCallback
 OUT = Path(sys.argv[1])
 FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
 MODE = sys.argv[3] if len(sys.argv) > 3 else ""
-IN_DATA = MODE in ("data", "data_hang")
+IN_DATA = MODE in ("data", "data_hang", "slow_data")
+SLOW_S = float(os.environ.get("SLOW_MS", "60")) / 1000
 BATCH = 4
 VOCAB, SEQ = 50, 8
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
@@ -54,6 +59,12 @@ class FaultyData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         fetched, self.fetched = self.fetched, self.fetched + 1
         rank = int(os.environ.get("RANK", "0"))
+        if MODE == "slow_data":
+            if rank == FAULT_RANK and fetched >= FAULT_STEP * BATCH and fetched % BATCH == 0:
+                if fetched == FAULT_STEP * BATCH:
+                    note_fault(rank, FAULT_STEP, batch=FAULT_STEP, index=index)
+                time.sleep(SLOW_S)
+            return self.rows[index]
         if rank == FAULT_RANK and fetched == FAULT_STEP * BATCH:
             (OUT / "fault.json").write_text(
                 json.dumps({"rank": rank, "batch": FAULT_STEP, "index": index, "ts": time.time_ns()})
@@ -70,6 +81,8 @@ class FaultyData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 class FaultyTrainer(Trainer):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         (OUT / f"started{self.args.process_index}.txt").write_text(str(self.state.global_step))
+        with (OUT / f"steps{self.args.process_index}.jsonl").open("a") as notes:  # when each step's own code began
+            notes.write(json.dumps({"step": self.state.global_step, "ts": time.time_ns()}) + "\n")
         return super().training_step(*args, **kwargs)
 
     def _faulty(self, *modes: str) -> bool:
@@ -77,6 +90,10 @@ class FaultyTrainer(Trainer):
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         rank, step = self.args.process_index, self.state.global_step
+        if MODE == "slow" and rank == FAULT_RANK and step >= FAULT_STEP and model.training:
+            if step == FAULT_STEP and not (OUT / "fault.json").exists():
+                note_fault(rank, step)
+            time.sleep(SLOW_S)
         if self._faulty("", "sigkill", "hang"):
             note_fault(rank, step)
             if MODE == "sigkill":
@@ -124,7 +141,7 @@ def main() -> None:
     data = [{"input_ids": ids, "labels": ids.clone()} for ids in rows]
     arguments = TrainingArguments(
         output_dir=str(OUT / "out"),
-        max_steps=8,
+        max_steps=int(os.environ.get("MAX_STEPS", "8")),
         per_device_train_batch_size=BATCH,
         save_steps=2,
         report_to=[],
@@ -132,7 +149,7 @@ def main() -> None:
         ddp_backend="gloo",
         ddp_timeout=int(os.environ.get("DDP_TIMEOUT_S", "20")),
         disable_tqdm=True,
-        dataloader_num_workers=1 if IN_DATA else 0,
+        dataloader_num_workers=1 if IN_DATA and MODE != "slow_data" else 0,
         logging_steps=1,
     )
     train = FaultyData(data) if IN_DATA else data

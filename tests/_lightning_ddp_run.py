@@ -18,6 +18,10 @@ epoch). A rank that fails writes the exception that
 ended it (``ended<rank>.txt``). ``DDP_TIMEOUT_S`` (default 20) is the
 collective timeout; ``FAULT_RANK`` (default 1) the faulty rank, ``EPOCHS``
 (default 1) the epochs (4 steps each); ``DEVICES`` (default 2) the ranks.
+Stragglers: ``slow`` (the faulty rank's training step sleeps ``SLOW_MS``, default 60, from step N on)
+and ``slow_data`` (its dataset sleeps ``SLOW_MS`` per batch from the batch of step N on, in the
+training process: ``num_workers=0``); the truth (``fault.json``) is written at the first slow step, and
+every rank notes when each step's own code began (``steps<rank>.jsonl``, ``time.time_ns()``).
 Under torchrun, Lightning starts no process itself.
 """
 
@@ -42,7 +46,8 @@ from traintrace.integrations.lightning import TraintraceCallback
 OUT = Path(sys.argv[1])
 FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
 MODE = sys.argv[3] if len(sys.argv) > 3 else ""
-IN_DATA = MODE in ("data", "data_hang")
+IN_DATA = MODE in ("data", "data_hang", "slow_data")
+SLOW_S = float(os.environ.get("SLOW_MS", "60")) / 1000
 BATCH = 8
 TIMEOUT_S = float(os.environ.get("DDP_TIMEOUT_S", "20"))
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
@@ -81,6 +86,8 @@ class Tiny(L.LightningModule):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         (OUT / f"started{self.global_rank}.txt").write_text(str(self.global_step))  # the last step begun
+        with (OUT / f"steps{self.global_rank}.jsonl").open("a") as notes:  # when each step's own code began
+            notes.write(json.dumps({"step": self.global_step, "ts": time.time_ns()}) + "\n")
         faulty = self.global_rank == FAULT_RANK and self.global_step == FAULT_STEP
         if faulty and MODE in IN_STEP:
             note_fault(self.global_rank, self.global_step)
@@ -91,6 +98,10 @@ class Tiny(L.LightningModule):
             raise RuntimeError(
                 f"injected failure in training_step on rank {self.global_rank} at step {self.global_step}"
             )
+        if MODE == "slow" and self.global_rank == FAULT_RANK and self.global_step >= FAULT_STEP:
+            if self.global_step == FAULT_STEP:
+                note_fault(self.global_rank, self.global_step)
+            time.sleep(SLOW_S)
         if faulty and MODE == "inf":
             x, y = x * 1e30, y * 1e30  # a corrupt batch: the loss overflows float32
         loss = nn.functional.mse_loss(self.net(x), y)
@@ -129,6 +140,12 @@ class FaultyData(TensorDataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         fetched, self.fetched = self.fetched, self.fetched + 1
+        if MODE == "slow_data":
+            if self.rank == FAULT_RANK and fetched >= FAULT_STEP * BATCH and fetched % BATCH == 0:
+                if fetched == FAULT_STEP * BATCH:
+                    note_fault(self.rank, FAULT_STEP, index=index)
+                time.sleep(SLOW_S)
+            return super().__getitem__(index)
         if self.rank == FAULT_RANK and fetched == FAULT_STEP * BATCH:
             note_fault(self.rank, FAULT_STEP, index=index)
             if MODE == "data_hang":
@@ -149,7 +166,7 @@ def main() -> None:
     train = DataLoader(data, batch_size=BATCH)
     if IN_DATA:
         rank = int(os.environ.get("LOCAL_RANK", "0"))
-        train = DataLoader(FaultyData(data, rank), batch_size=BATCH, num_workers=1)
+        train = DataLoader(FaultyData(data, rank), batch_size=BATCH, num_workers=0 if MODE == "slow_data" else 1)
     callback = TraintraceCallback(tt.Config(job_id="ddp-test", log_dir=str(out / "logs")), backends={"log": False})
     trainer = L.Trainer(
         # A short collective timeout: the rank left waiting for a failed one gives up soon.

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import traintrace as tt
-from tests._fault_runs import answers, run
+from tests._fault_runs import answers, check_straggler, run
 from traintrace.integrations.lightning import TraintraceCallback
 from traintrace.reader import read_file
 
@@ -510,6 +510,21 @@ def test_ddp_loss_that_overflows_on_one_rank_is_diagnosed_as_diverged(tmp_path: 
     assert (culprit["rank"], culprit["step"]) == (1, first[1]), errors["verdict"]
     assert culprit["non_finite"]["first_steps"] == {"0": first[0], "1": first[1]}
     assert errors["verdict"].startswith(f"diverged: rank 1's loss became Infinity at step {first[1]}")
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.once
+@pytest.mark.parametrize("mode", ["slow", "slow_data"])
+def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(tmp_path: Path, mode: str) -> None:
+    """Rank 1 of a 2-process DDP fit is 60 ms slower from step 6 on: in its training step (``slow``) or fetching
+    its batches (``slow_data``). DDP's all-reduce makes rank 0 wait in backward, so both ranks' steps take as
+    long (the scripts' own notes); the callbacks record no collective. `traintrace ranks` names rank 1, the part
+    and the step it became slow at, as the script's notes say (it named rank 0, slow in compute, before)."""
+    done = run([sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "6", mode], tmp_path, EPOCHS="4")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = check_straggler(tmp_path, tmp_path / "logs" / "ddp-test", mode, ranks=2)
+    assert any("outside backward" in note for note in data["notes"]), data["notes"]
 
 
 @pytest.mark.slow

@@ -210,6 +210,27 @@ def test_error_in_a_step_is_recorded_once_and_spans_end_as_errors(memory: tt.Mem
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.once
+@pytest.mark.parametrize("mode", ["slow", "slow_data"])
+def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(tmp_path: Path, mode: str) -> None:
+    """Rank 1 of a 2-process DDP run under torchrun is 60 ms slower from step 4 on: computing its loss
+    (``slow``) or fetching its batches (``slow_data``, where the Trainer's token-count gather makes rank 0 wait
+    inside its own fetch). Both ranks' steps take as long (the script's own notes). `traintrace ranks` names
+    rank 1, the part and the step it became slow at, as the script's notes say."""
+    import sys
+
+    from tests._fault_runs import check_straggler, run
+
+    script = Path(__file__).parent / "_hf_ddp_run.py"
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script)]
+    logs = {"TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "hf-ddp", "HF_HUB_OFFLINE": "1"}
+    done = run([*command, str(tmp_path), "4", mode], tmp_path, MAX_STEPS="14", **logs)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    check_straggler(tmp_path, tmp_path / "logs" / "hf-ddp", mode, ranks=2)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> None:
     """Rank 1 of a 2-process DDP run (gloo, CPU) under traintrace-run raises while computing its loss at global
     step 3. `traintrace errors` on what the callback wrote names rank 1 and that step, as the script's own

@@ -349,6 +349,14 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     # The parts of a rank's time that are its own work (docs/analysis.md, "ranks"): collectives equalise step
     # times in data-parallel jobs, so the slow rank is the one with the most time outside them.
     _step_parts(job)
+    notes = list(job.notes)
+    counted = job.one("SELECT count(*) FILTER (outside_backward), count(*) FROM step_parts")
+    if counted and counted[0]:
+        share = "every step" if counted[0] == counted[1] else f"{counted[0]} of {counted[1]} steps"
+        notes.append(
+            f"no collective recorded in {share}: a step's own work is its time outside backward, where DDP's "
+            "gradient all-reduce waits for the slowest rank (record_collectives records them)"
+        )
     parts: dict[int, dict[str, float]] = {}
     for rank, part, value in job.rows(
         """
@@ -442,7 +450,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         "windows": [
             {"rank": rank, "scores": [cells.get(w) for w in range(windows)]} for rank, cells in sorted(heat.items())
         ],
-        "notes": list(job.notes),
+        "notes": notes,
     }
 
 
@@ -483,8 +491,21 @@ def _reference(values: dict[int, float], rank: int) -> float | None:
     return _median(others) if others else None
 
 
+#: Spans that begin between a data-loading span and the next step when the wait did not end in that step: the
+#: wait a framework's callback opens after a step ended by an evaluation or a save instead (see _step_parts).
+_NOT_A_STEP_AFTER = (
+    SpanName.VALIDATION,
+    SpanName.TEST,
+    SpanName.CHECKPOINT_SAVE_SYNC,
+    SpanName.CHECKPOINT_SAVE_ASYNC,
+    SpanName.CHECKPOINT_LOAD,
+)
+
+
 def _step_parts(job: Job) -> None:
-    """Per step: its duration and the time spent in collectives inside it; per data-loading span: its ordinal."""
+    """Per step: its duration, the time spent in collectives inside it and its own work; per wait for a batch:
+    the step it fed (docs/analysis.md, "ranks")."""
+    barriers = ", ".join(f"'{name}'" for name in _NOT_A_STEP_AFTER)
     job.con.execute(
         f"""
         CREATE TEMP TABLE IF NOT EXISTS step_parts AS
@@ -496,6 +517,12 @@ def _step_parts(job: Job) -> None:
         ), col AS (
             SELECT stream, ts, dur FROM spans_small
             WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
+        ), bw AS (
+            -- A step's backward phases: where DDP's gradient all-reduce waits for the slowest rank when no
+            -- collective is recorded (the Lightning and Trainer callbacks time phases between hooks).
+            SELECT stream, parent AS id, sum(dur) AS bwd FROM spans_small
+            WHERE name = '{SpanName.BACKWARD}' AND dur IS NOT NULL AND NOT is_agent AND NOT open
+            GROUP BY ALL
         ), timed AS (
             -- Only streams with collectives need the steps placed: the running maximum sorts every step. Read
             -- from iterations, not it: a CTE read twice is materialised, every step of every rank at once.
@@ -518,13 +545,64 @@ def _step_parts(job: Job) -> None:
         -- 64-rank job's steps are a third of the command's peak memory).
         SELECT it.rank::INTEGER AS rank, it.restart::INTEGER AS restart, it.k::INTEGER AS k, it.step, it.ts,
                inside.coll AS coll,  -- NULL: no collective in the step
-               -- the step's own work: its compute phases' device time where measured, else outside collectives
-               coalesce(gc.gpu_compute, it.dur - coalesce(inside.coll, 0)) AS comp
+               -- the step's own work: its compute phases' device time where measured, else outside collectives,
+               -- else (none recorded in it) outside its backward phases
+               coalesce(gc.gpu_compute, it.dur - coalesce(inside.coll, bw.bwd, 0)) AS comp,
+               inside.coll IS NULL AND bw.bwd IS NOT NULL AS outside_backward
         FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts
-        LEFT JOIN gc ON gc.stream = it.stream AND gc.id = it.id;
+        LEFT JOIN gc ON gc.stream = it.stream AND gc.id = it.id
+        LEFT JOIN bw ON bw.stream = it.stream AND bw.id = it.id;
         CREATE TEMP TABLE IF NOT EXISTS loading_parts AS
-        SELECT rank, restart, ts, dur, row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
-        FROM spans_small WHERE name = '{SpanName.DATA_LOADING}' AND dur IS NOT NULL AND NOT is_agent;
+        WITH waits AS (
+            SELECT stream, rank, restart, ts, dur, id, parent FROM spans_small
+            WHERE name = '{SpanName.DATA_LOADING}' AND dur IS NOT NULL AND NOT is_agent
+        ), gathers AS (
+            -- Collectives inside a wait (the Trainer gathers each step's token count from every rank as it
+            -- fetches the batch): time waiting for the slowest rank's loader, not this rank's own.
+            SELECT c.stream, c.parent AS id, sum(c.dur) AS coll FROM spans_small c
+            WHERE c.name = '{SpanName.COLLECTIVE}' AND c.dur IS NOT NULL AND NOT c.is_agent
+              AND c.stream IN (SELECT stream FROM waits)
+            GROUP BY ALL
+        ), w AS (
+            SELECT w.stream, w.rank, w.restart, w.ts, w.dur - coalesce(g.coll, 0) AS dur, w.dur AS whole, w.parent
+            FROM waits w LEFT JOIN gathers g ON g.stream = w.stream AND g.id = w.id
+        ), loading_streams AS (
+            SELECT DISTINCT stream FROM w
+        ), marks AS (
+            -- Per stream, in time: where each wait ends, each step begins, each evaluation or save begins.
+            SELECT stream, ts + whole AS mark_ts, 0 AS o, ts AS wait_ts, NULL::BIGINT AS its, NULL::BIGINT AS bts FROM w
+            UNION ALL SELECT i.stream, i.ts, 1, NULL, i.ts, NULL FROM iterations i
+            WHERE i.stream IN (SELECT stream FROM loading_streams)
+            UNION ALL SELECT s.stream, s.ts, 1, NULL, NULL, s.ts FROM spans_small s
+            WHERE s.name IN ({barriers}) AND s.stream IN (SELECT stream FROM loading_streams)
+        ), following AS (
+            -- For each wait, the next step to begin after it ends and the next evaluation or save.
+            SELECT stream, wait_ts,
+                   min(its) OVER (PARTITION BY stream ORDER BY mark_ts DESC, o DESC
+                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS next_its,
+                   min(bts) OVER (PARTITION BY stream ORDER BY mark_ts DESC, o DESC
+                                  ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS next_bts
+            FROM marks
+        ), fed AS (
+            -- The step each wait fed: the step it is inside, else the next step when no evaluation or save
+            -- began first (the wait a callback opens after a step, ended by an evaluation, fed none).
+            SELECT w.stream, w.rank, w.restart, w.ts, w.dur,
+                   coalesce(p.ts, CASE WHEN f.next_bts IS NULL OR f.next_bts > f.next_its THEN f.next_its END)
+                       AS fed_ts,
+                   coalesce(p.step, n.step) AS step
+            FROM w JOIN following f ON f.stream = w.stream AND f.wait_ts = w.ts
+            LEFT JOIN iterations p ON p.stream = w.stream AND p.id = w.parent
+            LEFT JOIN iterations n ON n.stream = w.stream AND n.ts = f.next_its
+        ), kept AS (
+            -- One row per step fed (the waits before it together: a callback may end one at an epoch's end and
+            -- open the next); a stream whose waits are neither inside nor just before its steps keeps them all.
+            SELECT stream, rank, restart, min(ts) AS ts, sum(dur) AS dur, max(step) AS step FROM fed
+            WHERE fed_ts IS NOT NULL GROUP BY stream, rank, restart, fed_ts
+            UNION ALL
+            SELECT stream, rank, restart, ts, dur, NULL FROM fed
+            WHERE stream NOT IN (SELECT stream FROM fed WHERE fed_ts IS NOT NULL)
+        )
+        SELECT rank, restart, ts, dur, step, row_number() OVER (PARTITION BY stream ORDER BY ts) AS k FROM kept;
         """
     )
 
@@ -555,7 +633,7 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     table, value = {"compute": ("step_parts", "comp"), "data_loading": ("loading_parts", "dur")}.get(part, (None, None))
     if table is None:
         return {}
-    step_col = "step" if table == "step_parts" else "NULL::BIGINT"
+    step_col = "step"
     rows = job.rows(
         f"""
         SELECT restart, k, max({value}) FILTER (rank = $r), median({value}) FILTER (rank <> $r),
