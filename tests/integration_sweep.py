@@ -5,18 +5,20 @@ sweep to run by hand.
 
 Each job is tests/_lightning_ddp_run.py (2 or 3 ranks, 1 to 3 epochs of 4 steps, recorded by the
 ``TraintraceCallback``) or tests/_hf_ddp_run.py (a tiny GPT-2, 2 or 3 ranks, 8 steps, a save every 2, recorded by
-the ``TraintraceTrainerCallback``) under torchrun or traintrace-run, gloo on CPU, with one fault drawn at random on a
-random rank and step: an exception in the training step (Lightning) or the loss (the Trainer), in the backward
+the ``TraintraceTrainerCallback``) under torchrun or traintrace-run, gloo on CPU, with one fault drawn at random on
+a random rank and step: an exception in the training step (Lightning) or the loss (the Trainer), in the backward
 pass (a gradient hook), in the optimizer's step, in a validation step (Lightning) or a checkpoint save (the
 Trainer), or in the DataLoader's worker; SIGKILL or a hang there; a read in the DataLoader's worker that never
-returns; a batch whose loss overflows (Lightning: the job diverges). The callbacks time the phases between the
-frameworks' hooks and methods, so where a rank was comes from its progress file and the spans the callback ends,
-not from spans opened around the code as tests/fault_sweep.py's worker does. Checked: ``errors`` names the faulty
-rank, the step and phase the script's own truth (``fault.json``, ``started<rank>.txt``, the losses, written
-without traintrace) says, and the cause; the status; every other rank in the verdict. A line per job; the exit
-status is the number of jobs whose answer was wrong (at most 99). 10 to 40 s a job on a 2-core machine: not part of
-the suite, whose fixed cases (tests/test_integrations_lightning.py, tests/test_integrations_transformers.py) cover
-the exception, the data faults and the overflow.
+returns; a batch whose loss overflows (Lightning: the job diverges); a straggler, 60 ms slower from a random step on
+in its training step or loss (``slow``) or fetching its batches (``slow_data``). The callbacks time the phases
+between the frameworks' hooks and methods, so where a rank was comes from its progress file and the spans the
+callback ends, not from spans opened around the code as tests/fault_sweep.py's worker does. Checked: ``errors``
+names the faulty rank, the step and phase the script's own truth (``fault.json``, ``started<rank>.txt``, the losses,
+written without traintrace) says, and the cause; the status; every other rank in the verdict; for a straggler,
+``ranks`` names it alone, the part and the step its script's notes give (``steps<rank>.jsonl``). A line per job; the
+exit status is the number of jobs whose answer was wrong (at most 99). 10 to 40 s a job on a 2-core machine: not
+part of the suite, whose fixed cases (tests/test_integrations_lightning.py, tests/test_integrations_transformers.py)
+cover the exception, the data faults and the overflow.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests._fault_runs import answers, child_env, say_wrong, tally
+from tests._fault_runs import answers, check_straggler, child_env, say_wrong, tally
 
 HERE = Path(__file__).resolve().parent
 LIGHTNING_STEPS_PER_EPOCH = 4
@@ -54,7 +56,13 @@ PHASES: dict[str, str] = {
     "data": "data_loading",
     "data_hang": "data_loading",
     "inf": "",
+    "slow": "compute",
+    "slow_data": "data_loading",
 }
+#: Modes whose job ends normally, with one rank slower than the others from the step drawn on.
+STRAGGLERS = ("slow", "slow_data")
+#: Steps a straggler's job runs past its first slow step (ranks needs five to call it a slow-down).
+SLOW_STEPS_AFTER = 7
 #: What the cause says, when it is not the injected exception's message.
 CAUSES = {"sigkill": "killed by SIGKILL", "hang": "hang", "data_hang": "hang"}
 
@@ -72,13 +80,13 @@ FRAMEWORKS = {
     "lightning": Framework(
         HERE / "_lightning_ddp_run.py",
         "ddp-test",
-        ("", "sigkill", "hang", "backward", "optimizer", "validation", "data", "data_hang", "inf"),
+        ("", "sigkill", "hang", "backward", "optimizer", "validation", "data", "data_hang", "inf", *STRAGGLERS),
         "injected failure in training_step",
     ),
     "transformers": Framework(
         HERE / "_hf_ddp_run.py",
         "hf-ddp",
-        ("", "sigkill", "hang", "backward", "optimizer", "save", "data", "data_hang"),
+        ("", "sigkill", "hang", "backward", "optimizer", "save", "data", "data_hang", *STRAGGLERS),
         "injected failure in compute_loss",
     ),
 }
@@ -106,6 +114,10 @@ def draw_job(draw: random.Random, framework: str, modes: list[str]) -> Job:
     devices = draw.choice([2, 3])
     rank = draw.randrange(devices)
     epochs, launcher = draw.choice([1, 2, 3]), draw.random() < 0.5
+    if mode in STRAGGLERS:  # a few fast steps, then enough slow ones (the Trainer's steps: see run_job)
+        epochs = draw.choice([3, 4])
+        steps = LIGHTNING_STEPS_PER_EPOCH * epochs if framework == "lightning" else TRAINER_STEPS + SLOW_STEPS_AFTER
+        return Job(framework, mode, devices, rank, draw.randrange(1, steps - SLOW_STEPS_AFTER + 1), epochs, launcher)
     if framework == "transformers":
         if mode == "save":  # the save after step N - 1 (the Trainer's global step is N then)
             step = TRAINER_SAVE_EVERY * draw.randrange(1, TRAINER_STEPS // TRAINER_SAVE_EVERY + 1)
@@ -139,6 +151,7 @@ def run_job(folder: Path, job: Job) -> dict[str, Any] | None:
         EPOCHS=str(job.epochs),
         DEVICES=str(job.devices),
         HF_HUB_OFFLINE="1",
+        MAX_STEPS=str(TRAINER_STEPS + SLOW_STEPS_AFTER if job.mode in STRAGGLERS else TRAINER_STEPS),
     )
     env.update(TRAINTRACE_LOG_DIR=str(folder / "logs"), TRAINTRACE_JOB_ID=framework.job)
     live: dict[str, Any] | None = None
@@ -191,6 +204,10 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
     """The answer of ``errors`` when the job ended, or the one read while it ran (``live``)."""
     framework = FRAMEWORKS[job.framework]
     assert job.mode == "inf" or (folder / "fault.json").exists(), "the premise: the fault was injected"
+    if job.mode in STRAGGLERS:
+        data = check_straggler(folder, folder / "logs" / framework.job, job.mode, job.devices)
+        (culprit,) = (r for r in data["ranks"] if r["rank"] == job.rank)
+        return f"stragglers {data['stragglers']}: slow in {culprit['slow_in']} since step {culprit['slow_since_step']}"
     errors = live if live is not None else answers(folder / "logs" / framework.job)[0]
     culprit = errors["culprit"]
     assert culprit is not None, errors["verdict"]
