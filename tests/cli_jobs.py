@@ -120,6 +120,59 @@ def write_job(folder: Path, script: Script) -> Script:
     return script
 
 
+def write_framework_job(folder: Path, slow_rank: int, slow_from: int, part: str, gather: bool = False) -> None:
+    """Two ranks of a data-parallel job as the Lightning and Trainer callbacks record it: per step a wait for the
+    batch just before the step, then forward, backward and the optimizer's step, no collective recorded; every
+    four steps a validation pass, with the short waits the callback opens around it. From step ``slow_from`` on
+    ``slow_rank`` is 50 ms slower in forward (``part`` "compute") or in its wait (``data_loading``), and the other
+    rank waits as long in backward (DDP's all-reduce), or with ``gather`` in a collective inside its own wait (the
+    Trainer's token-count gather, which waits for the slow rank's loader)."""
+    ms = 1_000_000
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank in range(2):
+        lines: list[str] = []
+
+        def rec(kind: str, ts: int, out: list[str] = lines, **fields: Any) -> None:
+            out.append(json.dumps({"seq": len(out), "kind": kind, "ts": ts, **fields}) + "\n")
+
+        start = now = 1_790_000_000 * 10**9
+        rec("header", now, schema="traintrace", schema_version=1, job="framework", rank=rank, world_size=2, pid=9)
+        rec("start", now, name="training_loop", id=1, parent=0, tid=7)
+        ids = 2
+        for step in range(12):
+            extra = 50 * ms if step >= slow_from else 0
+            wait, forward, backward = 2 * ms, 3 * ms, 4 * ms
+            if rank == slow_rank and part == "compute":
+                forward += extra
+            elif rank == slow_rank:
+                wait += extra
+            elif part == "data_loading" and gather:
+                wait += extra
+                if extra:
+                    rec("span", now + ms, name="collective", id=ids + 1, parent=ids, tid=7, dur=extra, status="ok")
+            else:
+                backward += extra
+            rec("span", now, name="data_loading", id=ids, parent=1, tid=7, dur=wait, status="ok")
+            now += wait
+            it, step_ns = ids + 2, forward + backward + ms
+            rec("span", now, name="iteration", id=it, parent=1, tid=7, dur=step_ns, status="ok", attrs={"step": step})
+            rec("span", now, name="model_forward", id=it + 1, parent=it, tid=7, dur=forward, status="ok")
+            rec("span", now + forward, name="model_backward", id=it + 2, parent=it, tid=7, dur=backward, status="ok")
+            rec("span", now + forward + backward, name="optimizer_update", id=it + 3, parent=it, tid=7, dur=ms,
+                status="ok")  # fmt: skip
+            now += step_ns
+            ids += 6
+            if step % 4 == 3:  # the wait the callback opens after the step, ended by the validation pass, and after it
+                rec("span", now, name="data_loading", id=ids, parent=1, tid=7, dur=ms // 2, status="ok")
+                rec("span", now + ms, name="validation_loop", id=ids + 1, parent=0, tid=7, dur=8 * ms, status="ok")
+                rec("span", now + 9 * ms, name="data_loading", id=ids + 2, parent=1, tid=7, dur=ms // 3, status="ok")
+                now += 10 * ms
+                ids += 3
+        rec("end", now, name="training_loop", id=1, dur=now - start, status="ok")
+        rec("close", now, records=len(lines) + 1, dropped=0)
+        (folder / f"rank{rank}.jsonl").write_text("".join(lines))
+
+
 def _raised(rec: Any, at: int, span: int, tid: int, message: str) -> None:
     """A RuntimeError with ``message`` raised in span ``span`` at ``at``, as traintrace records an exception."""
     stack = f'Traceback (most recent call last):\n  File "train.py", line 9\nRuntimeError: {message}'

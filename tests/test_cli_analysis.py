@@ -11,7 +11,17 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 
 from tests._examples import examples
-from tests.cli_jobs import PAST_ALL_REDUCE, S, Script, expected, expected_hang, hung_ranks, scripts, write_job
+from tests.cli_jobs import (
+    PAST_ALL_REDUCE,
+    S,
+    Script,
+    expected,
+    expected_hang,
+    hung_ranks,
+    scripts,
+    write_framework_job,
+    write_job,
+)
 
 pytest.importorskip("duckdb")
 
@@ -545,3 +555,24 @@ def test_random_scripted_jobs(script: Script) -> None:
     assert s["step_time"]["median_s"] == pytest.approx(truth["step_median_s"])
     assert s["step_time"]["max_s"] == pytest.approx(truth["step_max_s"])
     assert (s["steps_completed"], s["steps_lost"]) == (truth["steps_completed"], truth["steps_lost"])
+
+
+@pytest.mark.parametrize(
+    ("slow_rank", "part", "gather"), [(1, "compute", False), (0, "compute", False), (1, "data_loading", False),
+                                      (0, "data_loading", True)],
+)  # fmt: skip
+def test_ranks_names_the_straggler_of_a_job_recorded_between_a_frameworks_hooks(
+    tmp_path: Path, slow_rank: int, part: str, gather: bool
+) -> None:
+    """No collective recorded and every step as long on both ranks: the slow rank is the one slow outside
+    backward (or in its waits, less the collectives inside them), from the step the job's script slowed it;
+    the waits around each validation pass fed no step and do not outvote the slow ones."""
+    write_framework_job(tmp_path / "job", slow_rank, 5, part, gather=gather)
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [slow_rank], r
+    slow = next(x for x in r["ranks"] if x["rank"] == slow_rank)
+    assert (slow["slow_in"], slow["slow_since_step"]) == (part, 5)
+    assert any("outside backward" in note for note in r["notes"])
+    other = next(x for x in r["ranks"] if x["rank"] != slow_rank)
+    assert other["compute_median_s"] == pytest.approx(0.004)  # forward and the optimizer's step: its own work
+    assert other["data_loading_median_s"] == pytest.approx(0.002)  # one wait a step, any gather taken out

@@ -22,7 +22,7 @@ pytest.importorskip("duckdb")
 pytest.importorskip("pyspark.sql")
 pytest.importorskip("sqlglot")
 
-from tests.cli_jobs import Script, write_job
+from tests.cli_jobs import Script, write_framework_job, write_job
 from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
 from tests.test_cli_parquet import answer, damaged_job, export, run, same
 from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
@@ -114,6 +114,13 @@ def test_a_device_timed_job_answers_the_same_on_spark(device: FakeDevice, tmp_pa
     _write_job(tmp_path, device, "gpu")
     summary = check_engines_agree(tmp_path / "logs", spark)["summary"]
     assert summary["device"]["phase_means_s"]
+
+
+def test_a_job_recorded_between_a_frameworks_hooks_answers_the_same_on_spark(tmp_path: Path, spark: Any) -> None:
+    """Steps own work outside backward, waits tied to the steps they fed, a gather taken out of them."""
+    write_framework_job(tmp_path / "job", 0, 5, "data_loading", gather=True)
+    ranks = check_engines_agree(tmp_path / "job", spark)["ranks"]
+    assert ranks["stragglers"] == [0]
 
 
 def test_the_real_faults_job_answers_the_same_on_spark(faults_job: Path, spark: Any) -> None:  # noqa: F811
