@@ -11,7 +11,7 @@ every 2 steps). Each rank notes the last step it began (``started<rank>.txt``), 
 Stragglers: ``slow`` (the faulty rank's loss computation sleeps ``SLOW_MS``, default 60, from step N on) and
 ``slow_data`` (its dataset sleeps ``SLOW_MS`` on the first sample of each batch from its N-th on, in the
 training process); ``fault.json`` is written at the first slow step or batch, and each rank notes when each
-step's own code began (``steps<rank>.jsonl``). ``MAX_STEPS`` (default 8).
+step's own code began (``steps<rank>.jsonl``). ``MAX_STEPS`` (default 8); ``GRAD_ACCUM`` (default 1): batches a step.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ def main() -> None:
         output_dir=str(OUT / "out"),
         max_steps=int(os.environ.get("MAX_STEPS", "8")),
         per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=int(os.environ.get("GRAD_ACCUM", "1")),
         save_steps=2,
         report_to=[],
         use_cpu=True,

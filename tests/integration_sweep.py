@@ -101,9 +101,13 @@ class Job:
     step: int
     epochs: int
     launcher: bool
+    #: The Trainer's batches a step (gradient accumulation): its stragglers' jobs draw 1 or 2.
+    accum: int = 1
 
     def __str__(self) -> str:
         epochs = f", {self.epochs} epochs" if self.framework == "lightning" else ""
+        if self.accum > 1:
+            epochs = f", {self.accum} batches a step"
         how = "traintrace-run" if self.launcher else "torchrun"
         fault = self.mode or "training_step"
         return f"{self.framework}: {self.devices} ranks, {fault} on rank {self.rank} at step {self.step}{epochs}, {how}"
@@ -117,7 +121,9 @@ def draw_job(draw: random.Random, framework: str, modes: list[str]) -> Job:
     if mode in STRAGGLERS:  # a few fast steps, then enough slow ones (the Trainer's steps: see run_job)
         epochs = draw.choice([3, 4])
         steps = LIGHTNING_STEPS_PER_EPOCH * epochs if framework == "lightning" else TRAINER_STEPS + SLOW_STEPS_AFTER
-        return Job(framework, mode, devices, rank, draw.randrange(1, steps - SLOW_STEPS_AFTER + 1), epochs, launcher)
+        step = draw.randrange(1, steps - SLOW_STEPS_AFTER + 1)
+        accum = draw.choice([1, 2]) if framework == "transformers" else 1
+        return Job(framework, mode, devices, rank, step, epochs, launcher, accum)
     if framework == "transformers":
         if mode == "save":  # the save after step N - 1 (the Trainer's global step is N then)
             step = TRAINER_SAVE_EVERY * draw.randrange(1, TRAINER_STEPS // TRAINER_SAVE_EVERY + 1)
@@ -152,6 +158,7 @@ def run_job(folder: Path, job: Job) -> dict[str, Any] | None:
         DEVICES=str(job.devices),
         HF_HUB_OFFLINE="1",
         MAX_STEPS=str(TRAINER_STEPS + SLOW_STEPS_AFTER if job.mode in STRAGGLERS else TRAINER_STEPS),
+        GRAD_ACCUM=str(job.accum),
     )
     env.update(TRAINTRACE_LOG_DIR=str(folder / "logs"), TRAINTRACE_JOB_ID=framework.job)
     live: dict[str, Any] | None = None
