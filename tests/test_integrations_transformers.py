@@ -231,6 +231,37 @@ def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(tmp_path: Path, 
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.once
+def test_ddp_the_others_wait_in_the_trainers_loss_gather_for_a_rank_that_failed_after_backward(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's optimizer step raises at step 2; the Trainer logs every step, so rank 0 goes on to gather the
+    step's loss from every rank and waits there for rank 1 (its own traceback says so). `errors` says rank 0 was
+    waiting in that collective at step 2 (it said "in a step (between phases)": the callback did not record the
+    gather)."""
+    import json
+    import sys
+
+    from tests._fault_runs import answers, run
+
+    script = Path(__file__).parent / "_hf_ddp_run.py"
+    command = [sys.executable, "-m", "traintrace.launch", "--standalone", "--nproc-per-node", "2", str(script)]
+    logs = {"TRAINTRACE_LOG_DIR": str(tmp_path / "logs"), "TRAINTRACE_JOB_ID": "hf-ddp", "HF_HUB_OFFLINE": "1"}
+    done = run([*command, str(tmp_path), "2", "optimizer"], tmp_path, DDP_TIMEOUT_S="10", **logs)
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    truth = json.loads((tmp_path / "fault.json").read_text())
+    rank0 = "\n".join(line for line in done.stderr.splitlines() if line.startswith("[rank0]"))
+    assert "nested_gather" in rank0 and "all_gather" in rank0, rank0[-3000:]  # where rank 0 was, by itself
+    errors, _ = answers(tmp_path / "logs" / "hf-ddp")
+    assert (errors["culprit"]["rank"], errors["culprit"]["step"]) == (truth["rank"], truth["step"]) == (1, 2)
+    assert errors["verdict"] == (
+        "rank 1 raised RuntimeError in the optimizer step at step 2; rank 0 was waiting in a collective (all_gather) "
+        "at step 2"
+    ), errors["verdict"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> None:
     """Rank 1 of a 2-process DDP run (gloo, CPU) under traintrace-run raises while computing its loss at global
     step 3. `traintrace errors` on what the callback wrote names rank 1 and that step, as the script's own

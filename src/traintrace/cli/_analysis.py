@@ -354,8 +354,9 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     if counted and counted[0]:
         share = "every step" if counted[0] == counted[1] else f"{counted[0]} of {counted[1]} steps"
         notes.append(
-            f"no collective recorded in {share}: a step's own work is its time outside backward, where DDP's "
-            "gradient all-reduce waits for the slowest rank (record_collectives records them)"
+            f"no collective recorded in the backward phase of {share}: a step's own work is its time outside "
+            "backward, where DDP's gradient all-reduce waits for the slowest rank, and outside recorded collectives "
+            "(record_collectives records the all-reduce)"
         )
     parts: dict[int, dict[str, float]] = {}
     for rank, part, value in job.rows(
@@ -509,9 +510,15 @@ def _step_parts(job: Job) -> None:
     # Most jobs record no backward phase: their steps skip the join (a pass over every step, 20 ms at 16 ranks).
     backward = job.one(f"SELECT count(*) FROM spans_small WHERE name = '{SpanName.BACKWARD}'")
     with_backward = bool(backward and backward[0])
-    own = "coalesce(inside.coll, bw.bwd, 0)" if with_backward else "coalesce(inside.coll, 0)"
-    outside_backward = "inside.coll IS NULL AND bw.bwd IS NOT NULL" if with_backward else "false"
-    join_backward = "LEFT JOIN bw ON bw.stream = it.stream AND bw.id = it.id" if with_backward else ""
+    unrecorded = "bw.bwd IS NOT NULL AND bc.id IS NULL"  # backward phases, none holding a recorded collective
+    own = f"coalesce(inside.coll, 0) + CASE WHEN {unrecorded} THEN bw.bwd ELSE 0 END"
+    outside_backward = unrecorded if with_backward else "false"
+    join_backward = (
+        "LEFT JOIN bw ON bw.stream = it.stream AND bw.id = it.id "
+        "LEFT JOIN bw_col bc ON bc.stream = it.stream AND bc.id = it.id"
+    )
+    if not with_backward:
+        own, join_backward = "coalesce(inside.coll, 0)", ""
     job.con.execute(
         f"""
         CREATE TEMP TABLE IF NOT EXISTS step_parts AS
@@ -524,11 +531,14 @@ def _step_parts(job: Job) -> None:
             SELECT stream, ts, dur FROM spans_small
             WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
         ), bw AS (
-            -- A step's backward phases: where DDP's gradient all-reduce waits for the slowest rank when no
-            -- collective is recorded (the Lightning and Trainer callbacks time phases between hooks).
-            SELECT stream, parent AS id, sum(dur) AS bwd FROM spans_small
+            -- A step's backward phases: where DDP's gradient all-reduce waits for the slowest rank, unrecorded
+            -- unless a collective began inside them (the Lightning and Trainer callbacks time phases between hooks
+            -- and record no all-reduce; record_collectives records DDP's inside backward).
+            SELECT stream, parent AS id, sum(dur) AS bwd, min(ts) AS b0, max(ts + dur) AS b1 FROM spans_small
             WHERE name = '{SpanName.BACKWARD}' AND dur IS NOT NULL AND NOT is_agent AND NOT open
             GROUP BY ALL
+        ), bw_col AS (
+            SELECT DISTINCT b.stream, b.id FROM bw b JOIN col c ON c.stream = b.stream AND c.ts >= b.b0 AND c.ts < b.b1
         ), timed AS (
             -- Only streams with collectives need the steps placed: the running maximum sorts every step. Read
             -- from iterations, not it: a CTE read twice is materialised, every step of every rank at once.
@@ -553,7 +563,7 @@ def _step_parts(job: Job) -> None:
                inside.coll AS coll,  -- NULL: no collective in the step
                -- the step's own work: its compute phases' device time where measured, else outside collectives,
                -- else (none recorded in it) outside its backward phases
-               coalesce(gc.gpu_compute, it.dur - {own}) AS comp,
+               coalesce(gc.gpu_compute, it.dur - ({own})) AS comp,
                {outside_backward} AS outside_backward
         FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts
         LEFT JOIN gc ON gc.stream = it.stream AND gc.id = it.id

@@ -206,6 +206,8 @@ class TraintraceTrainerCallback(TrainerCallback):
         def get_batch_samples(*args: Any, **kwargs: Any) -> Any:
             if self._loop is None or self._wait is not None:
                 return original(*args, **kwargs)
+            if self._iter_pending:
+                self._end_log_gather()  # a step the Trainer did not log after all: no gather then
             self._wait = self._start(SpanName.DATA_LOADING, None, _WAIT)
             try:
                 result = original(*args, **kwargs)
@@ -416,13 +418,24 @@ class TraintraceTrainerCallback(TrainerCallback):
         if metrics:
             span.add_metrics(metrics)
         if control.should_log:
-            # The Trainer logs this step's loss, learning rate and grad norm next (on_log).
+            # The Trainer logs this step's loss, learning rate and grad norm next (on_log), after gathering the
+            # loss from every rank: a collective, in which the others wait for a rank that fails or hangs after
+            # its backward (in the optimizer's step, say).
             self._iter_pending = True
+            if self._gather is None and int(getattr(args, "world_size", 1) or 1) > 1:
+                self._gather = self._start(SpanName.COLLECTIVE, {"op": "all_gather"}, _COLLECTIVE)
             return
         self._iter = None
         _api.stop(span)
 
+    def _end_log_gather(self) -> None:
+        """End the loss gather begun at a logged step's end (on_log, or the Trainer did not log after all)."""
+        span, self._gather = self._gather, None
+        if span is not None:
+            _api.stop(span)
+
     def _end_pending_iteration(self, logs: Mapping[str, Any] | None = None) -> None:
+        self._end_log_gather()
         self._iter_pending = False
         span, self._iter = self._iter, None
         if span is not None:
