@@ -492,8 +492,8 @@ def _reference(values: dict[int, float], rank: int) -> float | None:
     return _median(others) if others else None
 
 
-#: Spans that begin between a data-loading span and the next step when the wait did not end in that step: the
-#: wait a framework's callback opens after a step ended by an evaluation or a save instead (see _step_parts).
+#: Spans that, beginning between a wait for a batch and the next step, say that the wait fed no step: the wait a
+#: framework's callback opens after a step, which an evaluation or a save ends (see _step_parts).
 _NOT_A_STEP_AFTER = (
     SpanName.VALIDATION,
     SpanName.TEST,
@@ -561,8 +561,8 @@ def _step_parts(job: Job) -> None:
         -- 64-rank job's steps are a third of the command's peak memory).
         SELECT it.rank::INTEGER AS rank, it.restart::INTEGER AS restart, it.k::INTEGER AS k, it.step, it.ts,
                inside.coll AS coll,  -- NULL: no collective in the step
-               -- the step's own work: its compute phases' device time where measured, else outside collectives,
-               -- else (none recorded in it) outside its backward phases
+               -- the step's own work: its compute phases' device time where measured, else outside collectives and
+               -- outside its backward phases where no collective began in them (DDP's all-reduce waits there)
                coalesce(gc.gpu_compute, it.dur - ({own})) AS comp,
                {outside_backward} AS outside_backward
         FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts
@@ -649,11 +649,10 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     table, value = {"compute": ("step_parts", "comp"), "data_loading": ("loading_parts", "dur")}.get(part, (None, None))
     if table is None:
         return {}
-    step_col = "step"
     rows = job.rows(
         f"""
         SELECT restart, k, max({value}) FILTER (rank = $r), median({value}) FILTER (rank <> $r),
-               max(ts) FILTER (rank = $r), max({step_col}) FILTER (rank = $r)
+               max(ts) FILTER (rank = $r), max(step) FILTER (rank = $r)
         FROM {table} GROUP BY restart, k HAVING count(*) FILTER (rank = $r) > 0
         ORDER BY restart, k
         """,
