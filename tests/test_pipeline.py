@@ -303,3 +303,37 @@ def test_an_idle_writer_waits_between_cycles(tmp_path: Path) -> None:
     idle_cycles = rec._pipeline.cycles - before
     tt.close()
     assert idle_cycles <= 10  # one per flush interval (5 in the second), not one per empty wait
+
+
+class BatchSizes(tt.BaseBackend):
+    """Notes the size of every batch it is given, and the records in order."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.steps: list[int] = []
+
+    def write(self, records: Sequence[Any]) -> None:
+        self.sizes.append(len(records))
+        self.steps.extend(r["attrs"]["step"] for r in records if r.get("name") == "e")
+
+
+@pytest.mark.parametrize("beside_file", [False, True], ids=["dicts_only", "beside_the_native_file_writer"])
+def test_a_backend_gets_records_a_chunk_at_a_time_however_short_the_writers_slices(
+    tmp_path: Path, beside_file: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer hands the GIL back every slice (0.2 ms); a backend other than the native file still gets full
+    chunks, in order: a slow one (a network, 60 ms a write) would otherwise be called for every slice's few
+    records, and a close under a deadline would run out of time (test_reliability_death's two SIGTERMs)."""
+    monkeypatch.setattr(_pipeline, "_SLICE_NS", 1)  # every conversion call ends its slice
+    sizes = BatchSizes()
+    backends: Any = {"file": {"path": "f.jsonl"}, "log": False} if beside_file else []
+    tt.configure(job_id="chunks", log_dir=str(tmp_path), backends=backends, extra_backends=[sizes], flush_interval=30)
+    try:
+        for step in range(3000):
+            tt.event("e", {"step": step})
+        assert tt.flush(timeout=30)
+    finally:
+        tt.close()
+    assert sizes.steps == list(range(3000))
+    assert all(size >= _pipeline._CHUNK for size in sizes.sizes[:-2]), sizes.sizes  # the last: the rest, the close
+    assert len(sizes.sizes) <= 3000 // _pipeline._CHUNK + 3, sizes.sizes

@@ -273,6 +273,10 @@ class Pipeline:
         self._open: dict[int, Span] = {}
         #: Spans this cycle saw first already ended (written whole or held) less their stops seen since.
         self._whole_unstopped = 0
+        # Records converted in this cycle's slices, delivered to backends other than the native file a chunk at
+        # a time (``_gather_for_delivery``): a slice is short (the GIL's hand-over), a backend's write may be slow.
+        self._held: list[tuple[int, dict[str, Any]]] = []
+        self._held_routes: list[Route] | None = None
         self._threads: dict[int, int] = {}
         self._anchor_wall = 0
         self._anchor_mono = 0
@@ -373,8 +377,9 @@ class Pipeline:
         return []
 
     def forget_after_fork(self) -> None:
-        """In a forked child: the parent's queued items and drop lock are not this process's."""
+        """In a forked child: the parent's queued (and held) items and drop lock are not this process's."""
         self.queue.clear()
+        self._held = []
         self._drop_lock = threading.Lock()
 
     def flush(self, timeout: float) -> bool:
@@ -576,6 +581,7 @@ class Pipeline:
                 if not yielded and queue and self._deadline is None:
                     self._yield()
                 slice_end = clock() + _SLICE_NS
+        self._deliver_held()
         if self.native is not None and self._write_pending(self.native, self._write_resuming if _WRITE_PAUSE else None):
             wrote = True  # the lines of the cycle's last slice, before anything else is delivered
         if self._signal_events:
@@ -711,7 +717,7 @@ class Pipeline:
             if clock() >= slice_end:
                 break
         if batch:
-            self._deliver(batch)
+            self._gather_for_delivery(batch)
         return taken, bool(batch)
 
     def _convert(self, queue: deque[Any], out: list[tuple[int, dict[str, Any]]], limit: int = _CHUNK) -> int:
@@ -962,7 +968,7 @@ class Pipeline:
             wrote, yielded = encoder.buffered > 0, False
         if dicts:
             wrote = True
-            self._deliver(dicts, native.others)
+            self._gather_for_delivery(dicts, native.others)
         return chunk - left, wrote, yielded
 
     def _write_pending(self, native: NativeWriter, write: Any = None) -> bool:
@@ -1134,6 +1140,20 @@ class Pipeline:
             record["attrs"] = self._clean(span.metrics)
         out.append((span.level, record))
 
+    def _gather_for_delivery(self, batch: list[tuple[int, dict[str, Any]]], routes: list[Route] | None = None) -> None:
+        """Deliver ``batch`` with the records held before it, once they make a chunk (``_deliver_held``)."""
+        if self._held and routes is not self._held_routes:
+            self._deliver_held()
+        self._held.extend(batch)
+        self._held_routes = routes
+        if len(self._held) >= _CHUNK:
+            self._deliver_held()
+
+    def _deliver_held(self) -> None:
+        held, self._held = self._held, []
+        if held:
+            self._deliver(held, self._held_routes)
+
     def _deliver(self, batch: list[tuple[int, dict[str, Any]]], routes: list[Route] | None = None) -> None:
         top = max(level for level, _ in batch)
         everything: list[dict[str, Any]] | None = None
@@ -1170,6 +1190,7 @@ class Pipeline:
                 self._backend_failed(route, exc, 0)
 
     def _finish(self, open_status: str) -> None:
+        self._deliver_held()  # (a cycle that failed midway may have left records)
         if self.native is not None:
             self._write_pending(self.native)  # (a cycle that failed midway may have left lines)
         now = time.perf_counter_ns()
