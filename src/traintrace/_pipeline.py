@@ -1152,7 +1152,10 @@ class Pipeline:
     def _deliver_held(self) -> None:
         held, self._held = self._held, []
         if held:
-            self._deliver(held, self._held_routes)
+            if self._held_routes is None:
+                self._deliver(held)
+            else:
+                self._deliver(held, self._held_routes)
 
     def _deliver(self, batch: list[tuple[int, dict[str, Any]]], routes: list[Route] | None = None) -> None:
         top = max(level for level, _ in batch)
@@ -1190,7 +1193,10 @@ class Pipeline:
                 self._backend_failed(route, exc, 0)
 
     def _finish(self, open_status: str) -> None:
-        self._deliver_held()  # (a cycle that failed midway may have left records)
+        try:
+            self._deliver_held()  # (a cycle that failed midway may have left records)
+        except Exception:
+            log.exception("traintrace: records held for delivery are lost")
         if self.native is not None:
             self._write_pending(self.native)  # (a cycle that failed midway may have left lines)
         now = time.perf_counter_ns()
