@@ -95,6 +95,21 @@ def test_ranks_onset_is_not_pulled_earlier_by_noisy_steps_before_it(tmp_path: Pa
     assert slow["slow_since_ns"] == step8["ts"]
 
 
+def test_ranks_onset_is_not_moved_to_the_first_step_by_noisy_first_steps(tmp_path: Path) -> None:
+    """Rank 1 is 40 ms slower from step 4; two of its first four steps are 5 ms slow by noise (warm-up, a busy
+    machine): a change at step 0 classifies as many steps right as one at step 4, and the halfway bar had no
+    steps before 0 to take its lower level from (a real Trainer job on a busy machine read step 0)."""
+    script = Script(
+        ranks=3, steps=30, step_s=0.03, fail_rank=None, fail_step=None, straggler=1,
+        extra_s={(1, 0): 0.005, (1, 2): 0.005}, straggler_from=4, straggler_factor=70 / 30,
+    )  # fmt: skip
+    write_job(tmp_path / "job", script)
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [1]
+    slow = next(x for x in r["ranks"] if x["rank"] == 1)
+    assert (slow["slow_in"], slow["slow_since_step"]) == ("compute", 4)
+
+
 def _stop_after(path: Path, marker: str) -> None:
     """Cut a rank's file after the first line holding ``marker``, as if the rank had stopped there."""
     lines = path.read_text().splitlines(keepends=True)

@@ -673,6 +673,10 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     # single steps pass the ratio and floor tests by noise, and a few of them just before the onset would
     # otherwise pull it earlier; a real slow-down is far above the halfway bar.
     before = [e for e in excess[:at] if e is not None]
+    if not before:
+        # The change at the first step: a job's first steps are noisy (warm-up, a busy machine), and two slow ones
+        # of three before a late onset move it there. The steps not slow then set the lower level.
+        before = [e for e, slow in zip(excess, flags, strict=True) if e is not None and not slow]
     after = [e for e in excess[at:] if e is not None]
     bar = max(floor_ns, (_median(before) + _median(after)) / 2 if before else 0.0)
     refined = [flag and e is not None and e >= bar for flag, e in zip(flags, excess, strict=True)]
