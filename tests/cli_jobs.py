@@ -120,13 +120,16 @@ def write_job(folder: Path, script: Script) -> Script:
     return script
 
 
-def write_framework_job(folder: Path, slow_rank: int, slow_from: int, part: str, gather: bool = False) -> None:
+def write_framework_job(
+    folder: Path, slow_rank: int, slow_from: int, part: str, *, gather: bool = False, every: int = 1, until: int = 12
+) -> None:
     """Two ranks of a data-parallel job as the Lightning and Trainer callbacks record it: per step a wait for the
     batch just before the step, then forward, backward and the optimizer's step, no collective recorded; every
     four steps a validation pass, with the short waits the callback opens around it. From step ``slow_from`` on
     ``slow_rank`` is 50 ms slower in forward (``part`` "compute") or in its wait (``data_loading``), and the other
     rank waits as long in backward (DDP's all-reduce), or with ``gather`` in a collective inside its own wait (the
-    Trainer's token-count gather, which waits for the slow rank's loader)."""
+    Trainer's token-count gather, which waits for the slow rank's loader). With ``every`` or ``until``, slower at
+    every ``every``-th step from ``slow_from`` only, and before step ``until`` only."""
     ms = 1_000_000
     folder.mkdir(parents=True, exist_ok=True)
     for rank in range(2):
@@ -140,7 +143,8 @@ def write_framework_job(folder: Path, slow_rank: int, slow_from: int, part: str,
         rec("start", now, name="training_loop", id=1, parent=0, tid=7)
         ids = 2
         for step in range(12):
-            extra = 50 * ms if step >= slow_from else 0
+            slow = slow_from <= step < until and (step - slow_from) % every == 0
+            extra = 50 * ms if slow else 0
             wait, forward, backward = 2 * ms, 3 * ms, 4 * ms
             if rank == slow_rank and part == "compute":
                 forward += extra

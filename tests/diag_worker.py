@@ -164,6 +164,10 @@ def main() -> None:
     # A restart loads the last checkpoint the failed attempt completed and goes on from its step.
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--slow-ms", type=float, default=40.0)
+    # slow_*: slow at every N-th step from --fault-step only (a periodic stall: a rank's own logging, a noisy
+    # neighbour's cron job), and for this many steps only (a transient straggler); 0: every step, to the end.
+    parser.add_argument("--slow-every", type=int, default=1)
+    parser.add_argument("--slow-for", type=int, default=0)
     parser.add_argument("--gloo-timeout", type=float, default=6.0)
     # traintrace's hang detection; 0 turns it off (then only the collective's timeout ends a hang).
     parser.add_argument("--hang-timeout", type=float, default=1.5)
@@ -215,6 +219,11 @@ def main() -> None:
     later = chosen and args.fault_attempt is not None and restart > args.fault_attempt
     fault = args.fault if mine else args.later_fault if later else "none"
     fault_step = args.fault_step
+
+    def slow_at(step: int) -> bool:
+        since = step - fault_step
+        return since >= 0 and since % args.slow_every == 0 and (args.slow_for <= 0 or since < args.slow_for)
+
     # With --resume, in the truth folder (shared by the attempts), else in a folder of this process's own, also in
     # the truth folder (the test's): a killed worker cannot remove it, and thousands piled up in /tmp.
     if args.checkpoint_dir:
@@ -295,7 +304,8 @@ def main() -> None:
                             truth.write(event="fault", kind=fault, step=step)
                             go.touch()
                         x, y = next(batches)
-                    if fault == "slow_data" and step >= fault_step:
+                    if fault == "slow_data" and slow_at(step):
+                        truth.write(event="slow", step=step)
                         time.sleep(args.slow_ms / 1e3)
                     if fault == "inf_batch" and step == fault_step:
                         truth.write(event="fault", kind=fault, step=step)
@@ -306,7 +316,8 @@ def main() -> None:
                     with tt.forward():
                         injected("forward", step)
                         time.sleep(args.step_ms / 1e3)
-                        if fault == "slow_compute" and step >= fault_step:
+                        if fault == "slow_compute" and slow_at(step):
+                            truth.write(event="slow", step=step)
                             time.sleep(args.slow_ms / 1e3)
                         if fault in ("leak_oom", "cgroup_oom") and step >= fault_step - LEAK_STEPS:
                             if step == fault_step - LEAK_STEPS and fault == "leak_oom":

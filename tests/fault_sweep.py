@@ -11,11 +11,13 @@ that keeps the GIL), a rank that leaves the loop early, a hang in compute, in da
 on), in a collective, in a validation pass, in model initialisation or in rank 0's checkpoint save (hang detection
 on or off), an exception in that save or a SIGKILL inside it, a DataLoader worker killed (torchrun restarts the job,
 which finishes), a batch whose loss overflows (the job diverges), or a rank slow in compute or data loading from
-some step on. The faulty rank, the step, the checkpoint interval, validation passes, asynchronous saves, the step
-time and how long a failed rank lingers are drawn too.
+some step on (at every step, at every few steps only, or for a few steps only). The faulty rank, the step, the
+checkpoint interval, validation passes, asynchronous saves, the step time and how long a failed rank lingers are
+drawn too.
 Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
 worker's own marks say (a diverged job: the first infinite loss's rank and step); ``ranks`` names the slow rank, its
-part and its first slow step; goodput within a point of the marks' and the steps completed and lost. A line per job;
+part and its first slow step (and, slow at some steps only, its last and how many, as the worker marked them);
+goodput within a point of the marks' and the steps completed and lost. A line per job;
 the exit status is the number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a 2-core
 machine (40 s for a process that stops responding): not part of the suite, whose fixed cases cover every fault.
 """
@@ -155,6 +157,12 @@ def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> N
         slow = next(r for r in ranks["ranks"] if r["rank"] == rank)
         part = "compute" if fault == "slow_compute" else "data_loading"
         assert (slow["slow_in"], slow["slow_since_step"]) == (part, step), slow
+        # Slow at some steps only (--slow-every, --slow-for): those steps, by the worker's own marks.
+        slow_steps = [m["step"] for m in run.marks()[rank] if m["event"] == "slow"]
+        last = max(m["step"] for m in run.marks()[rank] if m["event"] == "step_end")
+        if slow_steps != list(range(step, last + 1)):
+            seen = (slow.get("slow_since_step"), slow.get("slow_until_step"), slow.get("slow_steps"))
+            assert seen == (slow_steps[0], slow_steps[-1], len(slow_steps)), (seen, slow_steps)
         errors = run.cli("errors")
         assert errors["status"] != "failed", errors["verdict"]
     if goodput:
@@ -220,6 +228,12 @@ def main() -> int:
             extra += ["--hang-timeout", draw.choice(["1.5", "0"])]
         elif slow:
             extra += ["--steps", "30"]
+            # A stall at every few steps only, or slow for a stretch only (a straggler that recovers).
+            shape = draw.choice(["", "", "every", "for"])
+            if shape == "every":
+                extra += ["--slow-every", str(draw.choice([3, 4, 5])), "--slow-ms", str(draw.choice([100, 150]))]
+            elif shape == "for":
+                extra += ["--slow-for", str(draw.choice([6, 8, 10])), "--slow-ms", "60"]
         elif FAULTS[fault][1] == "RuntimeError" and draw.random() < 0.3:
             extra += ["--linger", draw.choice(["0.5", "2.0"])]
         job = f"{nproc} ranks, {fault} on rank {rank} at step {step}, {' '.join(extra)}"

@@ -27,6 +27,7 @@ pytest.importorskip("duckdb")
 
 from traintrace.cli import _analysis
 from traintrace.cli._engine import Job
+from traintrace.cli._render import render_ranks
 
 
 def _open(folder: Path) -> Job:
@@ -591,3 +592,44 @@ def test_ranks_names_the_straggler_of_a_job_recorded_between_a_frameworks_hooks(
     other = next(x for x in r["ranks"] if x["rank"] != slow_rank)
     assert other["compute_median_s"] == pytest.approx(0.004)  # forward and the optimizer's step: its own work
     assert other["data_loading_median_s"] == pytest.approx(0.002)  # one wait a step, any gather taken out
+
+
+@pytest.mark.parametrize(
+    ("slow_rank", "part", "timing", "slow_steps"),
+    [
+        (1, "compute", (2, 3, 12), [2, 5, 8, 11]),
+        (0, "data_loading", (1, 4, 12), [1, 5, 9]),
+        (0, "compute", (3, 1, 8), [3, 4, 5, 6, 7]),
+    ],
+    ids=["compute-every-3rd", "data-every-4th", "compute-for-5-steps"],
+)
+def test_ranks_names_a_rank_slow_at_some_steps_only(
+    tmp_path: Path, slow_rank: int, part: str, timing: tuple[int, int, int], slow_steps: list[int]
+) -> None:
+    """50 ms slower at every few steps, or for a few steps only: medians as the other rank's, yet the job waited
+    50 ms at each of those steps. Named, with the steps the script slowed and what they cost."""
+    slow_from, every, until = timing
+    write_framework_job(tmp_path / "job", slow_rank, slow_from, part, every=every, until=until)
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [slow_rank], r
+    slow = next(x for x in r["ranks"] if x["rank"] == slow_rank)
+    assert slow["slow_in"] == part
+    assert (slow["slow_since_step"], slow["slow_until_step"], slow["slow_steps"]) == (
+        slow_steps[0],
+        slow_steps[-1],
+        len(slow_steps),
+    )
+    assert slow.get("slow_every") == (every if every > 1 else None)
+    assert slow["lost_s"] == pytest.approx(0.05 * len(slow_steps))
+    assert any(
+        f"rank {slow_rank} was slow in {part} at {len(slow_steps)} of its 12 steps only" in n for n in r["notes"]
+    )
+    text = render_ranks(r)
+    assert f"{len(slow_steps)} steps, {slow_steps[0]} to {slow_steps[-1]}" in text
+
+
+def test_ranks_does_not_name_a_rank_for_two_slow_steps(tmp_path: Path) -> None:
+    """Two slow steps are a hiccup (a busy host), not a straggler, however slow."""
+    write_framework_job(tmp_path / "job", 1, 4, "compute", until=6)
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [], r

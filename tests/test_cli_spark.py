@@ -121,6 +121,10 @@ def test_a_job_recorded_between_a_frameworks_hooks_answers_the_same_on_spark(tmp
     write_framework_job(tmp_path / "job", 0, 5, "data_loading", gather=True)
     ranks = check_engines_agree(tmp_path / "job", spark)["ranks"]
     assert ranks["stragglers"] == [0]
+    # A rank slow at every third step only: found step by step, not by its medians.
+    write_framework_job(tmp_path / "every", 1, 2, "compute", every=3)
+    ranks = check_engines_agree(tmp_path / "every", spark)["ranks"]
+    assert ranks["stragglers"] == [1] and ranks["ranks"][1]["slow_every"] == 3
 
 
 def test_the_real_faults_job_answers_the_same_on_spark(faults_job: Path, spark: Any) -> None:  # noqa: F811

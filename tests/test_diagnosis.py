@@ -1194,6 +1194,45 @@ def test_a_straggler_in_data_parallel_training(tmp_path: Path, nproc: int, fault
 
 
 @pytest.mark.once
+@pytest.mark.parametrize(
+    ("fault", "rank", "shape", "slow_ms"),
+    [
+        ("slow_compute", 1, ("--slow-every", "5"), "150"),
+        ("slow_data", 2, ("--slow-every", "4"), "120"),
+        ("slow_compute", 2, ("--slow-for", "8"), "60"),
+    ],
+    ids=["compute-every-5th-step", "data-every-4th-step", "compute-for-8-steps"],
+)
+def test_a_rank_slow_at_some_steps_only(
+    tmp_path: Path, fault: str, rank: int, shape: tuple[str, str], slow_ms: str
+) -> None:
+    """One rank stalls at every few steps only (its own logging, a neighbour's cron job), or is slow for a few
+    steps and then recovers: its medians are the others', yet every step it stalled the whole job waited for it.
+    ``ranks`` names it, the part, and its slow steps as the worker's own marks give them."""
+    faulty = ("--fault", fault, "--fault-rank", str(rank), "--fault-step", "4", "--slow-ms", slow_ms, *shape)
+    run = launch(tmp_path, 3, *faulty, "--steps", "30")
+    assert run.returncode == 0, run.output[-3000:]
+    marks = run.marks()
+    slow_steps = [m["step"] for m in marks[rank] if m["event"] == "slow"]
+    result = run.cli("ranks")
+    assert result["stragglers"] == [rank], result["ranks"]
+    slow = next(r for r in result["ranks"] if r["rank"] == rank)
+    assert slow["slow_in"] == ("compute" if fault == "slow_compute" else "data_loading")
+    # The premise: the stalls leave the rank's medians as the others' (no straggler by the medians alone).
+    assert "slow_until_step" in slow, slow
+    assert (slow["slow_since_step"], slow["slow_until_step"], slow["slow_steps"]) == (
+        slow_steps[0],
+        slow_steps[-1],
+        len(slow_steps),
+    ), slow
+    if shape[0] == "--slow-every":
+        assert slow["slow_every"] == int(shape[1])
+    # What the stalls held the job up: each slept slow_ms beyond the others' step.
+    assert abs(slow["lost_s"] - len(slow_steps) * float(slow_ms) / 1e3) < 0.3 * len(slow_steps) * float(slow_ms) / 1e3
+    assert run.cli("errors")["status"] == "healthy"
+
+
+@pytest.mark.once
 def test_a_slow_node(tmp_path: Path) -> None:
     """A 2-node job (node-a, node-b, 2 ranks each) whose node-b ranks are both slower in forward from step 8 on (a
     throttled or shared host): ``ranks`` names both, and their node, from the step the worker's own marks say."""

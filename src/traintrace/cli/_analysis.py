@@ -5,6 +5,7 @@ Definitions are in docs/analysis.md; keep the two in step.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from .._names import EventName, SpanName
@@ -410,6 +411,33 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
                 r.update(onset)
                 break
         r["straggler"] = "slow_in" in r
+    # A rank slow at some steps only (a stall every few steps, a few slow minutes) leaves its medians as the
+    # others': it is a straggler when the steps it held up cost the job a share of its step time.
+    by_rank = {r["rank"]: r for r in rows}
+    step_time = _median([r["mean_s"] * r["steps"] for r in rows])
+    # Stalls that held the job up lengthen the steps of the ranks that waited (or the stalled rank's own): some
+    # rank's step times then sum well above its median's. Without that, the step-by-step pass is skipped (it
+    # costs a pass over every rank's steps: 0.1 s at 16 ranks of 50,000 steps).
+    inflated = max((r["mean_s"] - r["median_s"]) * r["steps"] for r in rows)
+    held_up = (
+        _intermittent(job, ranks=list(by_rank), threshold=threshold, floor=floor, step_time=step_time, start=start)
+        if inflated >= INTERMITTENT_SHARE / 2 * step_time
+        else []
+    )
+    for found in held_up:
+        if found["rank"] not in by_rank or by_rank[found["rank"]]["straggler"]:
+            continue
+        r = by_rank[found["rank"]]
+        r.update({k: v for k, v in found.items() if k != "rank"})
+        r["excess_s"] = found["lost_s"] / max(r["steps"], 1)
+        r["straggler"] = True
+        every = f", every {_ordinal(found['slow_every'])} step" if found.get("slow_every") else ""
+        notes.append(
+            f"rank {r['rank']} was slow in {found['slow_in']} at {found['slow_steps']} of its {r['steps']} steps "
+            f"only (steps {found['slow_since_step']} to {found['slow_until_step']}{every}), which held the job up "
+            f"{found['lost_s']:.3g} s, {found['lost_s'] / step_time:.0%} of its step time: its medians are the "
+            "others'"
+        )
     # Windows: each rank's median step time outside collectives per time window, relative to the other
     # ranks' median in that window.
     grid = job.rows(
@@ -636,6 +664,99 @@ def _change_point(flags: list[bool]) -> int | None:
     if n - best_at < ONSET_MIN_STEPS or sum(flags[best_at:]) < ONSET_SHARE * (n - best_at):
         return None
     return best_at
+
+
+#: A rank slow at some steps only is a straggler when the time its slow steps held the job up is at least this share
+#: of the job's step time...
+INTERMITTENT_SHARE = 0.1
+#: ...over at least this many steps (one or two slow steps are a hiccup)...
+INTERMITTENT_MIN_STEPS = 3
+#: ...and at least this many times what the other ranks' slow steps held it up (the median of theirs): on a busy
+#: machine every rank is now and then the slowest by noise.
+INTERMITTENT_STANDS_OUT = 3.0
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _intermittent(
+    job: Job, *, ranks: list[int], threshold: float, floor: float, step_time: float, start: int
+) -> list[dict[str, Any]]:
+    """Ranks whose compute or data loading was slow at some steps only, costing the job a share of its time.
+
+    At each step the slowest rank's part is compared with the other ranks' mean for that step (with two or three
+    ranks, their median, as ``_onset`` compares; a mean is one pass over the steps, a median a sort); a rank's
+    slow steps are those where it was ``threshold`` times that and ``floor`` seconds above it, then only those
+    above half the median excess of its slow steps (noise on a busy machine passes the first bar now and then, a
+    real stall is far above the second). What they held the job up is the sum of those excesses: in a
+    synchronous job the step waits for its slowest rank.
+    """
+    if step_time <= 0:
+        return []
+    kept_sql = """
+        WITH v AS (
+            SELECT 'compute' AS part, restart, k, rank, step, ts, comp AS x FROM step_parts WHERE comp IS NOT NULL
+            UNION ALL
+            SELECT 'data_loading', restart, k, rank, step, ts, dur FROM loading_parts WHERE dur IS NOT NULL
+        ), s AS (
+            SELECT part, restart, k, arg_max(rank, x) AS who, max(x) AS top, (sum(x) - max(x)) / (count(*) - 1) AS ref,
+                   arg_max(step, x) AS step, arg_max(ts, x) AS ts
+            FROM v GROUP BY part, restart, k HAVING count(*) > 1
+        ), f AS (
+            SELECT part, who, restart, k, step, ts, top - ref AS e FROM s
+            WHERE ref > 0 AND top >= $threshold * ref AND top - ref >= $floor
+        ), b AS (
+            SELECT part, who, median(e) / 2 AS bar FROM f GROUP BY part, who
+        ), kept AS (
+            SELECT f.part, f.who, f.restart, f.k, coalesce(f.step, f.k - 1) AS step, f.ts, f.e
+            FROM f JOIN b ON b.part = f.part AND b.who = f.who WHERE f.e >= b.bar
+        )"""
+    params = {"threshold": threshold, "floor": int(floor * NS)}
+    totals = job.rows(
+        kept_sql
+        + """
+        SELECT part, who, count(*), sum(e), arg_min(step, ts), arg_max(step, ts), min(ts), arg_min(restart, ts)
+        FROM kept GROUP BY part, who
+        """,
+        params,
+    )
+    found: list[dict[str, Any]] = []
+    for part in ALIGNED_PARTS:
+        mine = {int(who): row for p, who, *row in totals if p == part}
+        lost = {who: float(row[1]) / NS for who, row in mine.items()}
+        for rank, (count, _, first, last, first_ts, first_restart) in mine.items():
+            # Ranks with no slow step held the job up for nothing: zeros in the median.
+            others = [lost.get(other, 0.0) for other in ranks if other != rank]
+            if (
+                count < INTERMITTENT_MIN_STEPS
+                or lost[rank] < INTERMITTENT_SHARE * step_time
+                or lost[rank] < INTERMITTENT_STANDS_OUT * _median(others)
+            ):
+                continue
+            entry: dict[str, Any] = {
+                "rank": rank,
+                "slow_in": part,
+                "slow_steps": int(count),
+                "lost_s": lost[rank],
+                "slow_since_step": int(first),
+                "slow_until_step": int(last),
+                "slow_since_ns": int(first_ts),
+                "slow_since_s": (int(first_ts) - start) / NS,
+                "slow_since_restart": int(first_restart),
+            }
+            # The steps between its slow steps (within an attempt): a stall every N steps has one gap mostly.
+            steps = job.rows(
+                kept_sql + " SELECT restart, k FROM kept WHERE part = $part AND who = $who ORDER BY restart, k",
+                {**params, "part": part, "who": rank},
+            )
+            gaps = [b[1] - a[1] for a, b in itertools.pairwise(steps) if a[0] == b[0]]
+            if gaps:
+                common = max(set(gaps), key=gaps.count)
+                if common >= 2 and gaps.count(common) >= 0.75 * len(gaps):
+                    entry["slow_every"] = int(common)
+            found.append(entry)
+    return found
 
 
 def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> dict[str, Any]:

@@ -192,7 +192,9 @@ def render_ranks(r: dict[str, Any], show_all: bool = False) -> str:
     rows = []
     for x in chosen:
         since = "-"
-        if "slow_since_step" in x:
+        if "slow_until_step" in x:
+            since = f"{x['slow_steps']} steps, {x['slow_since_step']} to {x['slow_until_step']}"
+        elif "slow_since_step" in x:
             since = f"step {x['slow_since_step']} ({seconds(x['slow_since_s'])} in)"
         elif "slow_since_s" in x:
             since = f"{seconds(x['slow_since_s'])} in"
