@@ -81,6 +81,19 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
     assert data["stragglers"] == [truth["rank"]], data
     part = "compute" if mode == "slow" else "data_loading"
     assert (culprit["slow_in"], culprit["slow_since_step"]) == (part, expected), culprit
+    # Slow at every few steps only (SLOW_EVERY): each slow step or batch the script noted, and the step it delayed
+    # (a batch's: the first step to begin after its fetch began).
+    slow_notes = out / f"slow{truth['rank']}.jsonl"
+    stalls = [json.loads(line) for line in slow_notes.read_text().splitlines()] if slow_notes.exists() else []
+    began = sorted({n["step"]: n["ts"] for n in reversed(notes[truth["rank"]])}.items(), key=lambda x: x[1])
+    delayed = sorted(
+        {n["step"] if "step" in n else next((step for step, ts in began if ts > n["ts"]), None) for n in stalls}
+        - {None}
+    )
+    if len(delayed) > 1 and delayed != list(range(delayed[0], delayed[-1] + 1)):
+        seen = (culprit.get("slow_until_step"), culprit.get("slow_steps"), culprit.get("slow_every"))
+        every = delayed[1] - delayed[0]
+        assert seen == (delayed[-1], len(delayed), every), (seen, delayed)
     return data
 
 

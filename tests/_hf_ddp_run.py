@@ -10,7 +10,8 @@ every 2 steps). Each rank notes the last step it began (``started<rank>.txt``), 
 ``DDP_TIMEOUT_S`` (default 20): the collective timeout; ``FAULT_RANK`` (default 1): the faulty rank.
 Stragglers: ``slow`` (the faulty rank's loss computation sleeps ``SLOW_MS``, default 60, from step N on) and
 ``slow_data`` (its dataset sleeps ``SLOW_MS`` on the first sample of each batch from its N-th on, in the
-training process); ``fault.json`` is written at the first slow step or batch, and each rank notes when each
+training process); with ``SLOW_EVERY`` N, at every N-th step (batch) from the first only, each noted
+(``slow<rank>.jsonl``); ``fault.json`` is written at the first slow step or batch, and each rank notes when each
 step's own code began (``steps<rank>.jsonl``). ``MAX_STEPS`` (default 8); ``GRAD_ACCUM`` (default 1): batches a step.
 """
 
@@ -36,9 +37,21 @@ FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
 MODE = sys.argv[3] if len(sys.argv) > 3 else ""
 IN_DATA = MODE in ("data", "data_hang", "slow_data")
 SLOW_S = float(os.environ.get("SLOW_MS", "60")) / 1000
+SLOW_EVERY = int(os.environ.get("SLOW_EVERY", "1"))
 BATCH = 4
 VOCAB, SEQ = 50, 8
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
+
+
+def slow_at(step: int) -> bool:
+    """A straggler's slow steps (or batches): from FAULT_STEP on, every SLOW_EVERY-th."""
+    return step >= FAULT_STEP and (step - FAULT_STEP) % SLOW_EVERY == 0
+
+
+def note_slow(rank: int, **where: int) -> None:
+    """Each slow step or batch and when it began (``slow<rank>.jsonl``), written without traintrace."""
+    with (OUT / f"slow{rank}.jsonl").open("a") as notes:
+        notes.write(json.dumps({**where, "ts": time.time_ns()}) + "\n")
 
 
 def note_fault(rank: int, step: int, **more: Any) -> None:
@@ -60,9 +73,10 @@ class FaultyData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         fetched, self.fetched = self.fetched, self.fetched + 1
         rank = int(os.environ.get("RANK", "0"))
         if MODE == "slow_data":
-            if rank == FAULT_RANK and fetched >= FAULT_STEP * BATCH and fetched % BATCH == 0:
+            if rank == FAULT_RANK and fetched % BATCH == 0 and slow_at(fetched // BATCH):
                 if fetched == FAULT_STEP * BATCH:
                     note_fault(rank, FAULT_STEP, batch=FAULT_STEP, index=index)
+                note_slow(rank, batch=fetched // BATCH)
                 time.sleep(SLOW_S)
             return self.rows[index]
         if rank == FAULT_RANK and fetched == FAULT_STEP * BATCH:
@@ -90,9 +104,10 @@ class FaultyTrainer(Trainer):
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         rank, step = self.args.process_index, self.state.global_step
-        if MODE == "slow" and rank == FAULT_RANK and step >= FAULT_STEP and model.training:
+        if MODE == "slow" and rank == FAULT_RANK and slow_at(step) and model.training:
             if step == FAULT_STEP and not (OUT / "fault.json").exists():
                 note_fault(rank, step)
+            note_slow(rank, step=step)
             time.sleep(SLOW_S)
         if self._faulty("", "sigkill", "hang"):
             note_fault(rank, step)

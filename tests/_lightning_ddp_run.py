@@ -20,7 +20,8 @@ collective timeout; ``FAULT_RANK`` (default 1) the faulty rank, ``EPOCHS``
 (default 1) the epochs (4 steps each); ``DEVICES`` (default 2) the ranks.
 Stragglers: ``slow`` (the faulty rank's training step sleeps ``SLOW_MS``, default 60, from step N on)
 and ``slow_data`` (its dataset sleeps ``SLOW_MS`` per batch from the batch of step N on, in the
-training process: ``num_workers=0``); the truth (``fault.json``) is written at the first slow step, and
+training process: ``num_workers=0``); with ``SLOW_EVERY`` N, at every N-th step (batch) from step N on only, each
+noted (``slow<rank>.jsonl``); the truth (``fault.json``) is written at the first slow step, and
 every rank notes when each step's own code began (``steps<rank>.jsonl``, ``time.time_ns()``).
 Under torchrun, Lightning starts no process itself.
 """
@@ -48,6 +49,7 @@ FAULT_STEP = int(sys.argv[2]) if len(sys.argv) > 2 else -1
 MODE = sys.argv[3] if len(sys.argv) > 3 else ""
 IN_DATA = MODE in ("data", "data_hang", "slow_data")
 SLOW_S = float(os.environ.get("SLOW_MS", "60")) / 1000
+SLOW_EVERY = int(os.environ.get("SLOW_EVERY", "1"))
 BATCH = 8
 TIMEOUT_S = float(os.environ.get("DDP_TIMEOUT_S", "20"))
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
@@ -55,6 +57,17 @@ EPOCHS = int(os.environ.get("EPOCHS", "1"))
 DEVICES = int(os.environ.get("DEVICES", "2"))
 #: Modes that fail inside the training step's own code.
 IN_STEP = ("", "sigkill", "hang")
+
+
+def slow_at(step: int) -> bool:
+    """A straggler's slow steps (or batches): from FAULT_STEP on, every SLOW_EVERY-th."""
+    return step >= FAULT_STEP and (step - FAULT_STEP) % SLOW_EVERY == 0
+
+
+def note_slow(rank: int, **where: int) -> None:
+    """Each slow step or batch and when it began (``slow<rank>.jsonl``), written without traintrace."""
+    with (OUT / f"slow{rank}.jsonl").open("a") as notes:
+        notes.write(json.dumps({**where, "ts": time.time_ns()}) + "\n")
 
 
 def note_fault(rank: int, step: int, **more: object) -> None:
@@ -98,9 +111,10 @@ class Tiny(L.LightningModule):
             raise RuntimeError(
                 f"injected failure in training_step on rank {self.global_rank} at step {self.global_step}"
             )
-        if MODE == "slow" and self.global_rank == FAULT_RANK and self.global_step >= FAULT_STEP:
+        if MODE == "slow" and self.global_rank == FAULT_RANK and slow_at(self.global_step):
             if self.global_step == FAULT_STEP:
                 note_fault(self.global_rank, self.global_step)
+            note_slow(self.global_rank, step=self.global_step)
             time.sleep(SLOW_S)
         if faulty and MODE == "inf":
             x, y = x * 1e30, y * 1e30  # a corrupt batch: the loss overflows float32
@@ -141,9 +155,10 @@ class FaultyData(TensorDataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         fetched, self.fetched = self.fetched, self.fetched + 1
         if MODE == "slow_data":
-            if self.rank == FAULT_RANK and fetched >= FAULT_STEP * BATCH and fetched % BATCH == 0:
+            if self.rank == FAULT_RANK and fetched % BATCH == 0 and slow_at(fetched // BATCH):
                 if fetched == FAULT_STEP * BATCH:
                     note_fault(self.rank, FAULT_STEP, index=index)
+                note_slow(self.rank, batch=fetched // BATCH)
                 time.sleep(SLOW_S)
             return super().__getitem__(index)
         if self.rank == FAULT_RANK and fetched == FAULT_STEP * BATCH:

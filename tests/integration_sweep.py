@@ -10,9 +10,10 @@ a random rank and step: an exception in the training step (Lightning) or the los
 pass (a gradient hook), in the optimizer's step, in a validation step (Lightning) or a checkpoint save (the
 Trainer), or in the DataLoader's worker; SIGKILL or a hang there; a read in the DataLoader's worker that never
 returns; a batch whose loss overflows (Lightning: the job diverges); a straggler, 60 ms slower from a random step on
-in its training step or loss (``slow``) or fetching its batches (``slow_data``). The callbacks time the phases
-between the frameworks' hooks and methods, so where a rank was comes from its progress file and the spans the
-callback ends, not from spans opened around the code as tests/fault_sweep.py's worker does. Checked: ``errors``
+in its training step or loss (``slow``) or fetching its batches (``slow_data``), at every step or every 2nd or
+3rd only. The callbacks time the phases between the frameworks' hooks and methods, so where a rank was comes from
+its progress file and the spans the callback ends, not from spans opened around the code as tests/fault_sweep.py's
+worker does. Checked: ``errors``
 names the faulty rank, the step and phase the script's own truth (``fault.json``, ``started<rank>.txt``, the losses,
 written without traintrace) says, and the cause; the status; every other rank in the verdict; for a straggler,
 ``ranks`` names it alone, the part and the step its script's notes give (``steps<rank>.jsonl``). A line per job; the
@@ -103,11 +104,15 @@ class Job:
     launcher: bool
     #: The Trainer's batches a step (gradient accumulation): its stragglers' jobs draw 1 or 2.
     accum: int = 1
+    #: A straggler slow at every N-th step (batch) from its first only.
+    every: int = 1
 
     def __str__(self) -> str:
         epochs = f", {self.epochs} epochs" if self.framework == "lightning" else ""
         if self.accum > 1:
             epochs = f", {self.accum} batches a step"
+        if self.every > 1:
+            epochs += f", slow every {self.every} steps"
         how = "traintrace-run" if self.launcher else "torchrun"
         fault = self.mode or "training_step"
         return f"{self.framework}: {self.devices} ranks, {fault} on rank {self.rank} at step {self.step}{epochs}, {how}"
@@ -123,7 +128,8 @@ def draw_job(draw: random.Random, framework: str, modes: list[str]) -> Job:
         steps = LIGHTNING_STEPS_PER_EPOCH * epochs if framework == "lightning" else TRAINER_STEPS + SLOW_STEPS_AFTER
         step = draw.randrange(1, steps - SLOW_STEPS_AFTER + 1)
         accum = draw.choice([1, 2]) if framework == "transformers" else 1
-        return Job(framework, mode, devices, rank, step, epochs, launcher, accum)
+        every = draw.choice([1, 1, 2, 3])
+        return Job(framework, mode, devices, rank, step, epochs, launcher, accum, every)
     if framework == "transformers":
         if mode == "save":  # the save after step N - 1 (the Trainer's global step is N then)
             step = TRAINER_SAVE_EVERY * draw.randrange(1, TRAINER_STEPS // TRAINER_SAVE_EVERY + 1)
@@ -159,6 +165,7 @@ def run_job(folder: Path, job: Job) -> dict[str, Any] | None:
         HF_HUB_OFFLINE="1",
         MAX_STEPS=str(TRAINER_STEPS + SLOW_STEPS_AFTER if job.mode in STRAGGLERS else TRAINER_STEPS),
         GRAD_ACCUM=str(job.accum),
+        SLOW_EVERY=str(job.every),
     )
     env.update(TRAINTRACE_LOG_DIR=str(folder / "logs"), TRAINTRACE_JOB_ID=framework.job)
     live: dict[str, Any] | None = None
