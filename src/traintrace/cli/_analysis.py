@@ -317,11 +317,12 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     rows = job.dicts(
         """
         SELECT rank, count(*) AS steps, quantile_cont(dur, [0.5, 0.9, 0.99]) AS q,
-               avg(dur) / 1e9 AS mean_s, max(dur) / 1e9 AS max_s
+               avg(dur) / 1e9 AS mean_s, max(dur) / 1e9 AS max_s, (max(ts + dur) - min(ts)) / 1e9 AS span_s
         FROM iterations WHERE status = 'ok' GROUP BY rank ORDER BY rank
         """
     )
     # The three quantiles come as one list (one sort of each rank's step times, not three).
+    spans = {r["rank"]: float(r["span_s"] or 0.0) for r in rows}
     rows = [
         {
             "rank": r["rank"],
@@ -360,14 +361,19 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
             "(record_collectives records the all-reduce)"
         )
     parts: dict[int, dict[str, float]] = {}
-    for rank, part, value in job.rows(
+    # What a rank's part sums to above its median times its steps: stalls at some steps only (see below).
+    above_median = 0.0
+    for rank, part, value, spread in job.rows(
         """
-        SELECT rank, 'compute', median(comp) / 1e9 FROM step_parts GROUP BY rank
-        UNION ALL SELECT rank, 'collective', median(coll) / 1e9 FROM step_parts WHERE coll IS NOT NULL GROUP BY rank
-        UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9 FROM loading_parts GROUP BY rank
+        SELECT rank, 'compute', median(comp) / 1e9, (sum(comp) - median(comp) * count(comp)) / 1e9
+        FROM step_parts GROUP BY rank
+        UNION ALL SELECT rank, 'collective', median(coll) / 1e9, 0 FROM step_parts WHERE coll IS NOT NULL GROUP BY rank
+        UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9, (sum(dur) - median(dur) * count(dur)) / 1e9
+        FROM loading_parts GROUP BY rank
         """
     ):
         parts.setdefault(int(rank), {})[part] = float(value)
+        above_median = max(above_median, float(spread or 0.0))
     saves: dict[int, list[float]] = {}
     for rank, seconds in job.rows(
         f"""
@@ -412,16 +418,18 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
                 break
         r["straggler"] = "slow_in" in r
     # A rank slow at some steps only (a stall every few steps, a few slow minutes) leaves its medians as the
-    # others': it is a straggler when the steps it held up cost the job a share of its step time.
+    # others': it is a straggler when the steps it held up cost the job a share of its training time.
     by_rank = {r["rank"]: r for r in rows}
-    step_time = _median([r["mean_s"] * r["steps"] for r in rows])
-    # Stalls that held the job up lengthen the steps of the ranks that waited (or the stalled rank's own): some
-    # rank's step times then sum well above its median's. Without that, the step-by-step pass is skipped (it
-    # costs a pass over every rank's steps: 0.1 s at 16 ranks of 50,000 steps).
-    inflated = max((r["mean_s"] - r["median_s"]) * r["steps"] for r in rows)
+    # The time a rank spent training: from its first step's start to its last step's end.
+    training_time = _median(list(spans.values()))
+    # Stalls that held the job up make the stalled rank's compute or waits sum well above its median's times its
+    # steps. Without that, the step-by-step pass is skipped (a pass over every rank's steps: 0.1 s at 16 ranks of
+    # 50,000 steps).
     held_up = (
-        _intermittent(job, ranks=list(by_rank), threshold=threshold, floor=floor, step_time=step_time, start=start)
-        if inflated >= INTERMITTENT_SHARE / 2 * step_time
+        _intermittent(
+            job, ranks=list(by_rank), threshold=threshold, floor=floor, training_time=training_time, start=start
+        )
+        if above_median >= INTERMITTENT_SHARE / 2 * training_time
         else []
     )
     for found in held_up:
@@ -435,8 +443,8 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         notes.append(
             f"rank {r['rank']} was slow in {found['slow_in']} at {found['slow_steps']} of its {r['steps']} steps "
             f"only (steps {found['slow_since_step']} to {found['slow_until_step']}{every}), which held the job up "
-            f"{found['lost_s']:.3g} s, {found['lost_s'] / step_time:.0%} of its step time: its medians are the "
-            "others'"
+            f"{found['lost_s']:.3g} s, {found['lost_s'] / training_time:.0%} of its training time: its medians are "
+            "the others'"
         )
     # Windows: each rank's median step time outside collectives per time window, relative to the other
     # ranks' median in that window.
@@ -667,7 +675,7 @@ def _change_point(flags: list[bool]) -> int | None:
 
 
 #: A rank slow at some steps only is a straggler when the time its slow steps held the job up is at least this share
-#: of the job's step time...
+#: of the job's training time (the median over ranks of the time from their first step's start to their last's end)...
 INTERMITTENT_SHARE = 0.1
 #: ...over at least this many steps (one or two slow steps are a hiccup)...
 INTERMITTENT_MIN_STEPS = 3
@@ -681,7 +689,7 @@ def _ordinal(n: int) -> str:
 
 
 def _intermittent(
-    job: Job, *, ranks: list[int], threshold: float, floor: float, step_time: float, start: int
+    job: Job, *, ranks: list[int], threshold: float, floor: float, training_time: float, start: int
 ) -> list[dict[str, Any]]:
     """Ranks whose compute or data loading was slow at some steps only, costing the job a share of its time.
 
@@ -692,7 +700,7 @@ def _intermittent(
     real stall is far above the second). What they held the job up is the sum of those excesses: in a
     synchronous job the step waits for its slowest rank.
     """
-    if step_time <= 0:
+    if training_time <= 0:
         return []
     kept_sql = """
         WITH v AS (
@@ -730,7 +738,7 @@ def _intermittent(
             others = [lost.get(other, 0.0) for other in ranks if other != rank]
             if (
                 count < INTERMITTENT_MIN_STEPS
-                or lost[rank] < INTERMITTENT_SHARE * step_time
+                or lost[rank] < INTERMITTENT_SHARE * training_time
                 or lost[rank] < INTERMITTENT_STANDS_OUT * _median(others)
             ):
                 continue
