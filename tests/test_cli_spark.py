@@ -80,16 +80,9 @@ def check_engines_agree(path: Path, spark: Any) -> dict[str, Any]:
     return duck
 
 
-@pytest.mark.parametrize(
-    "script",
-    [
-        Script(),
-        Script(world_size=6, fail_step=None, fail_rank=None),
-    ],
-    ids=["failure-and-restart", "missing-ranks"],
-)
-def test_scripted_jobs_answer_the_same_on_spark(script: Script, tmp_path: Path, spark: Any) -> None:
-    write_job(tmp_path / "job", script)
+def test_a_scripted_job_answers_the_same_on_spark(tmp_path: Path, spark: Any) -> None:
+    """A failure and a restart. (Ranks missing from the job: the damaged job's test, whose job lacks two of six.)"""
+    write_job(tmp_path / "job", Script())
     check_engines_agree(tmp_path / "job", spark)
 
 
