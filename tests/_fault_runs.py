@@ -90,7 +90,7 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
         {n["step"] if "step" in n else next((step for step, ts in began if ts > n["ts"]), None) for n in stalls}
         - {None}
     )
-    numbers = [n.get("step", n.get("batch")) for n in stalls]
+    numbers = sorted({n.get("step", n.get("batch")) for n in stalls})  # a step of two batches notes it twice
     every = numbers[1] - numbers[0] if len(numbers) > 1 else 1
     # Found step by step (slow at every few steps, or at fewer than half its steps: its medians are the others'),
     # the steps are those the script's notes say were delayed; a stall every few steps is found that way only.
