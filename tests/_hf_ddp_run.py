@@ -10,7 +10,7 @@ every 2 steps). Each rank notes the last step it began (``started<rank>.txt``), 
 ``DDP_TIMEOUT_S`` (default 20): the collective timeout; ``FAULT_RANK`` (default 1): the faulty rank.
 Stragglers: ``slow`` (the faulty rank's loss computation sleeps ``SLOW_MS``, default 60, from step N on) and
 ``slow_data`` (its dataset sleeps ``SLOW_MS`` on the first sample of each batch from its N-th on, in the
-training process); with ``SLOW_EVERY`` N, at every N-th step (batch) from the first only, each noted
+training process); with ``SLOW_EVERY`` K, at every K-th step (batch) from step N on only, each noted
 (``slow<rank>.jsonl``); ``fault.json`` is written at the first slow step or batch, and each rank notes when each
 step's own code began (``steps<rank>.jsonl``). ``MAX_STEPS`` (default 8); ``GRAD_ACCUM`` (default 1): batches a step.
 """

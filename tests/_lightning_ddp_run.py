@@ -20,7 +20,7 @@ collective timeout; ``FAULT_RANK`` (default 1) the faulty rank, ``EPOCHS``
 (default 1) the epochs (4 steps each); ``DEVICES`` (default 2) the ranks.
 Stragglers: ``slow`` (the faulty rank's training step sleeps ``SLOW_MS``, default 60, from step N on)
 and ``slow_data`` (its dataset sleeps ``SLOW_MS`` per batch from the batch of step N on, in the
-training process: ``num_workers=0``); with ``SLOW_EVERY`` N, at every N-th step (batch) from step N on only, each
+training process: ``num_workers=0``); with ``SLOW_EVERY`` K, at every K-th step (batch) from step N on only, each
 noted (``slow<rank>.jsonl``); the truth (``fault.json``) is written at the first slow step, and
 every rank notes when each step's own code began (``steps<rank>.jsonl``, ``time.time_ns()``).
 Under torchrun, Lightning starts no process itself.
