@@ -12,7 +12,6 @@ import contextlib
 import io
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -243,54 +242,3 @@ def test_the_cache_answers_the_same_and_follows_the_files(tmp_path: Path, monkey
     third = Job.open([job], cache=True)
     assert not third.cached and third.cache_path != first.cache_path
     assert answer("summary", job, "--cache")["records"] == plain["summary"]["records"] + 1
-
-
-@pytest.mark.subprocess
-@pytest.mark.xdist_group("spark")
-@pytest.mark.once
-def test_spark_reads_the_export_as_documented(tmp_path: Path) -> None:
-    """Apache Spark (local mode, a real JVM) reads the export: typed columns, ``rank`` from the folders, the
-    launcher's records under a null rank, the metadata file skipped; counts and sums as the JSON lines say."""
-    pyspark_sql = pytest.importorskip("pyspark.sql")
-    import shutil
-
-    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        pytest.skip("no Java runtime for Spark")
-    script = write_job(tmp_path / "job", Script())
-    agent = tmp_path / "job" / "agent.jsonl"
-    header = {"seq": 0, "kind": "header", "ts": 1_800_000_000 * 10**9, "schema": "traintrace", "schema_version": 1}
-    event = {"seq": 1, "kind": "event", "ts": 1_800_000_000 * 10**9 + 1, "name": "rendezvous"}
-    agent.write_text(json.dumps({**header, "role": "agent"}) + "\n" + json.dumps(event) + "\n")
-    out = tmp_path / "job.parquet"
-    export(tmp_path / "job", out)
-    # The truth, from the JSON lines themselves: records and iteration time per rank.
-    truth: dict[int | None, tuple[int, int]] = {}
-    for rank, path in [*script.files.items(), (None, agent)]:
-        records = [json.loads(line) for line in path.read_text().splitlines()]
-        iteration_ns = sum(r["dur"] for r in records if r["kind"] == "span" and r.get("name") == "iteration")
-        truth[rank] = (len(records), iteration_ns)
-    spark = (
-        pyspark_sql.SparkSession.builder.master("local[1]")
-        .appName("traintrace-test")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "1")
-        .getOrCreate()
-    )
-    try:
-        frame = spark.read.parquet(str(out))
-        types = dict(frame.dtypes)
-        assert types["rank"] == "int" and types["ts"] == "bigint" and types["dur"] == "bigint"
-        assert types["attrs"] == "string" and types["step"] == "bigint" and types["kind"] == "string"
-        frame.createOrReplaceTempView("records")
-        rows = spark.sql(
-            "SELECT rank, count(*) AS n, coalesce(sum(CASE WHEN kind = 'span' AND name = 'iteration' THEN dur END), 0) "
-            "AS d FROM records GROUP BY rank"
-        ).collect()
-        assert {row["rank"]: (row["n"], row["d"]) for row in rows} == truth
-        steps = spark.sql(
-            "SELECT max(step), max(CAST(get_json_object(attrs, '$.step') AS BIGINT)) FROM records "
-            "WHERE kind = 'span' AND name = 'iteration'"
-        ).collect()[0]
-        assert steps[0] == steps[1] == script.steps - 1
-    finally:
-        spark.stop()

@@ -1,14 +1,16 @@
 """``--engine spark``: summary, ranks and errors from Spark SQL (local mode, a real JVM) equal DuckDB's.
 
 The truth of the analyses is tested on DuckDB (tests/test_cli_analysis.py and others); these tests prove that
-the two engines agree, over the JSON-lines folder and the Parquet export, on the scripted jobs of
-tests/cli_jobs.py, a damaged job, a device-timed job and a real five-process job with injected faults.
+the two engines agree, over the JSON-lines folder and the Parquet export, on jobs of tests/cli_jobs.py (a
+scripted job with a failure, a restart, missing ranks and damaged lines; one recorded between a framework's
+hooks), a device-timed job and a real five-process job with injected faults; and that Spark reads the export.
 Floats are compared to 1e-9 relative (parallel sums differ in the last bits). One Spark session serves the
 module; each job is loaded once per engine and all three analyses are run on it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -80,12 +82,6 @@ def check_engines_agree(path: Path, spark: Any) -> dict[str, Any]:
     return duck
 
 
-def test_a_scripted_job_answers_the_same_on_spark(tmp_path: Path, spark: Any) -> None:
-    """A failure and a restart. (Ranks missing from the job: the damaged job's test, whose job lacks two of six.)"""
-    write_job(tmp_path / "job", Script())
-    check_engines_agree(tmp_path / "job", spark)
-
-
 def test_the_parquet_export_answers_the_same_on_spark(tmp_path: Path, spark: Any) -> None:
     job = damaged_job(tmp_path / "job")
     out = tmp_path / "job.parquet"
@@ -95,7 +91,42 @@ def test_the_parquet_export_answers_the_same_on_spark(tmp_path: Path, spark: Any
     assert "cut short" in notes and "2 spans without a possible duration" in notes
 
 
+def test_spark_reads_the_export_as_documented(tmp_path: Path, spark: Any) -> None:
+    """Apache Spark (local mode, a real JVM) reads the export: typed columns, ``rank`` from the folders, the
+    launcher's records under a null rank, the metadata file skipped; counts and sums as the JSON lines say."""
+    script = write_job(tmp_path / "job", Script())
+    agent = tmp_path / "job" / "agent.jsonl"
+    header = {"seq": 0, "kind": "header", "ts": 1_800_000_000 * 10**9, "schema": "traintrace", "schema_version": 1}
+    event = {"seq": 1, "kind": "event", "ts": 1_800_000_000 * 10**9 + 1, "name": "rendezvous"}
+    agent.write_text(json.dumps({**header, "role": "agent"}) + "\n" + json.dumps(event) + "\n")
+    out = tmp_path / "job.parquet"
+    export(tmp_path / "job", out)
+    # The truth, from the JSON lines themselves: records and iteration time per rank.
+    truth: dict[int | None, tuple[int, int]] = {}
+    for rank, path in [*script.files.items(), (None, agent)]:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        iteration_ns = sum(r["dur"] for r in records if r["kind"] == "span" and r.get("name") == "iteration")
+        truth[rank] = (len(records), iteration_ns)
+    frame = spark.read.parquet(str(out))
+    types = dict(frame.dtypes)
+    assert types["rank"] == "int" and types["ts"] == "bigint" and types["dur"] == "bigint"
+    assert types["attrs"] == "string" and types["step"] == "bigint" and types["kind"] == "string"
+    frame.createOrReplaceTempView("records")
+    rows = spark.sql(
+        "SELECT rank, count(*) AS n, coalesce(sum(CASE WHEN kind = 'span' AND name = 'iteration' THEN dur END), 0) "
+        "AS d FROM records GROUP BY rank"
+    ).collect()
+    assert {row["rank"]: (row["n"], row["d"]) for row in rows} == truth
+    steps = spark.sql(
+        "SELECT max(step), max(CAST(get_json_object(attrs, '$.step') AS BIGINT)) FROM records "
+        "WHERE kind = 'span' AND name = 'iteration'"
+    ).collect()[0]
+    assert steps[0] == steps[1] == script.steps - 1
+    spark.catalog.dropTempView("records")
+
+
 def test_a_damaged_job_answers_the_same_on_spark_notes_included(tmp_path: Path, spark: Any) -> None:
+    """The scripted job (a failure and a restart), two of its six ranks missing, damaged lines among its records."""
     job = damaged_job(tmp_path / "job")
     summary = check_engines_agree(job, spark)["summary"]
     notes = " ".join(summary["notes"])
@@ -110,14 +141,12 @@ def test_a_device_timed_job_answers_the_same_on_spark(device: FakeDevice, tmp_pa
 
 
 def test_a_job_recorded_between_a_frameworks_hooks_answers_the_same_on_spark(tmp_path: Path, spark: Any) -> None:
-    """Steps own work outside backward, waits tied to the steps they fed, a gather taken out of them."""
-    write_framework_job(tmp_path / "job", 0, 5, "data_loading", gather=True)
+    """Steps own work outside backward, waits tied to the steps they fed, a gather taken out of them; the slow
+    rank slow at every third step only, found step by step (its medians are the other rank's)."""
+    write_framework_job(tmp_path / "job", 0, 2, "data_loading", gather=True, every=3)
     ranks = check_engines_agree(tmp_path / "job", spark)["ranks"]
     assert ranks["stragglers"] == [0]
-    # A rank slow at every third step only: found step by step, not by its medians.
-    write_framework_job(tmp_path / "every", 1, 2, "compute", every=3)
-    ranks = check_engines_agree(tmp_path / "every", spark)["ranks"]
-    assert ranks["stragglers"] == [1] and ranks["ranks"][1]["slow_every"] == 3
+    assert ranks["ranks"][0]["slow_in"] == "data_loading" and ranks["ranks"][0]["slow_every"] == 3
 
 
 def test_the_real_faults_job_answers_the_same_on_spark(faults_job: Path, spark: Any) -> None:  # noqa: F811
