@@ -120,6 +120,25 @@ def write_job(folder: Path, script: Script) -> Script:
     return script
 
 
+def clock_ahead(folder: Path, ranks: list[int], ns: int, *, ends_only: bool = False) -> None:
+    """Rewrite the ranks' files as a host whose clock runs ``ns`` ahead would have written them (``ends_only``:
+    instead, each of their steps ends ``ns`` later, its start and the rest as they were)."""
+    for rank in ranks:
+        path = folder / f"rank{rank}.jsonl"
+        out = []
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if ends_only:
+                if record.get("name") == "iteration" and isinstance(record.get("dur"), int):
+                    record["dur"] += ns
+            else:
+                for key in ("ts", "last_ts"):
+                    if isinstance(record.get(key), int):
+                        record[key] += ns
+            out.append(json.dumps(record))
+        path.write_text("\n".join(out) + "\n")
+
+
 def write_framework_job(
     folder: Path, slow_rank: int, slow_from: int, part: str, *, gather: bool = False, every: int = 1, until: int = 12
 ) -> None:

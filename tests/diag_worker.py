@@ -34,7 +34,8 @@ fails as PyTorch's CPU allocator fails when memory runs out); ``cgroup_oom`` (th
 moves itself into the memory cgroup ``--cgroup`` names, which the test made with a limit: the kernel's OOM
 killer ends it with SIGKILL); ``none``.
 
-``--fault-host NAME`` gives the fault to every rank whose ``TRAINTRACE_HOST`` is NAME instead of
+``--fault-host NAME`` gives the fault to every rank whose ``TRAINTRACE_HOST`` is NAME (with ``--fault-local-rank
+N``, to the one whose ``LOCAL_RANK`` is N) instead of
 ``--fault-rank`` (a bad node). ``--fault-attempt N`` injects the fault only in attempt N
 (``TORCHELASTIC_RESTART_COUNT``) of a job launched with restarts; ``--later-fault KIND`` injects KIND (same rank
 and step) in the attempts after it. Every truth line carries its attempt as ``restart``.
@@ -156,6 +157,8 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     # Every rank of this host (its TRAINTRACE_HOST) takes the fault instead of --fault-rank: a bad node.
     parser.add_argument("--fault-host", default=None)
+    # With --fault-host: only the rank of this LOCAL_RANK on that host (one rank of a chosen node).
+    parser.add_argument("--fault-local-rank", type=int, default=None)
     parser.add_argument("--fault-step", type=int, default=7)
     parser.add_argument("--fault-attempt", type=int, default=None)
     parser.add_argument("--later-fault", default="none")
@@ -213,7 +216,10 @@ def main() -> None:
 
         sys.excepthook = linger
     chosen = (
-        rank == args.fault_rank if args.fault_host is None else os.environ.get("TRAINTRACE_HOST") == args.fault_host
+        rank == args.fault_rank
+        if args.fault_host is None
+        else os.environ.get("TRAINTRACE_HOST") == args.fault_host
+        and args.fault_local_rank in (None, int(os.environ.get("LOCAL_RANK", "0")))
     )
     mine = chosen and args.fault_attempt in (None, restart)
     later = chosen and args.fault_attempt is not None and restart > args.fault_attempt

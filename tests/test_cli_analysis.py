@@ -15,6 +15,7 @@ from tests.cli_jobs import (
     PAST_ALL_REDUCE,
     S,
     Script,
+    clock_ahead,
     expected,
     expected_hang,
     hung_ranks,
@@ -633,3 +634,47 @@ def test_ranks_does_not_name_a_rank_for_two_slow_steps(tmp_path: Path) -> None:
     write_framework_job(tmp_path / "job", 1, 4, "compute", until=6)
     r = _analysis.ranks(_open(tmp_path / "job"))
     assert r["stragglers"] == [], r
+
+
+#: Two hosts of two ranks in lockstep (a data-parallel job: 100 ms steps), rank 3 on node1 failing at step 25.
+SKEWED = {"ranks": 4, "ranks_per_host": 2, "straggler": None, "fail_rank": 3, "fail_step": 25}
+
+
+@pytest.mark.parametrize(
+    ("fault", "ahead_ms"),
+    [("died", 500), ("died", -500), ("raise", 2000), ("raise", -2000), ("hang", 2000)],
+)
+def test_errors_names_the_culprit_on_a_host_whose_clock_is_off(tmp_path: Path, fault: str, ahead_ms: int) -> None:
+    """node1's clock runs ahead of node0's (or behind): by its raw times rank 3, killed, stopped after node0's
+    ranks saw their collective fail, or node0's ranks stopped before rank 3 raised (read as a lost node). The
+    ranks' step order proves the offset (none completed a step before the others began it); the culprit is
+    rank 3 at step 25, as scripted, and the offset found is the one written."""
+    write_job(tmp_path / "job", Script(fault=fault, **SKEWED))  # type: ignore[arg-type]
+    clock_ahead(tmp_path / "job", [2, 3], ahead_ms * 1_000_000)
+    e = _analysis.errors(_open(tmp_path / "job"))
+    assert (e["culprit"]["rank"], e["culprit"]["step"]) == (3, 25), e["verdict"]
+    assert e["verdict"].startswith("restart 0 failed: rank 3 "), e["verdict"]
+    assert e["clock_offsets"]["reference"] == "node0"
+    assert e["clock_offsets"]["offsets_s"] == {"node1": pytest.approx(ahead_ms / 1000, abs=0.001)}
+    direction = "ahead of" if ahead_ms > 0 else "behind"
+    assert any(f"node1's clock ran {abs(ahead_ms) / 1000:.3g} s {direction} node0's" in n for n in e["notes"])
+
+
+@pytest.mark.parametrize(
+    ("change", "ahead_ms"),
+    [("none", 0), ("clock", 30), ("ends", 150), ("straggler", 500)],
+    ids=["same-clock", "skew-within-a-step", "later-step-ends", "ranks-not-in-lockstep"],
+)
+def test_errors_corrects_no_clock_the_records_do_not_prove_off(tmp_path: Path, change: str, ahead_ms: int) -> None:
+    """No correction where none is proven: one clock; an offset smaller than a step (the step order allows it,
+    as it allows none); a host whose steps end later but begin with the others' (a slow node, a pipeline
+    stage); ranks that do not step together (a straggler in a job whose script does not wait for it)."""
+    fields = {**SKEWED, "fault": "died"}
+    if change == "straggler":
+        fields["straggler"] = 2
+    write_job(tmp_path / "job", Script(**fields))  # type: ignore[arg-type]
+    if ahead_ms:
+        clock_ahead(tmp_path / "job", [2, 3], ahead_ms * 1_000_000, ends_only=change == "ends")
+    e = _analysis.errors(_open(tmp_path / "job"))
+    assert e["clock_offsets"] is None, e["clock_offsets"]
+    assert not any("clock ran" in n for n in e["notes"])

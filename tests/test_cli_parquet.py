@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 pytest.importorskip("duckdb")
 
 from tests._examples import examples
-from tests.cli_jobs import SCRIPT_IDS, SCRIPTS, Script, scripts, write_job
+from tests.cli_jobs import SCRIPT_IDS, SCRIPTS, S, Script, clock_ahead, scripts, write_job
 from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
 from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
 from traintrace.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_USAGE, main
@@ -80,9 +80,15 @@ def check_round_trip(job: Path, tmp_path: Path) -> dict[str, Any]:
     return summary
 
 
+#: The damaged job's second host's clock runs this far ahead of the first's.
+DAMAGED_AHEAD_S = 0.5
+
+
 def damaged_job(folder: Path) -> Path:
-    """A scripted job with what the reader tolerates: a cut last line, impossible durations, no header."""
-    script = write_job(folder, Script(world_size=6))
+    """A scripted job with what the reader tolerates: a cut last line, impossible durations, no header; ranks 4
+    and 5 missing; two hosts of two ranks in lockstep, node1's clock ``DAMAGED_AHEAD_S`` ahead."""
+    script = write_job(folder, Script(world_size=6, ranks_per_host=2, straggler=None))
+    clock_ahead(folder, [2, 3], int(DAMAGED_AHEAD_S * S))
     with script.files[1].open("a") as handle:
         ts = 1_800_000_000 * 10**9 + 10**9
         handle.write(json.dumps({"seq": 9000, "kind": "span", "ts": ts, "name": "forward", "dur": -5}) + "\n")
@@ -119,6 +125,8 @@ def test_random_scripted_jobs_answer_the_same_from_parquet(
 def test_a_damaged_job_answers_the_same_notes_included(tmp_path: Path) -> None:
     job = damaged_job(tmp_path / "job")
     summary = check_round_trip(job, tmp_path)
+    errors = answer("errors", tmp_path / "job.parquet")
+    assert errors["clock_offsets"]["offsets_s"] == {"node1": pytest.approx(DAMAGED_AHEAD_S, abs=1e-3)}
     notes = " ".join(summary["notes"])
     assert "cut short" in notes and "2 spans without a possible duration" in notes
     assert "no traintrace header" in notes and "ranks missing entirely" in notes

@@ -26,7 +26,7 @@ pytest.importorskip("sqlglot")
 
 from tests.cli_jobs import Script, write_framework_job, write_job
 from tests.test_cli import faults_job  # noqa: F401 - the real five-process job, as a fixture here too
-from tests.test_cli_parquet import answer, damaged_job, export, run, same
+from tests.test_cli_parquet import DAMAGED_AHEAD_S, answer, damaged_job, export, run, same
 from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
 from traintrace.cli import EXIT_MISSING_EXTRA, EXIT_USAGE, _analysis, _jsonable
 from traintrace.cli._engine import Job
@@ -126,9 +126,12 @@ def test_spark_reads_the_export_as_documented(tmp_path: Path, spark: Any) -> Non
 
 
 def test_a_damaged_job_answers_the_same_on_spark_notes_included(tmp_path: Path, spark: Any) -> None:
-    """The scripted job (a failure and a restart), two of its six ranks missing, damaged lines among its records."""
+    """The scripted job (a failure and a restart), two of its six ranks missing, damaged lines among its records,
+    its second host's clock ahead."""
     job = damaged_job(tmp_path / "job")
-    summary = check_engines_agree(job, spark)["summary"]
+    answers = check_engines_agree(job, spark)
+    assert answers["errors"]["clock_offsets"]["offsets_s"] == {"node1": pytest.approx(DAMAGED_AHEAD_S, abs=1e-3)}
+    summary = answers["summary"]
     notes = " ".join(summary["notes"])
     assert "cut short" in notes and "2 spans without a possible duration" in notes
     assert "no traintrace header" in notes and "ranks missing entirely" in notes

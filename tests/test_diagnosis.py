@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -531,10 +532,13 @@ def process_tree(pid: int) -> list[int]:
 
 
 @contextmanager
-def two_nodes(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str]]]:
+def two_nodes(
+    tmp_path: Path, *args: str, node_env: dict[str, dict[str, str]] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str]]]:
     """Two launchers on this machine, named node-a and node-b (``TRAINTRACE_HOST``), 2 ranks each, running the
     worker for 200 steps with ``args``; the truth in ``tmp_path/truth``, the records in ``tmp_path/logs/job``.
-    On the way out, what still runs of either is killed."""
+    ``node_env``: more environment for a node's launcher and workers, by name. On the way out, what still runs
+    of either is killed."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -549,7 +553,7 @@ def two_nodes(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[str
         ]
         return subprocess.Popen(
             command,
-            env={**env, "TRAINTRACE_HOST": name},
+            env={**env, "TRAINTRACE_HOST": name, **(node_env or {}).get(name, {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -634,6 +638,52 @@ def test_a_rank_raises_and_the_scheduler_kills_the_two_node_job(
         assert (culprit["rank"], culprit["step"], culprit["phase"]) == (3, fault["step"], "model_forward")
         assert culprit["error"]["message"] == "injected failure in forward on rank 3 at step 10", culprit["error"]
         assert errors["verdict"].startswith("rank 3 raised RuntimeError in forward at step 10"), errors["verdict"]
+
+
+def clock_ahead_library(folder: Path) -> Path:
+    """tests/clock_ahead.c built with the system C compiler: preloaded, a process reads the wall clock ahead."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler to build tests/clock_ahead.c")
+    library = folder / "libclock_ahead.so"
+    command = [compiler, "-shared", "-fPIC", "-O1", "-Wall", "-o", str(library), str(ROOT / "tests" / "clock_ahead.c")]
+    subprocess.run([*command, "-ldl"], check=True, timeout=120)
+    return library
+
+
+@pytest.mark.once  # the records' reading, not the core that wrote them
+def test_a_rank_killed_on_a_node_whose_clock_runs_ahead(tmp_path: Path) -> None:
+    """A 2-node job (two launchers, 2 ranks each) whose node-b reads its wall clock 1 s ahead of node-a's
+    (tests/clock_ahead.c preloaded in node-b's launcher and workers: NTP off on one node). node-b's local
+    rank 1 SIGKILLs itself at step 10; the others' all-reduce fails at once (gloo: connection reset). By the raw
+    times the killed rank stopped a second after node-a's ranks saw their collective fail, and the verdict read
+    "rank 3 was hang: stopped making progress ...; then killed" (rule: the rank the collectives timed out on).
+    The ranks' step order proves node-b's clock 1 s ahead; the culprit is the rank the worker's own notes say
+    killed itself, at their step, killed by SIGKILL before anyone saw trouble, and the offset found is the one the
+    test gave."""
+    ahead_s = 1.0
+    clock = {"LD_PRELOAD": str(clock_ahead_library(tmp_path)), "CLOCK_AHEAD_NS": str(int(ahead_s * 1e9))}
+    truth = tmp_path / "truth"
+    args = ("--fault", "sigkill", "--fault-host", "node-b", "--fault-local-rank", "1", "--fault-step", "10")
+    with two_nodes(tmp_path, *args, "--gloo-timeout", "6", node_env={"node-b": clock}) as (node_a, node_b):
+        node_a.wait(timeout=120)
+        node_b.wait(timeout=120)
+    run = Run(tmp_path / "logs" / "job", truth, node_a.returncode, "")
+    marks = run.marks()
+    [(killed, fault)] = [(r, m) for r, ms in marks.items() for m in ms if m["event"] == "fault"]
+    hosts = {r: next(m["host"] for m in ms if m["event"] == "process_start") for r, ms in marks.items()}
+    assert hosts[killed] == "node-b"
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert (culprit["rank"], culprit["step"]) == (killed, fault["step"]), errors["verdict"]
+    assert culprit["state"] == "killed" and culprit["signal"] == "SIGKILL", culprit
+    assert errors["rule"] == "died first", errors["verdict"]
+    assert errors["verdict"].startswith(f"rank {killed} was killed by SIGKILL"), errors["verdict"]
+    # Offsets are said against rank 0's host.
+    other = "node-a" if hosts[0] == "node-b" else "node-b"
+    expected = ahead_s if other == "node-b" else -ahead_s
+    assert errors["clock_offsets"]["reference"] == hosts[0]
+    assert errors["clock_offsets"]["offsets_s"] == {other: pytest.approx(expected, abs=0.1)}, errors["clock_offsets"]
 
 
 def read_later(run: Run, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:

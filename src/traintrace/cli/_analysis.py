@@ -10,7 +10,7 @@ from typing import Any
 
 from .._names import EventName, SpanName
 from ._device import compute_time_sql, device_summary
-from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose, shared_node
+from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose, host_clocks, shared_node
 from ._engine import ITERATION, Job, compress_ranks
 
 NS = 1e9
@@ -860,6 +860,14 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         """
     )
     verdict = diagnose(job)
+    clocks = host_clocks(job)
+    if clocks["offsets_ns"]:
+        # Hosts whose clocks run ahead or behind: every error's time on the reference host's clock, as the verdict
+        # compares them.
+        host_of = dict(job.rows("SELECT stream, host FROM streams"))
+        for e in all_errors:
+            e["ts"] -= clocks["offsets_ns"].get(host_of.get(e["stream"]), 0)
+        all_errors.sort(key=lambda e: (e["ts"], e["rank"] is None, e["rank"] or 0))
     # The first error is the first cause: peers' consequences (connection closed, timeouts) and hang reports
     # come after it in importance, whatever their time.
     for e in all_errors:
@@ -994,5 +1002,24 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         "hang_after_s": hang_after_s,
         "ranks_missing": compress_ranks(job.missing_ranks()),
         "launcher_events": lifecycle,
-        "notes": list(job.notes),
+        # Hosts whose clocks the records prove off (seconds ahead of the reference host's): times compared on its.
+        "clock_offsets": {
+            "reference": clocks["reference"],
+            "offsets_s": {h: ns / NS for h, ns in clocks["offsets_ns"].items()},
+        }
+        if clocks["offsets_ns"]
+        else None,
+        "notes": list(job.notes) + [_clock_note(clocks)] * bool(clocks["offsets_ns"]),
     }
+
+
+def _clock_note(clocks: dict[str, Any]) -> str:
+    """What the errors command corrected for, in words."""
+    ahead = "; ".join(
+        f"{host}'s clock ran {abs(ns) / NS:.3g} s {'ahead of' if ns > 0 else 'behind'} {clocks['reference']}'s"
+        for host, ns in sorted(clocks["offsets_ns"].items())
+    )
+    return (
+        f"{ahead} (its ranks' steps cannot have ended before {clocks['reference']}'s began otherwise): times are "
+        f"compared on {clocks['reference']}'s clock"
+    )

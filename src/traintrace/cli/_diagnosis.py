@@ -99,6 +99,13 @@ NODE_WINDOW_NS = 2_000_000_000
 #: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
 #: this much clock skew between hosts is tolerated.
 SKEW_NS = 50_000_000
+#: A host's clock is corrected only when its ranks' records are impossible without an offset of more than
+#: SKEW_NS (see ``clock_offsets``), from at least this many steps the hosts both completed...
+OFFSET_MIN_STEPS = 3
+#: ...and when at least this share of those steps end, on the corrected clock, within OFFSET_SPREAD_NS (or a
+#: tenth of the offset) of the reference host's ends: data-parallel ranks leave each step's all-reduce together.
+OFFSET_ALIGNED_SHARE = 0.5
+OFFSET_SPREAD_NS = 10_000_000
 #: The progress file and the stream date one instant from two readings of the clocks: apart by up to this.
 CLOCKS_NS = 1_000_000
 #: The failed attempts before the one the verdict is about that are compared with it (a crash loop's latest).
@@ -721,6 +728,8 @@ class _Facts:
                 self.hosts[int(stream)] = str(host)
                 if is_agent:
                     launcher_hosts.add(str(host))
+        #: host -> how far its clock runs ahead of the reference host's, where the records prove it (``clock_offsets``).
+        self.offsets: dict[str, int] = host_clocks(job)["offsets_ns"]
         self.failures, self.launcher_signal, by_stream = _launcher_events(job)
         self.launcher_hosts = launcher_hosts
         self.host_signals = {self.hosts[stream]: sig for stream, sig in by_stream.items() if stream in self.hosts}
@@ -929,8 +938,86 @@ def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list
             st.step, st.after_loop = int(last_done_step), True
         _unresponsive(st)
     states = [st for st, _, _ in started]
+    for st in states:
+        offset = facts.offsets.get(st.host or "")
+        if offset:
+            _on_reference_clock(st, offset)
     _first_batch(states, facts)
     return states
+
+
+def host_clocks(job: Job) -> dict[str, Any]:
+    """``clock_offsets`` of the job, computed once (a job of one host has none)."""
+    if job.clocks is None:
+        hosts = job.one("SELECT count(DISTINCT host) FROM streams WHERE NOT is_agent")
+        job.clocks = clock_offsets(job) if hosts and (hosts[0] or 0) > 1 else {"reference": None, "offsets_ns": {}}
+    return job.clocks
+
+
+def clock_offsets(job: Job) -> dict[str, Any]:
+    """How far each host's clock runs ahead of the reference host's (the host of the lowest rank), where the
+    records are impossible otherwise; hosts without proof are not listed (their offset is taken as 0).
+
+    Ranks on one host share its clock; hosts' clocks may differ (NTP off or slow to converge). In a
+    data-parallel job no rank completes step k before every rank has begun it (the step's all-reduce needs every
+    rank's gradients), so for each step both hosts completed, host h's offset d is bounded: above its latest
+    start less the reference's earliest end, below its earliest end less the reference's latest start. When the
+    bounds exclude 0 by more than SKEW_NS, the offset is the median of the difference of the hosts' median step
+    ends (ranks leave the all-reduce together), held within the bounds, and it must explain most steps' ends.
+    Bounds that contradict each other (a job whose ranks do not step together) or that include 0 change nothing:
+    a pipeline stage that ends its steps later, or a slow node, is not taken for a clock.
+    """
+    ref_row = job.one(
+        "SELECT s.host FROM stream_facts f JOIN streams s USING (stream) "
+        "WHERE NOT f.is_agent AND s.host IS NOT NULL ORDER BY f.rank, f.restart LIMIT 1"
+    )
+    out: dict[str, Any] = {"reference": None, "offsets_ns": {}}
+    if not ref_row:
+        return out
+    reference = str(ref_row[0])
+    out["reference"] = reference
+    per_step = f"""
+        WITH h AS (
+            SELECT s.host, i.restart, i.step, max(i.ts) AS s1, min(i.ts + i.dur) AS e0,
+                   min(i.ts) AS s0, max(i.ts + i.dur) AS e1, median(i.ts + i.dur) AS em
+            FROM iterations i JOIN streams s ON s.stream = i.stream
+            WHERE i.status = '{SpanStatus.OK}' AND i.step IS NOT NULL AND s.host IS NOT NULL AND NOT s.is_agent
+            GROUP BY s.host, i.restart, i.step
+        ), r AS (SELECT * FROM h WHERE host = $reference)
+        SELECT h.host, h.s1 - r.e0 AS lo, h.e0 - r.s1 AS hi, h.em - r.em AS diff
+        FROM h JOIN r ON h.restart = r.restart AND h.step = r.step WHERE h.host <> $reference
+    """
+    by_host: dict[str, list[tuple[float, float, float]]] = {}
+    for host, lo, hi, diff in job.rows(per_step, {"reference": reference}):
+        by_host.setdefault(str(host), []).append((float(lo), float(hi), float(diff)))
+    for host, steps in sorted(by_host.items()):
+        if len(steps) < OFFSET_MIN_STEPS:
+            continue
+        lo, hi = max(x[0] for x in steps), min(x[1] for x in steps)
+        if lo > hi or (lo <= SKEW_NS and hi >= -SKEW_NS):
+            continue  # no step order a single offset explains, or none needs one
+        diffs = sorted(x[2] for x in steps)
+        offset = min(max(diffs[len(diffs) // 2], lo), hi)
+        spread = max(OFFSET_SPREAD_NS, abs(offset) / 10)
+        if sum(abs(d - offset) <= spread for d in diffs) < OFFSET_ALIGNED_SHARE * len(diffs):
+            continue
+        out["offsets_ns"][host] = round(offset)
+    return out
+
+
+def _on_reference_clock(st: RankState, offset: int) -> None:
+    """The rank's times on the reference host's clock (its host's runs ``offset`` ahead)."""
+    for name in ("stopped_ns", "last_progress_ns", "since_ns", "alive_ns", "launcher_seen_ns"):
+        value = getattr(st, name)
+        if value is not None:
+            setattr(st, name, value - offset)
+    for info in (st.error, st.consequence):
+        if info is not None and info.get("ts") is not None:
+            info["ts"] -= offset
+    if st.hang is not None:
+        for key in ("ts", "from_ns"):
+            if st.hang.get(key) is not None:
+                st.hang[key] -= offset
 
 
 def _first_batch(states: list[RankState], facts: _Facts) -> None:

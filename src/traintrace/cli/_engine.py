@@ -394,6 +394,8 @@ class Job:
     _tmp: Any = None
     manifest_world_size: int = 0
     _progress_cache: dict[int, Any] | None = None
+    #: The hosts' clock offsets, once computed (``_diagnosis.host_clocks``).
+    clocks: dict[str, Any] | None = None
     #: The size of the files the cache key was made from (-1: not made).
     _source_bytes: int = -1
     #: A Parquet export being read instead of JSON-lines files.
