@@ -962,7 +962,7 @@ def clock_offsets(job: Job) -> dict[str, Any]:
     data-parallel job no rank completes step k before every rank has begun it (the step's all-reduce needs every
     rank's gradients), so for each step both hosts completed, host h's offset d is bounded: above its latest
     start less the reference's earliest end, below its earliest end less the reference's latest start. When the
-    bounds exclude 0 by more than SKEW_NS, the offset is the median of the difference of the hosts' median step
+    bounds exclude 0 by more than SKEW_NS, the offset is the median of the difference of the hosts' mean step
     ends (ranks leave the all-reduce together), held within the bounds, and it must explain most steps' ends.
     Bounds that contradict each other (a job whose ranks do not step together) or that include 0 change nothing:
     a pipeline stage that ends its steps later, or a slow node, is not taken for a clock.
@@ -978,8 +978,7 @@ def clock_offsets(job: Job) -> dict[str, Any]:
     out["reference"] = reference
     per_step = f"""
         WITH h AS (
-            SELECT s.host, i.restart, i.step, max(i.ts) AS s1, min(i.ts + i.dur) AS e0,
-                   min(i.ts) AS s0, max(i.ts + i.dur) AS e1, median(i.ts + i.dur) AS em
+            SELECT s.host, i.restart, i.step, max(i.ts) AS s1, min(i.ts + i.dur) AS e0, avg(i.ts + i.dur) AS em
             FROM iterations i JOIN streams s ON s.stream = i.stream
             WHERE i.status = '{SpanStatus.OK}' AND i.step IS NOT NULL AND s.host IS NOT NULL AND NOT s.is_agent
             GROUP BY s.host, i.restart, i.step
