@@ -770,3 +770,17 @@ def test_the_launchers_copy_of_a_progress_file_reads_as_the_file() -> None:
     assert _copied_progress({"last_step": 3, "last_phase": "model_forward"}, rank=0, restart=0) is None
     hostile = _copied_progress({"last_progress_ns": T0, "last_phase": 7, "in_collective": "yes"}, rank=0, restart=0)
     assert hostile is not None and (hostile.phase, hostile.in_collective, hostile.step) == (None, False, None)
+
+
+def test_a_killed_rank_the_others_waited_for_reads_as_hung_then_killed() -> None:
+    """Named by the others' timeouts (a hang attached to it), then killed by the launcher: the sentence says it
+    hung, and how it ended is in its cause (it read ``rank 1 was hang: stopped making progress ...``)."""
+    hang = {"ts": T0 + 10 * S, "message": "not in a collective when rank 0's collective failed", "stack": None}
+    states = [
+        state(0, state="error", step=7, phase="model_backward", in_collective=True, consequence=TIMEOUT),
+        state(1, state="killed", signal="SIGKILL", exit_code=-9, step=7, phase="model_forward", hang=hang),
+    ]
+    sentence = _sentence(states[1], states)
+    assert sentence.startswith("rank 1 hung in forward at step 7"), sentence
+    assert "was hang" not in sentence
+    assert _cause(states[1]).endswith("; then killed")

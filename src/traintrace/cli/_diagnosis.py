@@ -1757,7 +1757,7 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
             f"({culprit.signal or 'SIGKILL'}) (a stopped or suspended process, native code stuck holding the "
             "GIL, or a frozen host)"
         )
-    elif culprit.state == "killed" or (culprit.state == "terminated" and culprit.hang is None):
+    elif culprit.state in ("killed", "terminated") and culprit.hang is None:
         head = f"rank {culprit.rank} was {_cause(culprit)} {culprit.doing()}"
         if culprit.state == "killed":
             head += _host_full_phrase(culprit.memory)
