@@ -106,6 +106,8 @@ OFFSET_MIN_STEPS = 3
 #: tenth of the offset) of the reference host's ends: data-parallel ranks leave each step's all-reduce together.
 OFFSET_ALIGNED_SHARE = 0.5
 OFFSET_SPREAD_NS = 10_000_000
+#: Steps read for the bounds: every k-th, about this many per attempt (a long job's every step adds little).
+OFFSET_SAMPLE_STEPS = 500
 #: The progress file and the stream date one instant from two readings of the clocks: apart by up to this.
 CLOCKS_NS = 1_000_000
 #: The failed attempts before the one the verdict is about that are compared with it (a crash loop's latest).
@@ -965,7 +967,8 @@ def clock_offsets(job: Job) -> dict[str, Any]:
     bounds exclude 0 by more than SKEW_NS, the offset is the median of the difference of the hosts' mean step
     ends (ranks leave the all-reduce together), held within the bounds, and it must explain most steps' ends.
     Bounds that contradict each other (a job whose ranks do not step together) or that include 0 change nothing:
-    a pipeline stage that ends its steps later, or a slow node, is not taken for a clock.
+    a pipeline stage that ends its steps later, or a slow node, is not taken for a clock. A long job's steps are
+    sampled (every k-th, about OFFSET_SAMPLE_STEPS of them): fewer steps give wider bounds, never wrong ones.
     """
     ref_row = job.one(
         "SELECT s.host FROM stream_facts f JOIN streams s USING (stream) "
@@ -976,11 +979,13 @@ def clock_offsets(job: Job) -> dict[str, Any]:
         return out
     reference = str(ref_row[0])
     out["reference"] = reference
+    last_step = job.one("SELECT max(ok_step) FROM streams WHERE NOT is_agent")
+    every = max(1, int(last_step[0] or 0) // OFFSET_SAMPLE_STEPS) if last_step else 1
     per_step = f"""
         WITH h AS (
             SELECT s.host, i.restart, i.step, max(i.ts) AS s1, min(i.ts + i.dur) AS e0, avg(i.ts + i.dur) AS em
             FROM iterations i JOIN streams s ON s.stream = i.stream
-            WHERE i.status = '{SpanStatus.OK}' AND i.step IS NOT NULL AND s.host IS NOT NULL AND NOT s.is_agent
+            WHERE i.status = '{SpanStatus.OK}' AND i.step % {every} = 0 AND s.host IS NOT NULL AND NOT s.is_agent
             GROUP BY s.host, i.restart, i.step
         ), r AS (SELECT * FROM h WHERE host = $reference)
         SELECT h.host, h.s1 - r.e0 AS lo, h.e0 - r.s1 AS hi, h.em - r.em AS diff
