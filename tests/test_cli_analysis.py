@@ -660,6 +660,38 @@ def test_errors_names_the_culprit_on_a_host_whose_clock_is_off(tmp_path: Path, f
     assert any(f"node1's clock ran {abs(ahead_ms) / 1000:.3g} s {direction} node0's" in n for n in e["notes"])
 
 
+def _records_wall_ns(folder: Path) -> int:
+    """The job's wall time by its records as written: the first record's time to the last one's end."""
+    starts, ends = [], []
+    for path in folder.glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if isinstance(record.get("ts"), int):
+                starts.append(record["ts"])
+                # A span record's time is its start; an ``end`` record's (a span written in two) is its end.
+                span = record.get("kind") == "span" and isinstance(record.get("dur"), int)
+                ends.append(record["ts"] + (record["dur"] if span else 0))
+    return max(ends) - min(starts)
+
+
+@pytest.mark.parametrize("ahead_ms", [500, -2000])
+def test_summary_times_a_job_on_hosts_whose_clocks_differ_on_one_clock(tmp_path: Path, ahead_ms: int) -> None:
+    """By the raw times of a job whose node1 runs ahead (or behind), the job lasted as much longer and every rank
+    idled that long more (this job's 69.1 s read as 69.6 s, or 71.1 s, its goodput lower). On the reference
+    host's clock, the wall time is the job's by its records as written before node1's clock was moved, and the
+    goodput and breakdown are the ones of the job on one clock."""
+    write_job(tmp_path / "job", Script(fault="died", **SKEWED))  # type: ignore[arg-type]
+    truth_wall = _records_wall_ns(tmp_path / "job")
+    same_clock = _analysis.summary(_open(tmp_path / "job"))
+    clock_ahead(tmp_path / "job", [2, 3], ahead_ms * 1_000_000)
+    assert _records_wall_ns(tmp_path / "job") == truth_wall + abs(ahead_ms) * 1_000_000  # the raw times' wall
+    s = _analysis.summary(_open(tmp_path / "job"))
+    assert s["wall_s"] == pytest.approx(truth_wall / 1e9, abs=1e-6), (s["wall_s"], truth_wall)
+    assert s["goodput"] == pytest.approx(same_clock["goodput"], abs=1e-6)
+    assert s["breakdown_s"] == pytest.approx(same_clock["breakdown_s"], abs=1e-6)
+    assert s["start_ns"] == same_clock["start_ns"] and s["end_ns"] == same_clock["end_ns"]
+
+
 @pytest.mark.parametrize(
     ("change", "ahead_ms"),
     [("none", 0), ("clock", 30), ("ends", 150), ("straggler", 500)],

@@ -78,9 +78,22 @@ def job_bounds(job: Job) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
+def job_bounds_on_one_clock(job: Job) -> tuple[int, int]:
+    """``job_bounds`` with each host's times on the reference host's clock, where the records prove the hosts'
+    clocks apart (``host_clocks``): by the raw times, a host 2 s ahead or behind adds 2 s to the job's wall time
+    and as much idle time to every rank."""
+    offsets = host_clocks(job)["offsets_ns"]
+    if not offsets:
+        return job_bounds(job)
+    rows = job.rows("SELECT host, min(start_ts), max(end_ts) FROM streams GROUP BY host")
+    starts = [int(lo) - offsets.get(host, 0) for host, lo, _ in rows]
+    ends = [int(hi) - offsets.get(host, 0) for host, _, hi in rows]
+    return min(starts), max(ends)
+
+
 def summary(job: Job) -> dict[str, Any]:
     prepare(job)
-    start, end = job_bounds(job)
+    start, end = job_bounds_on_one_clock(job)
     wall = max(end - start, 1)
     ranks = [int(r[0]) for r in job.rows("SELECT DISTINCT rank FROM streams WHERE NOT is_agent ORDER BY 1")]
     n_ranks = max(len(ranks), 1)
