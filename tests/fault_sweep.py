@@ -17,7 +17,10 @@ drawn too.
 Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
 worker's own marks say (a diverged job: the first infinite loss's rank and step); ``ranks`` names the slow rank, its
 part and its first slow step (and, slow at some steps only, its last and how many, as the worker marked them);
-goodput within a point of the marks' and the steps completed and lost. A line per job;
+goodput within a point of the marks' and the steps completed and lost. With ``--nodes 2 --skew``, node-b's
+launcher and workers read their wall clock ahead of node-a's or behind (0.5 or 2 s, drawn; tests/clock_ahead.c
+preloaded, as NTP off on one node): the answers must be the same, and the workers' marks from node-b are moved back
+onto node-a's clock by the offset the sweep gave before they are compared. A line per job;
 the exit status is the number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a 2-core
 machine (40 s for a process that stops responding): not part of the suite, whose fixed cases cover every fault.
 """
@@ -25,6 +28,7 @@ machine (40 s for a process that stops responding): not part of the suite, whose
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import sys
@@ -37,6 +41,7 @@ from tests.test_diagnosis import (
     Run,
     check_culprit,
     check_goodput,
+    clock_ahead_library,
     fault_step_of,
     first_non_finite_loss,
     launch,
@@ -169,14 +174,29 @@ def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> N
         check_goodput(run, failed=failed)
 
 
-def launch_two_nodes(folder: Path, *args: str, timeout: float = 150) -> Run:
+def launch_two_nodes(
+    folder: Path, *args: str, timeout: float = 150, node_env: dict[str, dict[str, str]] | None = None
+) -> Run:
     """The worker on two launchers (node-a and node-b, 2 ranks each, one rendezvous), run to their end."""
-    with two_nodes(folder, *args) as launchers:
+    with two_nodes(folder, *args, node_env=node_env) as launchers:
         ends = time.monotonic() + timeout
         for launcher in launchers:
             launcher.wait(timeout=max(ends - time.monotonic(), 1))
         returncode = max(launcher.returncode for launcher in launchers)
     return Run(folder / "logs" / "job", folder / "truth", returncode, "")
+
+
+def marks_on_one_clock(truth: Path, host: str, ahead_ns: int) -> None:
+    """The marks of the workers that ran on ``host``, whose wall clock the sweep set ``ahead_ns`` ahead, moved back
+    onto the other host's clock (a worker names its host in its first mark)."""
+    for path in truth.glob("rank*.jsonl"):
+        marks = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        hosts = [m["host"] for m in marks if m.get("event") == "process_start"]
+        if host not in hosts:
+            continue
+        for m in marks:
+            m["ts"] -= ahead_ns
+        path.write_text("".join(json.dumps(m) + "\n" for m in marks))
 
 
 def main() -> int:
@@ -185,6 +205,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=20)
     parser.add_argument("--keep", action="store_true", help="keep every job's folder (a wrong one's is always kept)")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two launchers of 2 ranks each")
+    parser.add_argument("--skew", action="store_true", help="with --nodes 2: node-b's clock ahead or behind")
     parser.add_argument("--faults", default="", help=f"comma-separated, to draw from these only: {', '.join(FAULTS)}")
     args = parser.parse_args()
     faults = sorted(FAULTS) if not args.faults else sorted(args.faults.split(","))
@@ -193,7 +214,10 @@ def main() -> int:
         parser.error(f"unknown fault {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
     if args.nodes == 2:  # the two launchers restart nothing
         faults = [f for f in faults if f != "loader_kill"] or parser.error("loader_kill needs one node")
+    if args.skew and args.nodes != 2:
+        parser.error("--skew needs --nodes 2")
     draw = random.Random(args.seed)
+    library = clock_ahead_library(Path(tempfile.mkdtemp(prefix="traintrace-sweep-clock-"))) if args.skew else None
     wrong = 0
     # Two nodes: the goodput (the ranks' streams only) is checked once the last job is over a minute old. Within
     # a minute a silent rank on another host (node-b is not this machine's name) still counts as running, as it
@@ -237,6 +261,9 @@ def main() -> int:
         elif FAULTS[fault][1] == "RuntimeError" and draw.random() < 0.3:
             extra += ["--linger", draw.choice(["0.5", "2.0"])]
         job = f"{nproc} ranks, {fault} on rank {rank} at step {step}, {' '.join(extra)}"
+        ahead_ns = int(draw.choice([-2.0, -0.5, 0.5, 2.0]) * 1e9) if library else 0
+        if ahead_ns:
+            job += f", node-b's clock {ahead_ns / 1e9:+g} s"
         folder = Path(tempfile.mkdtemp(prefix="traintrace-sweep-"))
         began = time.monotonic()
         try:
@@ -244,7 +271,10 @@ def main() -> int:
             if args.nodes == 1:
                 run = launch(folder, nproc, *faulty, max_restarts=restarts)
             else:
-                run = launch_two_nodes(folder, *faulty)
+                clock = {"LD_PRELOAD": str(library), "CLOCK_AHEAD_NS": str(ahead_ns)}
+                run = launch_two_nodes(folder, *faulty, node_env={"node-b": clock} if ahead_ns else None)
+                if ahead_ns:
+                    marks_on_one_clock(run.truth, "node-b", ahead_ns)
             check(run, fault, rank, step, goodput=args.nodes == 1)
         except Exception:  # an assertion or anything else: the job's answer is wrong
             wrong += 1
