@@ -57,3 +57,47 @@ def test_filters_by_rank_and_time_window(tmp_path: Path) -> None:
     assert all(e["ts"] + e["dur"] >= 2e6 and e["ts"] <= 3e6 for e in xs)
     steps = [e for e in xs if e["name"] == "iteration"]
     assert 0 < len(steps) <= 2 * 12
+
+
+def _steps_as_written(folder: Path) -> dict[tuple[int, int], list[float]]:
+    """The starts of each rank's iterations of a step that ended (one an attempt), µs from the job's first
+    record, read from the files as written. A step written in two (its start, then its end: rank 3's failed
+    one) counts by its start; one never ended (a rank killed in it) is not drawn."""
+    records = [
+        (int(path.stem.removeprefix("rank")), json.loads(line))
+        for path in folder.glob("rank*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    first = min(r["ts"] for _, r in records if isinstance(r.get("ts"), int))
+    ended = {(rank, r["id"]) for rank, r in records if r.get("kind") == "end"}
+    steps: dict[tuple[int, int], list[float]] = {}
+    for rank, r in records:
+        if r.get("name") != "iteration" or "step" not in (r.get("attrs") or {}):
+            continue
+        if r.get("kind") == "span" or (r.get("kind") == "start" and (rank, r["id"]) in ended):
+            steps.setdefault((rank, r["attrs"]["step"]), []).append((r["ts"] - first) / 1000)
+    return {k: sorted(v) for k, v in steps.items()}
+
+
+@pytest.mark.parametrize("ahead_ms", [500, -2000])
+def test_the_timeline_of_hosts_whose_clocks_differ_is_on_one_clock(tmp_path: Path, ahead_ms: int) -> None:
+    """Two hosts of two ranks in lockstep, node1's files rewritten as if its clock ran ahead (or behind): by the
+    raw times its ranks' steps would be drawn half a second after (or 2 s before) the steps they ran with. On
+    the reference host's clock (``errors`` proves the offset), every step is where the files put it before the
+    clock was moved, and a note in the trace's ``otherData`` says so."""
+    from tests.cli_jobs import clock_ahead
+
+    write_job(tmp_path / "job", Script(ranks=4, ranks_per_host=2, straggler=None, fail_rank=3, fail_step=25))
+    truth = _steps_as_written(tmp_path / "job")
+    clock_ahead(tmp_path / "job", [2, 3], ahead_ms * 1_000_000)
+    trace = _export(tmp_path / "job", tmp_path / "trace.json")
+    drawn: dict[tuple[int, int], list[float]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X" and e["name"] == "iteration" and "step" in e["args"]:
+            drawn.setdefault((e["pid"], e["args"]["step"]), []).append(e["ts"])
+    drawn = {k: sorted(v) for k, v in drawn.items()}
+    assert drawn.keys() == truth.keys()
+    assert all(drawn[k] == pytest.approx(truth[k], abs=0.002) for k in truth), [
+        (k, drawn[k], truth[k]) for k in truth if drawn[k] != pytest.approx(truth[k], abs=0.002)
+    ][:5]
+    assert trace["otherData"]["clock_offsets"] == {"reference": "node0", "offsets_s": {"node1": ahead_ms / 1000}}

@@ -5,7 +5,8 @@ so a multi-million-span job exports at the speed of the engine, not of a
 Python loop. One process track per rank (``pid`` = rank), one thread track
 per OS thread, spans as complete (``X``) events, events and errors as
 instant (``i``) events, loss and progress rates as counter (``C``) tracks.
-Times are microseconds from the job's first record.
+Times are microseconds from the job's first record, each host's on the reference
+host's clock where the records prove hosts' clocks apart (``host_clocks``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ._analysis import FIELD_ALIASES, job_bounds, prepare
+from ._analysis import FIELD_ALIASES, job_bounds_on_one_clock, prepare
+from ._diagnosis import host_clocks
 from ._engine import (
     COLUMNS,
     CORE_COLUMNS,
@@ -47,7 +49,11 @@ def export_chrome(
 ) -> dict[str, Any]:
     """Write the trace to ``out``; returns counts of what was written."""
     prepare(job)
-    job_start, job_end = job_bounds(job)
+    job_start, job_end = job_bounds_on_one_clock(job)
+    on_one_clock = _on_one_clock(job)
+    spans_small, iterations, other, stream_facts = (
+        on_one_clock(t) for t in ("spans_small", "iterations", "other", "stream_facts")
+    )
     lo = job_start + int((start_s or 0) * 1e9)
     hi = job_end + 1 if end_s is None else job_start + int(end_s * 1e9)
     rank_filter = ""
@@ -70,20 +76,20 @@ def export_chrome(
                 'dur': round(coalesce(s.dur, greatest(f.end_ts - s.ts, 0)) / 1000.0, 3),
                 'args': json_merge_patch(coalesce(s.attrs, '{{}}'::JSON),
                                          json_object('status', s.status, 'id', s.id))}})
-            FROM spans_small s JOIN stream_facts f USING (stream)
+            FROM {spans_small} s JOIN {stream_facts} f USING (stream)
             WHERE s.name <> 'iteration' AND {span_cond}
         """,
         "iterations": f"""
             SELECT ',' || to_json({{'name': 'iteration', 'cat': 'step', 'ph': 'X', 'pid': rank,
                 'tid': coalesce(tid, 0), 'ts': {us}, 'dur': round(dur / 1000.0, 3),
                 'args': coalesce(attrs, '{{}}'::JSON)}})
-            FROM iterations WHERE {cond}
+            FROM {iterations} WHERE {cond}
         """,
         "loss": f"""
             SELECT ',' || to_json({{'name': 'loss', 'ph': 'C', 'pid': rank,
                 'ts': round((ts + dur - {job_start}) / 1000.0, 3),
                 'args': {{'loss': try_cast(attrs->>'loss' AS DOUBLE)}}}})
-            FROM iterations WHERE {cond} AND isfinite(try_cast(attrs->>'loss' AS DOUBLE))
+            FROM {iterations} WHERE {cond} AND isfinite(try_cast(attrs->>'loss' AS DOUBLE))
         """,
         "instants": f"""
             SELECT ',' || to_json({{'name': name, 'cat': kind, 'ph': 'i', 's': 't', 'pid': {pid},
@@ -91,12 +97,12 @@ def export_chrome(
                 'args': CASE WHEN kind = 'error' THEN json_merge_patch(coalesce(attrs, '{{}}'::JSON),
                     json_object('error_type', error_type, 'message', message, 'stack', stack))
                     ELSE coalesce(attrs, '{{}}'::JSON) END}})
-            FROM (SELECT *, stream_rank AS rank FROM other) WHERE kind IN ('event', 'error') AND {cond}
+            FROM (SELECT *, stream_rank AS rank FROM {other}) WHERE kind IN ('event', 'error') AND {cond}
         """,
         "rates": f"""
             SELECT ',' || to_json({{'name': 'progress', 'ph': 'C', 'pid': rank, 'ts': {us},
                 'args': json_merge_patch('{{}}'::JSON, json_object({counter_args}))}})
-            FROM (SELECT *, stream_rank AS rank, {job.attr_fields("attrs")} AS a FROM other
+            FROM (SELECT *, stream_rank AS rank, {job.attr_fields("attrs")} AS a FROM {other}
                   WHERE kind = 'event' AND name = 'training_iterations')
             WHERE {cond}
         """,
@@ -113,14 +119,18 @@ def export_chrome(
             pieces.append(piece)
         meta = _metadata(job, ranks)
         with out_path.open("wb") as handle:
-            head = {
-                "displayTimeUnit": "ms",
-                "otherData": {
-                    "job": _job_name(job),
-                    "start_ns": job_start,
-                    "source": "traintrace export --format chrome",
-                },
+            other_data: dict[str, Any] = {
+                "job": _job_name(job),
+                "start_ns": job_start,
+                "source": "traintrace export --format chrome",
             }
+            offsets = host_clocks(job)
+            if offsets["offsets_ns"]:  # the times are on this host's clock, each other host's moved by this much
+                other_data["clock_offsets"] = {
+                    "reference": offsets["reference"],
+                    "offsets_s": {h: ns / 1e9 for h, ns in offsets["offsets_ns"].items()},
+                }
+            head = {"displayTimeUnit": "ms", "otherData": other_data}
             handle.write(json.dumps(head)[:-1].encode() + b', "traceEvents": [\n')
             handle.write(",\n".join(json.dumps(m) for m in meta).encode())
             handle.write(b"\n")
@@ -132,6 +142,29 @@ def export_chrome(
     counts["metadata"] = len(meta)
     counts["total"] = sum(counts.values())
     return {"path": str(out_path), "events": counts, "start_ns": job_start}
+
+
+def _on_one_clock(job: Job) -> Any:
+    """A function from a table's name to the relation the export reads: the table itself, or, where hosts'
+    clocks differ, the table with each stream's times moved onto the reference host's clock (a Perfetto
+    timeline of a host 2 s ahead showed its ranks' steps 2 s after the others' they ran with)."""
+    offsets = host_clocks(job)["offsets_ns"]
+    if not offsets:
+        return lambda table: table
+    by_host = " ".join(f"WHEN {sql_string(host)} THEN {int(ns)}" for host, ns in offsets.items())
+    job.con.execute(
+        f"CREATE OR REPLACE TEMP TABLE export_clock AS SELECT stream, CASE host {by_host} ELSE 0 END AS ahead "
+        "FROM streams"
+    )
+    moved = {"stream_facts": "t.end_ts - c.ahead AS end_ts"}
+
+    def relation(table: str) -> str:
+        return (
+            f"(SELECT t.* REPLACE ({moved.get(table, 't.ts - c.ahead AS ts')}) "
+            f"FROM {table} t JOIN export_clock c USING (stream))"
+        )
+
+    return relation
 
 
 def _job_name(job: Job) -> str | None:
