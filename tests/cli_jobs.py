@@ -140,7 +140,17 @@ def clock_ahead(folder: Path, ranks: list[int], ns: int, *, ends_only: bool = Fa
 
 
 def write_framework_job(
-    folder: Path, slow_rank: int, slow_from: int, part: str, *, gather: bool = False, every: int = 1, until: int = 12
+    folder: Path,
+    slow_rank: int,
+    slow_from: int,
+    part: str,
+    *,
+    gather: bool = False,
+    every: int = 1,
+    until: int = 12,
+    ranks: int = 2,
+    wait_in_forward: tuple[int, ...] = (),
+    busy: dict[tuple[int, int], int] | None = None,
 ) -> None:
     """Two ranks of a data-parallel job as the Lightning and Trainer callbacks record it: per step a wait for the
     batch just before the step, then forward, backward and the optimizer's step, no collective recorded; every
@@ -148,17 +158,20 @@ def write_framework_job(
     ``slow_rank`` is 50 ms slower in forward (``part`` "compute") or in its wait (``data_loading``), and the other
     rank waits as long in backward (DDP's all-reduce), or with ``gather`` in a collective inside its own wait (the
     Trainer's token-count gather, which waits for the slow rank's loader). With ``every`` or ``until``, slower at
-    every ``every``-th step from ``slow_from`` only, and before step ``until`` only."""
+    every ``every``-th step from ``slow_from`` only, and before step ``until`` only. With ``ranks``, that many
+    ranks; at the steps in ``wait_in_forward`` the others wait in forward instead (DDP's second step rebuilds its
+    buckets there, a broadcast), each rank after the first 1 ms longer; ``busy`` adds milliseconds to a rank's
+    forward at a step, by (rank, step): a busy host's noise."""
     ms = 1_000_000
     folder.mkdir(parents=True, exist_ok=True)
-    for rank in range(2):
+    for rank in range(ranks):
         lines: list[str] = []
 
         def rec(kind: str, ts: int, out: list[str] = lines, **fields: Any) -> None:
             out.append(json.dumps({"seq": len(out), "kind": kind, "ts": ts, **fields}) + "\n")
 
         start = now = 1_790_000_000 * 10**9
-        rec("header", now, schema="traintrace", schema_version=1, job="framework", rank=rank, world_size=2, pid=9)
+        rec("header", now, schema="traintrace", schema_version=1, job="framework", rank=rank, world_size=ranks, pid=9)
         rec("start", now, name="training_loop", id=1, parent=0, tid=7)
         ids = 2
         for step in range(12):
@@ -173,8 +186,11 @@ def write_framework_job(
                 wait += extra
                 if extra:
                     rec("span", now + ms, name="collective", id=ids + 1, parent=ids, tid=7, dur=extra, status="ok")
+            elif step in wait_in_forward:
+                forward += extra + rank * ms
             else:
                 backward += extra
+            forward += (busy or {}).get((rank, step), 0) * ms
             rec("span", now, name="data_loading", id=ids, parent=1, tid=7, dur=wait, status="ok")
             now += wait
             it, step_ns = ids + 2, forward + backward + ms

@@ -706,12 +706,13 @@ def _intermittent(
 ) -> list[dict[str, Any]]:
     """Ranks whose compute or data loading was slow at some steps only, costing the job a share of its time.
 
-    At each step the slowest rank's part is compared with the other ranks' mean for that step (with two or three
-    ranks, their median, as ``_onset`` compares; a mean is one pass over the steps, a median a sort); a rank's
-    slow steps are those where it was ``threshold`` times that and ``floor`` seconds above it, then only those
-    above half the median excess of its slow steps (noise on a busy machine passes the first bar now and then, a
-    real stall is far above the second). What they held the job up is the sum of those excesses: in a
-    synchronous job the step waits for its slowest rank.
+    At each step the slowest rank's part is compared with the next slowest rank's: without its stall the step
+    would have waited for that one, so what it held the job up is the difference (against the others' mean, two
+    ranks that waited in forward for a third's slow batch, as DDP's second step does when it rebuilds its buckets,
+    made the one of them that waited longer a rank slow in compute). A rank's slow steps are those where it was
+    ``threshold`` times that and ``floor`` seconds above it, then only those above half the median excess of its
+    slow steps (noise on a busy machine passes the first bar now and then, a real stall is far above the
+    second). What they held the job up is the sum of those excesses.
     """
     if training_time <= 0:
         return []
@@ -720,10 +721,14 @@ def _intermittent(
             SELECT 'compute' AS part, restart, k, rank, step, ts, comp AS x FROM step_parts WHERE comp IS NOT NULL
             UNION ALL
             SELECT 'data_loading', restart, k, rank, step, ts, dur FROM loading_parts WHERE dur IS NOT NULL
-        ), s AS (
-            SELECT part, restart, k, arg_max(rank, x) AS who, max(x) AS top, (sum(x) - max(x)) / (count(*) - 1) AS ref,
-                   arg_max(step, x) AS step, arg_max(ts, x) AS ts
+        ), top AS (
+            SELECT part, restart, k, arg_max(rank, x) AS who, max(x) AS top, arg_max(step, x) AS step,
+                   arg_max(ts, x) AS ts
             FROM v GROUP BY part, restart, k HAVING count(*) > 1
+        ), s AS (
+            SELECT t.part, t.restart, t.k, t.who, t.top, max(v.x) AS ref, t.step, t.ts
+            FROM top t JOIN v ON v.part = t.part AND v.restart = t.restart AND v.k = t.k AND v.rank <> t.who
+            GROUP BY t.part, t.restart, t.k, t.who, t.top, t.step, t.ts
         ), f AS (
             SELECT part, who, restart, k, step, ts, top - ref AS e FROM s
             WHERE ref > 0 AND top >= $threshold * ref AND top - ref >= $floor
