@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tests._fault_runs import say_wrong, tally
 from tests.test_diagnosis import (
@@ -45,6 +46,7 @@ from tests.test_diagnosis import (
     fault_step_of,
     first_non_finite_loss,
     launch,
+    steps_by_marks,
     two_nodes,
 )
 from traintrace.cli._engine import RECENT_S
@@ -96,19 +98,39 @@ IN_VALIDATION = ("validation", "hang_validation")
 BEFORE_LOOP = ("model_init", "hang_init")
 
 
+def check_others(run: Run, errors: dict[str, Any], culprit: int) -> None:
+    """Every other rank's step in the failed attempt, as the answer gives it, is where its own marks say it was:
+    the last step it began, or the next one if it had ended a step and was preparing the next (outside the loop
+    after its last step: that step)."""
+    restart = errors["culprit"]["restart"]
+    for state in errors["rank_states"]:
+        if state["rank"] == culprit or state["restart"] != restart or state["step"] is None:
+            continue
+        marks = [m for m in run.marks()[state["rank"]] if m["restart"] == restart]
+        if not any(m["event"] in ("step_start", "step_leaving", "step_end") for m in marks):
+            continue
+        if state["after_loop"]:  # outside the loop once steps had run: the last step it completed
+            allowed = {max(m["step"] for m in marks if m["event"] == "step_end")}
+        else:
+            allowed = steps_by_marks(marks, killed=True)
+        assert state["step"] in allowed, (state["rank"], state["step"], state["doing"], allowed, errors["verdict"])
+
+
 def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> None:
     phase, cause, failed = FAULTS[fault]
     if fault in ("exit", "sys_exit", "hang_in_checkpoint"):
         mark = fault_step_of(run, rank)
         said = f"exit code {mark['exit_code']}" if "exit_code" in mark else cause
-        check_culprit(run, rank, mark["step"], str(phase), said)
+        check_others(run, check_culprit(run, rank, mark["step"], str(phase), said), rank)
     elif fault == "after_loop":
         mark = fault_step_of(run, rank)
         last = max(m["step"] for m in run.marks()[rank] if m["event"] == "step_end" and m["ts"] < mark["ts"])
         errors = check_culprit(run, rank, last, str(phase), cause)
         assert errors["culprit"]["after_loop"], errors["verdict"]
+        check_others(run, errors, rank)
     elif phase is not None:
         errors = check_culprit(run, rank, None if fault in BEFORE_LOOP else step, phase, cause)
+        check_others(run, errors, rank)
         if fault in ("freeze", "gil_stuck"):
             assert errors["rule"] == "stopped responding", errors["verdict"]
         if fault == "hang_init":
