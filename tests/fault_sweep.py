@@ -48,6 +48,7 @@ from tests.test_diagnosis import (
     launch,
     steps_by_marks,
     two_nodes,
+    unrecorded_share,
 )
 from traintrace.cli._engine import RECENT_S
 
@@ -94,11 +95,20 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
 IN_SAVE = ("checkpoint", "hang_in_checkpoint", "kill_in_checkpoint", "async_save")
 #: Faults in a validation pass.
 IN_VALIDATION = ("validation", "hang_validation")
+#: Faults that end the process, or stop it, before its writer flushes: its last flush interval of records may be
+#: missing (docs/analysis.md, "Goodput").
+UNFLUSHED = ("sigkill", "sigsegv", "kill_in_checkpoint", "freeze", "gil_stuck")
 #: Faults before the first step: no step to draw.
 BEFORE_LOOP = ("model_init", "hang_init")
 
 
-def check_others(run: Run, errors: dict[str, Any], culprit: int) -> None:
+#: Faults inside a step after which every other rank waits in (or fails out of) that step's gradient all-reduce, or
+#: the next step's when the culprit got past it: in backward, where DDP runs it.
+IN_STEP = ("data", "forward", "backward", "optimizer", "iteration", "sigkill", "sigsegv", "exit", "sys_exit")
+IN_STEP_HANGS = ("hang_compute", "hang_data", "freeze", "gil_stuck")
+
+
+def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = "") -> None:
     """Every other rank's step in the failed attempt, as the answer gives it, is where its own marks say it was:
     the last step it began, or the next one if it had ended a step and was preparing the next (outside the loop
     after its last step: that step)."""
@@ -114,6 +124,8 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int) -> None:
         else:
             allowed = steps_by_marks(marks, killed=True)
         assert state["step"] in allowed, (state["rank"], state["step"], state["doing"], allowed, errors["verdict"])
+        if fault in IN_STEP + IN_STEP_HANGS:
+            assert state["phase"] == "model_backward", (state["rank"], state["doing"], errors["verdict"])
 
 
 def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> None:
@@ -121,7 +133,7 @@ def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> N
     if fault in ("exit", "sys_exit", "hang_in_checkpoint"):
         mark = fault_step_of(run, rank)
         said = f"exit code {mark['exit_code']}" if "exit_code" in mark else cause
-        check_others(run, check_culprit(run, rank, mark["step"], str(phase), said), rank)
+        check_others(run, check_culprit(run, rank, mark["step"], str(phase), said), rank, fault)
     elif fault == "after_loop":
         mark = fault_step_of(run, rank)
         last = max(m["step"] for m in run.marks()[rank] if m["event"] == "step_end" and m["ts"] < mark["ts"])
@@ -130,7 +142,7 @@ def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> N
         check_others(run, errors, rank)
     elif phase is not None:
         errors = check_culprit(run, rank, None if fault in BEFORE_LOOP else step, phase, cause)
-        check_others(run, errors, rank)
+        check_others(run, errors, rank, fault)
         if fault in ("freeze", "gil_stuck"):
             assert errors["rule"] == "stopped responding", errors["verdict"]
         if fault == "hang_init":
@@ -193,7 +205,12 @@ def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> N
         errors = run.cli("errors")
         assert errors["status"] != "failed", errors["verdict"]
     if goodput:
-        check_goodput(run, failed=failed)
+        check_goodput(run, failed=failed, unrecorded=unrecorded(run, fault, rank))
+
+
+def unrecorded(run: Run, fault: str, rank: int) -> float:
+    """The goodput the docs allow to be missing: a killed or frozen rank's last flush interval of records."""
+    return unrecorded_share(run, [rank], FAULTS[fault][2]) if fault in UNFLUSHED else 0.0
 
 
 def launch_two_nodes(
@@ -244,7 +261,7 @@ def main() -> int:
     # Two nodes: the goodput (the ranks' streams only) is checked once the last job is over a minute old. Within
     # a minute a silent rank on another host (node-b is not this machine's name) still counts as running, as it
     # would (docs/analysis.md, "Running jobs"); the launchers' streams, which say it ended, are left out there.
-    later: list[tuple[str, Path, Run, bool]] = []
+    later: list[tuple[str, Path, Run, bool, str, int]] = []
     for _ in range(args.jobs):
         nproc = draw.choice([2, 3, 4]) if args.nodes == 1 else 4
         fault = draw.choice(faults)
@@ -303,7 +320,7 @@ def main() -> int:
             say_wrong(job, folder)
             continue
         if args.nodes == 2:
-            later.append((job, folder, run, FAULTS[fault][2]))
+            later.append((job, folder, run, FAULTS[fault][2], fault, rank))
             print(f"right so far {job} ({time.monotonic() - began:.0f} s)", flush=True)
             continue
         print(f"right {job} ({time.monotonic() - began:.0f} s)", flush=True)
@@ -311,9 +328,9 @@ def main() -> int:
             shutil.rmtree(folder, ignore_errors=True)
     if later:
         time.sleep(RECENT_S + 1)
-    for job, folder, run, failed in later:
+    for job, folder, run, failed, fault, rank in later:
         try:
-            check_goodput(run, failed=failed)
+            check_goodput(run, failed=failed, unrecorded=unrecorded(run, fault, rank))
         except Exception:  # as above
             wrong += 1
             say_wrong(job, folder)

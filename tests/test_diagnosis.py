@@ -185,14 +185,45 @@ def check_steps(run: Run, summary: dict[str, Any], failed: bool) -> None:
     assert (summary["steps_completed"], summary["steps_lost"]) == (completed, max(lost.values())), (completed, lost)
 
 
-def check_goodput(run: Run, failed: bool = True) -> dict[str, Any]:
-    """Goodput over the ranks' streams within one point of the truth; the categories add up to the wall time."""
+#: The worker's flush interval (its ``--flush-interval`` default): what a killed or frozen rank's file may lack.
+FLUSH_S = 0.1
+
+
+def unrecorded_share(run: Run, ranks: list[int], failed: bool = True, flush_s: float = FLUSH_S) -> float:
+    """The goodput the docs allow to be missing when ``ranks`` were killed or froze (docs/analysis.md, "Goodput":
+    such a rank loses its last flush interval of records): the kept steps each completed within ``flush_s`` of
+    its last mark, over the ranks and the marks' wall time, as ``truth_goodput`` counts them."""
+    marks = run.marks()
+    every = [m for ms in marks.values() for m in ms]
+    start = min(m["ts"] for m in every if m["event"] == "process_start")
+    end = max(m["ts"] for m in every)
+    kept = truth_kept(run, failed)
+    missing = 0
+    for rank in ranks:
+        ms = marks[rank]
+        last = ms[-1]["ts"]
+        starts = {(m["restart"], m["step"]): m["ts"] for m in ms if m["event"] == "step_start"}
+        for m in ms:
+            key = (m["restart"], m["step"]) if m["event"] == "step_end" else None
+            if key and (rank, *key) in kept and m["ts"] >= last - flush_s * 1e9:
+                missing += m["ts"] - starts[key]
+    return missing / len(marks) / (end - start)
+
+
+def check_goodput(run: Run, failed: bool = True, unrecorded: float = 0.0) -> dict[str, Any]:
+    """Goodput over the ranks' streams within one point of the truth; the categories add up to the wall time.
+    ``unrecorded``: what the docs allow to be missing below the truth (``unrecorded_share``)."""
     summary = run.cli("summary", ranks_only=True)
     truth = truth_goodput(run, failed)
-    print(f"goodput {summary['goodput'] * 100:.2f}% truth {truth * 100:.2f}% wall {summary['wall_s']:.2f} s")
-    assert abs(summary["goodput"] - truth) <= 0.01, (summary["goodput"], truth, summary["breakdown_s"])
+    low = truth - unrecorded
+    print(
+        f"goodput {summary['goodput'] * 100:.2f}% truth {truth * 100:.2f}%"
+        + (f" (down to {low * 100:.2f}% with a killed rank's last flush interval)" if unrecorded else "")
+        + f" wall {summary['wall_s']:.2f} s"
+    )
+    assert low - 0.01 <= summary["goodput"] <= truth + 0.01, (summary["goodput"], truth, summary["breakdown_s"])
     # Most of a short test job is start-up, so one point is loose: the productive time must match too.
-    assert abs(summary["goodput"] - truth) <= 0.05 * truth + 0.002, (summary["goodput"], truth)
+    assert low - 0.05 * low - 0.002 <= summary["goodput"] <= truth + 0.05 * truth + 0.002, (summary["goodput"], truth)
     assert sum(summary["breakdown_s"].values()) == pytest.approx(summary["wall_s"], rel=1e-9)
     check_steps(run, summary, failed)
     return summary
@@ -331,7 +362,7 @@ def test_a_rank_killed_by_a_signal(tmp_path: Path, fault: str, sig: str) -> None
     assert errors["culprit"]["state"] == "killed"
     if sig == "SIGSEGV":  # faulthandler's Python stack of the crash, read beside the stream
         assert "diag_worker.py" in errors["culprit"]["fault_stacks"]
-    check_goodput(run)
+    check_goodput(run, unrecorded=unrecorded_share(run, [1]))
 
 
 def test_a_rank_out_of_memory(tmp_path: Path) -> None:
