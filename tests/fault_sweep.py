@@ -95,9 +95,9 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
 IN_SAVE = ("checkpoint", "hang_in_checkpoint", "kill_in_checkpoint", "async_save")
 #: Faults in a validation pass.
 IN_VALIDATION = ("validation", "hang_validation")
-#: Faults that end the process, or stop it, before its writer flushes: its last flush interval of records may be
-#: missing (docs/analysis.md, "Goodput").
-UNFLUSHED = ("sigkill", "sigsegv", "kill_in_checkpoint", "freeze", "gil_stuck")
+#: Faults that end the process (a signal, ``os._exit``), or stop it, before its writer flushes: its last flush
+#: interval of records may be missing (docs/analysis.md, "Goodput").
+UNFLUSHED = ("sigkill", "sigsegv", "kill_in_checkpoint", "exit", "freeze", "gil_stuck")
 #: Faults before the first step: no step to draw.
 BEFORE_LOOP = ("model_init", "hang_init")
 
