@@ -629,18 +629,23 @@ def test_ranks_names_a_rank_slow_at_some_steps_only(
     assert f"{len(slow_steps)} steps, {slow_steps[0]} to {slow_steps[-1]}" in text
 
 
-def test_ranks_does_not_name_a_rank_that_waited_in_forward_for_a_slow_batch(tmp_path: Path) -> None:
-    """Three ranks; rank 2 fetches its batch 50 ms late every third step from step 1. The others wait for it in
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_does_not_name_a_rank_that_waited_in_forward_for_a_slow_batch(tmp_path: Path, ranks: int) -> None:
+    """The last rank fetches its batch 50 ms late every third step from step 1. The others wait for it in
     backward (DDP's all-reduce), but at step 1 in forward: DDP's second step rebuilds its buckets there, a
-    broadcast (a real Lightning job's ranks 0 and 1 spent 66 and 68 ms in forward at step 1 while rank 2 loaded
-    its batch). With a busy host's 6 ms at two more of rank 1's steps, rank 1, which waited 1 ms longer, read
-    as slow in compute at 3 steps: its waits were compared with the mean of rank 0's wait and rank 2's short
-    forward. Only rank 2 is named, with the steps the script slowed."""
-    busy = {(1, 0): 6, (1, 5): 6}
-    write_framework_job(tmp_path / "job", 2, 1, "data_loading", every=3, ranks=3, wait_in_forward=(1,), busy=busy)
+    broadcast (a real 3-rank Lightning job's ranks 0 and 1 spent 66 and 68 ms in forward at step 1 while rank 2
+    loaded its batch). With a busy host's 6 ms at two more of a waiting rank's steps, that rank read as slow in
+    compute at 3 steps: with three ranks, rank 1, which waited 1 ms longer than rank 0, as its part was compared
+    with the mean of rank 0's wait and rank 2's short forward; with two, rank 0, its wait in forward taken for
+    its own work. Only the late rank is named, with the steps the script slowed."""
+    late, waiting = ranks - 1, ranks - 2
+    busy = {(waiting, 0): 6, (waiting, 5): 6}
+    write_framework_job(
+        tmp_path / "job", late, 1, "data_loading", every=3, ranks=ranks, wait_in_forward=(1,), busy=busy
+    )
     r = _analysis.ranks(_open(tmp_path / "job"))
-    assert r["stragglers"] == [2], (r["stragglers"], r["notes"])
-    slow = next(x for x in r["ranks"] if x["rank"] == 2)
+    assert r["stragglers"] == [late], (r["stragglers"], r["notes"])
+    slow = next(x for x in r["ranks"] if x["rank"] == late)
     assert (slow["slow_in"], slow["slow_since_step"], slow["slow_steps"], slow.get("slow_every")) == (
         "data_loading",
         1,

@@ -712,7 +712,8 @@ def _intermittent(
     made the one of them that waited longer a rank slow in compute). A rank's slow steps are those where it was
     ``threshold`` times that and ``floor`` seconds above it, then only those above half the median excess of its
     slow steps (noise on a busy machine passes the first bar now and then, a real stall is far above the
-    second). What they held the job up is the sum of those excesses.
+    second). A rank's slow compute at a step where another rank fetched its batch late by half as much or more
+    is not its own: it waited in forward for that batch. What they held the job up is the sum of those excesses.
     """
     if training_time <= 0:
         return []
@@ -729,9 +730,15 @@ def _intermittent(
             SELECT t.part, t.restart, t.k, t.who, t.top, max(v.x) AS ref, t.step, t.ts
             FROM top t JOIN v ON v.part = t.part AND v.restart = t.restart AND v.k = t.k AND v.rank <> t.who
             GROUP BY t.part, t.restart, t.k, t.who, t.top, t.step, t.ts
-        ), f AS (
+        ), slow AS (
             SELECT part, who, restart, k, step, ts, top - ref AS e FROM s
             WHERE ref > 0 AND top >= $threshold * ref AND top - ref >= $floor
+        ), f AS (
+            -- Compute that waited: at a step another rank fetched its batch late by half as much or more, a
+            -- collective in forward (DDP's second step rebuilds its buckets there) waited for that batch.
+            SELECT * FROM slow c WHERE c.part <> 'compute' OR NOT EXISTS (
+                SELECT 1 FROM slow d WHERE d.part = 'data_loading' AND d.restart = c.restart AND d.step = c.step
+                  AND d.who <> c.who AND d.e * 2 >= c.e)
         ), b AS (
             SELECT part, who, median(e) / 2 AS bar FROM f GROUP BY part, who
         ), kept AS (
