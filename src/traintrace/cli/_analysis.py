@@ -717,19 +717,24 @@ def _intermittent(
     """
     if training_time <= 0:
         return []
-    kept_sql = """
+    # Each step's slowest rank and the next slowest, per part: one pass, kept for the two queries below.
+    job.con.execute(
+        """
+        CREATE TEMP TABLE IF NOT EXISTS step_tops AS
         WITH v AS (
             SELECT 'compute' AS part, restart, k, rank, step, ts, comp AS x FROM step_parts WHERE comp IS NOT NULL
             UNION ALL
             SELECT 'data_loading', restart, k, rank, step, ts, dur FROM loading_parts WHERE dur IS NOT NULL
-        ), top AS (
-            SELECT part, restart, k, arg_max(rank, x) AS who, max(x) AS top, arg_max(step, x) AS step,
-                   arg_max(ts, x) AS ts
-            FROM v GROUP BY part, restart, k HAVING count(*) > 1
-        ), s AS (
-            SELECT t.part, t.restart, t.k, t.who, t.top, max(v.x) AS ref, t.step, t.ts
-            FROM top t JOIN v ON v.part = t.part AND v.restart = t.restart AND v.k = t.k AND v.rank <> t.who
-            GROUP BY t.part, t.restart, t.k, t.who, t.top, t.step, t.ts
+        )
+        -- max(x, 2): the two largest, as a list (1-based): the slowest rank's and the next slowest's.
+        SELECT part, restart, k, arg_max(rank, x) AS who, max(x) AS top, max(x, 2)[2] AS ref,
+               arg_max(step, x) AS step, arg_max(ts, x) AS ts
+        FROM v GROUP BY part, restart, k HAVING count(*) > 1
+        """
+    )
+    kept_sql = """
+        WITH s AS (
+            SELECT * FROM step_tops
         ), slow AS (
             SELECT part, who, restart, k, step, ts, top - ref AS e FROM s
             WHERE ref > 0 AND top >= $threshold * ref AND top - ref >= $floor

@@ -134,6 +134,11 @@ def _spark_functions(node: Any) -> Any:
         return exp.Anonymous(this="percentile", expressions=[node.this, node.expression])
     if isinstance(node, exp.Median):
         return exp.Anonymous(this="percentile", expressions=[node.this, exp.Literal.number(0.5)])
+    # max(x, n): the n largest, in descending order.
+    if isinstance(node, exp.Max) and node.args.get("count") is not None:
+        listed = exp.Anonymous(this="collect_list", expressions=[node.this])
+        ordered = exp.Anonymous(this="sort_array", expressions=[listed, exp.false()])
+        return exp.Anonymous(this="slice", expressions=[ordered, exp.Literal.number(1), node.args["count"]])
     return node
 
 
