@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,7 @@ def export_chrome(
     return {"path": str(out_path), "events": counts, "start_ns": job_start}
 
 
-def _on_one_clock(job: Job) -> Any:
+def _on_one_clock(job: Job) -> Callable[[str], str]:
     """A function from a table's name to the relation the export reads: the table itself, or, where hosts'
     clocks differ, the table with each stream's times moved onto the reference host's clock (a Perfetto
     timeline of a host 2 s ahead showed its ranks' steps 2 s after the others' they ran with)."""
