@@ -157,21 +157,30 @@ def truth_kept(run: Run, failed: bool) -> set[tuple[int, int, int]]:
     return kept
 
 
-def truth_goodput(run: Run, failed: bool) -> float:
-    """Productive step time per rank (the steps of ``truth_kept``) over the ranks' wall time, from the
-    worker's own marks."""
+def kept_step_times(run: Run, failed: bool) -> tuple[dict[int, list[tuple[int, int]]], int]:
+    """Each rank's steps of ``truth_kept`` as (end, duration), and the ranks' wall time, from the worker's own
+    marks."""
     marks = run.marks()
     every = [m for ms in marks.values() for m in ms]
     start = min(m["ts"] for m in every if m["event"] == "process_start")
     end = max(m["ts"] for m in every)
     kept = truth_kept(run, failed)
-    productive = 0
+    steps: dict[int, list[tuple[int, int]]] = {}
     for rank, ms in marks.items():
         starts = {(m["restart"], m["step"]): m["ts"] for m in ms if m["event"] == "step_start"}
-        for m in ms:
-            if m["event"] == "step_end" and (rank, m["restart"], m["step"]) in kept:
-                productive += m["ts"] - starts[m["restart"], m["step"]]
-    return productive / len(marks) / (end - start)
+        steps[rank] = [
+            (m["ts"], m["ts"] - starts[m["restart"], m["step"]])
+            for m in ms
+            if m["event"] == "step_end" and (rank, m["restart"], m["step"]) in kept
+        ]
+    return steps, end - start
+
+
+def truth_goodput(run: Run, failed: bool) -> float:
+    """Productive step time per rank (the steps of ``truth_kept``) over the ranks' wall time, from the
+    worker's own marks."""
+    steps, wall = kept_step_times(run, failed)
+    return sum(d for kept in steps.values() for _, d in kept) / len(steps) / wall
 
 
 def check_steps(run: Run, summary: dict[str, Any], failed: bool) -> None:
@@ -193,21 +202,13 @@ def unrecorded_share(run: Run, ranks: list[int], failed: bool = True, flush_s: f
     """The goodput the docs allow to be missing when ``ranks`` were killed or froze (docs/analysis.md, "Goodput":
     such a rank loses its last flush interval of records): the kept steps each completed within ``flush_s`` of
     its last mark, over the ranks and the marks' wall time, as ``truth_goodput`` counts them."""
+    steps, wall = kept_step_times(run, failed)
     marks = run.marks()
-    every = [m for ms in marks.values() for m in ms]
-    start = min(m["ts"] for m in every if m["event"] == "process_start")
-    end = max(m["ts"] for m in every)
-    kept = truth_kept(run, failed)
     missing = 0
     for rank in ranks:
-        ms = marks[rank]
-        last = ms[-1]["ts"]
-        starts = {(m["restart"], m["step"]): m["ts"] for m in ms if m["event"] == "step_start"}
-        for m in ms:
-            key = (m["restart"], m["step"]) if m["event"] == "step_end" else None
-            if key and (rank, *key) in kept and m["ts"] >= last - flush_s * 1e9:
-                missing += m["ts"] - starts[key]
-    return missing / len(marks) / (end - start)
+        last = marks[rank][-1]["ts"]
+        missing += sum(d for ended, d in steps[rank] if ended >= last - flush_s * 1e9)
+    return missing / len(steps) / wall
 
 
 def check_goodput(run: Run, failed: bool = True, unrecorded: float = 0.0) -> dict[str, Any]:
