@@ -408,6 +408,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     # A save is I/O: a busy disk moves it by milliseconds. Slower by less than one median step is not a straggler
     # (a real job's healthy rank read 7.3 ms against the others' 5.1 under load).
     floors = dict.fromkeys(SLOW_PARTS, floor) | {"checkpoint_save": max(floor, job_median or 0.0)}
+    partial: set[int] = set()  # stragglers by their medians whose slow-down is stalls at some steps (_onset)
     for r in rows:
         mine = parts.get(r["rank"], {})
         excess: dict[str, float] = {}
@@ -427,6 +428,8 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
             if onset or part not in ALIGNED_PARTS:
                 r["slow_in"] = part
                 r["excess_s"] = excess[part]
+                if onset.pop("_partial", False):
+                    partial.add(r["rank"])
                 r.update(onset)
                 break
         r["straggler"] = "slow_in" in r
@@ -442,22 +445,27 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         _intermittent(
             job, ranks=list(by_rank), threshold=threshold, floor=floor, training_time=training_time, start=start
         )
-        if above_median >= INTERMITTENT_SHARE / 2 * training_time
+        if above_median >= INTERMITTENT_SHARE / 2 * training_time or partial
         else []
     )
     for found in held_up:
-        if found["rank"] not in by_rank or by_rank[found["rank"]]["straggler"]:
+        r = by_rank.get(found["rank"], {})
+        # A straggler by its medians whose slow-down is stalls at some steps: its stalls are the answer (a real
+        # Lightning job's rank, slow every other step, read "slow since step 6" on a busy host, its other steps
+        # 2 ms slower than the other rank's).
+        also = r.get("straggler") and r["rank"] in partial and r["slow_in"] == found["slow_in"]
+        if not r or (r["straggler"] and not also):
             continue
-        r = by_rank[found["rank"]]
         r.update({k: v for k, v in found.items() if k != "rank"})
-        r["excess_s"] = found["lost_s"] / max(r["steps"], 1)
+        if not also:
+            r["excess_s"] = found["lost_s"] / max(r["steps"], 1)
         r["straggler"] = True
         every = f", every {_ordinal(found['slow_every'])} step" if found.get("slow_every") else ""
+        medians = "its medians are slower too" if also else "its medians are the others'"
         notes.append(
             f"rank {r['rank']} was slow in {found['slow_in']} at {found['slow_steps']} of its {r['steps']} steps "
             f"only (steps {found['slow_since_step']} to {found['slow_until_step']}{every}), which held the job up "
-            f"{found['lost_s']:.3g} s, {found['lost_s'] / training_time:.0%} of its training time: its medians are "
-            "the others'"
+            f"{found['lost_s']:.3g} s, {found['lost_s'] / training_time:.0%} of its training time: {medians}"
         )
     # Windows: each rank's median step time outside collectives per time window, relative to the other
     # ranks' median in that window.
@@ -849,6 +857,9 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
         "slow_since_ns": int(ts),
         "slow_since_s": (int(ts) - start) / NS,
         "slow_since_restart": int(restart),
+        # Far above the halfway bar at fewer than ONSET_SHARE of the steps from the onset on: stalls at some steps,
+        # which a busy host's smaller slow-down at the others made pass the first look.
+        "_partial": sum(refined[at:]) < ONSET_SHARE * (len(refined) - at),
     }
 
 
