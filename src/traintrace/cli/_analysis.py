@@ -852,14 +852,18 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
         at = second
     restart, k, _, _, ts, step = rows[at]
     start = job_bounds(job)[0]
+    # Stalls at some steps, which a busy host's smaller slow-down at the others made pass the first look: from the
+    # onset on, fewer than ONSET_SHARE of the steps are at least half the median excess of its slow steps (the
+    # halfway bar above misses it when the stalls are fewer than half the steps: its upper level is then noise).
+    stalls = [e for e, slow in zip(excess[at:], flags[at:], strict=True) if slow and e is not None]
+    stall_bar = max(floor_ns, _median(stalls) / 2 if stalls else 0.0)
+    partial = sum(e is not None and e >= stall_bar for e in excess[at:]) < ONSET_SHARE * (len(excess) - at)
     return {
         "slow_since_step": int(step) if step is not None else int(k) - 1,
         "slow_since_ns": int(ts),
         "slow_since_s": (int(ts) - start) / NS,
         "slow_since_restart": int(restart),
-        # Far above the halfway bar at fewer than ONSET_SHARE of the steps from the onset on: stalls at some steps,
-        # which a busy host's smaller slow-down at the others made pass the first look.
-        "_partial": sum(refined[at:]) < ONSET_SHARE * (len(refined) - at),
+        "_partial": partial,
     }
 
 
