@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +107,19 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
         seen = (culprit.get("slow_until_step"), culprit.get("slow_steps"), culprit.get("slow_every"))
         assert seen == (delayed[-1], len(delayed), steps_every), (seen, delayed)
     return data
+
+
+@contextlib.contextmanager
+def busy_host(processes: int) -> Iterator[None]:
+    """``processes`` Python processes spinning on the CPU while the block runs: a busy host, as CI's is while its
+    other tests run beside a job (real stragglers' answers there have differed from a quiet machine's)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def say_wrong(job: object, folder: Path) -> None:

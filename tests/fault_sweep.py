@@ -20,9 +20,10 @@ part and its first slow step (and, slow at some steps only, its last and how man
 goodput within a point of the marks' and the steps completed and lost. With ``--nodes 2 --skew``, node-b's
 launcher and workers read their wall clock ahead of node-a's or behind (0.5 or 2 s, drawn; tests/clock_ahead.c
 preloaded, as NTP off on one node): the answers must be the same, and the workers' marks from node-b are moved back
-onto node-a's clock by the offset the sweep gave before they are compared. A line per job;
-the exit status is the number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a 2-core
-machine (40 s for a process that stops responding): not part of the suite, whose fixed cases cover every fault.
+onto node-a's clock by the offset the sweep gave before they are compared. With ``--busy N``, N processes spin on
+the CPU beside the jobs: a busy host, as CI's is while its other tests run. A line per job; the exit status is the
+number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a 2-core machine (40 s for a
+process that stops responding): not part of the suite, whose fixed cases cover every fault.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests._fault_runs import say_wrong, tally
+from tests._fault_runs import busy_host, say_wrong, tally
 from tests.test_diagnosis import (
     Run,
     check_culprit,
@@ -245,6 +246,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep every job's folder (a wrong one's is always kept)")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two launchers of 2 ranks each")
     parser.add_argument("--skew", action="store_true", help="with --nodes 2: node-b's clock ahead or behind")
+    parser.add_argument("--busy", type=int, default=0, help="that many processes spinning beside the jobs")
     parser.add_argument("--faults", default="", help=f"comma-separated, to draw from these only: {', '.join(FAULTS)}")
     args = parser.parse_args()
     faults = sorted(FAULTS) if not args.faults else sorted(args.faults.split(","))
@@ -255,6 +257,12 @@ def main() -> int:
         faults = [f for f in faults if f != "loader_kill"] or parser.error("loader_kill needs one node")
     if args.skew and args.nodes != 2:
         parser.error("--skew needs --nodes 2")
+    with busy_host(args.busy):
+        return sweep(args, faults)
+
+
+def sweep(args: argparse.Namespace, faults: list[str]) -> int:
+    """The jobs ``args`` ask for, each with a fault drawn from ``faults``; the number of wrong answers."""
     draw = random.Random(args.seed)
     library = clock_ahead_library(Path(tempfile.mkdtemp(prefix="traintrace-sweep-clock-"))) if args.skew else None
     wrong = 0

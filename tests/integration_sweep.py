@@ -16,7 +16,8 @@ its progress file and the spans the callback ends, not from spans opened around 
 worker does. Checked: ``errors``
 names the faulty rank, the step and phase the script's own truth (``fault.json``, ``started<rank>.txt``, the losses,
 written without traintrace) says, and the cause; the status; every other rank in the verdict; for a straggler,
-``ranks`` names it alone, the part and the step its script's notes give (``steps<rank>.jsonl``). A line per job; the
+``ranks`` names it alone, the part and the step its script's notes give (``steps<rank>.jsonl``). With ``--busy N``,
+N processes spin on the CPU beside the jobs: a busy host, as CI's is while its other tests run. A line per job; the
 exit status is the number of jobs whose answer was wrong (at most 99). 10 to 40 s a job on a 2-core machine: not
 part of the suite, whose fixed cases (tests/test_integrations_lightning.py, tests/test_integrations_transformers.py)
 cover the exception, the data faults and the overflow.
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests._fault_runs import answers, check_straggler, child_env, say_wrong, tally
+from tests._fault_runs import answers, busy_host, check_straggler, child_env, say_wrong, tally
 
 HERE = Path(__file__).resolve().parent
 LIGHTNING_STEPS_PER_EPOCH = 4
@@ -275,6 +276,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=10)
     parser.add_argument("--framework", choices=(*FRAMEWORKS, "both"), default="both")
     parser.add_argument("--keep", action="store_true", help="keep every job's folder (a wrong one's is always kept)")
+    parser.add_argument("--busy", type=int, default=0, help="that many processes spinning beside the jobs")
     parser.add_argument("--modes", default="", help=f"comma-separated, to draw from these only: {', '.join(PHASES)}")
     args = parser.parse_args()
     modes = list(PHASES) if not args.modes else args.modes.split(",")
@@ -285,6 +287,12 @@ def main() -> int:
     frameworks = [f for f in frameworks if set(modes) & set(FRAMEWORKS[f].modes)]
     if not frameworks:
         parser.error("no framework has those modes")
+    with busy_host(args.busy):
+        return sweep(args, frameworks, modes)
+
+
+def sweep(args: argparse.Namespace, frameworks: list[str], modes: list[str]) -> int:
+    """The jobs ``args`` ask for, of ``frameworks`` with a fault drawn from ``modes``; the number of wrong answers."""
     draw = random.Random(args.seed)
     wrong = 0
     for _ in range(args.jobs):
