@@ -103,7 +103,9 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
     gaps = [b - a for a, b in itertools.pairwise(delayed)]
     common = max(set(gaps), key=gaps.count) if gaps else 1
     steps_every = common if common >= 2 and gaps.count(common) >= 0.75 * len(gaps) else None
-    if every > 1 or "slow_until_step" in culprit:
+    # Every step from the first delayed one on (a loader's every other batch, two batches a step): a steady straggler.
+    steady = delayed == list(range(delayed[0], max(n["step"] for n in notes[truth["rank"]]) + 1)) if delayed else False
+    if (every > 1 and not steady) or "slow_until_step" in culprit:
         seen = (culprit.get("slow_until_step"), culprit.get("slow_steps"), culprit.get("slow_every"))
         assert seen == (delayed[-1], len(delayed), steps_every), (seen, delayed)
     return data

@@ -151,6 +151,7 @@ def write_framework_job(
     ranks: int = 2,
     wait_in_forward: tuple[int, ...] = (),
     busy: dict[tuple[int, int], int] | None = None,
+    at: tuple[int, ...] = (),
 ) -> None:
     """Two ranks of a data-parallel job as the Lightning and Trainer callbacks record it: per step a wait for the
     batch just before the step, then forward, backward and the optimizer's step, no collective recorded; every
@@ -161,7 +162,7 @@ def write_framework_job(
     every ``every``-th step from ``slow_from`` only, and before step ``until`` only. With ``ranks``, that many
     ranks; at the steps in ``wait_in_forward`` the others wait in forward instead (DDP's second step rebuilds its
     buckets there, a broadcast), each rank after the first 1 ms longer; ``busy`` adds milliseconds to a rank's
-    forward at a step, by (rank, step): a busy host's noise."""
+    forward at a step, by (rank, step): a busy host's noise. With ``at``, slower at those steps only."""
     ms = 1_000_000
     folder.mkdir(parents=True, exist_ok=True)
     for rank in range(ranks):
@@ -175,7 +176,7 @@ def write_framework_job(
         rec("start", now, name="training_loop", id=1, parent=0, tid=7)
         ids = 2
         for step in range(12):
-            slow = slow_from <= step < until and (step - slow_from) % every == 0
+            slow = step in at if at else slow_from <= step < until and (step - slow_from) % every == 0
             extra = 50 * ms if slow else 0
             wait, forward, backward = 2 * ms, 3 * ms, 4 * ms
             if rank == slow_rank and part == "compute":

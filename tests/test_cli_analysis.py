@@ -680,6 +680,24 @@ def test_ranks_describes_stalls_at_some_steps_of_a_rank_whose_medians_are_slower
     assert any(n.startswith(said) and n.endswith("its medians are slower too") for n in r["notes"]), r["notes"]
 
 
+def test_ranks_names_a_rank_slow_at_more_than_half_its_steps_not_in_a_row(tmp_path: Path) -> None:
+    """Rank 1 fetches its batch 50 ms late at steps 3, 5, 6, 8, 9 and 11: half its steps, not one run from some
+    step on (a real Trainer job, two batches a step and every third batch slow on a busy host, was slow at steps
+    3, 5, 6, 8, 9, 11, 12 and 14 of 15). Its median wait is a slow step's, so the steady test finds it but no step
+    from which it stayed slow, and its waits do not sum above its median times its steps; it read ``no
+    stragglers``. It is named with the steps the script slowed."""
+    slow_at = (3, 5, 6, 8, 9, 11)
+    write_framework_job(tmp_path / "job", 1, 3, "data_loading", at=slow_at)
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [1], (r["stragglers"], r["notes"])
+    slow = next(x for x in r["ranks"] if x["rank"] == 1)
+    seen = tuple(slow.get(k) for k in ("slow_in", "slow_since_step", "slow_until_step", "slow_steps", "slow_every"))
+    assert seen == ("data_loading", 3, 11, 6, None), (seen, r["notes"])
+    assert slow["data_loading_score"] >= 1.1, slow  # the premise: its median is a slow step's
+    said = "rank 1 was slow in data_loading at 6 of its 12 steps only (steps 3 to 11)"
+    assert any(n.startswith(said) and "its median is its slow steps'" in n for n in r["notes"]), r["notes"]
+
+
 def test_ranks_does_not_name_a_rank_for_two_slow_steps(tmp_path: Path) -> None:
     """Two slow steps are a hiccup (a busy host), not a straggler, however slow."""
     write_framework_job(tmp_path / "job", 1, 4, "compute", until=6)

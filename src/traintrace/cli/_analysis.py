@@ -409,6 +409,9 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     # (a real job's healthy rank read 7.3 ms against the others' 5.1 under load).
     floors = dict.fromkeys(SLOW_PARTS, floor) | {"checkpoint_save": max(floor, job_median or 0.0)}
     partial: set[int] = set()  # stragglers by their medians whose slow-down is stalls at some steps (_onset)
+    # A rank slow by its medians but not from some step on: slow at more than half its steps, not in a row (the
+    # median is then its slow steps', so its sum is not above it), which the step-by-step pass tells.
+    unsettled: set[int] = set()
     for r in rows:
         mine = parts.get(r["rank"], {})
         excess: dict[str, float] = {}
@@ -433,6 +436,8 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
                 r.update(onset)
                 break
         r["straggler"] = "slow_in" in r
+        if excess and not r["straggler"]:
+            unsettled.add(r["rank"])
     # A rank slow at some steps only (a stall every few steps, a few slow minutes) leaves its medians as the
     # others': it is a straggler when the steps it held up cost the job a share of its training time.
     by_rank = {r["rank"]: r for r in rows}
@@ -445,7 +450,7 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         _intermittent(
             job, ranks=list(by_rank), threshold=threshold, floor=floor, training_time=training_time, start=start
         )
-        if above_median >= INTERMITTENT_SHARE / 2 * training_time or partial
+        if above_median >= INTERMITTENT_SHARE / 2 * training_time or partial or unsettled
         else []
     )
     for found in held_up:
@@ -461,7 +466,13 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
             r["excess_s"] = found["lost_s"] / max(r["steps"], 1)
         r["straggler"] = True
         every = f", every {_ordinal(found['slow_every'])} step" if found.get("slow_every") else ""
-        medians = "its medians are slower too" if also else "its medians are the others'"
+        medians = (
+            "its medians are slower too"
+            if also
+            else "its median is its slow steps', but they are not every step from one on"
+            if r["rank"] in unsettled
+            else "its medians are the others'"
+        )
         notes.append(
             f"rank {r['rank']} was slow in {found['slow_in']} at {found['slow_steps']} of its {r['steps']} steps "
             f"only (steps {found['slow_since_step']} to {found['slow_until_step']}{every}), which held the job up "
