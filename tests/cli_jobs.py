@@ -179,6 +179,9 @@ def write_framework_job(
             slow = step in at if at else slow_from <= step < until and (step - slow_from) % every == 0
             extra = 50 * ms if slow else 0
             wait, forward, backward = 2 * ms, 3 * ms, 4 * ms
+            # A busy host's extra time in forward; a rank that then waits for the slow one waits as much less.
+            noise = (busy or {}).get((rank, step), 0) * ms
+            waited = max(extra - noise, 0)
             if rank == slow_rank and part == "compute":
                 forward += extra
             elif rank == slow_rank:
@@ -188,10 +191,10 @@ def write_framework_job(
                 if extra:
                     rec("span", now + ms, name="collective", id=ids + 1, parent=ids, tid=7, dur=extra, status="ok")
             elif step in wait_in_forward:
-                forward += extra + rank * ms
+                forward += waited + rank * ms
             else:
-                backward += extra
-            forward += (busy or {}).get((rank, step), 0) * ms
+                backward += waited
+            forward += noise
             rec("span", now, name="data_loading", id=ids, parent=1, tid=7, dur=wait, status="ok")
             now += wait
             it, step_ns = ids + 2, forward + backward + ms

@@ -698,6 +698,27 @@ def test_ranks_names_a_rank_slow_at_more_than_half_its_steps_not_in_a_row(tmp_pa
     assert any(n.startswith(said) and "its median is its slow steps'" in n for n in r["notes"]), r["notes"]
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["waits-in-backward", "waits-in-the-token-gather"])
+def test_ranks_does_not_name_a_rank_slower_by_less_than_it_waited_for_the_straggler(
+    tmp_path: Path, gather: bool
+) -> None:
+    """Rank 2 of three fetches every batch 50 ms late from step 1; the others wait for it in backward (DDP's
+    all-reduce) or in the collective inside their own wait (the Trainer's token-count gather). From step 5 on a
+    busy host makes rank 0's forward 3 ms slower: more than the noise floor, so its compute median is slower than
+    the others' (a real 3-rank Trainer job on a busy host named rank 0 "slow in compute since step 7", 2.3 ms a
+    step, beside its rank 2 that was 120 ms slow loading). It then waited 47 ms for rank 2 at each of those
+    steps: it held the job up for nothing. Only rank 2 is named, and a note says why rank 0 is not."""
+    busy = {(0, step): 3 for step in range(5, 12)}
+    write_framework_job(tmp_path / "job", 2, 1, "data_loading", ranks=3, gather=gather, busy=busy)
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [2], (r["stragglers"], r["notes"])
+    rows = {x["rank"]: x for x in r["ranks"]}
+    assert (rows[2]["slow_in"], rows[2]["slow_since_step"]) == ("data_loading", 1)
+    assert rows[0]["compute_score"] >= 1.1, rows[0]  # the premise: its medians alone would name it
+    said = "rank 0 was slower in compute from step 5 on (3 ms a step above the others' median), but at most"
+    assert any(n.startswith(said) for n in r["notes"]), r["notes"]
+
+
 def test_ranks_does_not_name_a_rank_for_two_slow_steps(tmp_path: Path) -> None:
     """Two slow steps are a hiccup (a busy host), not a straggler, however slow."""
     write_framework_job(tmp_path / "job", 1, 4, "compute", until=6)

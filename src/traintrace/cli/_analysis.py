@@ -376,17 +376,25 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     parts: dict[int, dict[str, float]] = {}
     # What a rank's part sums to above its median times its steps: stalls at some steps only (see below).
     above_median = 0.0
-    for rank, part, value, spread in job.rows(
+    # The mean time a rank's steps waited for other ranks (see _onset): in backward and collectives, and in
+    # collectives inside its waits for batches.
+    waits: dict[int, float] = {}
+    for rank, part, value, spread, waited in job.rows(
         """
-        SELECT rank, 'compute', median(comp) / 1e9, (sum(comp) - median(comp) * count(comp)) / 1e9
+        SELECT rank, 'compute', median(comp) / 1e9, (sum(comp) - median(comp) * count(comp)) / 1e9,
+               avg(dur - comp) / 1e9
         FROM step_parts GROUP BY rank
-        UNION ALL SELECT rank, 'collective', median(coll) / 1e9, 0 FROM step_parts WHERE coll IS NOT NULL GROUP BY rank
-        UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9, (sum(dur) - median(dur) * count(dur)) / 1e9
+        UNION ALL SELECT rank, 'collective', median(coll) / 1e9, 0, 0 FROM step_parts WHERE coll IS NOT NULL
+        GROUP BY rank
+        UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9, (sum(dur) - median(dur) * count(dur)) / 1e9,
+               avg(whole - dur) / 1e9
         FROM loading_parts GROUP BY rank
         """
     ):
         parts.setdefault(int(rank), {})[part] = float(value)
         above_median = max(above_median, float(spread or 0.0))
+        waits[int(rank)] = waits.get(int(rank), 0.0) + float(waited or 0.0)
+    least_wait = min(waits.values(), default=0.0)
     saves: dict[int, list[float]] = {}
     for rank, seconds in job.rows(
         f"""
@@ -412,6 +420,8 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     # A rank slow by its medians but not from some step on: slow at more than half its steps, not in a row (the
     # median is then its slow steps', so its sum is not above it), which the step-by-step pass tells.
     unsettled: set[int] = set()
+    # Ranks slower from some step on by less than they then waited for another rank: (rank, part, step, excess).
+    hidden: list[tuple[int, str, int, float]] = []
     for r in rows:
         mine = parts.get(r["rank"], {})
         excess: dict[str, float] = {}
@@ -427,7 +437,14 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         # Medians over the whole run compare different periods when ranks ran for different lengths (a rank
         # that failed early saw only the busy start): a slow step-aligned part must also be slow step by step.
         for part in sorted(excess, key=lambda k: -excess[k]):
-            onset = _onset(job, r["rank"], part, threshold, floor)
+            # Whether it may have waited for another rank at its slow steps longer than it was slow: on average
+            # it waited more than half its excess beyond the rank that waited least (else, surely not: one pass
+            # fewer over every rank's steps).
+            waited = waits.get(r["rank"], 0.0) - least_wait > excess[part] / 2
+            onset = _onset(job, r["rank"], part, threshold, floor, waits=waited)
+            if onset.pop("_waited", False):
+                hidden.append((r["rank"], part, onset["slow_since_step"], excess[part]))
+                continue
             if onset or part not in ALIGNED_PARTS:
                 r["slow_in"] = part
                 r["excess_s"] = excess[part]
@@ -436,8 +453,16 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
                 r.update(onset)
                 break
         r["straggler"] = "slow_in" in r
-        if excess and not r["straggler"]:
+        if excess and not r["straggler"] and not any(h[0] == r["rank"] for h in hidden):
             unsettled.add(r["rank"])
+    named = {r["rank"] for r in rows if r["straggler"]}
+    for rank, part, since, extra in hidden:
+        if rank not in named:
+            notes.append(
+                f"rank {rank} was slower in {part} from step {since} on ({extra * 1e3:.3g} ms a step above the others' "
+                "median), but at most of those steps it then waited longer for another rank: it held the job up "
+                "for nothing, and is not named"
+            )
     # A rank slow at some steps only (a stall every few steps, a few slow minutes) leaves its medians as the
     # others': it is a straggler when the steps it held up cost the job a share of its training time.
     by_rank = {r["rank"]: r for r in rows}
@@ -632,6 +657,7 @@ def _step_parts(job: Job) -> None:
                -- the step's own work: its compute phases' device time where measured, else outside collectives and
                -- outside its backward phases where no collective began in them (DDP's all-reduce waits there)
                coalesce(gc.gpu_compute, it.dur - ({own})) AS comp,
+               it.dur AS dur,
                {outside_backward} AS outside_backward
         FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts
         LEFT JOIN gc ON gc.stream = it.stream AND gc.id = it.id
@@ -670,7 +696,7 @@ def _step_parts(job: Job) -> None:
         ), fed AS (
             -- The step each wait fed: the step it is inside, else the next step when no evaluation or save
             -- began first (the wait a callback opens after a step, ended by an evaluation, fed none).
-            SELECT w.stream, w.rank, w.restart, w.ts, w.dur,
+            SELECT w.stream, w.rank, w.restart, w.ts, w.dur, w.whole,
                    coalesce(p.ts, CASE WHEN f.next_bts IS NULL OR f.next_bts > f.next_its THEN f.next_its END)
                        AS fed_ts,
                    coalesce(p.step, n.step) AS step
@@ -680,13 +706,15 @@ def _step_parts(job: Job) -> None:
         ), kept AS (
             -- One row per step fed (the waits before it together: a callback may end one at an epoch's end and
             -- open the next); a stream whose waits are neither inside nor just before its steps keeps them all.
-            SELECT stream, rank, restart, min(ts) AS ts, sum(dur) AS dur, max(step) AS step FROM fed
-            WHERE fed_ts IS NOT NULL GROUP BY stream, rank, restart, fed_ts
+            SELECT stream, rank, restart, min(ts) AS ts, sum(dur) AS dur, sum(whole) AS whole, max(step) AS step
+            FROM fed WHERE fed_ts IS NOT NULL GROUP BY stream, rank, restart, fed_ts
             UNION ALL
-            SELECT stream, rank, restart, ts, dur, NULL FROM fed
+            SELECT stream, rank, restart, ts, dur, whole, NULL FROM fed
             WHERE stream NOT IN (SELECT stream FROM fed WHERE fed_ts IS NOT NULL)
         )
-        SELECT rank, restart, ts, dur, step, row_number() OVER (PARTITION BY stream ORDER BY ts) AS k FROM kept;
+        -- whole: with the collectives inside the wait (the time it waited for other ranks' loaders).
+        SELECT rank, restart, ts, dur, whole, step, row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
+        FROM kept;
         """
     )
 
@@ -816,7 +844,7 @@ def _intermittent(
     return found
 
 
-def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> dict[str, Any]:
+def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, waits: bool = True) -> dict[str, Any]:
     """From which step (and when) ``part`` became slow on ``rank`` (docs/analysis.md, "ranks").
 
     Each step is slow when its value is ``threshold`` times the other ranks' median for the same step and
@@ -824,14 +852,38 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     (fast before it, slow from it on), so a few noisy steps on either side do not move it; then once more
     with steps counted slow only above the halfway mark between the excess before and after that point.
     """
-    table, value = {"compute": ("step_parts", "comp"), "data_loading": ("loading_parts", "dur")}.get(part, (None, None))
-    if table is None:
+    if part not in ALIGNED_PARTS:
         return {}
+    # Each step's time waiting for other ranks: in backward and collectives (step_parts: the step less its own
+    # work), and in collectives inside its wait for its batch (the Trainer gathers each step's token count there,
+    # where the ranks wait for the slowest rank's loader; a join only where a wait holds one).
+    gathered = job.one("SELECT count(*) FROM loading_parts WHERE whole > dur") if waits else None
+    if gathered and gathered[0]:
+        gathers = """LEFT JOIN (
+            SELECT rank, restart, step, sum(whole - dur) AS g FROM loading_parts WHERE step IS NOT NULL GROUP BY ALL
+        ) g ON g.rank = s.rank AND g.restart = s.restart AND g.step = s.step"""
+        waited = "s.dur - s.comp + coalesce(g.g, 0)"
+    else:
+        gathers, waited = "", "s.dur - s.comp"
+    if not waits:  # as good as surely not (see ranks): no pass over the waits
+        table, value = ("step_parts", "comp") if part == "compute" else ("loading_parts", "dur")
+        source = f"SELECT rank, restart, k, ts, step, {value} AS v, NULL::BIGINT AS waited FROM {table}"
+    elif part == "compute":
+        source = (
+            f"SELECT s.rank, s.restart, s.k, s.ts, s.step, s.comp AS v, {waited} AS waited FROM step_parts s {gathers}"
+        )
+    else:  # the step each wait fed, for that step's waits (the least, where a rank's step numbers repeat)
+        source = f"""
+            SELECT l.rank, l.restart, l.k, l.ts, l.step, l.dur AS v, w.waited FROM loading_parts l
+            LEFT JOIN (
+                SELECT s.rank, s.restart, s.step, min({waited}) AS waited FROM step_parts s {gathers} GROUP BY ALL
+            ) w ON w.rank = l.rank AND w.restart = l.restart AND w.step = l.step"""
     rows = job.rows(
         f"""
-        SELECT restart, k, max({value}) FILTER (rank = $r), median({value}) FILTER (rank <> $r),
-               max(ts) FILTER (rank = $r), max(step) FILTER (rank = $r)
-        FROM {table} GROUP BY restart, k HAVING count(*) FILTER (rank = $r) > 0
+        SELECT restart, k, max(v) FILTER (rank = $r), median(v) FILTER (rank <> $r),
+               max(ts) FILTER (rank = $r), max(step) FILTER (rank = $r),
+               {"max(waited) FILTER (rank = $r) - min(waited)" if waits else "NULL"}
+        FROM ({source}) GROUP BY restart, k HAVING count(*) FILTER (rank = $r) > 0
         ORDER BY restart, k
         """,
         {"r": rank},
@@ -839,10 +891,10 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     if not rows:
         return {}
     floor_ns = floor * NS
-    excess = [None if mine is None or not ref else float(mine - ref) for _, _, mine, ref, _, _ in rows]
+    excess = [None if mine is None or not ref else float(mine - ref) for _, _, mine, ref, *_ in rows]
     flags = [
         bool(mine is not None and ref and mine / ref >= threshold and mine - ref >= floor_ns)
-        for _, _, mine, ref, _, _ in rows
+        for _, _, mine, ref, *_ in rows
     ]
     at = _change_point(flags)
     if at is None:
@@ -861,8 +913,13 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
     second = _change_point(refined)
     if second is not None:
         at = second
-    restart, k, _, _, ts, step = rows[at]
+    restart, k, _, _, ts, step, _ = rows[at]
     start = job_bounds(job)[0]
+    # Its excess held the job up at a step unless it then waited longer for another rank than the rank that
+    # waited least at that step (ranks in lockstep wait for the slowest one; ranks that do not wait for one
+    # another wait as little as each other). Held nothing up at most steps from the onset on: not a straggler.
+    told = [(e, w) for e, (*_, w) in zip(excess[at:], rows[at:], strict=True) if e is not None and w is not None]
+    held_up = sum(e > w for e, w in told)
     # Stalls at some steps, which a busy host's smaller slow-down at the others made pass the first look: from the
     # onset on, fewer than ONSET_SHARE of the steps are at least half the median excess of its slow steps (the
     # halfway bar above misses it when the stalls are fewer than half the steps: its upper level is then noise).
@@ -875,6 +932,7 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float) -> di
         "slow_since_s": (int(ts) - start) / NS,
         "slow_since_restart": int(restart),
         "_partial": partial,
+        "_waited": bool(told) and held_up < len(told) / 2,
     }
 
 
