@@ -865,25 +865,27 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
         waited = "s.dur - s.comp + coalesce(g.g, 0)"
     else:
         gathers, waited = "", "s.dur - s.comp"
-    if not waits:  # as good as surely not (see ranks): no pass over the waits
-        table, value = ("step_parts", "comp") if part == "compute" else ("loading_parts", "dur")
-        source = f"SELECT rank, restart, k, ts, step, {value} AS v, NULL::BIGINT AS waited FROM {table}"
+    if not waits:  # as good as surely not (see ranks): the table itself, no pass over the waits
+        source = "step_parts" if part == "compute" else "loading_parts"
+        value = "comp" if part == "compute" else "dur"
     elif part == "compute":
-        source = (
-            f"SELECT s.rank, s.restart, s.k, s.ts, s.step, s.comp AS v, {waited} AS waited FROM step_parts s {gathers}"
-        )
+        columns = f"s.rank, s.restart, s.k, s.ts, s.step, s.comp AS v, {waited} AS waited"
+        source, value = f"(SELECT {columns} FROM step_parts s {gathers})", "v"
     else:  # the step each wait fed, for that step's waits (the least, where a rank's step numbers repeat)
-        source = f"""
+        source, value = (
+            f"""(
             SELECT l.rank, l.restart, l.k, l.ts, l.step, l.dur AS v, w.waited FROM loading_parts l
             LEFT JOIN (
                 SELECT s.rank, s.restart, s.step, min({waited}) AS waited FROM step_parts s {gathers} GROUP BY ALL
-            ) w ON w.rank = l.rank AND w.restart = l.restart AND w.step = l.step"""
+            ) w ON w.rank = l.rank AND w.restart = l.restart AND w.step = l.step)""",
+            "v",
+        )
     rows = job.rows(
         f"""
-        SELECT restart, k, max(v) FILTER (rank = $r), median(v) FILTER (rank <> $r),
-               max(ts) FILTER (rank = $r), max(step) FILTER (rank = $r),
-               {"max(waited) FILTER (rank = $r) - min(waited)" if waits else "NULL"}
-        FROM ({source}) GROUP BY restart, k HAVING count(*) FILTER (rank = $r) > 0
+        SELECT restart, k, max({value}) FILTER (rank = $r), median({value}) FILTER (rank <> $r),
+               max(ts) FILTER (rank = $r), max(step) FILTER (rank = $r)
+               {", max(waited) FILTER (rank = $r) - min(waited)" if waits else ""}
+        FROM {source} GROUP BY restart, k HAVING count(*) FILTER (rank = $r) > 0
         ORDER BY restart, k
         """,
         {"r": rank},
@@ -891,10 +893,10 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
     if not rows:
         return {}
     floor_ns = floor * NS
-    excess = [None if mine is None or not ref else float(mine - ref) for _, _, mine, ref, *_ in rows]
+    pairs = [(row[2], row[3]) for row in rows]  # the rank's value and the others' median, per step
+    excess = [None if mine is None or not ref else float(mine - ref) for mine, ref in pairs]
     flags = [
-        bool(mine is not None and ref and mine / ref >= threshold and mine - ref >= floor_ns)
-        for _, _, mine, ref, *_ in rows
+        bool(mine is not None and ref and mine / ref >= threshold and mine - ref >= floor_ns) for mine, ref in pairs
     ]
     at = _change_point(flags)
     if at is None:
@@ -913,12 +915,16 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
     second = _change_point(refined)
     if second is not None:
         at = second
-    restart, k, _, _, ts, step, _ = rows[at]
+    restart, k, _, _, ts, step, *_ = rows[at]
     start = job_bounds(job)[0]
     # Its excess held the job up at a step unless it then waited longer for another rank than the rank that
     # waited least at that step (ranks in lockstep wait for the slowest one; ranks that do not wait for one
     # another wait as little as each other). Held nothing up at most steps from the onset on: not a straggler.
-    told = [(e, w) for e, (*_, w) in zip(excess[at:], rows[at:], strict=True) if e is not None and w is not None]
+    told = (
+        [(e, row[6]) for e, row in zip(excess[at:], rows[at:], strict=True) if e is not None and row[6] is not None]
+        if waits
+        else []
+    )
     held_up = sum(e > w for e, w in told)
     # Stalls at some steps, which a busy host's smaller slow-down at the others made pass the first look: from the
     # onset on, fewer than ONSET_SHARE of the steps are at least half the median excess of its slow steps (the
