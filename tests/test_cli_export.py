@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
+from tests._examples import examples
 from tests.cli_jobs import Script, write_job
 
 pytest.importorskip("duckdb")
@@ -46,6 +49,31 @@ def test_one_track_per_rank_and_every_kind_of_event(tmp_path: Path) -> None:
     assert counters and all(isinstance(e["args"]["loss"], float) for e in counters)
     # an open span (a killed rank's step) is drawn up to where its stream ends
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+#: gloo's message when a peer's process ended, as a real job's rank recorded it (its stack held a '#' comment too).
+GLOO_RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:24971: "
+    "Connection reset by peer. GLHF! \U0001f3d6\ufe0f\n\nAt:\n  torch/distributed/algorithms/ddp_comm_hooks/"
+    "default_hooks.py(31): <lambda>\n    return Variable._execution_engine.run_backward(  # Calls into the C++ engine"
+)
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(min_size=1, max_size=300))
+@example(GLOO_RESET)
+@example("#")
+@example('"quoted", with a comma; a \x01 and a \x02 and a tab\t')
+def test_any_error_message_gives_a_trace_that_parses_and_keeps_it(tmp_path: Path, message: str) -> None:
+    """Whatever a rank's error says (a stack holds '#' comments, quotes, commas, emoji, control characters), the
+    trace is JSON that Perfetto reads and holds the message as recorded. (DuckDB 2.0 quoted every line holding a
+    '#' with the export's quote character: a real job's trace did not parse.)"""
+    folder = tmp_path / f"job{abs(hash(message))}"
+    write_job(folder, Script(ranks=2, steps=4, checkpoint_every=2, fail_rank=1, fail_step=2, message=message))
+    trace = _export(folder, folder / "trace.json")  # json.loads: the whole file parses
+    [error] = [e for e in trace["traceEvents"] if e["ph"] == "i" and e["cat"] == "error"]
+    assert error["args"]["message"] == message
+    assert error["args"]["stack"].endswith(f"RuntimeError: {message}")
 
 
 def test_filters_by_rank_and_time_window(tmp_path: Path) -> None:

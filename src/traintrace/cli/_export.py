@@ -36,9 +36,10 @@ from ._engine import (
 #: pid of the launcher (agent) track: after every rank.
 AGENT_PID = 1_000_000
 
-# DuckDB's CSV writer with delimiter and quote set to control characters that JSON text never holds
-# writes each JSON line verbatim.
-_RAW_LINES = "FORMAT csv, HEADER false, DELIMITER '\x02', QUOTE '\x01', ESCAPE '\x01'"
+# DuckDB's CSV writer with a delimiter JSON text never holds and no quote character writes each JSON line
+# verbatim. (A quote character, however unlikely, is not enough: DuckDB 2.0 (not 1.3) quotes every value that
+# holds its comment character, '#', which a stack trace or a message often does.)
+_RAW_LINES = "FORMAT csv, HEADER false, DELIMITER '\x02', QUOTE '', ESCAPE ''"
 
 
 def export_chrome(
