@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import ctypes
 import datetime
 import io
@@ -56,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +147,16 @@ def write_checkpoint(  # noqa: PLR0917 - a thread's target, called by position
             raise OSError(f"injected failure writing the checkpoint of step {step} in the background")
         save(state, final, step, truth, thread="checkpoint")
     truth.write(event="checkpoint_end", step=step)
+
+
+@contextlib.contextmanager
+def raised_noted(truth: Truth) -> Iterator[None]:
+    """An exception out of the worker's body noted as it leaves (the spans it went through have just ended)."""
+    try:
+        yield
+    except BaseException as exc:
+        truth.write(event="raised", error=type(exc).__name__)
+        raise
 
 
 def main() -> None:
@@ -245,7 +257,8 @@ def main() -> None:
             truth.write(event="fault", kind=where, step=step)
             raise RuntimeError(f"injected failure in {where} on rank {rank} at step {step}")
 
-    with tt.application():
+    with tt.application(), raised_noted(truth):
+        truth.write(event="init_start")  # the initialisation spans follow one another: one interval
         with tt.distributed_init(backend="gloo"):
             timeout = datetime.timedelta(seconds=args.gloo_timeout)
             if restart == 0:
@@ -271,6 +284,7 @@ def main() -> None:
             record_collectives(model)
         with tt.optimizer_init():
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        truth.write(event="init_end")
         generator = torch.Generator().manual_seed(rank)
         go = Path(args.truth) / f"loader_go.{rank}.{restart}"
         batches = None
@@ -294,6 +308,7 @@ def main() -> None:
                 if fault == "finish_early" and step == fault_step:
                     truth.write(event="fault", kind=fault, step=step)
                     break  # its data ran out (uneven inputs): it leaves while the others still train
+                truth.write(event="data_start", step=step)
                 with tt.data_loading():
                     injected("data", step)
                     if fault == "hang_data" and step == fault_step:
@@ -385,10 +400,11 @@ def main() -> None:
                 if rank == 0 and (step + 1) % args.checkpoint_every == 0 and args.async_checkpoint:
                     if writing is not None:
                         writing.join()
-                    truth.write(event="checkpoint_start", step=step + 1)
+                    truth.write(event="checkpoint_start", step=step + 1, background=True)
                     final = checkpoints / f"step{step + 1}.pt"
                     with tt.checkpoint_save_async(current_iteration=step + 1, checkpoint_path=str(final)) as blocking:
                         state = checkpoint_state(model.module, args.checkpoint_pad_kb, copy=True)
+                    truth.write(event="checkpoint_copied", step=step + 1)  # the loop goes on; the write does not
                     fails = fault == "async_save" and step + 1 == fault_step
                     writing = threading.Thread(
                         target=write_checkpoint,

@@ -43,6 +43,7 @@ from tests.test_diagnosis import (
     Run,
     check_culprit,
     check_goodput,
+    check_timeline_on_one_clock,
     clock_ahead_library,
     fault_step_of,
     first_non_finite_loss,
@@ -130,7 +131,7 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = ""
 
 
 def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> None:
-    phase, cause, failed = FAULTS[fault]
+    phase, cause, _ = FAULTS[fault]
     if fault in ("exit", "sys_exit", "hang_in_checkpoint"):
         mark = fault_step_of(run, rank)
         said = f"exit code {mark['exit_code']}" if "exit_code" in mark else cause
@@ -206,7 +207,12 @@ def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> N
         errors = run.cli("errors")
         assert errors["status"] != "failed", errors["verdict"]
     if goodput:
-        check_goodput(run, failed=failed, unrecorded=unrecorded(run, fault, rank))
+        check_where_the_time_went(run, fault, rank)
+
+
+def check_where_the_time_went(run: Run, fault: str, rank: int) -> None:
+    """Goodput, and the seconds of each category the worker's marks time."""
+    check_goodput(run, failed=FAULTS[fault][2], unrecorded=unrecorded(run, fault, rank))
 
 
 def unrecorded(run: Run, fault: str, rank: int) -> float:
@@ -269,7 +275,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
     # Two nodes: the goodput (the ranks' streams only) is checked once the last job is over a minute old. Within
     # a minute a silent rank on another host (node-b is not this machine's name) still counts as running, as it
     # would (docs/analysis.md, "Running jobs"); the launchers' streams, which say it ended, are left out there.
-    later: list[tuple[str, Path, Run, bool, str, int]] = []
+    later: list[tuple[str, Path, Run, str, int]] = []
     for _ in range(args.jobs):
         nproc = draw.choice([2, 3, 4]) if args.nodes == 1 else 4
         fault = draw.choice(faults)
@@ -328,7 +334,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             say_wrong(job, folder)
             continue
         if args.nodes == 2:
-            later.append((job, folder, run, FAULTS[fault][2], fault, rank))
+            later.append((job, folder, run, fault, rank))
             print(f"right so far {job} ({time.monotonic() - began:.0f} s)", flush=True)
             continue
         print(f"right {job} ({time.monotonic() - began:.0f} s)", flush=True)
@@ -336,9 +342,10 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     if later:
         time.sleep(RECENT_S + 1)
-    for job, folder, run, failed, fault, rank in later:
+    for job, folder, run, fault, rank in later:
         try:
-            check_goodput(run, failed=failed, unrecorded=unrecorded(run, fault, rank))
+            check_where_the_time_went(run, fault, rank)
+            check_timeline_on_one_clock(run, {})  # node-b's marks are on node-a's clock already
         except Exception:  # as above
             wrong += 1
             say_wrong(job, folder)
