@@ -12,12 +12,13 @@ on), in a collective, in a validation pass, in model initialisation or in rank 0
 on or off), an exception in that save or a SIGKILL inside it, a DataLoader worker killed (torchrun restarts the job,
 which finishes), a batch whose loss overflows (the job diverges), or a rank slow in compute or data loading from
 some step on (at every step, at every few steps only, or for a few steps only). The faulty rank, the step, the
-checkpoint interval, validation passes, asynchronous saves, the step time and how long a failed rank lingers are
-drawn too.
+checkpoint interval, validation passes, asynchronous or large saves, the step time and how long a failed rank
+lingers are drawn too.
 Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
 worker's own marks say (a diverged job: the first infinite loss's rank and step); ``ranks`` names the slow rank, its
 part and its first slow step (and, slow at some steps only, its last and how many, as the worker marked them);
-goodput within a point of the marks' and the steps completed and lost. With ``--nodes 2 --skew``, node-b's
+goodput within a point of the marks', the seconds of each category they time, the step times, and the steps
+completed and lost; with two nodes, the Perfetto timeline against the marks. With ``--nodes 2 --skew``, node-b's
 launcher and workers read their wall clock ahead of node-a's or behind (0.5 or 2 s, drawn; tests/clock_ahead.c
 preloaded, as NTP off on one node): the answers must be the same, and the workers' marks from node-b are moved back
 onto node-a's clock by the offset the sweep gave before they are compared. With ``--busy N``, N processes spin on
@@ -297,6 +298,8 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             extra += ["--validate-every", str(validate)]
         if fault == "async_save" or (fault not in IN_SAVE and draw.random() < 0.25):
             extra += ["--async-checkpoint"]
+        if draw.random() < 0.3:  # a large save (20 MB): the other ranks wait for rank 0's in their next step
+            extra += ["--checkpoint-pad-kb", "20000"]
         restarts = 0
         if fault == "loader_kill":
             extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]

@@ -11,7 +11,7 @@ from typing import Any
 from .._names import EventName, SpanName
 from ._device import compute_time_sql, device_summary
 from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose, host_clocks, shared_node
-from ._engine import ITERATION, Job, compress_ranks
+from ._engine import ITERATION, Job, compress_ranks, sql_string
 
 NS = 1e9
 
@@ -110,15 +110,20 @@ def summary(job: Job) -> dict[str, Any]:
     per_rank: dict[int, dict[str, float]] = {r: dict.fromkeys(CATEGORIES, 0.0) for r in ranks}
     step_counts: dict[int, dict[bool, int]] = {}
     # Time after a hang began is hang time, never also lost progress: iterations are clipped there.
-    for rank, lost, seconds, count in job.rows(
+    # The median of a rank's productive steps, in the same pass: what its steps that waited for another rank's
+    # phase ran over (_waits_for_other_ranks).
+    typical: dict[int, int] = {}
+    for rank, lost, seconds, count, median in job.rows(
         f"""
-        SELECT i.rank, i.lost, sum({_clipped("i.ts", "i.dur")}) / 1e9, count(*)
+        SELECT i.rank, i.lost, sum({_clipped("i.ts", "i.dur")}) / 1e9, count(*), median(i.dur)
         FROM iterations i JOIN stream_facts f USING (stream) GROUP BY ALL
         """
     ):
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
         step_counts.setdefault(rank, {True: 0, False: 0})[bool(lost)] += int(count)
+        if not lost and median is not None:
+            typical[int(rank)] = int(median)
     # A step a failed rank was still in when it stopped (its start written, never its end) was lost too, with the
     # time from its start to the end of the stream (a rank that hung in it until it was terminated).
     for rank, seconds, count in job.rows(
@@ -150,6 +155,10 @@ def summary(job: Job) -> dict[str, Any]:
         "WHERE hang_from IS NOT NULL AND NOT is_agent GROUP BY ALL"
     ):
         per_rank[rank]["hang"] += seconds
+    for rank, cat, seconds in _waits_for_other_ranks(job, typical):
+        moved = min(seconds, per_rank[rank]["productive"])
+        per_rank[rank]["productive"] -= moved
+        per_rank[rank][cat] += moved
     covered = dict(
         job.rows("SELECT rank, sum(end_ts - start_ts) / 1e9 FROM stream_facts WHERE NOT is_agent GROUP BY ALL")
     )
@@ -174,6 +183,7 @@ def summary(job: Job) -> dict[str, Any]:
     )
     if stats:  # the three quantiles come as one list (one sort of the step times, not three)
         stats = (*stats[:2], *(stats[2] or (None, None, None)), *stats[3:])
+
     step_stats = None
     if stats and stats[0]:
         keys = ("count", "mean_s", "median_s", "p90_s", "p99_s", "min_s", "max_s", "stddev_s")
@@ -251,6 +261,76 @@ def summary(job: Job) -> dict[str, Any]:
     if device is not None:
         result["device"] = device
     return result
+
+
+#: Phases one rank may run while the others go on training: rank 0 saving the replicated model, validating alone,
+#: or slower than the others at a phase they all run. The others then wait for it in their next step's collective.
+WAITED_FOR: dict[str, str] = {
+    name: CATEGORY_OF[name]
+    for name in (
+        SpanName.CHECKPOINT_SAVE_SYNC,
+        SpanName.CHECKPOINT_SAVE_ASYNC,
+        SpanName.CHECKPOINT_LOAD,
+        SpanName.VALIDATION,
+        SpanName.TEST,
+    )
+}
+#: A step counts as having waited for another rank's phase when it ran this much over the job's median step.
+WAIT_MARGIN = 0.1
+
+
+def _waits_for_other_ranks(job: Job, typical: dict[int, int]) -> list[tuple[int, str, float]]:
+    """(rank, category, seconds): the time a rank's productive steps waited for another rank's checkpoint save
+    or load, validation or test (docs/analysis.md, "Waiting for another rank's phase"). A step that ran over
+    its rank's median productive step (``typical``) by more than ``WAIT_MARGIN`` of it, while another rank of its
+    attempt was in such a phase that ended before the step did (the step was held until it ended), waited for it
+    by the lesser of the two: the overlap and the excess (shared between the phases it overlapped in proportion);
+    each host's times on the reference host's clock."""
+    if not typical:
+        return []
+    medians = ", ".join(f"({rank}, {ns})" for rank, ns in typical.items())
+    offsets = host_clocks(job)["offsets_ns"]
+    ahead = "0"
+    if offsets:
+        ahead = "CASE host " + " ".join(f"WHEN {sql_string(h)} THEN {int(ns)}" for h, ns in offsets.items())
+        ahead += " ELSE 0 END"
+    names = ", ".join(f"'{name}'" for name in WAITED_FOR)
+    case = _category_case("s.name")
+    clipped = _clipped("i.ts", "i.dur")
+    return [
+        (int(rank), str(cat), float(seconds))
+        for rank, cat, seconds in job.rows(
+            f"""
+            WITH clock AS (SELECT stream, {ahead} AS ahead FROM streams),
+            typical AS (SELECT * FROM (VALUES {medians}) AS t(rank, median)),
+            phases AS (
+                SELECT s.rank, s.restart, {case} AS cat, s.ts - c.ahead AS p0,
+                       s.ts - c.ahead + coalesce(s.dur, greatest(f.end_ts - s.ts, 0)) AS p1
+                FROM spans_small s JOIN stream_facts f USING (stream) JOIN clock c USING (stream)
+                WHERE NOT s.is_agent AND s.name IN ({names})
+            ),
+            slow AS (
+                SELECT i.stream, i.rank, i.restart, i.ts - c.ahead AS t0, i.ts - c.ahead + {clipped} AS t1,
+                       {clipped} - m.median AS excess
+                FROM iterations i JOIN typical m USING (rank) JOIN stream_facts f USING (stream)
+                JOIN clock c USING (stream)
+                -- the first test, on the records alone, leaves few rows for the joins
+                WHERE i.dur > {int(min(typical.values()) * (1 + WAIT_MARGIN))}
+                  AND i.dur > m.median * {1 + WAIT_MARGIN} AND NOT i.lost
+            ),
+            waits AS (
+                SELECT w.stream, w.t0, w.rank, w.excess, p.cat, max(least(w.t1, p.p1) - greatest(w.t0, p.p0)) AS o
+                FROM slow w JOIN phases p ON p.p0 < w.t1 AND w.t0 < p.p1
+                WHERE p.p1 < w.t1 AND p.rank <> w.rank AND p.restart = w.restart
+                GROUP BY w.stream, w.t0, w.rank, w.excess, p.cat
+            )
+            SELECT rank, cat, sum(o * least(1.0, greatest(excess, 0) / total)) / 1e9
+            FROM (SELECT *, sum(o) OVER (PARTITION BY stream, t0) AS total FROM waits)
+            WHERE total > 0
+            GROUP BY rank, cat
+            """
+        )
+    ]
 
 
 def _clipped(ts: str, dur: str) -> str:
