@@ -183,7 +183,6 @@ def summary(job: Job) -> dict[str, Any]:
     )
     if stats:  # the three quantiles come as one list (one sort of the step times, not three)
         stats = (*stats[:2], *(stats[2] or (None, None, None)), *stats[3:])
-
     step_stats = None
     if stats and stats[0]:
         keys = ("count", "mean_s", "median_s", "p90_s", "p99_s", "min_s", "max_s", "stddev_s")
@@ -275,7 +274,7 @@ WAITED_FOR: dict[str, str] = {
         SpanName.TEST,
     )
 }
-#: A step counts as having waited for another rank's phase when it ran this much over the job's median step.
+#: A step may have waited for another rank's phase when it ran this much over its rank's median productive step.
 WAIT_MARGIN = 0.1
 
 
