@@ -5,9 +5,11 @@
 
 The worker uses traintrace as a user would (the context API, the DDP hook) and
 writes its own truth beside it, without traintrace: ``TRUTH_DIR/rank<N>.jsonl``,
-one JSON line per step start and end, checkpoint start and end, and fault, with
-``time.time_ns()`` timestamps. The test computes goodput and the culprit from
-those lines and compares them with what ``traintrace`` says.
+one JSON line per step start and end, the start of each step's data loading, the
+initialisation's start and end, checkpoint save (and a background save's copy) and
+load, validation pass, fault, an exception leaving the worker, SIGTERM and exit, with
+``time.time_ns()`` timestamps. The test computes goodput, where the time went and
+the culprit from those lines and compares them with what ``traintrace`` says.
 
 Faults (``--fault``): ``data``, ``forward``, ``backward``, ``optimizer``, ``iteration`` (between phases),
 ``checkpoint`` (an exception there); ``validation`` (an exception in the validation pass after step
