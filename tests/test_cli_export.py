@@ -59,6 +59,7 @@ GLOO_RESET = (
 )
 
 
+@pytest.mark.once  # the export's writing, not the core that recorded
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(min_size=1, max_size=300))
 @example(GLOO_RESET)

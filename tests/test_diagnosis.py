@@ -1419,6 +1419,7 @@ def test_a_healthy_run(tmp_path: Path) -> None:
     assert summary["steps_completed"] == 24 and summary["steps_lost"] == 0
 
 
+@pytest.mark.once  # the records' reading, not the core that wrote them
 @pytest.mark.parametrize("validate", [False, True])
 def test_the_others_wait_for_rank_0s_checkpoint_save(tmp_path: Path, validate: bool) -> None:
     """Rank 0 alone saves the replicated model, 80 MB every 3 steps (the save takes about 100 ms); the other ranks
