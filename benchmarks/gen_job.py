@@ -12,6 +12,11 @@ stream stops without a ``close``; after 30 s every rank restarts (a new header
 appended to the same file), loads the last checkpoint and redoes the steps
 after it. The files are written by string templates, not by the library, so
 that writing 6.4 million records takes about a minute.
+
+``--gap-us N``: each rank idles N µs between its steps, outside any span (a
+framework's work between steps). ``--one-saver``: rank 0 alone writes the
+checkpoints; the others spend the save's time between their steps, outside any
+span (a barrier after rank 0's save, as Lightning's ``Trainer.save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ def write_rank(  # noqa: PLR0917 - one call site, all arguments named there
     fail_at: int,
     t0: int,
     job: str,
+    gap_ns: int = 0,
+    one_saver: bool = False,
 ) -> int:
     """Write one rank's file; returns its number of records."""
     count = 0
@@ -149,7 +156,7 @@ def write_rank(  # noqa: PLR0917 - one call site, all arguments named there
             )
             seq += 1
             span_id += 1
-            now += dur
+            now += dur + gap_ns
             if (step + 1) % 100 == 0:
                 lines.append(
                     f'{{"seq":{seq},"kind":"event","ts":{now},"name":"training_iterations","span":{loop_id},'
@@ -157,7 +164,9 @@ def write_rank(  # noqa: PLR0917 - one call site, all arguments named there
                     f'"samples_per_second":{32 * world / (dur / 1e9):.1f}}}}}'
                 )
                 seq += 1
-            if (step + 1) % checkpoint_every == 0:
+            if (step + 1) % checkpoint_every == 0 and one_saver and rank:
+                now += SAVE_NS  # waiting at the barrier for rank 0's save: no span
+            elif (step + 1) % checkpoint_every == 0:
                 lines.append(
                     f'{{"seq":{seq},"kind":"span","ts":{now},"name":"checkpoint_save_sync","id":{span_id},'
                     f'"parent":{loop_id},"tid":{tid},"dur":{SAVE_NS},"status":"ok",'
@@ -187,13 +196,13 @@ def write_rank(  # noqa: PLR0917 - one call site, all arguments named there
         _, failed = run(0, iterations, t0, 0)
         if failed:
             resume = (fail_at // checkpoint_every) * checkpoint_every
-            run(resume, iterations, t0 + _time_to(fail_at + 1, checkpoint_every) + RESTART_GAP_NS, 1)
+            run(resume, iterations, t0 + _time_to(fail_at + 1, checkpoint_every, gap_ns) + RESTART_GAP_NS, 1)
     return count
 
 
-def _time_to(step: int, checkpoint_every: int) -> int:
+def _time_to(step: int, checkpoint_every: int, gap_ns: int = 0) -> int:
     """Upper bound of the wall time of the first ``step`` steps (so restarts start after every rank stopped)."""
-    return INIT_NS + step * (STEP_NS * 14 // 10 + 10_000_000) + (step // checkpoint_every + 1) * SAVE_NS
+    return INIT_NS + step * (STEP_NS * 14 // 10 + 10_000_000 + gap_ns) + (step // checkpoint_every + 1) * SAVE_NS
 
 
 def generate(  # noqa: PLR0917 - mirrors the command-line options
@@ -205,6 +214,8 @@ def generate(  # noqa: PLR0917 - mirrors the command-line options
     failing_rank: int = 37,
     fail_at: int | None = None,
     job: str = "synthetic",
+    gap_us: int = 0,
+    one_saver: bool = False,
 ) -> int:
     """Write the job into ``folder``; returns the total number of records."""
     out = Path(folder)
@@ -213,7 +224,18 @@ def generate(  # noqa: PLR0917 - mirrors the command-line options
     t0 = 1_790_000_000_000_000_000
     return sum(
         write_rank(
-            out / f"rank{rank}.jsonl", rank, ranks, iterations, checkpoint_every, straggler, failing_rank, fail, t0, job
+            out / f"rank{rank}.jsonl",
+            rank,
+            ranks,
+            iterations,
+            checkpoint_every,
+            straggler,
+            failing_rank,
+            fail,
+            t0,
+            job,
+            gap_us * 1000,
+            one_saver,
         )
         for rank in range(ranks)
     )
@@ -225,9 +247,18 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--iterations", type=int, default=100_000)
     parser.add_argument("--checkpoint-every", type=int, default=5000)
+    parser.add_argument("--gap-us", type=int, default=0, help="idle time between steps, outside any span")
+    parser.add_argument("--one-saver", action="store_true", help="rank 0 alone saves; the others wait between steps")
     args = parser.parse_args()
     started = time.perf_counter()
-    records = generate(args.out, args.ranks, args.iterations, args.checkpoint_every)
+    records = generate(
+        args.out,
+        args.ranks,
+        args.iterations,
+        args.checkpoint_every,
+        gap_us=args.gap_us,
+        one_saver=args.one_saver,
+    )
     print(f"wrote {records:,} records for {args.ranks} ranks in {time.perf_counter() - started:.1f} s to {args.out}")
 
 

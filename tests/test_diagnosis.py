@@ -16,6 +16,7 @@ same records: tests/test_native_encoder.py). The suite must fit CI's 30 minutes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -322,11 +323,56 @@ def truth_waits(run: Run, failed: bool) -> dict[int, dict[str, int]]:
     return waits
 
 
+def truth_gap_waits(run: Run) -> dict[int, dict[str, int]]:
+    """Rank -> category -> ns it waited for another rank's phase of ``WAITED_FOR`` between its steps and phases
+    (at the final barrier while rank 0 saves, say), by the marks: a gap (``marked_gaps``) in which such a phase
+    ended waited for it by the lesser of their overlap and the gap's excess over the rank's median gap (shared
+    between the phases in proportion to their overlaps). Time outside the steps: not productive, ``other``."""
+    marks = run.marks()
+    intervals = {rank: list(marked_intervals(ms)) for rank, ms in marks.items()}
+    waits: dict[int, dict[str, int]] = {rank: dict.fromkeys(WAITED_FOR, 0) for rank in marks}
+    for rank, gaps in marked_gaps(marks, intervals).items():
+        usual = statistics.median(g1 - g0 for _, g0, g1 in gaps) if gaps else 0
+        for restart, g0, g1 in gaps:
+            overlap = dict.fromkeys(WAITED_FOR, 0)
+            for other, theirs in intervals.items():
+                for phase, opening, phase_end in theirs:
+                    if other != rank and phase in overlap and opening["restart"] == restart and g0 < phase_end <= g1:
+                        overlap[phase] = max(overlap[phase], phase_end - max(g0, opening["ts"]))
+            total, excess = sum(overlap.values()), g1 - g0 - usual
+            for phase, o in overlap.items():
+                if o > 0 and excess > 0:
+                    waits[rank][phase] += int(o * min(1.0, excess / total))
+    return waits
+
+
+def marked_gaps(
+    marks: dict[int, list[dict[str, Any]]], intervals: dict[int, list[tuple[str | None, dict[str, Any], int]]]
+) -> dict[int, list[tuple[int, int, int]]]:
+    """Rank -> (attempt, start, end) of each stretch its marks put outside all of its steps and phases: between
+    two of them, and from the last to the attempt's last mark (its exit, say)."""
+    gaps: dict[int, list[tuple[int, int, int]]] = {}
+    for rank, ivs in intervals.items():
+        for restart in sorted({m["restart"] for m in marks[rank]}):
+            merged: list[list[int]] = []
+            for t0, t1 in sorted((m["ts"], end) for _, m, end in ivs if m["restart"] == restart):
+                if merged and t0 <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], t1)
+                else:
+                    merged.append([t0, t1])
+            if not merged:
+                continue
+            last = max(m["ts"] for m in marks[rank] if m["restart"] == restart)
+            bounds = [(a[1], b[0]) for a, b in itertools.pairwise(merged)] + [(merged[-1][1], last)]
+            gaps.setdefault(rank, []).extend((restart, g0, g1) for g0, g1 in bounds if g1 > g0)
+    return gaps
+
+
 def truth_time_went(run: Run, failed: bool) -> dict[str, float]:
     """`summary`'s badput categories the worker marks (``TIMED_BY_MARKS`` and ``lost_progress``), in seconds per rank
-    (the mean over the ranks), from the worker's own marks alone (``marked_intervals``), with the time steps waited
-    for another rank's phase (``truth_waits``). Lost progress: the started steps ``truth_kept`` does not keep, a
-    step never ended included."""
+    (the mean over the ranks), from the worker's own marks alone (``marked_intervals``), with the time ranks waited
+    for another rank's phase in their steps and between them (``truth_waits``, ``truth_gap_waits``). Lost progress:
+    the started steps ``truth_kept`` does not keep, a step never ended included."""
     marks = run.marks()
     kept = truth_kept(run, failed)
     totals = dict.fromkeys([*TIMED_BY_MARKS, "lost_progress"], 0)
@@ -335,9 +381,10 @@ def truth_time_went(run: Run, failed: bool) -> dict[str, float]:
             if category is None and (rank, m["restart"], m["step"]) in kept:
                 continue
             totals[category or "lost_progress"] += end - m["ts"]
-    for waited in truth_waits(run, failed).values():
-        for category, ns in waited.items():
-            totals[category] += ns
+    for waits in (truth_waits(run, failed), truth_gap_waits(run)):
+        for waited in waits.values():
+            for category, ns in waited.items():
+                totals[category] += ns
     return {category: ns / 1e9 / len(marks) for category, ns in totals.items()}
 
 
