@@ -186,6 +186,8 @@ class TraintraceCallback(Callback):
         self._mark = 0
         self._wait_t0: int | None = None
         self._wait_span: Span | None = None
+        # A save ended the wait for the next batch: the wait goes on once the save returns (see _resuming_wait).
+        self._wait_before_save = False
         self._live_phases = False
         self._timings: dict[str, int] = {}
         self._pending_save: Span | None = None
@@ -378,6 +380,8 @@ class TraintraceCallback(Callback):
         self._stage = self._start(name, attrs, _INFO)
         if self.trace_checkpoint_io:
             self._wrap_checkpoint_io(trainer)
+        if stage == "fit" and not any(obj is trainer for obj, *_ in self._patched):
+            self._patch(trainer, "save_checkpoint", self._resuming_wait)
 
     def _skip_unneeded_hooks(self, *, automatic: bool) -> None:
         """Hide the per-step hooks this verbosity does not need from Lightning (see ``_ITERATION_HOOKS``)."""
@@ -682,8 +686,9 @@ class TraintraceCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         # Fires on every rank before the write (only global rank 0 writes).
+        self._wait_before_save = self._wait_t0 is not None or self._wait_span is not None
         self._end_wait()
-        if not self._info or self._patched:
+        if not self._info or any(obj is not trainer for obj, *_ in self._patched):
             return
         # No wrapped checkpoint IO: the save is known only to start here.
         _api.event(
@@ -692,7 +697,7 @@ class TraintraceCallback(Callback):
         )
 
     def _wrap_checkpoint_io(self, trainer: pl.Trainer) -> None:
-        if self._patched:
+        if any(obj is not trainer for obj, *_ in self._patched):
             return
         try:
             io = trainer.strategy.checkpoint_io
@@ -714,6 +719,21 @@ class TraintraceCallback(Callback):
         self._patch(io, "load_checkpoint", self._traced_load())
         if is_async and inner is not None:
             self._patch(inner, "save_checkpoint", self._traced_finalization(trainer))
+
+    def _resuming_wait(self, save: Callable[..., Any]) -> Callable[..., Any]:
+        """``Trainer.save_checkpoint``, after which the wait for the next batch that the save's
+        ``on_save_checkpoint`` ended goes on: ModelCheckpoint saves after a batch, every rank (the writer, and the
+        others at the barrier after it), and the next batch is fetched once the save returns. Without it, that fetch
+        was timed nowhere: a rank slow to fetch the batches after saves only was not seen."""
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            result = save(*args, **kwargs)
+            if self._wait_before_save:  # not after a save that raised: that is no wait for a batch
+                self._wait_before_save = False
+                self._begin_wait()
+            return result
+
+        return save_checkpoint
 
     def _patch(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         try:
