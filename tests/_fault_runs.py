@@ -46,6 +46,30 @@ def answers(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         job.close()
 
 
+def check_checkpoint_save(out: Path, summary: dict[str, Any], ranks: int) -> float:
+    """``summary``'s checkpoint save time (the mean over the ranks) of a Lightning job that saved on rank 0 alone
+    (tests/_lightning_ddp_run.py with ``SAVE_EVERY``), against the script's own notes: each rank lost, at each of
+    its ``Trainer.save_checkpoint`` calls (``saves<rank>.jsonl``), the time rank 0 wrote during it
+    (``writes0.jsonl``): rank 0 its writes, the others their wait at the barrier. Within 2 ms a save and 5%.
+    Returns the truth, in seconds."""
+    import json
+
+    def intervals(name: str, rank: int) -> list[tuple[int, int]]:
+        lines = (out / f"{name}{rank}.jsonl").read_text().splitlines()
+        return [(note["t0"], note["t1"]) for note in map(json.loads, lines)]
+
+    writes = intervals("writes", 0)
+    assert writes and not list(out.glob("writes[1-9]*.jsonl")), "the premise: rank 0 alone wrote"
+    lost = [
+        sum(max(0, min(b1, w1) - max(b0, w0)) for b0, b1 in intervals("saves", rank) for w0, w1 in writes) / 1e9
+        for rank in range(ranks)
+    ]
+    truth = sum(lost) / ranks
+    read = summary["breakdown_s"]["checkpoint_save"]
+    assert abs(read - truth) <= 0.002 * len(writes) + 0.05 * truth, (read, truth, lost, summary["breakdown_s"])
+    return truth
+
+
 def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, Any]:
     """A framework job's straggler (``slow``: its training step's own code, ``slow_data``: its batches), as
     ``traintrace ranks`` names it, against the script's own notes (``fault.json``: the rank and the first slow

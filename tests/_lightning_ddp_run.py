@@ -23,6 +23,10 @@ and ``slow_data`` (its dataset sleeps ``SLOW_MS`` per batch from the batch of st
 training process: ``num_workers=0``); with ``SLOW_EVERY`` K, at every K-th step (batch) from step N on only, each
 noted (``slow<rank>.jsonl``); the truth (``fault.json``) is written at the first slow step, and
 every rank notes when each step's own code began (``steps<rank>.jsonl``, ``time.time_ns()``).
+Checkpoints: with ``SAVE_EVERY`` K, a ``ModelCheckpoint`` saves every K steps, ``SAVE_MB`` (default 80) more in
+each checkpoint; global rank 0 alone writes, the others wait at the strategy's barrier. Every rank notes when
+its ``Trainer.save_checkpoint`` began and ended (``saves<rank>.jsonl``), and the writing rank when its write began
+and ended (``writes<rank>.jsonl``), without traintrace.
 Under torchrun, Lightning starts no process itself.
 """
 
@@ -38,6 +42,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -55,6 +61,8 @@ TIMEOUT_S = float(os.environ.get("DDP_TIMEOUT_S", "20"))
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
 EPOCHS = int(os.environ.get("EPOCHS", "1"))
 DEVICES = int(os.environ.get("DEVICES", "2"))
+SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "0"))
+SAVE_MB = float(os.environ.get("SAVE_MB", "80"))
 #: Modes that fail inside the training step's own code.
 IN_STEP = ("", "sigkill", "hang")
 
@@ -91,10 +99,36 @@ class FaultySGD(torch.optim.SGD):
         return loss
 
 
+def note_interval(name: str, rank: int, t0: int, t1: int) -> None:
+    """A checkpoint's call or write, begun at ``t0`` and ended at ``t1`` (``time.time_ns()``), without traintrace."""
+    with (OUT / f"{name}{rank}.jsonl").open("a") as notes:
+        notes.write(json.dumps({"t0": t0, "t1": t1}) + "\n")
+
+
+class NotedCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint whose every save is noted on every rank (the write on rank 0, the barrier after it)."""
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        t0 = time.time_ns()
+        super()._save_checkpoint(trainer, filepath)
+        note_interval("saves", trainer.global_rank, t0, time.time_ns())
+
+
+class NotedIO(TorchCheckpointIO):
+    """The checkpoint write, noted (only the writing rank calls it)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, object], path: object, storage_options: object = None) -> None:
+        t0 = time.time_ns()
+        super().save_checkpoint(checkpoint, path, storage_options)  # type: ignore[arg-type]
+        note_interval("writes", int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))), t0, time.time_ns())
+
+
 class Tiny(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Linear(8, 1)
+        # Written into every checkpoint, not a buffer: DDP would broadcast a buffer from rank 0 at every forward.
+        self.pad = torch.ones(int(SAVE_MB * 2**20 / 4)) if SAVE_EVERY else None
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -138,6 +172,10 @@ class Tiny(L.LightningModule):
             note_fault(self.global_rank, self.global_step)
             raise ValueError(f"injected failure in validation_step on rank {self.global_rank}")
         self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, object]) -> None:
+        if self.pad is not None:
+            checkpoint["pad"] = self.pad
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return FaultySGD(self.parameters(), self.global_rank, self)
@@ -183,13 +221,17 @@ def main() -> None:
         rank = int(os.environ.get("LOCAL_RANK", "0"))
         train = DataLoader(FaultyData(data, rank), batch_size=BATCH, num_workers=0 if MODE == "slow_data" else 1)
     callback = TraintraceCallback(tt.Config(job_id="ddp-test", log_dir=str(out / "logs")), backends={"log": False})
+    callbacks: list[L.Callback] = [callback]
+    if SAVE_EVERY:
+        callbacks.append(NotedCheckpoint(dirpath=out / "ck", every_n_train_steps=SAVE_EVERY, save_top_k=-1))
     trainer = L.Trainer(
         # A short collective timeout: the rank left waiting for a failed one gives up soon.
         strategy=L.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=TIMEOUT_S)),
         accelerator="cpu",
         devices=DEVICES,
         max_epochs=EPOCHS,
-        callbacks=[callback],
+        callbacks=callbacks,
+        plugins=[NotedIO()] if SAVE_EVERY else None,
         default_root_dir=str(out),
         logger=False,
         enable_progress_bar=False,

@@ -11,9 +11,11 @@ pass (a gradient hook), in the optimizer's step, in a validation step (Lightning
 Trainer), or in the DataLoader's worker; SIGKILL or a hang there; a read in the DataLoader's worker that never
 returns; a batch whose loss overflows (Lightning: the job diverges); a straggler, 60 ms slower from a random step on
 in its training step or loss (``slow``) or fetching its batches (``slow_data``), at every step or every 2nd or
-3rd only. The callbacks time the phases between the frameworks' hooks and methods, so where a rank was comes from
-its progress file and the spans the callback ends, not from spans opened around the code as tests/fault_sweep.py's
-worker does. Checked: ``errors``
+3rd only. In 40% of the Lightning jobs a ModelCheckpoint saves every 2 or 3 steps, 20 or 80 MB, rank 0 writing
+while the others wait at the barrier; where such a job ends well, ``summary``'s checkpoint save time is checked
+against the script's notes of the saves and writes. The callbacks time the phases between the frameworks' hooks
+and methods, so where a rank was comes from its progress file and the spans the callback ends, not from spans
+opened around the code as tests/fault_sweep.py's worker does. Checked: ``errors``
 names the faulty rank, the step and phase the script's own truth (``fault.json``, ``started<rank>.txt``, the losses,
 written without traintrace) says, and the cause; the status; every other rank in the verdict; for a straggler,
 ``ranks`` names it alone, the part and the step its script's notes give (``steps<rank>.jsonl``). With ``--busy N``,
@@ -26,6 +28,7 @@ cover the exception, the data faults and the overflow.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests._fault_runs import answers, busy_host, check_straggler, child_env, say_wrong, tally
+from tests._fault_runs import answers, busy_host, check_checkpoint_save, check_straggler, child_env, say_wrong, tally
 
 HERE = Path(__file__).resolve().parent
 LIGHTNING_STEPS_PER_EPOCH = 4
@@ -107,6 +110,9 @@ class Job:
     accum: int = 1
     #: A straggler slow at every N-th step (batch) from its first only.
     every: int = 1
+    #: Lightning: a ModelCheckpoint every N steps (0: none), rank 0 writing ``save_mb`` MB while the others wait.
+    save_every: int = 0
+    save_mb: int = 0
 
     def __str__(self) -> str:
         epochs = f", {self.epochs} epochs" if self.framework == "lightning" else ""
@@ -114,12 +120,21 @@ class Job:
             epochs = f", {self.accum} batches a step"
         if self.every > 1:
             epochs += f", slow every {self.every} steps"
+        if self.save_every:
+            epochs += f", {self.save_mb} MB saved every {self.save_every} steps"
         how = "traintrace-run" if self.launcher else "torchrun"
         fault = self.mode or "training_step"
         return f"{self.framework}: {self.devices} ranks, {fault} on rank {self.rank} at step {self.step}{epochs}, {how}"
 
 
 def draw_job(draw: random.Random, framework: str, modes: list[str]) -> Job:
+    job = _draw_fault(draw, framework, modes)
+    if framework == "lightning" and draw.random() < 0.4:  # rank 0 saves; the others wait at the barrier
+        job = dataclasses.replace(job, save_every=draw.choice([2, 3]), save_mb=draw.choice([20, 80]))
+    return job
+
+
+def _draw_fault(draw: random.Random, framework: str, modes: list[str]) -> Job:
     mode = draw.choice([m for m in modes if m in FRAMEWORKS[framework].modes])
     devices = draw.choice([2, 3])
     rank = draw.randrange(devices)
@@ -167,6 +182,8 @@ def run_job(folder: Path, job: Job) -> dict[str, Any] | None:
         MAX_STEPS=str(TRAINER_STEPS + SLOW_STEPS_AFTER if job.mode in STRAGGLERS else TRAINER_STEPS),
         GRAD_ACCUM=str(job.accum),
         SLOW_EVERY=str(job.every),
+        SAVE_EVERY=str(job.save_every),
+        SAVE_MB=str(job.save_mb),
     )
     env.update(TRAINTRACE_LOG_DIR=str(folder / "logs"), TRAINTRACE_JOB_ID=framework.job)
     live: dict[str, Any] | None = None
@@ -219,10 +236,15 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
     """The answer of ``errors`` when the job ended, or the one read while it ran (``live``)."""
     framework = FRAMEWORKS[job.framework]
     assert job.mode == "inf" or (folder / "fault.json").exists(), "the premise: the fault was injected"
+    saved = ""
+    if job.save_every and job.mode in (*STRAGGLERS, "inf"):  # jobs that end well: every save noted
+        truth = check_checkpoint_save(folder, answers(folder / "logs" / framework.job)[1], job.devices)
+        saved = f"; checkpoint save {truth:.3f} s a rank"
     if job.mode in STRAGGLERS:
         data = check_straggler(folder, folder / "logs" / framework.job, job.mode, job.devices)
         (culprit,) = (r for r in data["ranks"] if r["rank"] == job.rank)
-        return f"stragglers {data['stragglers']}: slow in {culprit['slow_in']} since step {culprit['slow_since_step']}"
+        slow = f"stragglers {data['stragglers']}: slow in {culprit['slow_in']} since step {culprit['slow_since_step']}"
+        return slow + saved
     errors = live if live is not None else answers(folder / "logs" / framework.job)[0]
     culprit = errors["culprit"]
     assert culprit is not None, errors["verdict"]
@@ -234,7 +256,7 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
         first = {r: first_non_finite(folder / f"losses{r}.jsonl") for r in range(job.devices)}
         assert first[rank] == step and all(first[r] > step for r in first if r != rank), first
         assert (errors["status"], culprit["rank"], culprit["step"]) == ("diverged", rank, step), errors["verdict"]
-        return str(errors["verdict"])
+        return str(errors["verdict"]) + saved
     truth: dict[str, Any] = json.loads((folder / "fault.json").read_text())
     assert truth["rank"] == rank, truth  # the premise: the fault went where drawn
     if job.framework == "transformers" and job.mode.startswith("data"):

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import traintrace as tt
-from tests._fault_runs import answers, check_straggler, run
+from tests._fault_runs import answers, check_checkpoint_save, check_straggler, run
 from traintrace.integrations.lightning import TraintraceCallback
 from traintrace.reader import read_file
 
@@ -515,18 +515,50 @@ def test_ddp_loss_that_overflows_on_one_rank_is_diagnosed_as_diverged(tmp_path: 
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.once
-@pytest.mark.parametrize(("mode", "every"), [("slow", "1"), ("slow_data", "1"), ("slow", "2")])
-def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(tmp_path: Path, mode: str, every: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "every", "save_every"),
+    [("slow", "1", "0"), ("slow_data", "1", "0"), ("slow", "2", "0"), ("slow_data", "3", "2")],
+)
+def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
+    tmp_path: Path, mode: str, every: str, save_every: str
+) -> None:
     """Rank 1 of a 2-process DDP fit is 60 ms slower from step 6 on: in its training step (``slow``) or fetching
     its batches (``slow_data``). DDP's all-reduce makes rank 0 wait in backward, so both ranks' steps take as
     long (the scripts' own notes); the callbacks record no collective. `traintrace ranks` names rank 1, the part
     and the step it became slow at, as the script's notes say (it named rank 0, slow in compute, before). Slow at
-    every other step only: named too, with those steps (it read ``no stragglers`` before)."""
+    every other step only: named too, with those steps (it read ``no stragglers`` before). Slow fetching every
+    3rd batch while a ModelCheckpoint saves every 2 steps: half the slow batches are fetched after a save, which
+    the callback timed nowhere before (``no stragglers``)."""
     script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "6", mode]
-    done = run(script, tmp_path, EPOCHS="4", SLOW_EVERY=every)
+    done = run(script, tmp_path, EPOCHS="4", SLOW_EVERY=every, SAVE_EVERY=save_every, SAVE_MB="20")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = check_straggler(tmp_path, tmp_path / "logs" / "ddp-test", mode, ranks=2)
     assert any("outside backward" in note for note in data["notes"]), data["notes"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.once
+def test_the_rank_that_waits_at_the_barrier_for_rank_0s_save_spends_it_in_checkpoint_save(tmp_path: Path) -> None:
+    """A 2-process DDP fit whose ModelCheckpoint saves 80 MB every 3 steps: rank 0 writes (about 0.14 s a save)
+    while rank 1 waits for it at the strategy's barrier, between its steps and outside every span the callback
+    records. The job lost the saves' time on both ranks: `summary`'s checkpoint save, the mean over the ranks, is
+    what the script's own notes give (rank 0's writes, and rank 1's time in its own `save_checkpoint` call while
+    rank 0 wrote). It read half of it before, rank 1's share in `other`."""
+    import json
+
+    script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path)]
+    done = run(script, tmp_path, SAVE_EVERY="3", EPOCHS="3")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    saves = [json.loads(line) for line in (tmp_path / "saves1.jsonl").read_text().splitlines()]
+    writes = [json.loads(line) for line in (tmp_path / "writes0.jsonl").read_text().splitlines()]
+    assert len(saves) == len(writes) == 4
+    for save, write in zip(saves, writes, strict=True):  # the premise: rank 1 was held for most of each write
+        assert min(save["t1"], write["t1"]) - max(save["t0"], write["t0"]) > 0.8 * (write["t1"] - write["t0"])
+    _, summary = answers(tmp_path / "logs" / "ddp-test")
+    check_checkpoint_save(tmp_path, summary, ranks=2)
+    read = summary["breakdown_s"]["checkpoint_save"]
+    assert summary["phases_s"]["checkpoint_save_exposed_s"] == read
 
 
 @pytest.mark.slow
