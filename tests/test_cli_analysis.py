@@ -297,6 +297,51 @@ def test_launcher_stream_and_progress_events(tmp_path: Path) -> None:
     assert {r["rank"] for r in e["ranks"]} == {0, 1, 2, 3}
 
 
+def _write_rank(path: Path, rank: int, spans: list[tuple[str, int, int, int, int]], end_ms: int) -> None:
+    """A rank's stream by hand: ``spans`` as (name, id, parent, start, end) in ms after T0 (``iteration`` spans get
+    a step), inside a training loop (id 1), then a clean close."""
+    from tests.cli_jobs import T0
+
+    ms = 1_000_000
+    header = {"seq": 0, "kind": "header", "ts": T0, "schema": "traintrace", "schema_version": 1, "job": "j"}
+    records: list[dict[str, object]] = [{**header, "rank": rank, "world_size": 2, "restart": 0, "host": "h"}]
+    steps = 0
+    for name, span, parent, start, end in spans:
+        record = {"kind": "span", "ts": T0 + start * ms, "dur": (end - start) * ms, "name": name, "id": span}
+        if name == "iteration":
+            record["attrs"] = {"step": steps}
+            steps += 1
+        records.append({**record, "parent": parent, "tid": 7, "status": "ok"})
+    loop = {"kind": "span", "ts": T0, "dur": end_ms * ms, "name": "training_loop", "id": 1, "parent": 0, "tid": 7}
+    records += [{**loop, "status": "ok"}, {"kind": "close", "ts": T0 + end_ms * ms, "records": len(records) + 2}]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _append(path, *({"seq": i, **r} for i, r in enumerate(records)))
+
+
+def _steps(first: int, count: int, start_ms: int, first_id: int) -> list[tuple[str, int, int, int, int]]:
+    """``count`` 10 ms steps 1 ms apart from ``start_ms``."""
+    return [("iteration", first_id + k, 1, start_ms + 11 * k, start_ms + 11 * k + 10) for k in range(count)]
+
+
+def test_a_rank_between_its_steps_while_rank_0_saves_waited_for_the_save(tmp_path: Path) -> None:
+    """Rank 0 saves for 100 ms after its 10th step; rank 1 waits for it between its steps, outside every span (a
+    barrier): that wait is checkpoint save time, not ``other``. Rank 1 in a step of its own that began long before
+    the save and ended long after it (a phase of it inside, as with gradient accumulation) did not wait."""
+    _write_rank(tmp_path / "a" / "rank0.jsonl", 0, [*_steps(0, 10, 0, 10), ("checkpoint_save_sync", 99, 1, 109, 209),
+                *_steps(10, 10, 210, 20)], 320)  # fmt: skip
+    _write_rank(tmp_path / "a" / "rank1.jsonl", 1, [*_steps(0, 10, 0, 10), *_steps(10, 10, 210, 20)], 320)
+    s = _analysis.summary(_open(tmp_path / "a"))
+    # Rank 1's gap 109 to 210 ms held the save's end at 209: 100 ms of it beyond its usual 1 ms gap, all overlap.
+    assert s["breakdown_s"]["checkpoint_save"] == pytest.approx((0.100 + 0.100) / 2, abs=1e-9), s["breakdown_s"]
+    assert s["breakdown_s"]["productive"] == pytest.approx(0.200, abs=1e-9)
+    long_step = [("iteration", 13, 1, 33, 600), ("data_loading", 50, 13, 420, 425)]
+    _write_rank(tmp_path / "b" / "rank0.jsonl", 0, [*_steps(0, 30, 0, 100), ("checkpoint_save_sync", 99, 1, 330, 430),
+                *_steps(30, 10, 601, 200)], 720)  # fmt: skip
+    _write_rank(tmp_path / "b" / "rank1.jsonl", 1, [*_steps(0, 3, 0, 10), *long_step, *_steps(4, 10, 601, 20)], 720)
+    s = _analysis.summary(_open(tmp_path / "b"))
+    assert s["breakdown_s"]["checkpoint_save"] == pytest.approx(0.100 / 2, abs=1e-9), s["breakdown_s"]
+
+
 def test_manifest_world_size_reveals_ranks_that_never_wrote(tmp_path: Path) -> None:
     """A manifest.json saying 6 ranks, with files for 4: ranks 4-5 are reported missing."""
     import json

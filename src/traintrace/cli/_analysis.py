@@ -351,7 +351,7 @@ def _waits_for_other_ranks(job: Job, typical: dict[int, int]) -> list[tuple[int,
 #: A rank with less time outside its steps and phases than this cannot have waited there for another rank.
 GAP_FLOOR_S = 1e-3
 #: How far around another rank's phase a rank's steps are read to find where it waited and its usual gap: this
-#: many of its median steps, and the phase's own length, on each side.
+#: many of its median steps on each side.
 GAP_CONTEXT_STEPS = 4
 
 
@@ -424,28 +424,43 @@ def _waits_between_steps(job: Job, typical: dict[int, int], idle: dict[int, floa
     values = ", ".join(f"({file}, {b})" for file, b in sorted(keys))
     categorised = ", ".join(f"'{name}'" for name in CATEGORY_OF)
     near: dict[int, set[tuple[int, int]]] = {}
+    parents: set[tuple[int, int]] = set()  # (stream, id) of the steps that hold a phase found (gradient accumulation)
     phase_end = "s.ts + coalesce(s.dur, greatest(f.end_ts - s.ts, 0))"
     spans = (
         "spans_small s JOIN stream_facts f USING (stream) JOIN keys k ON k.file = s.file AND k.b = ({}) // {} "
         f"WHERE NOT s.is_agent AND (s.name IN ({categorised}) OR (s.name = '{ITERATION}' AND s.open))"
     )
-    for stream, t0, t1 in job.rows(
+    for stream, t0, t1, parent in job.rows(
         # Four keyed joins, not one over a shared CTE: the engine would read every step into the CTE first.
         f"""
         WITH keys AS (SELECT * FROM (VALUES {values}) AS k(file, b))
-        SELECT i.stream, i.ts, i.ts + i.dur FROM iterations i JOIN keys k ON k.file = i.file AND k.b = i.ts // {width}
+        SELECT i.stream, i.ts, i.ts + i.dur, NULL FROM iterations i
+        JOIN keys k ON k.file = i.file AND k.b = i.ts // {width}
         UNION ALL
-        SELECT i.stream, i.ts, i.ts + i.dur FROM iterations i
+        SELECT i.stream, i.ts, i.ts + i.dur, NULL FROM iterations i
         JOIN keys k ON k.file = i.file AND k.b = (i.ts + i.dur) // {width}
         UNION ALL
-        SELECT s.stream, s.ts, {phase_end} FROM {spans.format("s.ts", width)}
+        SELECT s.stream, s.ts, {phase_end}, s.parent FROM {spans.format("s.ts", width)}
         UNION ALL
-        SELECT s.stream, s.ts, {phase_end} FROM {spans.format(phase_end, width)}
+        SELECT s.stream, s.ts, {phase_end}, s.parent FROM {spans.format(phase_end, width)}
         """
     ):
         if int(stream) in streams:
             ahead = streams[int(stream)][2]
             near.setdefault(int(stream), set()).add((int(t0) - ahead, int(t1) - ahead))
+            if parent is not None:
+                parents.add((int(stream), int(parent)))
+    if parents:
+        # A phase inside a step that began before the window and ended after it: that step, which no bucket
+        # found, covers the window (the rank was in it, not between steps).
+        in_files = ", ".join(sorted({str(files[stream]) for stream, _ in parents}))
+        with_ids = ", ".join(sorted({str(span) for _, span in parents}))
+        for stream, span, t0, t1 in job.rows(
+            f"SELECT stream, id, ts, ts + dur FROM iterations WHERE file IN ({in_files}) AND id IN ({with_ids})"
+        ):
+            if (int(stream), int(span)) in parents:
+                ahead = streams[int(stream)][2]
+                near.setdefault(int(stream), set()).add((int(t0) - ahead, int(t1) - ahead))
     # Per gap (stream, its start): its excess over the usual gap, and per category the longest overlap.
     gaps: dict[tuple[int, int], tuple[int, dict[str, int]]] = {}
     for stream, cat, p0, p1, w0, w1 in windows:
