@@ -122,7 +122,7 @@ def summary(job: Job) -> dict[str, Any]:
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank]["lost_progress" if lost else "productive"] += seconds
         step_counts.setdefault(rank, {True: 0, False: 0})[bool(lost)] += int(count)
-        if not lost and median is not None:
+        if not lost and median is not None and count >= WAIT_MIN_STEPS:
             typical[int(rank)] = int(median)
     # A step a failed rank was still in when it stopped (its start written, never its end) was lost too, with the
     # time from its start to the end of the stream (a rank that hung in it until it was terminated).
@@ -286,6 +286,9 @@ WAITED_FOR: dict[str, str] = {
 }
 #: A step may have waited for another rank's phase when it ran this much over its rank's median productive step.
 WAIT_MARGIN = 0.1
+#: ...of a rank with at least this many productive steps: the median of fewer is not its usual step (of two, one
+#: stalled for 5 s: a median of 2.6 s, which let another rank's save that ended in the stall pass for a wait).
+WAIT_MIN_STEPS = 5
 
 
 def _waits_for_other_ranks(job: Job, typical: dict[int, int]) -> list[tuple[int, str, float]]:
