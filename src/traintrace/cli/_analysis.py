@@ -163,18 +163,15 @@ def summary(job: Job) -> dict[str, Any]:
         job.rows("SELECT rank, sum(end_ts - start_ts) / 1e9 FROM stream_facts WHERE NOT is_agent GROUP BY ALL")
     )
     overlap_note = False
-
-    def set_other() -> None:
-        nonlocal overlap_note
-        for rank, cats in per_rank.items():
-            inside = covered.get(rank, 0.0)
-            cats["restart_idle"] = max(wall / NS - inside, 0.0)
-            used = sum(v for k, v in cats.items() if k not in ("restart_idle", "other"))
-            if used > inside * 1.001 + 1e-3:
-                overlap_note = True
-            cats["other"] = max(inside - used, 0.0)
-
-    set_other()
+    for rank, cats in per_rank.items():
+        inside = covered.get(rank, 0.0)
+        cats["restart_idle"] = max(wall / NS - inside, 0.0)
+        used = sum(v for k, v in cats.items() if k not in ("restart_idle", "other"))
+        if used > inside * 1.001 + 1e-3:
+            overlap_note = True
+        cats["other"] = max(inside - used, 0.0)
+    # Time outside the steps and phases that waited for another rank's phase (after `other` is known: it is taken
+    # from there).
     idle = {rank: cats["other"] for rank, cats in per_rank.items()}
     for rank, cat, seconds in _waits_between_steps(job, typical, idle):
         moved = min(seconds, per_rank[rank]["other"])
