@@ -19,16 +19,20 @@ compression hook), so training computes exactly what it did without it.
 """
 
 import contextvars
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from .._names import SpanName, SpanStatus, level_of
+from .._recorder import warn_once
 from .._setup import get_recorder
 from ._common import missing_extra
 
 __all__ = ["record_collectives"]
 
 _LEVEL = level_of(SpanName.COLLECTIVE)
+#: DDP models whose buffer broadcasts are recorded (record_collectives and the Lightning callback both may ask).
+_broadcasts_recorded: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def record_collectives(model: Any, state: Any = None, hook: Callable[[Any, Any], Any] | None = None) -> None:
@@ -75,3 +79,48 @@ def record_collectives(model: Any, state: Any = None, hook: Callable[[Any, Any],
         return chained
 
     model.register_comm_hook(state, traced)
+    _record_buffer_broadcasts(model)
+
+
+def _record_buffer_broadcasts(model: Any) -> None:
+    """Record DDP's broadcast of the module's buffers from rank 0 at each forward as a ``collective`` span.
+
+    A model with buffers (BatchNorm's running statistics) has them broadcast before every forward, and rank 0 waits
+    there for a rank late to its forward: unrecorded, that wait reads as rank 0's own forward being slow. The span
+    opens in a hook on the DDP module (before its forward) and ends in one on the wrapped module (when its own
+    forward begins), or when DDP's forward returns or raises. Models without buffers get no hooks at all.
+    """
+    try:
+        # Whether it syncs at a given forward changes (not after a forward without gradients): the hook asks each time.
+        syncs = bool(model.broadcast_buffers) and next(iter(model.module.buffers()), None) is not None
+        inner = model.module
+        model.will_sync_module_buffers  # noqa: B018 - what the hook calls
+    except Exception:  # noqa: BLE001 - not a DDP model this torch knows: its all-reduces are recorded all the same
+        return
+    if not syncs or model in _broadcasts_recorded:
+        return
+    _broadcasts_recorded.add(model)
+    pending: list[Any] = []  # the open span, if a forward is in DDP's pre-forward
+
+    def opened(module: Any, args: Any) -> None:
+        rec = get_recorder()
+        if rec is None or rec.max_level < _LEVEL or pending:
+            return
+        try:
+            if model.will_sync_module_buffers():
+                span = rec.start(SpanName.COLLECTIVE, {"op": "broadcast", "tensors": "buffers"}, level=_LEVEL)
+                pending.append((rec, span))
+        except Exception:  # noqa: BLE001 - never into training: this forward is not recorded
+            warn_once("ddp_buffer_hook", "traintrace could not record DDP's buffer broadcast; not recorded")
+
+    def closed(*_: Any) -> None:
+        if pending:
+            rec, span = pending.pop()
+            rec.stop(span)
+
+    def returned(module: Any, args: Any, output: Any) -> None:
+        closed()
+
+    model.register_forward_pre_hook(opened)
+    inner.register_forward_pre_hook(closed)
+    model.register_forward_hook(returned, always_call=True)
