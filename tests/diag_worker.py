@@ -203,6 +203,11 @@ def main() -> None:
     # corrupt sample); the all-reduce of its gradients spreads NaN to every rank's weights. --nan-check: every
     # rank raises when its loss is NaN (a common guard that misses infinity).
     parser.add_argument("--nan-check", action="store_true")
+    # A BatchNorm layer: its running statistics are buffers, which DDP broadcasts from rank 0 at every forward, so
+    # rank 0 waits in forward (not in backward's all-reduce) for a rank late with its batch.
+    parser.add_argument("--batch-norm", action="store_true")
+    # Without record_collectives: DDP's all-reduces and broadcasts recorded nowhere, as in most users' loops.
+    parser.add_argument("--no-record-collectives", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
@@ -282,8 +287,10 @@ def main() -> None:
                 truth.write(event="fault", kind=fault, step=None)
                 time.sleep(3600)
             torch.manual_seed(0)
-            model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
-            record_collectives(model)
+            norm = [nn.BatchNorm1d(16)] if args.batch_norm else []
+            model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), *norm, nn.ReLU(), nn.Linear(16, 1)))
+            if not args.no_record_collectives:
+                record_collectives(model)
         with tt.optimizer_init():
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         truth.write(event="init_end")

@@ -618,21 +618,26 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
     # The mean time a rank's steps waited for other ranks (see _onset): in backward and collectives, and in
     # collectives inside its waits for batches.
     waits: dict[int, float] = {}
-    for rank, part, value, spread, waited in job.rows(
+    # Each rank's slowest and quickest batch: another rank's compute may have waited for its late batch (a forward
+    # whose collective, DDP's broadcast of the model's buffers, needs every rank's batch).
+    batches: dict[int, tuple[float, float]] = {}
+    for rank, part, value, spread, waited, slowest, quickest in job.rows(
         """
         SELECT rank, 'compute', median(comp) / 1e9, (sum(comp) - median(comp) * count(comp)) / 1e9,
-               avg(dur - comp) / 1e9
+               avg(dur - comp) / 1e9, 0, 0
         FROM step_parts GROUP BY rank
-        UNION ALL SELECT rank, 'collective', median(coll) / 1e9, 0, 0 FROM step_parts WHERE coll IS NOT NULL
+        UNION ALL SELECT rank, 'collective', median(coll) / 1e9, 0, 0, 0, 0 FROM step_parts WHERE coll IS NOT NULL
         GROUP BY rank
         UNION ALL SELECT rank, 'data_loading', median(dur) / 1e9, (sum(dur) - median(dur) * count(dur)) / 1e9,
-               avg(whole - dur) / 1e9
+               avg(whole - dur) / 1e9, max(dur) / 1e9, min(dur) / 1e9
         FROM loading_parts GROUP BY rank
         """
     ):
         parts.setdefault(int(rank), {})[part] = float(value)
         above_median = max(above_median, float(spread or 0.0))
         waits[int(rank)] = waits.get(int(rank), 0.0) + float(waited or 0.0)
+        if part == "data_loading":
+            batches[int(rank)] = (float(slowest or 0.0), float(quickest or 0.0))
     least_wait = min(waits.values(), default=0.0)
     saves: dict[int, list[float]] = {}
     for rank, seconds in job.rows(
@@ -680,6 +685,14 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
             # it waited more than half its excess beyond the rank that waited least (else, surely not: one pass
             # fewer over every rank's steps).
             waited = waits.get(r["rank"], 0.0) - least_wait > excess[part] / 2
+            # ...or, in compute, may have waited for another rank's batch, later than its own by half its excess or
+            # more at some step (_onset reads each step).
+            waited = waited or (
+                part == "compute"
+                and r["rank"] in batches
+                and max((v[0] for k, v in batches.items() if k != r["rank"]), default=0.0) - batches[r["rank"]][1]
+                >= excess[part] / 2
+            )
             onset = _onset(job, r["rank"], part, threshold, floor, waits=waited)
             if onset.pop("_waited", False):
                 hidden.append((r["rank"], part, onset["slow_since_step"], excess[part]))
@@ -1108,8 +1121,21 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
         source = "step_parts" if part == "compute" else "loading_parts"
         value = "comp" if part == "compute" else "dur"
     elif part == "compute":
-        columns = f"s.rank, s.restart, s.k, s.ts, s.step, s.comp AS v, {waited} AS waited"
-        source, value = f"(SELECT {columns} FROM step_parts s {gathers})", "v"
+        # How much later than this rank another rank fetched the batch of the same step, where that fetch ended
+        # inside this rank's step, and how far into the step: a forward holding a collective (DDP's broadcast of
+        # the buffers) waited for it, unrecorded unless record_collectives timed it.
+        other_in_step = "l.rank <> $r AND l.ts + l.whole > m.ts AND l.ts + l.whole <= m.ts + m.dur"
+        late = f"""LEFT JOIN (
+            SELECT l.restart, l.step,
+                   max(l.dur) FILTER ({other_in_step}) - max(l.dur) FILTER (l.rank = $r) AS late,
+                   max(l.ts + l.whole) FILTER ({other_in_step}) - min(m.ts) AS late_end
+            FROM loading_parts l
+            JOIN (SELECT restart, step, ts, dur FROM step_parts WHERE rank = $r) m
+              ON m.restart = l.restart AND m.step = l.step
+            GROUP BY l.restart, l.step
+        ) lb ON lb.restart = s.restart AND lb.step = s.step"""
+        columns = f"s.rank, s.restart, s.k, s.ts, s.step, s.comp AS v, {waited} AS waited, lb.late, lb.late_end"
+        source, value = f"(SELECT {columns} FROM step_parts s {gathers} {late})", "v"
     else:  # the step each wait fed, for that step's waits (the least, where a rank's step numbers repeat)
         source, value = (
             f"""(
@@ -1119,11 +1145,13 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
             ) w ON w.rank = l.rank AND w.restart = l.restart AND w.step = l.step)""",
             "v",
         )
+    late_columns = ", max(late) FILTER (rank = $r), max(late_end) FILTER (rank = $r)"
     rows = job.rows(
         f"""
         SELECT restart, k, max({value}) FILTER (rank = $r), median({value}) FILTER (rank <> $r),
                max(ts) FILTER (rank = $r), max(step) FILTER (rank = $r)
                {", max(waited) FILTER (rank = $r) - min(waited)" if waits else ""}
+               {late_columns if waits and part == "compute" else ""}
         FROM {source} GROUP BY restart, k HAVING count(*) FILTER (rank = $r) > 0
         ORDER BY restart, k
         """,
@@ -1156,15 +1184,29 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
         at = second
     restart, k, _, _, ts, step, *_ = rows[at]
     start = job_bounds(job)[0]
+
     # Its excess held the job up at a step unless it then waited longer for another rank than the rank that
     # waited least at that step (ranks in lockstep wait for the slowest one; ranks that do not wait for one
-    # another wait as little as each other). Held nothing up at most steps from the onset on: not a straggler.
+    # another wait as little as each other), or, in compute, another rank fetched that step's batch later than it
+    # by half its excess or more, that fetch ending within the excess and half a usual step of the step's start (it
+    # waited in forward for that batch, then did its work; two ranks not in lockstep, one slow in compute, the
+    # other fetching, drift in and out of such a fetch ending just as the slow step does). Held nothing up at most
+    # steps from the onset on: not a straggler.
+    def late_for(e: float, row: tuple[Any, ...]) -> float:
+        if len(row) < 9 or row[7] is None or row[8] is None or row[3] is None or row[8] > e + row[3] / 2:
+            return 0.0
+        return float(row[7])
+
     told = (
-        [(e, row[6]) for e, row in zip(excess[at:], rows[at:], strict=True) if e is not None and row[6] is not None]
+        [
+            (e, row[6], late_for(e, row))
+            for e, row in zip(excess[at:], rows[at:], strict=True)
+            if e is not None and row[6] is not None
+        ]
         if waits
         else []
     )
-    held_up = sum(e > w for e, w in told)
+    held_up = sum(e > w and e > 2 * late for e, w, late in told)
     # Stalls at some steps, which a busy host's smaller slow-down at the others made pass the first look: from the
     # onset on, fewer than ONSET_SHARE of the steps are at least half the median excess of its slow steps (the
     # halfway bar above misses it when the stalls are fewer than half the steps: its upper level is then noise).
