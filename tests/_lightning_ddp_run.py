@@ -63,6 +63,8 @@ EPOCHS = int(os.environ.get("EPOCHS", "1"))
 DEVICES = int(os.environ.get("DEVICES", "2"))
 SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "0"))
 SAVE_MB = float(os.environ.get("SAVE_MB", "80"))
+# A BatchNorm layer: buffers, which DDP broadcasts from rank 0 before every forward (rank 0 waits there).
+BATCH_NORM = os.environ.get("BATCH_NORM") == "1"
 #: Modes that fail inside the training step's own code.
 IN_STEP = ("", "sigkill", "hang")
 
@@ -126,7 +128,8 @@ class NotedIO(TorchCheckpointIO):
 class Tiny(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Linear(8, 1)
+        normed = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+        self.net = normed if BATCH_NORM else nn.Linear(8, 1)
         # Written into every checkpoint, not a buffer: DDP would broadcast a buffer from rank 0 at every forward.
         self.pad = torch.ones(int(SAVE_MB * 2**20 / 4)) if SAVE_EVERY else None
 

@@ -516,11 +516,19 @@ def test_ddp_loss_that_overflows_on_one_rank_is_diagnosed_as_diverged(tmp_path: 
 @pytest.mark.subprocess
 @pytest.mark.once
 @pytest.mark.parametrize(
-    ("mode", "every", "save_every"),
-    [("slow", "1", "0"), ("slow_data", "1", "0"), ("slow", "2", "0"), ("slow_data", "2", "2")],
+    ("mode", "every", "save_every", "batch_norm"),
+    [
+        ("slow", "1", "0", "0"),
+        ("slow_data", "1", "0", "0"),
+        ("slow", "2", "0", "0"),
+        ("slow_data", "2", "2", "0"),
+        ("slow", "1", "0", "1"),
+        ("slow_data", "1", "0", "1"),
+    ],
+    ids=["slow", "slow_data", "slow-2", "slow_data-2-saves", "slow-buffers", "slow_data-buffers"],
 )
 def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
-    tmp_path: Path, mode: str, every: str, save_every: str
+    tmp_path: Path, mode: str, every: str, save_every: str, batch_norm: str
 ) -> None:
     """Rank 1 of a 2-process DDP fit is 60 ms slower from step 6 on: in its training step (``slow``) or fetching
     its batches (``slow_data``). DDP's all-reduce makes rank 0 wait in backward, so both ranks' steps take as
@@ -528,9 +536,13 @@ def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
     and the step it became slow at, as the script's notes say (it named rank 0, slow in compute, before). Slow at
     every other step only: named too, with those steps (it read ``no stragglers`` before). Slow fetching every
     other batch while a ModelCheckpoint saves every 2 steps: each slow batch is fetched after a save, which the
-    callback timed nowhere before (``no stragglers``)."""
+    callback timed nowhere before (``no stragglers``). A model with a BatchNorm layer, whose buffers DDP broadcasts
+    from rank 0 before each forward: rank 0 waits there for rank 1, not in backward; the callback records that
+    broadcast as a collective (it named rank 0 too before, slow in compute)."""
     script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "6", mode]
-    done = run(script, tmp_path, EPOCHS="4", SLOW_EVERY=every, SAVE_EVERY=save_every, SAVE_MB="20")
+    done = run(
+        script, tmp_path, EPOCHS="4", SLOW_EVERY=every, SAVE_EVERY=save_every, SAVE_MB="20", BATCH_NORM=batch_norm
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = check_straggler(tmp_path, tmp_path / "logs" / "ddp-test", mode, ranks=2)
     assert any("outside backward" in note for note in data["notes"]), data["notes"]

@@ -463,6 +463,12 @@ class TraintraceCallback(Callback):
             attrs["flops_per_step"] = self._flops
         self._loop = self._start(SpanName.TRAINING_LOOP, attrs, _INFO)
         self._seen.clear()
+        if self._profile:
+            # DDP broadcasts a model's buffers from rank 0 before each forward, where rank 0 then waits for a rank
+            # late with its batch: recorded as a collective, that wait is not read as rank 0's own compute.
+            from .ddp import _record_buffer_broadcasts
+
+            _record_buffer_broadcasts(getattr(trainer.strategy, "model", None))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_wait()
