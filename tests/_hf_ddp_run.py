@@ -151,6 +151,10 @@ def main() -> None:
     model = GPT2LMHeadModel(
         GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0)
     )
+    if os.environ.get("BUFFERS") == "1":
+        # A buffer, as BatchNorm's running statistics or a transformer's position ids: DDP broadcasts the module's
+        # buffers from rank 0 before every forward (GPT-2 has none in this transformers).
+        model.transformer.register_buffer("position_scale", torch.ones(SEQ))
     generator = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, VOCAB, (SEQ,), generator=generator) for _ in range(64)]
     data = [{"input_ids": ids, "labels": ids.clone()} for ids in rows]

@@ -103,6 +103,7 @@ class TraintraceTrainerCallback(TrainerCallback):
         self._tokens_seen = 0
         self._trainer: Any = None
         self._wrapped: list[tuple[str, Any]] = []
+        self._model_seen = 0  # id() of the last model a training step ran (its buffer broadcasts recorded)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "settings": self.settings, "wrap_trainer": self.wrap_trainer}
@@ -187,6 +188,13 @@ class TraintraceTrainerCallback(TrainerCallback):
                 if tokens is not None:
                     self._step_tokens += tokens
             self._in_step = self._profile and self._iter is not None
+            if self._in_step and id(model) != self._model_seen:
+                # The Trainer's DDP model: its broadcast of the buffers before each forward, where rank 0 waits for
+                # a late rank, is recorded as a collective (not read as rank 0's own forward).
+                self._model_seen = id(model)
+                from .ddp import _record_buffer_broadcasts
+
+                _record_buffer_broadcasts(model)
             try:
                 result = original(model, inputs, *args, **kwargs)
             except BaseException as exc:
