@@ -300,6 +300,10 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             extra += ["--async-checkpoint"]
         if draw.random() < 0.3:  # a large save (20 MB): the other ranks wait for rank 0's in their next step
             extra += ["--checkpoint-pad-kb", "20000"]
+        if draw.random() < 0.3:  # buffers, which DDP broadcasts from rank 0 before each forward
+            extra += ["--batch-norm"]
+            if slow and draw.random() < 0.5:  # ...recorded nowhere, as in most users' loops
+                extra += ["--no-record-collectives"]
         restarts = 0
         if fault == "loader_kill":
             extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]

@@ -113,6 +113,8 @@ class Job:
     #: Lightning: a ModelCheckpoint every N steps (0: none), rank 0 writing ``save_mb`` MB while the others wait.
     save_every: int = 0
     save_mb: int = 0
+    #: Lightning: a BatchNorm layer, whose buffers DDP broadcasts from rank 0 before each forward.
+    batch_norm: bool = False
 
     def __str__(self) -> str:
         epochs = f", {self.epochs} epochs" if self.framework == "lightning" else ""
@@ -122,6 +124,8 @@ class Job:
             epochs += f", slow every {self.every} steps"
         if self.save_every:
             epochs += f", {self.save_mb} MB saved every {self.save_every} steps"
+        if self.batch_norm:
+            epochs += ", BatchNorm"
         how = "traintrace-run" if self.launcher else "torchrun"
         fault = self.mode or "training_step"
         return f"{self.framework}: {self.devices} ranks, {fault} on rank {self.rank} at step {self.step}{epochs}, {how}"
@@ -131,6 +135,8 @@ def draw_job(draw: random.Random, framework: str, modes: list[str]) -> Job:
     job = _draw_fault(draw, framework, modes)
     if framework == "lightning" and draw.random() < 0.4:  # rank 0 saves; the others wait at the barrier
         job = dataclasses.replace(job, save_every=draw.choice([2, 3]), save_mb=draw.choice([20, 80]))
+    if framework == "lightning" and draw.random() < 0.3:  # buffers: rank 0 waits in forward for a late rank
+        job = dataclasses.replace(job, batch_norm=True)
     return job
 
 
@@ -184,6 +190,7 @@ def run_job(folder: Path, job: Job) -> dict[str, Any] | None:
         SLOW_EVERY=str(job.every),
         SAVE_EVERY=str(job.save_every),
         SAVE_MB=str(job.save_mb),
+        BATCH_NORM="1" if job.batch_norm else "0",
     )
     env.update(TRAINTRACE_LOG_DIR=str(folder / "logs"), TRAINTRACE_JOB_ID=framework.job)
     live: dict[str, Any] | None = None
