@@ -302,7 +302,9 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             extra += ["--checkpoint-pad-kb", "20000"]
         if draw.random() < 0.3:  # buffers, which DDP broadcasts from rank 0 before each forward
             extra += ["--batch-norm"]
-            if slow and draw.random() < 0.5:  # ...recorded nowhere, as in most users' loops
+            # ...recorded nowhere, as in most users' loops: a late batch is told then, not a rank slow in forward
+            # before the broadcast, where every rank then waits as long (docs/analysis.md, "ranks").
+            if fault == "slow_data" and draw.random() < 0.5:
                 extra += ["--no-record-collectives"]
         restarts = 0
         if fault == "loader_kill":
