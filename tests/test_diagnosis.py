@@ -500,6 +500,25 @@ def test_an_exception_on_one_rank(  # noqa: PLR0917 - pytest passes the paramete
     check_goodput(run)
 
 
+@pytest.mark.once
+def test_an_exception_in_data_loading_while_rank_0_broadcasts_the_buffers(tmp_path: Path) -> None:
+    """A model with a BatchNorm layer: DDP broadcasts its buffers from rank 0 before each forward. Rank 1 raises
+    fetching its batch at step 7, so rank 0 waits in that broadcast (in forward) and rank 2 in backward's
+    all-reduce; rank 0's broadcast then fails, the peer gone. `errors` says rank 0 was waiting in a collective
+    (the broadcast) in forward at the step the workers' marks give (it read `rank 0 was in forward` before, its
+    broadcast's failure recorded at the forward), and rank 1 is the culprit."""
+    run = launch(tmp_path, 3, "--fault", "data", "--fault-rank", "1", "--fault-step", "7", "--batch-norm")
+    assert run.returncode != 0
+    marks = run.marks()
+    step = fault_step_of(run, 1)["step"]
+    assert max(m["step"] for m in marks[0] if m["event"] == "step_start") == step  # rank 0 was in that step
+    assert not any(m["event"] == "step_end" and m["step"] == step for m in marks[0])
+    errors = check_culprit(run, 1, step, "data_loading", "RuntimeError: injected failure")
+    rank0 = next(s for s in errors["rank_states"] if s["rank"] == 0)
+    assert (rank0["phase"], rank0["in_collective"], rank0["collective"]) == ("model_forward", True, "broadcast")
+    assert f"rank 0 was waiting in a collective (broadcast) in forward at step {step}" in errors["verdict"]
+
+
 def first_non_finite_loss(run: Run) -> tuple[int, int, float]:
     """(step, rank, value) of the first NaN or infinite loss, from the workers' own notes."""
     return min(

@@ -109,3 +109,25 @@ def test_a_forward_that_raises_ends_its_broadcast_span_and_the_next_forward_reco
     broadcasts = [s for s in memory.spans(SpanName.COLLECTIVE) if s["attrs"]["op"] == "broadcast"]
     assert len(broadcasts) == 2 and all(s["dur"] is not None for s in broadcasts)
     assert tt.current_span() is None  # nothing left open on the training thread
+
+
+@pytest.mark.usefixtures("group")
+def test_a_broadcast_that_fails_ends_its_span_with_the_error_recorded_at_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer gone mid-broadcast (here: DDP's buffer sync raising as gloo does): the span ends with status error
+    and the exception is recorded once, at the collective, not at the forward around it."""
+    memory = _configure()
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)))
+    record_collectives(model)
+
+    def gone() -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(model, "_sync_buffers", gone)
+    with pytest.raises(RuntimeError, match="closed by peer"), tt.forward():
+        model(torch.randn(4, 8))
+    tt.flush()
+    (broadcast,) = [s for s in memory.spans(SpanName.COLLECTIVE) if s["attrs"]["op"] == "broadcast"]
+    assert broadcast["status"] == "error"
+    (error,) = memory.errors()
+    assert error["span"] == broadcast["id"] and error["error_type"] == "RuntimeError"
+    assert tt.current_span() is None

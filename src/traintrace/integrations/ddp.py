@@ -19,6 +19,7 @@ compression hook), so training computes exactly what it did without it.
 """
 
 import contextvars
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -119,7 +120,15 @@ def _record_buffer_broadcasts(model: Any) -> None:
             rec.stop(span)
 
     def returned(module: Any, args: Any, output: Any) -> None:
-        closed()
+        if pending:
+            # Still open when DDP's forward ended: the wrapped module never began, so the broadcast (or DDP's
+            # other work before it) raised; the span ends with that exception, recorded at it.
+            rec, span = pending.pop()
+            failure = sys.exc_info()
+            if failure[1] is not None:
+                span.__exit__(*failure)
+            else:
+                rec.stop(span)
 
     model.register_forward_pre_hook(opened)
     inner.register_forward_pre_hook(closed)
