@@ -16,7 +16,7 @@ case "$script" in
     bench_cli.py | bench_insight.py) extra="[analysis]" ;;
 esac
 "$VENV/bin/python" -m pip install -q aidot-training-telemetry==1.1.2 orjson -e "$ROOT$extra" >&2
-if [ "$script" = bench_mlp.py ]; then
+if [ "$script" = bench_mlp.py ] || [ "$script" = bench_ddp_buffers.py ]; then
     # A real training step: torch pinned, as everywhere (an unpinned torch pulls a CUDA build).
     "$VENV/bin/python" -m pip install -q "${TRAINTRACE_TORCH_PIN:-torch==2.13.0}" >&2
 fi

@@ -74,12 +74,36 @@ def test_the_buffer_broadcast_before_each_forward_is_a_collective_inside_it() ->
 
 
 @pytest.mark.usefixtures("group")
-def test_a_model_without_buffers_gets_no_broadcast_span_and_no_forward_hooks() -> None:
+def test_a_model_without_buffers_gets_no_broadcast_span() -> None:
     memory = _configure()
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1)))
     record_collectives(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert {s["attrs"]["op"] for s in _train(model, memory)} == {"all_reduce"}
+
+
+@pytest.mark.usefixtures("group")
+def test_a_copy_of_a_recorded_model_syncs_its_own_buffers_unrecorded() -> None:
+    """copy.deepcopy of a recorded DDP model (an EMA copy, say): it broadcasts its own buffers, as without
+    traintrace, and records nothing; the original goes on recording."""
+    import copy
+
+    memory = _configure()
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)))
+    record_collectives(model)
+    twin = copy.deepcopy(model)
+    synced: list[Any] = []
+    original = twin._sync_module_buffers
+    twin._sync_module_buffers = lambda *a: synced.append(twin) or original(*a)  # type: ignore[method-assign]
+    with tt.forward():
+        twin(torch.randn(4, 8))
+    assert synced == [twin]
+    tt.flush()
+    assert memory.spans(SpanName.COLLECTIVE) == []
+    with tt.forward():
+        model(torch.randn(4, 8))
+    tt.flush()
+    assert [s["attrs"]["op"] for s in memory.spans(SpanName.COLLECTIVE)] == ["broadcast"]
 
 
 @pytest.mark.usefixtures("group")
@@ -122,7 +146,7 @@ def test_a_broadcast_that_fails_ends_its_span_with_the_error_recorded_at_it(monk
     def gone() -> None:
         raise RuntimeError("Connection closed by peer")
 
-    monkeypatch.setattr(model, "_sync_buffers", gone)
+    monkeypatch.setattr(model, "_sync_module_buffers", lambda *_: gone())
     with pytest.raises(RuntimeError, match="closed by peer"), tt.forward():
         model(torch.randn(4, 8))
     tt.flush()

@@ -19,7 +19,6 @@ compression hook), so training computes exactly what it did without it.
 """
 
 import contextvars
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -87,49 +86,51 @@ def _record_buffer_broadcasts(model: Any) -> None:
     """Record DDP's broadcast of the module's buffers from rank 0 at each forward as a ``collective`` span.
 
     A model with buffers (BatchNorm's running statistics) has them broadcast before every forward, and rank 0 waits
-    there for a rank late to its forward: unrecorded, that wait reads as rank 0's own forward being slow. The span
-    opens in a hook on the DDP module (before its forward) and ends in one on the wrapped module (when its own
-    forward begins), or when DDP's forward returns or raises. Models without buffers get no hooks at all.
+    there for a rank late to its forward: unrecorded, that wait reads as rank 0's own forward being slow. DDP does
+    the broadcast in its ``_sync_buffers`` method, which this times for the models registered here (the class's
+    method, wrapped once: forward hooks on the model, the public way, cost a forward 7 to 14 us in PyTorch's hook
+    dispatch alone; benchmarks/bench_ddp_buffers.py times the wrapper). A copy of a registered model is not
+    registered: it syncs its own buffers, unrecorded. A DDP without ``_sync_buffers`` (another PyTorch) is not
+    recorded.
     """
     try:
-        # Whether it syncs at a given forward changes (not after a forward without gradients): the hook asks each time.
         syncs = bool(model.broadcast_buffers) and next(iter(model.module.buffers()), None) is not None
-        inner = model.module
-        model.will_sync_module_buffers  # noqa: B018 - what the hook calls
     except Exception:  # noqa: BLE001 - not a DDP model this torch knows: its all-reduces are recorded all the same
         return
-    if not syncs or model in _broadcasts_recorded:
+    if not syncs or not _wrap_sync_buffers(type(model)):
         return
     _broadcasts_recorded.add(model)
-    pending: list[Any] = []  # the open span, if a forward is in DDP's pre-forward
 
-    def opened(module: Any, args: Any) -> None:
+
+def _wrap_sync_buffers(ddp_class: type) -> bool:
+    """Wrap ``ddp_class._sync_buffers`` (once) to time it for the models in ``_broadcasts_recorded``."""
+    original = ddp_class.__dict__.get("_sync_buffers")
+    if getattr(original, "_traintrace_original", None) is not None:
+        return True
+    if not callable(original):
+        # A subclass that inherits it: wrap where it is defined.
+        owner = next((c for c in ddp_class.__mro__ if callable(c.__dict__.get("_sync_buffers"))), None)
+        return owner is not None and owner is not ddp_class and _wrap_sync_buffers(owner)
+
+    def _sync_buffers(self: Any, *args: Any, **kwargs: Any) -> Any:
         rec = get_recorder()
-        if rec is None or rec.max_level < _LEVEL or pending:
-            return
+        if rec is None or rec.max_level < _LEVEL or self not in _broadcasts_recorded:
+            return original(self, *args, **kwargs)
         try:
-            if model.will_sync_module_buffers():
-                span = rec.start(SpanName.COLLECTIVE, {"op": "broadcast", "tensors": "buffers"}, level=_LEVEL)
-                pending.append((rec, span))
-        except Exception:  # noqa: BLE001 - never into training: this forward is not recorded
-            warn_once("ddp_buffer_hook", "traintrace could not record DDP's buffer broadcast; not recorded")
+            span = rec.start(SpanName.COLLECTIVE, {"op": "broadcast", "tensors": "buffers"}, level=_LEVEL)
+        except Exception:  # noqa: BLE001 - never into training: this broadcast is not recorded
+            warn_once("ddp_buffer_sync", "traintrace could not record DDP's buffer broadcast; not recorded")
+            return original(self, *args, **kwargs)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException as exc:
+            # A peer gone mid-broadcast: the span ends with the exception, recorded at it.
+            span.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        rec.stop(span)
+        return result
 
-    def closed(*_: Any) -> None:
-        if pending:
-            rec, span = pending.pop()
-            rec.stop(span)
-
-    def returned(module: Any, args: Any, output: Any) -> None:
-        if pending:
-            # Still open when DDP's forward ended: the wrapped module never began, so the broadcast (or DDP's
-            # other work before it) raised; the span ends with that exception, recorded at it.
-            rec, span = pending.pop()
-            failure = sys.exc_info()
-            if failure[1] is not None:
-                span.__exit__(*failure)
-            else:
-                rec.stop(span)
-
-    model.register_forward_pre_hook(opened)
-    inner.register_forward_pre_hook(closed)
-    model.register_forward_hook(returned, always_call=True)
+    _sync_buffers._traintrace_original = original  # type: ignore[attr-defined]
+    _sync_buffers.__doc__ = original.__doc__
+    ddp_class._sync_buffers = _sync_buffers  # type: ignore[attr-defined]
+    return True
