@@ -109,12 +109,16 @@ BEFORE_LOOP = ("model_init", "hang_init")
 #: the next step's when the culprit got past it: in backward, where DDP runs it.
 IN_STEP = ("data", "forward", "backward", "optimizer", "iteration", "sigkill", "sigsegv", "exit", "sys_exit")
 IN_STEP_HANGS = ("hang_compute", "hang_data", "freeze", "gil_stuck")
+#: Faults that stop the rank before its model's forward, where DDP broadcasts a model's buffers from rank 0.
+BEFORE_BROADCAST = ("data", "hang_data", "forward", "sigkill", "sigsegv", "hang_compute", "freeze", "gil_stuck")
 
 
-def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = "") -> None:
+def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = "", *, buffers: bool = False) -> None:
     """Every other rank's step in the failed attempt, as the answer gives it, is where its own marks say it was:
     the last step it began, or the next one if it had ended a step and was preparing the next (outside the loop
-    after its last step: that step)."""
+    after its last step: that step). In a step, they wait in backward's all-reduce; with buffers (--batch-norm)
+    and the culprit stopped before its forward's broadcast of them, the broadcast's root (rank 0; every other rank
+    when the culprit is rank 0) waits in that broadcast, in forward."""
     restart = errors["culprit"]["restart"]
     for state in errors["rank_states"]:
         if state["rank"] == culprit or state["restart"] != restart or state["step"] is None:
@@ -128,15 +132,19 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = ""
             allowed = steps_by_marks(marks, killed=True)
         assert state["step"] in allowed, (state["rank"], state["step"], state["doing"], allowed, errors["verdict"])
         if fault in IN_STEP + IN_STEP_HANGS:
+            if buffers and fault in BEFORE_BROADCAST and (state["rank"] == 0 or culprit == 0):
+                where = (state["phase"], state["in_collective"], state["collective"])
+                assert where == ("model_forward", True, "broadcast"), (state["rank"], where, errors["verdict"])
+                continue
             assert state["phase"] == "model_backward", (state["rank"], state["doing"], errors["verdict"])
 
 
-def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> None:
+def check(run: Run, fault: str, rank: int, step: int, *, goodput: bool = True, buffers: bool = False) -> None:
     phase, cause, _ = FAULTS[fault]
     if fault in ("exit", "sys_exit", "hang_in_checkpoint"):
         mark = fault_step_of(run, rank)
         said = f"exit code {mark['exit_code']}" if "exit_code" in mark else cause
-        check_others(run, check_culprit(run, rank, mark["step"], str(phase), said), rank, fault)
+        check_others(run, check_culprit(run, rank, mark["step"], str(phase), said), rank, fault, buffers=buffers)
     elif fault == "after_loop":
         mark = fault_step_of(run, rank)
         last = max(m["step"] for m in run.marks()[rank] if m["event"] == "step_end" and m["ts"] < mark["ts"])
@@ -145,7 +153,7 @@ def check(run: Run, fault: str, rank: int, step: int, goodput: bool = True) -> N
         check_others(run, errors, rank)
     elif phase is not None:
         errors = check_culprit(run, rank, None if fault in BEFORE_LOOP else step, phase, cause)
-        check_others(run, errors, rank, fault)
+        check_others(run, errors, rank, fault, buffers=buffers)
         if fault in ("freeze", "gil_stuck"):
             assert errors["rule"] == "stopped responding", errors["verdict"]
         if fault == "hang_init":
@@ -337,7 +345,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
                 run = launch_two_nodes(folder, *faulty, node_env={"node-b": clock} if ahead_ns else None)
                 if ahead_ns:
                     marks_on_one_clock(run.truth, "node-b", ahead_ns)
-            check(run, fault, rank, step, goodput=args.nodes == 1)
+            check(run, fault, rank, step, goodput=args.nodes == 1, buffers="--batch-norm" in extra)
         except Exception:  # an assertion or anything else: the job's answer is wrong
             wrong += 1
             say_wrong(job, folder)
