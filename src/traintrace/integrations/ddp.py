@@ -19,6 +19,7 @@ compression hook), so training computes exactly what it did without it.
 """
 
 import contextvars
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -97,9 +98,11 @@ def _record_buffer_broadcasts(model: Any) -> None:
         syncs = bool(model.broadcast_buffers) and next(iter(model.module.buffers()), None) is not None
     except Exception:  # noqa: BLE001 - not a DDP model this torch knows: its all-reduces are recorded all the same
         return
-    if not syncs or not _wrap_sync_buffers(type(model)):
-        return
-    _broadcasts_recorded.add(model)
+    try:
+        if syncs and _wrap_sync_buffers(type(model)):
+            _broadcasts_recorded.add(model)
+    except Exception:  # noqa: BLE001 - called from a callback inside training: never raise there
+        warn_once("ddp_buffer_sync", "traintrace could not record DDP's buffer broadcast; not recorded")
 
 
 def _wrap_sync_buffers(ddp_class: type) -> bool:
@@ -112,6 +115,7 @@ def _wrap_sync_buffers(ddp_class: type) -> bool:
         owner = next((c for c in ddp_class.__mro__ if callable(c.__dict__.get("_sync_buffers"))), None)
         return owner is not None and owner is not ddp_class and _wrap_sync_buffers(owner)
 
+    @functools.wraps(original)
     def _sync_buffers(self: Any, *args: Any, **kwargs: Any) -> Any:
         rec = get_recorder()
         if rec is None or rec.max_level < _LEVEL or self not in _broadcasts_recorded:
@@ -131,6 +135,5 @@ def _wrap_sync_buffers(ddp_class: type) -> bool:
         return result
 
     _sync_buffers._traintrace_original = original  # type: ignore[attr-defined]
-    _sync_buffers.__doc__ = original.__doc__
     ddp_class._sync_buffers = _sync_buffers  # type: ignore[attr-defined]
     return True
