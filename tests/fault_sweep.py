@@ -117,8 +117,9 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = ""
     """Every other rank's step in the failed attempt, as the answer gives it, is where its own marks say it was:
     the last step it began, or the next one if it had ended a step and was preparing the next (outside the loop
     after its last step: that step). In a step, they wait in backward's all-reduce; with buffers (--batch-norm)
-    and the culprit stopped before its forward's broadcast of them, the broadcast's root (rank 0; every other rank
-    when the culprit is rank 0) waits in that broadcast, in forward."""
+    and the culprit stopped before its forward's broadcast of them, a rank that was to pass them on to it waits in
+    that broadcast, in forward, instead (rank 0, or another with gloo's tree over 4 ranks; every other rank when
+    the culprit is rank 0, the root)."""
     restart = errors["culprit"]["restart"]
     for state in errors["rank_states"]:
         if state["rank"] == culprit or state["restart"] != restart or state["step"] is None:
@@ -132,9 +133,8 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = ""
             allowed = steps_by_marks(marks, killed=True)
         assert state["step"] in allowed, (state["rank"], state["step"], state["doing"], allowed, errors["verdict"])
         if fault in IN_STEP + IN_STEP_HANGS:
-            if buffers and fault in BEFORE_BROADCAST and (state["rank"] == 0 or culprit == 0):
-                where = (state["phase"], state["in_collective"], state["collective"])
-                assert where == ("model_forward", True, "broadcast"), (state["rank"], where, errors["verdict"])
+            where = (state["phase"], state["in_collective"], state["collective"])
+            if buffers and fault in BEFORE_BROADCAST and where == ("model_forward", True, "broadcast"):
                 continue
             assert state["phase"] == "model_backward", (state["rank"], state["doing"], errors["verdict"])
 
