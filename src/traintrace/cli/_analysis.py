@@ -1122,9 +1122,14 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
         value = "comp" if part == "compute" else "dur"
     elif part == "compute":
         # How much later than this rank another rank fetched the batch of the same step, where that fetch ended
-        # inside this rank's step, and how far into the step: a forward holding a collective (DDP's broadcast of
-        # the buffers) waited for it, unrecorded unless record_collectives timed it.
-        other_in_step = "l.rank <> $r AND l.ts + l.whole > m.ts AND l.ts + l.whole <= m.ts + m.dur"
+        # inside this rank's step and that rank's step ended with this one's (in lockstep: DDP's all-reduce), and
+        # how far into the step: a forward holding a collective (DDP's broadcast of the buffers) waited for it,
+        # unrecorded unless record_collectives timed it. (Two ranks not in lockstep, one slow in compute and one
+        # slow fetching at the same pace, had such fetches end as the slow steps did, their steps' ends apart.)
+        other_in_step = (
+            "l.rank <> $r AND l.ts + l.whole > m.ts AND l.ts + l.whole <= m.ts + m.dur"
+            " AND abs(o.ts + o.dur - m.ts - m.dur) * 8 <= m.dur"
+        )
         late = f"""LEFT JOIN (
             SELECT l.restart, l.step,
                    max(l.dur) FILTER ({other_in_step}) - max(l.dur) FILTER (l.rank = $r) AS late,
@@ -1132,6 +1137,7 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
             FROM loading_parts l
             JOIN (SELECT restart, step, ts, dur FROM step_parts WHERE rank = $r) m
               ON m.restart = l.restart AND m.step = l.step
+            LEFT JOIN step_parts o ON o.rank = l.rank AND o.restart = l.restart AND o.step = l.step
             GROUP BY l.restart, l.step
         ) lb ON lb.restart = s.restart AND lb.step = s.step"""
         columns = f"s.rank, s.restart, s.k, s.ts, s.step, s.comp AS v, {waited} AS waited, lb.late, lb.late_end"
@@ -1189,9 +1195,8 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
     # waited least at that step (ranks in lockstep wait for the slowest one; ranks that do not wait for one
     # another wait as little as each other), or, in compute, another rank fetched that step's batch later than it
     # by half its excess or more, that fetch ending within the excess and half a usual step of the step's start (it
-    # waited in forward for that batch, then did its work; two ranks not in lockstep, one slow in compute, the
-    # other fetching, drift in and out of such a fetch ending just as the slow step does). Held nothing up at most
-    # steps from the onset on: not a straggler.
+    # waited in forward for that batch, then did its work) and the two steps ending together (see above). Held
+    # nothing up at most steps from the onset on: not a straggler.
     def late_for(e: float, row: tuple[Any, ...]) -> float:
         if len(row) < 9 or row[7] is None or row[8] is None or row[3] is None or row[8] > e + row[3] / 2:
             return 0.0
