@@ -32,7 +32,7 @@ from ._common import missing_extra
 __all__ = ["record_collectives"]
 
 _LEVEL = level_of(SpanName.COLLECTIVE)
-#: DDP models whose buffer broadcasts are recorded (record_collectives and the Lightning callback both may ask).
+#: DDP models whose buffer broadcasts are recorded (record_collectives and the Lightning and Trainer callbacks may ask).
 _broadcasts_recorded: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
