@@ -1194,12 +1194,11 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
     # Its excess held the job up at a step unless it then waited longer for another rank than the rank that
     # waited least at that step (ranks in lockstep wait for the slowest one; ranks that do not wait for one
     # another wait as little as each other), or, in compute, another rank fetched that step's batch later than it
-    # by half its excess or more, that fetch ending within the excess (or the lateness) and half a usual step of the
-    # step's start (it waited in forward for that batch, then did its work) and the two steps ending together (see
-    # above). Held nothing up at most steps from the onset on: not a straggler.
+    # by half its excess or more, that fetch ending within the excess and half a usual step of the step's start (it
+    # waited in forward for that batch, then did its work) and the two steps ending together (see above). Held
+    # nothing up at most steps from the onset on: not a straggler.
     def late_for(e: float, row: tuple[Any, ...]) -> float:
-        # (Its excess or the lateness, whichever is more: the others' median counts a rank that waited too.)
-        if len(row) < 9 or row[7] is None or row[8] is None or row[3] is None or row[8] > max(e, row[7]) + row[3] / 2:
+        if len(row) < 9 or row[7] is None or row[8] is None or row[3] is None or row[8] > e + row[3] / 2:
             return 0.0
         return float(row[7])
 
