@@ -297,14 +297,16 @@ def test_launcher_stream_and_progress_events(tmp_path: Path) -> None:
     assert {r["rank"] for r in e["ranks"]} == {0, 1, 2, 3}
 
 
-def _write_rank(path: Path, rank: int, spans: list[tuple[str, int, int, int, int]], end_ms: int) -> None:
+def _write_rank(
+    path: Path, rank: int, spans: list[tuple[str, int, int, int, int]], end_ms: int, world_size: int = 2
+) -> None:
     """A rank's stream by hand: ``spans`` as (name, id, parent, start, end) in ms after T0 (``iteration`` spans get
     a step), inside a training loop (id 1), then a clean close."""
     from tests.cli_jobs import T0
 
     ms = 1_000_000
     header = {"seq": 0, "kind": "header", "ts": T0, "schema": "traintrace", "schema_version": 1, "job": "j"}
-    records: list[dict[str, object]] = [{**header, "rank": rank, "world_size": 2, "restart": 0, "host": "h"}]
+    records: list[dict[str, object]] = [{**header, "rank": rank, "world_size": world_size, "restart": 0, "host": "h"}]
     steps = 0
     for name, span, parent, start, end in spans:
         record = {"kind": "span", "ts": T0 + start * ms, "dur": (end - start) * ms, "name": name, "id": span}
@@ -340,6 +342,31 @@ def test_a_rank_between_its_steps_while_rank_0_saves_waited_for_the_save(tmp_pat
     _write_rank(tmp_path / "b" / "rank1.jsonl", 1, [*_steps(0, 3, 0, 10), *long_step, *_steps(4, 10, 601, 20)], 720)
     s = _analysis.summary(_open(tmp_path / "b"))
     assert s["breakdown_s"]["checkpoint_save"] == pytest.approx(0.100 / 2, abs=1e-9), s["breakdown_s"]
+
+
+def test_ranks_not_in_lockstep_are_both_named_though_two_of_them_end_their_steps_together(tmp_path: Path) -> None:
+    """Three ranks that do not wait for one another, each fetching its batch before its step: rank 0 in 1 ms, then
+    a 10 ms step; rank 1 in 1 ms, then 39 ms of compute; rank 2 in 30 ms, then a 10 ms step. Ranks 1 and 2 keep the
+    same pace and phase, so rank 2's late fetch ends inside each step of rank 1 and their steps end together, as when
+    rank 1 waited in forward for that batch (DDP's broadcast of a model's buffers). Rank 0's steps end apart from
+    theirs: they are not in lockstep, and rank 1 is slow in its own compute (the suite's five independent processes,
+    ranks 1 and 2 so slowed, read ``[0, 2]`` once, their steps ending together by chance)."""
+
+    def steps(fetch_ms: int, step_ms: int) -> list[tuple[str, int, int, int, int]]:
+        spans = []
+        for k in range(30):
+            start = k * (fetch_ms + step_ms + 1)
+            spans += [("data_loading", 10 + 2 * k, 1, start, start + fetch_ms)]
+            spans += [("iteration", 11 + 2 * k, 1, start + fetch_ms, start + fetch_ms + step_ms)]
+        return spans
+
+    for rank, fetch_ms, step_ms in ((0, 1, 10), (1, 1, 39), (2, 30, 10)):
+        _write_rank(tmp_path / f"rank{rank}.jsonl", rank, steps(fetch_ms, step_ms), 30 * 41, world_size=3)
+    r = _analysis.ranks(_open(tmp_path))
+    by_rank = {x["rank"]: x for x in r["ranks"]}
+    assert sorted(r["stragglers"]) == [1, 2], (r["stragglers"], r["notes"])
+    assert (by_rank[1]["slow_in"], by_rank[2]["slow_in"]) == ("compute", "data_loading")
+    assert by_rank[1]["slow_since_step"] == by_rank[2]["slow_since_step"] == 0
 
 
 def test_manifest_world_size_reveals_ranks_that_never_wrote(tmp_path: Path) -> None:

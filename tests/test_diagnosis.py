@@ -954,6 +954,31 @@ def test_a_rank_killed_on_a_node_whose_clock_runs_ahead(tmp_path: Path) -> None:
     check_timeline_on_one_clock(run, {other: expected})
 
 
+@pytest.mark.once  # the records' reading, not the core that wrote them
+def test_a_late_batch_on_a_node_whose_clock_runs_ahead(tmp_path: Path) -> None:
+    """A 2-node job (2 ranks each) with a BatchNorm layer and no collective recorded, whose node-b reads its wall
+    clock 2 s ahead; rank 3 fetches its batches 80 ms late from step 8. The ranks wait for it in forward (DDP's
+    broadcast of the buffers), which ``ranks`` tells by when rank 3's fetch ended inside their steps: on one clock
+    (by the raw times, rank 3's fetches ended 2 s off the steps of the ranks on the other host, and one of them,
+    waiting for it, was named too: ``[3, 1]``)."""
+    ahead_s = 2.0
+    clock = {"LD_PRELOAD": str(clock_ahead_library(tmp_path)), "CLOCK_AHEAD_NS": str(int(ahead_s * 1e9))}
+    faulty = ("--fault", "slow_data", "--fault-rank", "3", "--fault-step", "8", "--slow-ms", "80", "--steps", "30")
+    with two_nodes(tmp_path, *faulty, "--batch-norm", "--no-record-collectives", node_env={"node-b": clock}) as nodes:
+        for node in nodes:
+            node.wait(timeout=150)
+    run = Run(tmp_path / "logs" / "job", tmp_path / "truth", max(node.returncode for node in nodes), "")
+    assert run.returncode == 0
+    hosts = {r: next(m["host"] for m in ms if m["event"] == "process_start") for r, ms in run.marks().items()}
+    result = run.cli("ranks")
+    assert result["stragglers"] == [3], result["ranks"]
+    slow = next(r for r in result["ranks"] if r["rank"] == 3)
+    assert (slow["slow_in"], slow["slow_since_step"]) == ("data_loading", 8)
+    if hosts[3] != hosts[0]:  # the clocks told apart (rank 3 on the other host than rank 0's)
+        offsets = run.cli("errors")["clock_offsets"]["offsets_s"]
+        assert offsets == {hosts[3]: pytest.approx(ahead_s if hosts[3] == "node-b" else -ahead_s, abs=0.1)}
+
+
 def check_timeline_on_one_clock(run: Run, ahead_s: dict[str, float]) -> None:
     """`traintrace export`'s timeline against the worker's marks: every step a rank ended is drawn as an iteration
     slice that begins where the rank's ``step_start`` mark is, each host's marks moved onto the reference host's
@@ -1541,8 +1566,9 @@ def test_a_running_job_is_running(tmp_path: Path) -> None:
         (2, "slow_compute", 1, "compute", ()),
         (3, "slow_compute", 2, "compute", ("--batch-norm",)),
         (3, "slow_data", 1, "data_loading", ("--batch-norm", "--no-record-collectives")),
+        (3, "slow_data", 0, "data_loading", ("--batch-norm", "--no-record-collectives")),
     ],
-    ids=["compute-3", "data-3", "compute-2", "compute-3-buffers", "data-3-buffers-unrecorded"],
+    ids=["compute-3", "data-3", "compute-2", "compute-3-buffers", "data-3-buffers-unrecorded", "root-late-unrecorded"],
 )
 def test_a_straggler_in_data_parallel_training(  # noqa: PLR0917 - pytest passes the parameters by position
     tmp_path: Path, nproc: int, fault: str, rank: int, part: str, model: tuple[str, ...]
@@ -1551,7 +1577,9 @@ def test_a_straggler_in_data_parallel_training(  # noqa: PLR0917 - pytest passes
     long, yet ``ranks`` names it, the part it is slow in, and the step it became slow at; with 2 ranks too. With
     a BatchNorm layer (buffers), DDP broadcasts them from rank 0 before each forward, where rank 0 then waits for
     the late rank: not named, whether record_collectives timed that broadcast or, for a late batch, nothing
-    recorded any collective (both read ``[2, 0]`` and ``[1, 0]`` before)."""
+    recorded any collective (both read ``[2, 0]`` and ``[1, 0]`` before). Rank 0 itself late, unrecorded: the two
+    others wait for it in forward (``[0, 2, 1]`` while the others' median, counting the other waiting rank, halved
+    their excess)."""
     # 80 ms slower: a step is slow when it is at least halfway from the level before the onset to the level after
     # it, and on a machine busy with other jobs two steps in a row delayed by 20 ms (half of 40) once moved the
     # onset two steps early, with 2 ranks (one rank's steps the reference).

@@ -1096,6 +1096,22 @@ def _intermittent(
     return found
 
 
+def _on_one_clock(job: Job, table: str, columns: tuple[str, ...]) -> str:
+    """``table`` (by rank and restart, with a ``ts`` column) with ``ts`` on the reference host's clock: the table
+    itself for a job whose hosts' clocks are not proven apart (``host_clocks``)."""
+    offsets = host_clocks(job)["offsets_ns"]
+    if not offsets:
+        return table
+    ahead = " ".join(f"WHEN {sql_string(h)} THEN {int(ns)}" for h, ns in offsets.items())
+    return f"""(
+        SELECT {", ".join(f"t.{c}" for c in columns)}, t.ts - coalesce(c.ahead, 0) AS ts FROM {table} t
+        LEFT JOIN (
+            SELECT DISTINCT f.rank, f.restart, CASE s.host {ahead} ELSE 0 END AS ahead
+            FROM stream_facts f JOIN streams s USING (stream) WHERE NOT f.is_agent
+        ) c ON c.rank = t.rank AND c.restart = t.restart
+    )"""
+
+
 def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, waits: bool = True) -> dict[str, Any]:
     """From which step (and when) ``part`` became slow on ``rank`` (docs/analysis.md, "ranks").
 
@@ -1122,22 +1138,27 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
         value = "comp" if part == "compute" else "dur"
     elif part == "compute":
         # How much later than this rank another rank fetched the batch of the same step, where that fetch ended
-        # inside this rank's step and that rank's step ended with this one's (in lockstep: DDP's all-reduce), and
+        # inside this rank's step and every rank's step ended with this one's (in lockstep: DDP's all-reduce), and
         # how far into the step: a forward holding a collective (DDP's broadcast of the buffers) waited for it,
-        # unrecorded unless record_collectives timed it. (Two ranks not in lockstep, one slow in compute and one
-        # slow fetching at the same pace, had such fetches end as the slow steps did, their steps' ends apart.)
+        # unrecorded unless record_collectives timed it. (Ranks not in lockstep, one slow in compute and one slow
+        # fetching at the same pace, had such fetches end as the slow steps did, and now and then their steps' ends
+        # together too, by chance; the ranks not slow ended theirs apart from them.)
         other_in_step = (
-            "l.rank <> $r AND l.ts + l.whole > m.ts AND l.ts + l.whole <= m.ts + m.dur"
-            " AND abs(o.ts + o.dur - m.ts - m.dur) * 8 <= m.dur"
+            "l.rank <> $r AND l.ts + l.whole > m.ts AND l.ts + l.whole <= m.ts + m.dur AND a.apart * 8 <= m.dur"
         )
+        # Times across ranks compared on the reference host's clock (host_clocks).
+        loading = _on_one_clock(job, "loading_parts", ("rank", "restart", "step", "dur", "whole"))
+        stepping = _on_one_clock(job, "step_parts", ("rank", "restart", "step", "dur"))
         late = f"""LEFT JOIN (
             SELECT l.restart, l.step,
                    max(l.dur) FILTER ({other_in_step}) - max(l.dur) FILTER (l.rank = $r) AS late,
                    max(l.ts + l.whole) FILTER ({other_in_step}) - min(m.ts) AS late_end
-            FROM loading_parts l
-            JOIN (SELECT restart, step, ts, dur FROM step_parts WHERE rank = $r) m
+            FROM {loading} l
+            JOIN (SELECT restart, step, ts, dur FROM {stepping} WHERE rank = $r) m
               ON m.restart = l.restart AND m.step = l.step
-            LEFT JOIN step_parts o ON o.rank = l.rank AND o.restart = l.restart AND o.step = l.step
+            JOIN (
+                SELECT restart, step, max(ts + dur) - min(ts + dur) AS apart FROM {stepping} GROUP BY restart, step
+            ) a ON a.restart = l.restart AND a.step = l.step
             GROUP BY l.restart, l.step
         ) lb ON lb.restart = s.restart AND lb.step = s.step"""
         columns = f"s.rank, s.restart, s.k, s.ts, s.step, s.comp AS v, {waited} AS waited, lb.late, lb.late_end"
@@ -1194,11 +1215,12 @@ def _onset(job: Job, rank: int, part: str, threshold: float, floor: float, *, wa
     # Its excess held the job up at a step unless it then waited longer for another rank than the rank that
     # waited least at that step (ranks in lockstep wait for the slowest one; ranks that do not wait for one
     # another wait as little as each other), or, in compute, another rank fetched that step's batch later than it
-    # by half its excess or more, that fetch ending within the excess and half a usual step of the step's start (it
-    # waited in forward for that batch, then did its work) and the two steps ending together (see above). Held
-    # nothing up at most steps from the onset on: not a straggler.
+    # by half its excess or more, that fetch ending within the excess (or the lateness) and half a usual step of the
+    # step's start (it waited in forward for that batch, then did its work) and every rank's step ending together
+    # (see above). Held nothing up at most steps from the onset on: not a straggler.
     def late_for(e: float, row: tuple[Any, ...]) -> float:
-        if len(row) < 9 or row[7] is None or row[8] is None or row[3] is None or row[8] > e + row[3] / 2:
+        # (The excess or the lateness, whichever is more: the others' median may count another waiting rank.)
+        if len(row) < 9 or row[7] is None or row[8] is None or row[3] is None or row[8] > max(e, row[7]) + row[3] / 2:
             return 0.0
         return float(row[7])
 
