@@ -111,6 +111,9 @@ IN_STEP = ("data", "forward", "backward", "optimizer", "iteration", "sigkill", "
 IN_STEP_HANGS = ("hang_compute", "hang_data", "freeze", "gil_stuck")
 #: Faults that stop the rank before its model's forward, where DDP broadcasts a model's buffers from rank 0.
 BEFORE_BROADCAST = ("data", "hang_data", "forward", "sigkill", "sigsegv", "hang_compute", "freeze", "gil_stuck")
+#: Faults after the step's all-reduce: the other ranks may end the step and wait in what comes next (the next
+#: forward's broadcast of the buffers, or the validation pass's all-reduce).
+AFTER_ALL_REDUCE = ("optimizer", "iteration")
 
 
 def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = "", *, buffers: bool = False) -> None:
@@ -119,7 +122,9 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = ""
     after its last step: that step). In a step, they wait in backward's all-reduce; with buffers (--batch-norm)
     and the culprit stopped before its forward's broadcast of them, a rank that was to pass them on to it waits in
     that broadcast, in forward, instead (rank 0, or another with gloo's tree over 4 ranks; every other rank when
-    the culprit is rank 0, the root)."""
+    the culprit is rank 0, the root). A culprit that failed after the all-reduce (in the optimizer step) let the
+    others end the step: they wait in the next forward's broadcast, or in the validation pass their marks say they
+    began."""
     restart = errors["culprit"]["restart"]
     for state in errors["rank_states"]:
         if state["rank"] == culprit or state["restart"] != restart or state["step"] is None:
@@ -134,7 +139,16 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = ""
         assert state["step"] in allowed, (state["rank"], state["step"], state["doing"], allowed, errors["verdict"])
         if fault in IN_STEP + IN_STEP_HANGS:
             where = (state["phase"], state["in_collective"], state["collective"])
-            if buffers and fault in BEFORE_BROADCAST and where == ("model_forward", True, "broadcast"):
+            if (
+                buffers
+                and fault in BEFORE_BROADCAST + AFTER_ALL_REDUCE
+                and where == ("model_forward", True, "broadcast")
+            ):
+                continue
+            # Past the culprit's all-reduce, into the validation pass its marks say it began after its last step.
+            begun = [m for m in marks if m["event"] in ("step_end", "validation_start", "validation_end")]
+            validating = bool(begun) and begun[-1]["event"] == "validation_start"
+            if fault in AFTER_ALL_REDUCE and validating and where == ("validation_loop", True, "all_reduce"):
                 continue
             assert state["phase"] == "model_backward", (state["rank"], state["doing"], errors["verdict"])
 
