@@ -1793,6 +1793,7 @@ def test_a_rank_that_stops_responding(tmp_path: Path, fault: str) -> None:
                 return
             time.sleep(0.05)
 
+    began = time.time()
     run = launch(tmp_path, 3, "--fault", fault, "--fault-rank", "1", "--fault-step", "7", during=watch)
     assert "stopped" in seen and "gone" in seen, seen  # the premise: the kernel had it stopped, then it ended
     fault = fault_step_of(run, 1)
@@ -1807,6 +1808,18 @@ def test_a_rank_that_stops_responding(tmp_path: Path, fault: str) -> None:
     truth = seen["gone"] - fault["ts"] / 1e9
     assert truth - 3 <= culprit["unresponsive_ns"] / 1e9 <= truth + 2, (culprit["unresponsive_ns"], truth)
     check_goodput(run)
+    # Where the time went, the launcher's stream read too: rank 1's process was there, stopped, until it was gone
+    # (hang), not "no process" (restart_idle read 34.9 s a rank before, against the truth's 23.7). No process: before
+    # each rank's process started (the test launched the job at `began`), and after the others exited (their
+    # marks) until the job ended as the frozen one was gone.
+    summary = run.cli("summary")
+    marks = run.marks()
+    started = {r: next(m["ts"] for m in ms if m["event"] == "process_start") / 1e9 for r, ms in marks.items()}
+    exited = {r: next(m["ts"] for m in ms if m["event"] == "exit") / 1e9 for r, ms in marks.items() if r != 1}
+    idle = [started[r] - began + (seen["gone"] - exited[r] if r in exited else 0.0) for r in marks]
+    breakdown = summary["breakdown_s"]
+    assert breakdown["restart_idle"] == pytest.approx(sum(idle) / len(idle), abs=2.0), (breakdown, idle)
+    assert breakdown["hang"] >= (truth - 2) / len(marks), (breakdown, truth)
 
 
 @pytest.mark.once  # in the pure pass, the writer's stamps of a frozen process: test_a_rank_that_stops_responding

@@ -162,10 +162,18 @@ def summary(job: Job) -> dict[str, Any]:
     covered = dict(
         job.rows("SELECT rank, sum(end_ts - start_ts) / 1e9 FROM stream_facts WHERE NOT is_agent GROUP BY ALL")
     )
+    verdict = diagnose(job)
+    stopped = _stopped_responding(job, verdict)
     overlap_note = False
     for rank, cats in per_rank.items():
         inside = covered.get(rank, 0.0)
         cats["restart_idle"] = max(wall / NS - inside, 0.0)
+        # A process that stopped responding (SIGSTOP, native code holding the GIL) wrote nothing from its stream's
+        # end until the launcher killed it: it was there, hung, not between restarts.
+        frozen = min(stopped.get(rank, 0.0), cats["restart_idle"])
+        cats["restart_idle"] -= frozen
+        cats["hang"] += frozen
+        inside += frozen
         used = sum(v for k, v in cats.items() if k not in ("restart_idle", "other"))
         if used > inside * 1.001 + 1e-3:
             overlap_note = True
@@ -225,7 +233,6 @@ def summary(job: Job) -> dict[str, Any]:
         "test_s": breakdown["test"],
         "idle_between_restarts_s": breakdown["restart_idle"],
     }
-    verdict = diagnose(job)
     result: dict[str, Any] = {
         "verdict": verdict["verdict"],
         "status": verdict["status"],
@@ -267,6 +274,26 @@ def summary(job: Job) -> dict[str, Any]:
     if device is not None:
         result["device"] = device
     return result
+
+
+def _stopped_responding(job: Job, verdict: dict[str, Any]) -> dict[int, float]:
+    """rank -> seconds from the end of its stream to when the launcher saw its process end, for the ranks whose
+    process stopped responding until killed (the diagnosis's ``unresponsive_ns``: its writer thread stamped nothing
+    for that long). The stream's end is its last record; the launcher's time of the death is in whole seconds."""
+    gone = {
+        int(st["stream"]): (int(st["rank"]), int(st["launcher_seen_ns"]))
+        for st in verdict.get("ranks") or ()
+        if st.get("unresponsive_ns") and st.get("launcher_seen_ns") and st.get("stream") is not None
+    }
+    if not gone:
+        return {}
+    listed = ", ".join(str(stream) for stream in gone)
+    ends = dict(job.rows(f"SELECT stream, end_ts FROM stream_facts WHERE stream IN ({listed})"))
+    return {
+        rank: max(seen - int(ends[stream]), 0) / NS
+        for stream, (rank, seen) in gone.items()
+        if ends.get(stream) is not None
+    }
 
 
 #: Phases one rank may run while the others go on training: rank 0 saving the replicated model, validating alone,
