@@ -152,6 +152,7 @@ def write_framework_job(
     wait_in_forward: tuple[int, ...] = (),
     busy: dict[tuple[int, int], int] | None = None,
     at: tuple[int, ...] = (),
+    slow_fetch: tuple[int, int, int] | None = None,
 ) -> None:
     """Two ranks of a data-parallel job as the Lightning and Trainer callbacks record it: per step a wait for the
     batch just before the step, then forward, backward and the optimizer's step, no collective recorded; every
@@ -162,7 +163,9 @@ def write_framework_job(
     every ``every``-th step from ``slow_from`` only, and before step ``until`` only. With ``ranks``, that many
     ranks; at the steps in ``wait_in_forward`` the others wait in forward instead (DDP's second step rebuilds its
     buckets there, a broadcast), each rank after the first 1 ms longer; ``busy`` adds milliseconds to a rank's
-    forward at a step, by (rank, step): a busy host's noise. With ``at``, slower at those steps only."""
+    forward at a step, by (rank, step): a busy host's noise. With ``at``, slower at those steps only. With
+    ``slow_fetch`` (rank, from step, ms), that rank waits that much longer for each batch from that step on, and the
+    others as much longer in backward."""
     ms = 1_000_000
     folder.mkdir(parents=True, exist_ok=True)
     for rank in range(ranks):
@@ -195,6 +198,11 @@ def write_framework_job(
             else:
                 backward += waited
             forward += noise
+            if slow_fetch is not None and step >= slow_fetch[1]:
+                if rank == slow_fetch[0]:
+                    wait += slow_fetch[2] * ms
+                else:
+                    backward += slow_fetch[2] * ms
             rec("span", now, name="data_loading", id=ids, parent=1, tid=7, dur=wait, status="ok")
             now += wait
             it, step_ns = ids + 2, forward + backward + ms

@@ -701,6 +701,27 @@ def test_ranks_names_a_rank_slow_at_some_steps_only(
     assert f"{len(slow_steps)} steps, {slow_steps[0]} to {slow_steps[-1]}" in text
 
 
+def test_a_rank_stalling_in_compute_is_named_there_though_its_median_fetch_is_a_little_slower(tmp_path: Path) -> None:
+    """Rank 1 is 50 ms slower in forward at every other step from step 2, and from step 6 waits 4 ms longer for each
+    batch (a busy host). Its median compute is the other rank's; its median fetch is slower by 4 ms, enough to be
+    named by it, from step 6. The stalls held the job up 250 ms, the fetches 24: it is slow in compute, at the steps
+    the script slowed (a real Lightning job on a busy host read ``slow in data_loading since step 11`` for such a
+    rank)."""
+    write_framework_job(tmp_path / "job", 1, 2, "compute", every=2, slow_fetch=(1, 6, 4))
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [1], r
+    slow = next(x for x in r["ranks"] if x["rank"] == 1)
+    assert slow["data_loading_score"] > 2  # the premise: its median fetch is slow enough to name it by
+    assert (slow["slow_in"], slow["slow_since_step"], slow["slow_until_step"], slow["slow_every"]) == (
+        "compute",
+        2,
+        10,
+        2,
+    )
+    assert slow["lost_s"] == pytest.approx(0.05 * 5)
+    assert any("its median data_loading is slower too, by far less" in n for n in r["notes"]), r["notes"]
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_ranks_does_not_name_a_rank_that_waited_in_forward_for_a_slow_batch(tmp_path: Path, ranks: int) -> None:
     """The last rank fetches its batch 50 ms late every third step from step 1. The others wait for it in
