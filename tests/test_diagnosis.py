@@ -1809,16 +1809,23 @@ def test_a_rank_that_stops_responding(tmp_path: Path, fault: str) -> None:
     assert truth - 3 <= culprit["unresponsive_ns"] / 1e9 <= truth + 2, (culprit["unresponsive_ns"], truth)
     check_goodput(run)
     # Where the time went, the launcher's stream read too: rank 1's process was there, stopped, until it was gone
-    # (hang), not "no process" (restart_idle read 34.9 s a rank before, against the truth's 23.7). No process: before
-    # each rank's process started (the test launched the job at `began`), and after the others exited (their
-    # marks) until the job ended as the frozen one was gone.
+    # (hang), not "no process" (restart_idle read 34.9 s a rank before, against at most 23.7 by the truth). No
+    # process: after the others exited (their marks) until the job ended as the frozen one was gone, and before each
+    # rank's process started: at most since the test launched the job (`began`; the launcher's own start is later
+    # on a loaded machine, by seconds).
     summary = run.cli("summary")
     marks = run.marks()
     started = {r: next(m["ts"] for m in ms if m["event"] == "process_start") / 1e9 for r, ms in marks.items()}
     exited = {r: next(m["ts"] for m in ms if m["event"] == "exit") / 1e9 for r, ms in marks.items() if r != 1}
-    idle = [started[r] - began + (seen["gone"] - exited[r] if r in exited else 0.0) for r in marks]
+    after = [seen["gone"] - exited[r] if r in exited else 0.0 for r in marks]
+    before = [started[r] - began for r in marks]
     breakdown = summary["breakdown_s"]
-    assert breakdown["restart_idle"] == pytest.approx(sum(idle) / len(idle), abs=2.0), (breakdown, idle)
+    idle = breakdown["restart_idle"]
+    assert sum(after) / len(marks) - 2 <= idle <= (sum(after) + sum(before)) / len(marks) + 2, (
+        breakdown,
+        after,
+        before,
+    )
     assert breakdown["hang"] >= (truth - 2) / len(marks), (breakdown, truth)
 
 
