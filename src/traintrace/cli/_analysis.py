@@ -330,11 +330,7 @@ def _waits_for_other_ranks(job: Job, typical: dict[int, int]) -> list[tuple[int,
     if not typical:
         return []
     medians = ", ".join(f"({rank}, {ns})" for rank, ns in typical.items())
-    offsets = host_clocks(job)["offsets_ns"]
-    ahead = "0"
-    if offsets:
-        ahead = "CASE host " + " ".join(f"WHEN {sql_string(h)} THEN {int(ns)}" for h, ns in offsets.items())
-        ahead += " ELSE 0 END"
+    ahead = _clock_ahead(job, "host")
     names = ", ".join(f"'{name}'" for name in WAITED_FOR)
     case = _category_case("s.name")
     clipped = _clipped("i.ts", "i.dur")
@@ -1134,17 +1130,26 @@ def _intermittent(
     return found
 
 
+def _clock_ahead(job: Job, host: str) -> str:
+    """SQL: how far the clock of the host in column ``host`` runs ahead of the reference host's (``host_clocks``),
+    in ns; ``0`` for a job whose hosts' clocks are not proven apart."""
+    offsets = host_clocks(job)["offsets_ns"]
+    if not offsets:
+        return "0"
+    whens = " ".join(f"WHEN {sql_string(h)} THEN {int(ns)}" for h, ns in offsets.items())
+    return f"CASE {host} {whens} ELSE 0 END"
+
+
 def _on_one_clock(job: Job, table: str, columns: tuple[str, ...]) -> str:
     """``table`` (by rank and restart, with a ``ts`` column) with ``ts`` on the reference host's clock: the table
     itself for a job whose hosts' clocks are not proven apart (``host_clocks``)."""
-    offsets = host_clocks(job)["offsets_ns"]
-    if not offsets:
+    ahead = _clock_ahead(job, "s.host")
+    if ahead == "0":
         return table
-    ahead = " ".join(f"WHEN {sql_string(h)} THEN {int(ns)}" for h, ns in offsets.items())
     return f"""(
         SELECT {", ".join(f"t.{c}" for c in columns)}, t.ts - coalesce(c.ahead, 0) AS ts FROM {table} t
         LEFT JOIN (
-            SELECT DISTINCT f.rank, f.restart, CASE s.host {ahead} ELSE 0 END AS ahead
+            SELECT DISTINCT f.rank, f.restart, {ahead} AS ahead
             FROM stream_facts f JOIN streams s USING (stream) WHERE NOT f.is_agent
         ) c ON c.rank = t.rank AND c.restart = t.restart
     )"""
