@@ -334,33 +334,53 @@ def _waits_for_other_ranks(job: Job, typical: dict[int, int]) -> list[tuple[int,
     names = ", ".join(f"'{name}'" for name in WAITED_FOR)
     case = _category_case("s.name")
     clipped = _clipped("i.ts", "i.dur")
+    # The slow steps, stored once: the query below reads them twice (the waiting ranks' steps, and the steps of the
+    # ranks in the phases).
+    job.con.execute(
+        f"""
+        CREATE TEMP TABLE IF NOT EXISTS slow_steps AS
+        WITH clock AS (SELECT stream, {ahead} AS ahead FROM streams),
+        typical AS (SELECT * FROM (VALUES {medians}) AS t(rank, median))
+        SELECT i.stream, i.rank, i.restart, i.ts - c.ahead AS t0, i.ts - c.ahead + {clipped} AS t1,
+               {clipped} - m.median AS excess, m.median
+        FROM iterations i JOIN typical m USING (rank) JOIN stream_facts f USING (stream)
+        JOIN clock c USING (stream)
+        -- the first test, on the records alone, leaves few rows for the joins
+        WHERE i.dur > {int(min(typical.values()) * (1 + WAIT_MARGIN))}
+          AND i.dur > m.median * {1 + WAIT_MARGIN} AND NOT i.lost
+        """
+    )
     return [
         (int(rank), str(cat), float(seconds))
         for rank, cat, seconds in job.rows(
             f"""
             WITH clock AS (SELECT stream, {ahead} AS ahead FROM streams),
-            typical AS (SELECT * FROM (VALUES {medians}) AS t(rank, median)),
             phases AS (
                 SELECT s.rank, s.restart, {case} AS cat, s.ts - c.ahead AS p0,
                        s.ts - c.ahead + coalesce(s.dur, greatest(f.end_ts - s.ts, 0)) AS p1
                 FROM spans_small s JOIN stream_facts f USING (stream) JOIN clock c USING (stream)
                 WHERE NOT s.is_agent AND s.name IN ({names})
             ),
-            slow AS (
-                SELECT i.stream, i.rank, i.restart, i.ts - c.ahead AS t0, i.ts - c.ahead + {clipped} AS t1,
-                       {clipped} - m.median AS excess, m.median
-                FROM iterations i JOIN typical m USING (rank) JOIN stream_facts f USING (stream)
-                JOIN clock c USING (stream)
-                -- the first test, on the records alone, leaves few rows for the joins
-                WHERE i.dur > {int(min(typical.values()) * (1 + WAIT_MARGIN))}
-                  AND i.dur > m.median * {1 + WAIT_MARGIN} AND NOT i.lost
+            candidates AS (
+                SELECT w.stream, w.restart, w.t0, w.t1, w.rank, w.excess, w.median, p.cat, p.rank AS prank, p.p1,
+                       least(w.t1, p.p1) - greatest(w.t0, p.p0) AS o
+                FROM slow_steps w JOIN phases p ON p.p0 < w.t1 AND w.t0 < p.p1
+                WHERE p.p1 < w.t1 AND p.p0 - w.t0 <= w.median AND p.rank <> w.rank AND p.restart = w.restart
             ),
             waits AS (
-                SELECT w.stream, w.t0, w.rank, w.excess, p.cat, max(least(w.t1, p.p1) - greatest(w.t0, p.p0)) AS o
-                FROM slow w JOIN phases p ON p.p0 < w.t1 AND w.t0 < p.p1
-                WHERE p.p1 < w.t1 AND p.p0 - w.t0 <= w.median AND w.t1 - p.p1 <= 2 * w.median
-                  AND p.rank <> w.rank AND p.restart = w.restart
-                GROUP BY w.stream, w.t0, w.rank, w.excess, p.cat
+                -- Where the step went on more than two of its medians after the phase ended: whether it ended with
+                -- the phase's rank's first step ending after the phase (that rank, out of its phase, then stalled in
+                -- its own work, and this one waited on for it: lockstep), within a quarter of its median.
+                SELECT stream, t0, rank, excess, cat, max(o) AS o FROM (
+                    SELECT c.stream, c.t0, c.rank, c.excess, c.cat, c.o FROM candidates c
+                    WHERE c.t1 - c.p1 <= 2 * c.median
+                    UNION ALL
+                    SELECT c.stream, c.t0, c.rank, c.excess, c.cat, c.o FROM candidates c
+                    JOIN (SELECT rank AS jrank, restart AS jrestart, t0 AS j0, t1 AS j1 FROM slow_steps) j
+                      ON j.jrank = c.prank AND j.jrestart = c.restart
+                    WHERE c.t1 - c.p1 > 2 * c.median AND j.j1 > c.p1 AND j.j0 <= c.p1 + c.median
+                      AND abs(j.j1 - c.t1) * 4 <= c.median
+                ) GROUP BY stream, t0, rank, excess, cat
             )
             SELECT rank, cat, sum(o * least(1.0, greatest(excess, 0) / total)) / 1e9
             FROM (SELECT *, sum(o) OVER (PARTITION BY stream, t0) AS total FROM waits)
