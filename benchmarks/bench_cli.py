@@ -63,6 +63,11 @@ print(sum(r[3] for r in rows))
 
 # The floor under any DuckDB command: Python, DuckDB's import, a connection and one statement.
 CONNECT = "import duckdb; duckdb.connect(':memory:').execute('SELECT 1').fetchall()"
+#: The same with DuckDB's engine module alone, which is what the command imports (cli/_engine.py, import_duckdb).
+ENGINE_CONNECT = (
+    "try:\n    import _duckdb as engine\nexcept ImportError:\n    import duckdb as engine\n"
+    "engine.connect(':memory:').execute('SELECT 1').fetchall()"
+)
 
 
 def run(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str, float]:
@@ -283,6 +288,7 @@ def main() -> None:
     start = min(run([sys.executable, "-c", "pass"])[0] for _ in range(5))
     imports = min(run([sys.executable, "-c", "import duckdb"])[0] for _ in range(5))
     connect = min(run([sys.executable, "-c", CONNECT])[0] for _ in range(5))
+    engine = min(run([sys.executable, "-c", ENGINE_CONNECT])[0] for _ in range(5))
     fixed = min(run([*cli, "summary", str(tiny), "--json", "--quiet"])[0] for _ in range(5))
     # By default DuckDB's read_json reads a job this small (the scanner repays its start from about 16 MB).
     scanner_reader = {"TRAINTRACE_READER": "native"}
@@ -290,7 +296,7 @@ def main() -> None:
     print(
         f"fixed cost: traintrace summary of 10 records {fixed:.3f} s ({fixed_scanner:.3f} s with the scanner; "
         f"python start-up alone {start:.3f} s, python + import duckdb {imports:.3f} s, + a connection and one "
-        f"query {connect:.3f} s)"
+        f"query {connect:.3f} s; the same with DuckDB's engine module alone, as the command imports it, {engine:.3f} s)"
     )
     load = os.getloadavg()
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
@@ -300,6 +306,7 @@ def main() -> None:
         "python_start_s": start,
         "python_import_duckdb_s": imports,
         "python_duckdb_connect_s": connect,
+        "python_duckdb_engine_connect_s": engine,
         "cpus": os.cpu_count(),
         "jobs": {},
     }

@@ -222,6 +222,60 @@ def test_exit_codes(tmp_path: Path) -> None:
 
 
 @pytest.mark.subprocess
+def test_the_command_exits_with_its_answer_whole_and_no_scratch_folder_left(tmp_path: Path) -> None:
+    """The command ends without the interpreter's teardown (cli.entry): what it printed is all there, its exit code
+    is the answer's, and DuckDB's scratch folder is gone, after an answer and after a refusal alike."""
+    write_job(tmp_path / "job", Script(fail_step=None, fail_rank=None))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**ENV, "TMPDIR": str(scratch)}
+    for command in ("summary", "ranks", "errors", "report"):
+        args = [command, str(tmp_path / "job"), "--json"]
+        if command == "report":
+            args = [command, str(tmp_path / "job"), "-o", str(tmp_path / "report.html")]
+        result = subprocess.run(
+            [sys.executable, "-m", "traintrace.cli", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert result.returncode == EXIT_OK, result.stderr
+        if command != "report":
+            assert json.loads(result.stdout), command  # the whole answer, flushed before the process ended
+        assert list(scratch.iterdir()) == [], command
+    assert (tmp_path / "report.html").read_text().rstrip().endswith("</html>")
+    missing = subprocess.run(
+        [sys.executable, "-m", "traintrace.cli", "summary", str(tmp_path / "nothing-here")],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert missing.returncode == EXIT_BAD_INPUT and "no such file or folder" in missing.stderr
+    assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.subprocess
+def test_help_is_as_wide_as_the_terminal_says() -> None:
+    """The options' help wraps at $COLUMNS, as argparse's own lookup of the width would (ours imports less)."""
+    for columns in (50, 120):
+        result = subprocess.run(
+            [sys.executable, "-m", "traintrace.cli", "summary", "--help"],
+            check=False,
+            capture_output=True,
+            text=True,
+            env={**ENV, "COLUMNS": str(columns)},
+            timeout=120,
+        )
+        options = result.stdout.split("options:", 1)[1].split("examples:", 1)[0]
+        widest = max(len(line) for line in options.splitlines())
+        assert columns - 20 < widest <= columns - 2, (columns, widest)
+
+
+@pytest.mark.subprocess
 def test_help_has_examples_and_exit_codes() -> None:
     """Every subcommand's --help shows examples and the exit codes."""
     for command in ("summary", "ranks", "errors", "export", "report", "query"):

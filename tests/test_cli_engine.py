@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.cli_jobs import Recording
-from traintrace.cli._engine import check_tail, compress_ranks, discover, parse_ranks
+from traintrace.cli._engine import ScratchFolder, check_tail, compress_ranks, discover, parse_ranks
 
 pytest.importorskip("duckdb")
 
@@ -136,6 +136,8 @@ def test_commands_import_nothing_they_do_not_use(tmp_path: Path, command: str) -
     unwanted = {"pandas", "pyarrow", "numpy", "sqlglot", "pyspark", "traintrace.events", "traintrace._recorder"}
     # Nor the other commands' modules (watch's: 9 ms), nor the progress files' reader where the job has none.
     unwanted |= {"traintrace.cli._watch", "traintrace.progress", "socket", "decimal", "uuid"}
+    # Nor tempfile, shutil (bz2, lzma) and traceback, which a command needs only when something goes wrong (5 ms).
+    unwanted |= {"tempfile", "shutil", "traceback"}
     assert not unwanted & modules, sorted(unwanted & modules)
 
 
@@ -259,6 +261,28 @@ def test_a_compressed_job_database_holds_compressed_tables(tmp_path: Path, monke
     segments = dict(storage.fetchall())
     assert {"Constant", "BitPacking"} <= set(segments), segments
     assert answers(job) == expected
+
+
+def test_the_scratch_folder_is_private_where_tmpdir_says_and_goes_with_what_it_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    folder = ScratchFolder("traintrace-duckdb-")
+    made = Path(folder.name)
+    assert made.parent == tmp_path and made.name.startswith("traintrace-duckdb-")
+    assert made.stat().st_mode & 0o777 == 0o700
+    (made / "spilled").mkdir()
+    (made / "spilled" / "block.bin").write_bytes(b"x" * 100)
+    folder.cleanup()
+    assert not made.exists()
+    folder.cleanup()  # twice: nothing more to do
+    # A TMPDIR that cannot take a folder: the next place, as tempfile would.
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "no" / "such" / "folder"))
+    other = ScratchFolder("traintrace-duckdb-")
+    elsewhere = Path(other.name)
+    assert elsewhere.is_dir() and not elsewhere.is_relative_to(tmp_path)
+    del other  # removed when it goes, as TemporaryDirectory is
+    assert not elsewhere.exists()
 
 
 def test_memory_sizes_are_read_as_duckdb_reads_them() -> None:

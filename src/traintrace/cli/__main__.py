@@ -1,7 +1,5 @@
 """``python -m traintrace.cli``: the same as the ``traintrace`` command."""
 
-import sys
+from . import entry
 
-from . import main
-
-sys.exit(main())
+entry()

@@ -155,7 +155,9 @@ def summary(job: Job) -> dict[str, Any]:
         "WHERE hang_from IS NOT NULL AND NOT is_agent GROUP BY ALL"
     ):
         per_rank[rank]["hang"] += seconds
-    for rank, cat, seconds in _waits_for_other_ranks(job, typical):
+    # A job of one rank has no other rank to wait for: both looks for waits are left out (13 ms of a small job).
+    alone = len(ranks) < 2
+    for rank, cat, seconds in [] if alone else _waits_for_other_ranks(job, typical):
         moved = min(seconds, per_rank[rank]["productive"])
         per_rank[rank]["productive"] -= moved
         per_rank[rank][cat] += moved
@@ -181,7 +183,7 @@ def summary(job: Job) -> dict[str, Any]:
     # Time outside the steps and phases that waited for another rank's phase (after `other` is known: it is taken
     # from there).
     idle = {rank: cats["other"] for rank, cats in per_rank.items()}
-    for rank, cat, seconds in _waits_between_steps(job, typical, idle):
+    for rank, cat, seconds in [] if alone else _waits_between_steps(job, typical, idle):
         moved = min(seconds, per_rank[rank]["other"])
         per_rank[rank]["other"] -= moved
         per_rank[rank][cat] += moved
@@ -906,38 +908,44 @@ def _step_parts(job: Job) -> None:
     """Per step: its duration, the time spent in collectives inside it and its own work; per wait for a batch:
     the step it fed (docs/analysis.md, "ranks")."""
     barriers = ", ".join(f"'{name}'" for name in _NOT_A_STEP_AFTER)
-    # Most jobs record no backward phase: their steps skip the join (a pass over every step, 20 ms at 16 ranks).
-    backward = job.one(f"SELECT count(*) FROM spans_small WHERE name = '{SpanName.BACKWARD}'")
-    with_backward = bool(backward and backward[0])
-    unrecorded = "bw.bwd IS NOT NULL AND bc.id IS NULL"  # backward phases, none holding a recorded collective
-    own = f"coalesce(inside.coll, 0) + CASE WHEN {unrecorded} THEN bw.bwd ELSE 0 END"
-    outside_backward = unrecorded if with_backward else "false"
-    join_backward = (
-        "LEFT JOIN bw ON bw.stream = it.stream AND bw.id = it.id "
-        "LEFT JOIN bw_col bc ON bc.stream = it.stream AND bc.id = it.id"
-    )
-    if not with_backward:
-        own, join_backward = "coalesce(inside.coll, 0)", ""
-    job.con.execute(
+    # What the job recorded decides which parts the statements need: most jobs record no backward phase (their
+    # steps skip that join, a pass over every step: 20 ms at 16 ranks), many no collective or no wait for a batch.
+    # Planning what is left out cost DuckDB 10 ms of a small job's command.
+    present = job.one(
         f"""
-        CREATE TEMP TABLE IF NOT EXISTS step_parts AS
-        WITH it AS (
-            SELECT stream, rank, restart, ts, dur, id, step,
-                   row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
-            FROM iterations WHERE status = 'ok'
-        ), gc AS ({compute_time_sql()}
-        ), col AS (
-            SELECT stream, ts, dur FROM spans_small
-            WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
-        ), bw AS (
+        SELECT sum(CASE WHEN name = '{SpanName.BACKWARD}' THEN 1 ELSE 0 END),
+               sum(CASE WHEN name = '{SpanName.COLLECTIVE}' THEN 1 ELSE 0 END),
+               sum(CASE WHEN name = '{SpanName.DATA_LOADING}' THEN 1 ELSE 0 END)
+        FROM spans_small WHERE name IN ('{SpanName.BACKWARD}', '{SpanName.COLLECTIVE}', '{SpanName.DATA_LOADING}')
+        """
+    )
+    with_backward, with_collectives, with_loading = (bool(n) for n in (present or (0, 0, 0)))
+    # backward phases, none holding a recorded collective
+    unrecorded = "bw.bwd IS NOT NULL AND bc.id IS NULL" if with_collectives else "bw.bwd IS NOT NULL"
+    coll = "coalesce(inside.coll, 0)" if with_collectives else "0"
+    own = f"{coll} + CASE WHEN {unrecorded} THEN bw.bwd ELSE 0 END" if with_backward else coll
+    outside_backward = unrecorded if with_backward else "false"
+    join_backward = "LEFT JOIN bw ON bw.stream = it.stream AND bw.id = it.id" if with_backward else ""
+    if with_backward and with_collectives:
+        join_backward += " LEFT JOIN bw_col bc ON bc.stream = it.stream AND bc.id = it.id"
+    backward_parts = (
+        f"""
+        , bw AS (
             -- A step's backward phases: where DDP's gradient all-reduce waits for the slowest rank, unrecorded
             -- unless a collective began inside them (the Lightning and Trainer callbacks time phases between hooks
             -- and record no all-reduce; record_collectives records DDP's inside backward).
             SELECT stream, parent AS id, sum(dur) AS bwd, min(ts) AS b0, max(ts + dur) AS b1 FROM spans_small
             WHERE name = '{SpanName.BACKWARD}' AND dur IS NOT NULL AND NOT is_agent AND NOT open
             GROUP BY ALL
-        ), bw_col AS (
-            SELECT DISTINCT b.stream, b.id FROM bw b JOIN col c ON c.stream = b.stream AND c.ts >= b.b0 AND c.ts < b.b1
+        )"""
+        if with_backward
+        else ""
+    )
+    collective_parts = (
+        f"""
+        , col AS (
+            SELECT stream, ts, dur FROM spans_small
+            WHERE name = '{SpanName.COLLECTIVE}' AND dur IS NOT NULL AND NOT is_agent
         ), timed AS (
             -- Only streams with collectives need the steps placed: the running maximum sorts every step. Read
             -- from iterations, not it: a CTE read twice is materialised, every step of every rank at once.
@@ -955,19 +963,51 @@ def _step_parts(job: Job) -> None:
             SELECT c.stream, c.its, sum(least(c.ts + c.dur, e.iend) - c.ts) AS coll
             FROM placed c JOIN ends e ON c.stream = e.stream AND c.its = e.its
             WHERE c.o = 1 AND c.ts < e.iend GROUP BY c.stream, c.its
-        )
+        )"""
+        if with_collectives
+        else ""
+    )
+    if with_backward and with_collectives:
+        collective_parts += """
+        , bw_col AS (
+            SELECT DISTINCT b.stream, b.id FROM bw b JOIN col c ON c.stream = b.stream AND c.ts >= b.b0 AND c.ts < b.b1
+        )"""
+    join_inside = "LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts" if with_collectives else ""
+    job.con.execute(
+        f"""
+        CREATE TEMP TABLE IF NOT EXISTS step_parts AS
+        WITH it AS (
+            SELECT stream, rank, restart, ts, dur, id, step,
+                   row_number() OVER (PARTITION BY stream ORDER BY ts) AS k
+            FROM iterations WHERE status = 'ok'
+        ), gc AS ({compute_time_sql()}
+        ){backward_parts}{collective_parts}
         -- One row per completed step of every rank: only the columns read, the small ones as INTEGER (a
         -- 64-rank job's steps are a third of the command's peak memory).
         SELECT it.rank::INTEGER AS rank, it.restart::INTEGER AS restart, it.k::INTEGER AS k, it.step, it.ts,
-               inside.coll AS coll,  -- NULL: no collective in the step
+               {"inside.coll" if with_collectives else "NULL::BIGINT"} AS coll,  -- NULL: no collective in the step
                -- the step's own work: its compute phases' device time where measured, else outside collectives and
                -- outside its backward phases where no collective began in them (DDP's all-reduce waits there)
                coalesce(gc.gpu_compute, it.dur - ({own})) AS comp,
                it.dur AS dur,
                {outside_backward} AS outside_backward
-        FROM it LEFT JOIN inside ON inside.stream = it.stream AND inside.its = it.ts
+        FROM it {join_inside}
         LEFT JOIN gc ON gc.stream = it.stream AND gc.id = it.id
         {join_backward};
+        """
+    )
+    if not with_loading:
+        job.con.execute(
+            """
+            CREATE TEMP TABLE IF NOT EXISTS loading_parts AS
+            SELECT NULL::BIGINT AS rank, NULL::BIGINT AS restart, NULL::BIGINT AS ts, NULL::BIGINT AS dur,
+                   NULL::BIGINT AS whole, NULL::BIGINT AS step, NULL::BIGINT AS k
+            FROM (VALUES (1)) AS t(x) WHERE false
+            """
+        )
+        return
+    job.con.execute(
+        f"""
         CREATE TEMP TABLE IF NOT EXISTS loading_parts AS
         WITH waits AS (
             SELECT stream, rank, restart, ts, dur, id, parent FROM spans_small

@@ -13,9 +13,9 @@ import json
 import os
 import re
 import sys
-import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,6 +257,50 @@ def import_duckdb() -> ModuleType:
     return engine_module
 
 
+class EarlyConnection(threading.Thread):
+    """DuckDB imported and an in-memory database opened on a thread, while the command's main thread reads its
+    arguments and the files' tails and imports its own modules (the two overlap by 5 to 10 ms of a small job's
+    0.15 s); :meth:`Job._connect` takes it and applies its settings. Whatever fails here is left for that
+    connect on the main thread to meet and report as it always did."""
+
+    def __init__(self) -> None:
+        super().__init__(name="traintrace-duckdb-connect", daemon=True)
+        self.con: Any = None
+
+    def run(self) -> None:
+        try:
+            self.con = import_duckdb().connect(":memory:")
+        except BaseException:  # noqa: BLE001 - met again, and reported, on the main thread
+            self.con = None
+
+    def take(self) -> Any:
+        """The connection, once opened; None where opening failed."""
+        self.join()
+        con, self.con = self.con, None
+        return con
+
+
+#: Started by the command (``cli._run``) before it opens the job; taken by the first in-memory ``Job._connect``.
+early_connection: EarlyConnection | None = None
+
+
+def connect_early() -> None:
+    """Start :class:`EarlyConnection` for the next :meth:`Job.open` in this process."""
+    global early_connection
+    early_connection = EarlyConnection()
+    early_connection.start()
+
+
+def drop_early_connection() -> None:
+    """Wait for, and close, an early connection no job took (its open failed first): a thread still opening a
+    database while the interpreter shuts down aborts the process."""
+    global early_connection
+    early, early_connection = early_connection, None
+    con = early.take() if early is not None else None
+    if con is not None:
+        con.close()
+
+
 def _version_tuple(version: str) -> tuple[int, ...]:
     """``1.3.2`` -> (1, 3); a version it cannot read is taken as new enough (a development build, say)."""
     parts = version.split(".")
@@ -346,6 +390,54 @@ def discover(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     for path in found:
         unique.setdefault(str(path.resolve()), path)
     return [Path(p) for p in unique]
+
+
+class ScratchFolder:
+    """A new private folder (mode 0700, a random name) for DuckDB's temporary files, removed by :meth:`cleanup`
+    or when this object goes.
+
+    ``tempfile.TemporaryDirectory`` without importing it: tempfile and what it imports (random, shutil with bz2
+    and lzma) cost 5 ms of a small job's command. The same places: the folder ``$TMPDIR``, ``$TEMP`` or ``$TMP``
+    names, else ``/tmp``, ``/var/tmp``, ``/usr/tmp``; tempfile's own search (and its error) where none will do.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        bases = [os.environ[name] for name in ("TMPDIR", "TEMP", "TMP") if os.environ.get(name)]
+        if os.name == "posix":
+            bases += ["/tmp", "/var/tmp", "/usr/tmp"]
+        self.name = ""
+        for base in bases:
+            for _attempt in range(10):
+                path = Path(base).absolute() / (prefix + os.urandom(6).hex())
+                try:
+                    path.mkdir(0o700)
+                except FileExistsError:
+                    continue
+                except OSError:
+                    break
+                self.name = str(path)
+                break
+            if self.name:
+                break
+        if not self.name:
+            import tempfile
+
+            self.name = tempfile.mkdtemp(prefix=prefix)
+        self._finalizer = weakref.finalize(self, _remove_folder, self.name)
+
+    def cleanup(self) -> None:
+        self._finalizer()
+
+
+def _remove_folder(path: str) -> None:
+    try:
+        Path(path).rmdir()  # empty unless DuckDB spilled, or the job was read through links or copies
+    except FileNotFoundError:
+        pass
+    except OSError:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass
@@ -553,7 +645,7 @@ class Job:
         memory limit: then a database file in the scratch folder, whose tables DuckDB compresses as it writes them.
         """
         duckdb = import_duckdb()
-        self._tmp = tempfile.TemporaryDirectory(prefix="traintrace-duckdb-")
+        self._tmp = ScratchFolder("traintrace-duckdb-")
         limit = self.memory_limit or DEFAULT_MEMORY_LIMIT
         config: dict[str, Any] = {
             "preserve_insertion_order": False,
@@ -568,7 +660,22 @@ class Job:
         limit_bytes = size_bytes(limit)
         compressed = not small and limit_bytes is not None and source_bytes > COMPRESS_ABOVE_SHARE * limit_bytes
         database = str(Path(self._tmp.name) / "job.duckdb") if compressed else ":memory:"
-        con = duckdb.connect(database, config=config)
+        global early_connection
+        early, early_connection = early_connection, None
+        con = early.take() if early is not None else None
+        if con is not None and not compressed:
+            settings = "; ".join(
+                f"SET {name} = {sql_string(value) if isinstance(value, str) else value}"
+                for name, value in config.items()
+            )
+            try:
+                con.execute(settings)
+            except duckdb.Error:  # a setting the connection refuses: refused again below, with DuckDB's message
+                con = None
+        else:
+            con = None
+        if con is None:
+            con = duckdb.connect(database, config=config)
         self.storage = "compressed" if compressed else "memory"
         if compressed:
             try:
@@ -924,45 +1031,12 @@ class Job:
         failed = f"'{SpanStatus.ERROR}', '{SpanStatus.TERMINATED}'"
         outer = f"'{SpanName.APPLICATION}', '{SpanName.TRAINING_LOOP}', '{SpanName.ITERATION}'"
         progress = ", ".join(f"'{name}'" for name in PROGRESS_PHASES)
-        self._running_streams()
-        self.con.execute(
-            f"""
-            CREATE TABLE stream_facts AS
-            WITH ck AS (
-                SELECT stream, max(ts + dur) AS ckpt_end,
-                       -- the steps the latest save holds, when every save says (else NULL: the time rule)
-                       CASE WHEN count(*) = count(try_cast(attrs->>'current_iteration' AS BIGINT))
-                            THEN max(try_cast(attrs->>'current_iteration' AS BIGINT)) END AS ckpt_step
-                FROM spans_small
-                WHERE status = '{ok}' AND (name IN ('{sync}', '{final}')
-                      OR (name = '{async_}' AND NOT EXISTS (
-                          SELECT 1 FROM spans_small f WHERE f.name = '{final}')))
-                GROUP BY stream
-            ), saving AS (
-                SELECT DISTINCT stream FROM spans_small
-                WHERE name IN ('{sync}', '{async_}', '{final}')
-            ), attempt AS (
-                SELECT s.restart, count(*) AS ranks, count(v.stream) AS savers, max(ck.ckpt_end) AS any_end,
-                       CASE WHEN count(ck.stream) = count(ck.ckpt_step) THEN max(ck.ckpt_step) END AS any_step
-                FROM streams s LEFT JOIN ck USING (stream) LEFT JOIN saving v USING (stream)
-                WHERE NOT s.is_agent GROUP BY s.restart
-            ), bad AS (
-                SELECT DISTINCT stream FROM spans_small
-                WHERE status IN ({failed}) AND name IN ({outer})
-            ), pair_first AS (
-                SELECT stream, min(try_cast(attrs->>'step' AS BIGINT)) AS first_step FROM spans_small
-                WHERE name = '{SpanName.ITERATION}' GROUP BY stream
-            ), redo AS (
-                -- The first step any later stream of the same rank ran: that stream redid every step from it on.
-                SELECT stream, min(first_step) OVER (
-                           PARTITION BY rank ORDER BY start_ts ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING
-                       ) AS redo_from
-                FROM (SELECT s.stream, s.rank, s.start_ts,
-                             CASE WHEN p.first_step IS NULL THEN s.first_step
-                                  WHEN s.first_step IS NULL THEN p.first_step
-                                  ELSE least(s.first_step, p.first_step) END AS first_step
-                      FROM streams s LEFT JOIN pair_first p USING (stream) WHERE NOT s.is_agent) x
-            ), hang AS (
+        errors, restarted = self._running_streams()
+        # A statement's planning costs DuckDB about as much as running it on a small job (this one: 13 ms of a
+        # 0.2 s command): the parts for hangs and for restarts are left out where the streams show none (no
+        # error record; no rank with a second stream), their columns NULL as they would come out.
+        hangs = f"""
+            , hang AS (
                 -- A hang that ended (hang_resolved after the last report) is time in whatever it happened in.
                 SELECT h.stream, h.hang_ts FROM (
                     SELECT stream, min(ts) AS hang_ts, max(ts) AS last_ts FROM other
@@ -988,7 +1062,59 @@ class Job:
                    OR (NOT s.open AND s.ts + s.dur <= hang.hang_ts
                        AND (s.name = '{ITERATION}' OR (s.name IN ({progress}) AND s.status = '{ok}')))
                 GROUP BY hang.stream
-            )
+            )"""
+        hang_ts = "hang.hang_ts"
+        hang_from = """CASE WHEN hang.hang_ts IS NOT NULL
+                   THEN greatest(coalesce(hr.iter_end, 0), coalesce(hp.iter_end, 0), s.start_ts) END AS hang_from"""
+        hang_joins = (
+            "LEFT JOIN hang USING (stream) LEFT JOIN hang_raw hr USING (stream) LEFT JOIN hang_pairs hp USING (stream)"
+        )
+        if not errors:
+            hangs, hang_joins = "", ""
+            hang_ts, hang_from = "NULL::BIGINT AS hang_ts", "NULL::BIGINT AS hang_from"
+        redos = f"""
+            , pair_first AS (
+                SELECT stream, min(try_cast(attrs->>'step' AS BIGINT)) AS first_step FROM spans_small
+                WHERE name = '{SpanName.ITERATION}' GROUP BY stream
+            ), redo AS (
+                -- The first step any later stream of the same rank ran: that stream redid every step from it on.
+                SELECT stream, min(first_step) OVER (
+                           PARTITION BY rank ORDER BY start_ts ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING
+                       ) AS redo_from
+                FROM (SELECT s.stream, s.rank, s.start_ts,
+                             CASE WHEN p.first_step IS NULL THEN s.first_step
+                                  WHEN s.first_step IS NULL THEN p.first_step
+                                  ELSE least(s.first_step, p.first_step) END AS first_step
+                      FROM streams s LEFT JOIN pair_first p USING (stream) WHERE NOT s.is_agent) x
+            )"""
+        redo_column, redo_join = "redo.redo_from", "LEFT JOIN redo USING (stream)"
+        if not restarted:
+            redos, redo_column, redo_join = "", "NULL::BIGINT AS redo_from", ""
+        self.con.execute(
+            f"""
+            CREATE TABLE stream_facts AS
+            WITH ck AS (
+                SELECT stream, max(ts + dur) AS ckpt_end,
+                       -- the steps the latest save holds, when every save says (else NULL: the time rule)
+                       CASE WHEN count(*) = count(try_cast(attrs->>'current_iteration' AS BIGINT))
+                            THEN max(try_cast(attrs->>'current_iteration' AS BIGINT)) END AS ckpt_step
+                FROM spans_small
+                WHERE status = '{ok}' AND (name IN ('{sync}', '{final}')
+                      OR (name = '{async_}' AND NOT EXISTS (
+                          SELECT 1 FROM spans_small f WHERE f.name = '{final}')))
+                GROUP BY stream
+            ), saving AS (
+                SELECT DISTINCT stream FROM spans_small
+                WHERE name IN ('{sync}', '{async_}', '{final}')
+            ), attempt AS (
+                SELECT s.restart, count(*) AS ranks, count(v.stream) AS savers, max(ck.ckpt_end) AS any_end,
+                       CASE WHEN count(ck.stream) = count(ck.ckpt_step) THEN max(ck.ckpt_step) END AS any_step
+                FROM streams s LEFT JOIN ck USING (stream) LEFT JOIN saving v USING (stream)
+                WHERE NOT s.is_agent GROUP BY s.restart
+            ), bad AS (
+                SELECT DISTINCT stream FROM spans_small
+                WHERE status IN ({failed}) AND name IN ({outer})
+            ){redos}{hangs}
             SELECT s.stream, s.file, s.rank, s.restart, s.start_ts, s.end_ts, s.closed, s.is_agent, s.next_start,
                    (NOT s.closed AND r.stream IS NULL) OR bad.stream IS NOT NULL AS failed,
                    -- a rank of the attempt failed: a restart redoes what its checkpoint does not hold on every rank
@@ -997,26 +1123,27 @@ class Job:
                    r.stream IS NOT NULL AND NOT s.closed AS running,
                    CASE WHEN a.savers = a.ranks THEN ck.ckpt_end ELSE a.any_end END AS ckpt_end,
                    CASE WHEN a.savers = a.ranks THEN ck.ckpt_step ELSE a.any_step END AS ckpt_step,
-                   redo.redo_from, hang.hang_ts, h.lo, h.hi,
-                   CASE WHEN hang.hang_ts IS NOT NULL
-                        THEN greatest(coalesce(hr.iter_end, 0), coalesce(hp.iter_end, 0), s.start_ts) END AS hang_from
+                   {redo_column}, {hang_ts}, h.lo, h.hi, {hang_from}
             FROM streams s JOIN headers h USING (stream)
             LEFT JOIN attempt a ON a.restart = s.restart AND NOT s.is_agent
-            LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN hang USING (stream)
-            LEFT JOIN running_streams r USING (stream)
-            LEFT JOIN hang_raw hr USING (stream) LEFT JOIN hang_pairs hp USING (stream) LEFT JOIN redo USING (stream)
+            LEFT JOIN ck USING (stream) LEFT JOIN bad USING (stream) LEFT JOIN running_streams r USING (stream)
+            {hang_joins} {redo_join}
             """
         )
 
-    def _running_streams(self) -> None:
-        """The streams whose process is still running (docs/analysis.md, "Running jobs")."""
-        rows = self.con.execute(
+    def _running_streams(self) -> tuple[bool, bool]:
+        """The streams whose process is still running (docs/analysis.md, "Running jobs"), as a table; returns
+        whether any stream has an error record, and whether any rank has more than one stream (a restart)."""
+        every = self.con.execute(
             """
             SELECT s.stream, s.path, s.rank, s.restart, s.host, s.pid, s.start_ts, s.closed, s.errors,
-                   s.end_ts, s.next_start IS NULL AS last
-            FROM streams s WHERE NOT s.is_agent
+                   s.end_ts, s.next_start IS NULL AS last, s.is_agent
+            FROM streams s
             """
         ).fetchall()
+        rows = [row[:-1] for row in every if not row[-1]]
+        any_errors = any(row[8] for row in every)
+        restarted = len({row[2] for row in rows}) < len(rows)
         # A launcher that ended (its stream closed, or its job_end written) had stopped its workers first: no
         # rank of its host that started while it ran is running, however recent its last record (a remote host's
         # processes cannot be looked up; a whole multi-node job terminated a second ago is not running).
@@ -1047,6 +1174,7 @@ class Job:
             if _stream_state(p, bool(errors), header, last_write, now) == "running":
                 running.append(int(stream))
         self._create_stream_list("running_streams", running)
+        return any_errors, restarted
 
     def _create_stream_list(self, name: str, streams: list[int]) -> None:
         """A one-column table ``stream`` of the given stream numbers (the Spark engine builds it its own way)."""
@@ -1096,7 +1224,12 @@ class Job:
         return [r for r in range(world) if r not in seen]
 
     def close(self) -> None:
-        """Release what the engine holds beyond this object (the Spark engine's cached views); DuckDB: nothing."""
+        """Remove the scratch folder (DuckDB's spilled tables, a compressed database); the connection stays open
+        until this object goes (the command exits without waiting for DuckDB's teardown, see ``cli.entry``).
+        The Spark engine releases its cached views."""
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
     # ------------------------------------------------------------ helpers
 
