@@ -178,30 +178,38 @@ def _without_timings(value: Any) -> Any:
 
 def test_a_small_job_gets_the_answers_of_the_full_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job under SMALL_JOB_BYTES is read on one DuckDB thread without the costliest optimisers (their planning
-    costs more than the queries on it): every answer is the one the engine gives with its defaults, on a job with
-    a straggler, checkpoints, a failure and a restart."""
+    costs more than the queries on it), one under TINY_JOB_BYTES without any: every answer is the one the engine
+    gives with its defaults, on a job with a straggler, checkpoints, a failure and a restart."""
     from tests.cli_jobs import Script, write_job
     from traintrace.cli import _analysis, _engine
 
     monkeypatch.setenv("TRAINTRACE_READER", "duckdb")
     write_job(tmp_path / "job", Script())
 
-    def answers(threads: int | None = None) -> tuple[Any, tuple[int, set[str]]]:
-        job = _engine.Job.open([tmp_path / "job"], lean=True, threads=threads)
-        settings = job.con.execute("SELECT current_setting('threads'), current_setting('disabled_optimizers')")
+    def answers(threads: int | None = None, lean: bool = True) -> tuple[Any, tuple[int, set[str], bool]]:
+        job = _engine.Job.open([tmp_path / "job"], lean=lean, threads=threads)
+        settings = job.con.execute(
+            "SELECT current_setting('threads'), current_setting('disabled_optimizers'), "
+            "current_setting('enable_optimizer')"
+        )
         found = settings.fetchone()
         assert found is not None
         data = [_analysis.summary(job), _analysis.ranks(job), _analysis.errors(job)]
-        threads, skipped = found
-        return _without_timings(data), (threads, set(filter(None, skipped.split(","))))
+        threads, skipped, optimised = found
+        return _without_timings(data), (threads, set(filter(None, skipped.split(","))), optimised)
 
+    # Under TINY_JOB_BYTES, summary, ranks and errors (lean) plan without optimisers; query and report keep them.
+    tiny, tiny_settings = answers()
+    assert tiny_settings == (1, set(), False)
+    assert answers(lean=False)[1] == (1, set(_engine.SMALL_JOB_SKIPPED_OPTIMIZERS), True)
+    monkeypatch.setattr(_engine, "TINY_JOB_BYTES", 0)
     small, small_settings = answers()
-    assert small_settings == (1, set(_engine.SMALL_JOB_SKIPPED_OPTIMIZERS))
+    assert small_settings == (1, set(_engine.SMALL_JOB_SKIPPED_OPTIMIZERS), True)
     assert answers(threads=2)[1][0] == 2  # --threads is the user's word
     monkeypatch.setattr(_engine, "SMALL_JOB_BYTES", 0)
     full, full_settings = answers()
-    assert full_settings == (os.cpu_count(), set())
-    assert small == full
+    assert full_settings == (os.cpu_count(), set(), True)
+    assert tiny == small == full
     assert small[2]["culprit"] is not None or small[2]["errors"], small[2]  # a failing job: something to compare
 
 

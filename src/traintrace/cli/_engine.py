@@ -60,6 +60,10 @@ ATTR_FIELDS = (
 #: than to run (10 records: 137 ms of statements with the defaults, 99 ms so; a 10 MB job the same either way,
 #: a 60 MB job 40% slower on one thread).
 SMALL_JOB_BYTES = 4 << 20
+#: A job whose files hold less than this is tiny: summary, ranks and errors (``Job.open(lean=True)``) plan their
+#: statements without any optimiser (10 to 30 ms of a 0.15 to 0.2 s command, same answers; a few thousand records
+#: at most, so a join left unoptimised stays small). query and report keep the optimisers a user's SQL may need.
+TINY_JOB_BYTES = 256 << 10
 #: A job whose files hold more than this share of DuckDB's memory limit is read into a database file in the
 #: job's scratch folder, compressed, instead of into memory: its tables would not fit, and DuckDB would spill them
 #: to disk uncompressed and read them back on every pass. Compressed (about a tenth of the size on generated jobs:
@@ -638,8 +642,9 @@ class Job:
 
     # ------------------------------------------------------------ loading
 
-    def _connect(self, small: bool = False, source_bytes: int = 0) -> Any:
-        """A DuckDB database for the job's tables; ``small``: for a job under :data:`SMALL_JOB_BYTES`.
+    def _connect(self, small: bool = False, source_bytes: int = 0, tiny: bool = False) -> Any:
+        """A DuckDB database for the job's tables; ``small``: for a job under :data:`SMALL_JOB_BYTES`; ``tiny``: no
+        optimiser at all (:data:`TINY_JOB_BYTES`).
 
         In memory, unless the job's files (``source_bytes``) hold more than :data:`COMPRESS_ABOVE_SHARE` of the
         memory limit: then a database file in the scratch folder, whose tables DuckDB compresses as it writes them.
@@ -682,7 +687,9 @@ class Job:
                 con.execute(f"SET disabled_compression_methods = '{','.join(COMPRESSION_SKIPPED)}'")
             except duckdb.Error:  # an older DuckDB that lacks one of them: it analyses them too, a little slower
                 pass
-        if small:
+        if tiny:
+            con.execute("SET enable_optimizer = false")
+        elif small:
             _skip_optimizers(con, duckdb.Error)
         # Progress is tracked (query_progress) but never printed by DuckDB itself: ours goes to stderr.
         # Off unless shown: in a Jupyter kernel DuckDB refuses the setting without ipywidgets.
@@ -709,7 +716,11 @@ class Job:
                 self.reader_error = str(exc)
                 scan = None
         source_bytes = sum(f.size for f in self.files)
-        self.con = con = self._connect(small=source_bytes < SMALL_JOB_BYTES, source_bytes=source_bytes)
+        self.con = con = self._connect(
+            small=source_bytes < SMALL_JOB_BYTES,
+            source_bytes=source_bytes,
+            tiny=self.lean and source_bytes < TINY_JOB_BYTES,
+        )
         rare_sql = f"""
             CREATE TABLE rare AS SELECT file, kind, ts, seq, unnest(json_transform(rare, '{_rare_spec()}'))
             FROM raw WHERE rare IS NOT NULL

@@ -287,8 +287,9 @@ class SparkJob(Job):
 
     remote: list[str] | None = None
 
-    def _connect(self, small: bool = False, source_bytes: int = 0) -> Any:
-        """A Spark connection (``small`` and ``source_bytes`` are DuckDB's: Spark plans and stores its own way)."""
+    def _connect(self, small: bool = False, source_bytes: int = 0, tiny: bool = False) -> Any:
+        """A Spark connection (``small``, ``source_bytes`` and ``tiny`` are DuckDB's: Spark plans and stores its own
+        way)."""
         import tempfile
 
         self._tmp = tempfile.TemporaryDirectory(prefix="traintrace-spark-")
