@@ -217,6 +217,7 @@ def test_exit_codes(tmp_path: Path) -> None:
     bad = cli("query", str(tmp_path / "job"), "SELECT nope FROM nowhere", check=None)
     assert bad.returncode == EXIT_USAGE and "query failed" in bad.stderr
     assert cli("frobnicate", check=None).returncode == EXIT_USAGE
+    assert cli("summary", str(tmp_path / "job"), "--no-such-option", check=None).returncode == EXIT_USAGE
     assert cli("export", str(tmp_path / "job"), "--ranks", "x-y", check=None).returncode == EXIT_USAGE
     assert main(["summary", str(tmp_path / "job"), "--quiet"]) == EXIT_OK
 

@@ -398,14 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ._engine import Job, LoadError, MissingExtra, connect_early, drop_early_connection, parse_ranks
+    from ._engine import Job, LoadError, MissingExtra, parse_ranks
 
     progress = not args.quiet and sys.stderr.isatty()
     if getattr(args, "engine", "duckdb") == "spark":
         return _run_spark(args)
-    if not args.cache:
-        connect_early()
-    from . import _analysis, _render  # noqa: F401 - imported while DuckDB's database opens (EarlyConnection)
 
     try:
         job = Job.open(
@@ -428,8 +425,6 @@ def _run(args: argparse.Namespace) -> int:
         if not _out_of_memory(exc):
             raise
         return _say_out_of_memory(exc, args.memory_limit)
-    finally:
-        drop_early_connection()
     if args.command != "query":
         # Everything is loaded: the analyses need no file access of DuckDB's (outputs are written by Python).
         job.restrict_external_access()

@@ -261,50 +261,6 @@ def import_duckdb() -> ModuleType:
     return engine_module
 
 
-class EarlyConnection(threading.Thread):
-    """DuckDB imported and an in-memory database opened on a thread, while the command's main thread reads its
-    arguments and the files' tails and imports its own modules (the two overlap by 5 to 10 ms of a small job's
-    0.15 s); :meth:`Job._connect` takes it and applies its settings. Whatever fails here is left for that
-    connect on the main thread to meet and report as it always did."""
-
-    def __init__(self) -> None:
-        super().__init__(name="traintrace-duckdb-connect", daemon=True)
-        self.con: Any = None
-
-    def run(self) -> None:
-        try:
-            self.con = import_duckdb().connect(":memory:")
-        except BaseException:  # noqa: BLE001 - met again, and reported, on the main thread
-            self.con = None
-
-    def take(self) -> Any:
-        """The connection, once opened; None where opening failed."""
-        self.join()
-        con, self.con = self.con, None
-        return con
-
-
-#: Started by the command (``cli._run``) before it opens the job; taken by the first in-memory ``Job._connect``.
-early_connection: EarlyConnection | None = None
-
-
-def connect_early() -> None:
-    """Start :class:`EarlyConnection` for the next :meth:`Job.open` in this process."""
-    global early_connection
-    early_connection = EarlyConnection()
-    early_connection.start()
-
-
-def drop_early_connection() -> None:
-    """Wait for, and close, an early connection no job took (its open failed first): a thread still opening a
-    database while the interpreter shuts down aborts the process."""
-    global early_connection
-    early, early_connection = early_connection, None
-    con = early.take() if early is not None else None
-    if con is not None:
-        con.close()
-
-
 def _version_tuple(version: str) -> tuple[int, ...]:
     """``1.3.2`` -> (1, 3); a version it cannot read is taken as new enough (a development build, say)."""
     parts = version.split(".")
@@ -665,22 +621,7 @@ class Job:
         limit_bytes = size_bytes(limit)
         compressed = not small and limit_bytes is not None and source_bytes > COMPRESS_ABOVE_SHARE * limit_bytes
         database = str(Path(self._tmp.name) / "job.duckdb") if compressed else ":memory:"
-        global early_connection
-        early, early_connection = early_connection, None
-        con = early.take() if early is not None else None
-        if con is not None and not compressed:
-            settings = "; ".join(
-                f"SET {name} = {sql_string(value) if isinstance(value, str) else value}"
-                for name, value in config.items()
-            )
-            try:
-                con.execute(settings)
-            except duckdb.Error:  # a setting the connection refuses: refused again below, with DuckDB's message
-                con = None
-        else:
-            con = None
-        if con is None:
-            con = duckdb.connect(database, config=config)
+        con = duckdb.connect(database, config=config)
         self.storage = "compressed" if compressed else "memory"
         if compressed:
             try:
