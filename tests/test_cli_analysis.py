@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from tests.cli_jobs import (
 
 pytest.importorskip("duckdb")
 
+from traintrace import SpanName
 from traintrace.cli import _analysis
 from traintrace.cli._engine import Job
 from traintrace.cli._render import render_ranks
@@ -443,6 +446,63 @@ def test_a_job_that_died_before_its_first_step(tmp_path: Path) -> None:
     assert s["goodput"] == 0 and s["step_time"] is None and s["ranks_missing"] == "1"
     assert _analysis.ranks(job)["stragglers"] == []
     assert _analysis.errors(job)["first_error"]["error_type"] == "ImportError"
+
+
+_KILLED_AFTER_ITS_INITIALISATION = """
+import json, os, signal, sys, time
+import traintrace as tt
+
+tt.configure(log_dir=sys.argv[1], job_id="j", flush_interval=60.0)  # nothing written but what flush() writes
+truth = {}
+with tt.application():
+    truth["init_start"] = time.time_ns()
+    with tt.model_init():
+        tt.flush()  # the stream ends here: the initialisation's start, not its end
+        time.sleep(0.3)
+    with tt.optimizer_init():
+        time.sleep(0.1)
+    truth["init_end"] = time.time_ns()
+    with tt.training_loop():
+        for step in range(3):
+            with tt.training_iteration(step):
+                time.sleep(0.02)
+    truth["killed"] = time.time_ns()
+    with open(sys.argv[2], "w") as out:
+        json.dump(truth, out)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.subprocess
+def test_a_rank_killed_within_a_flush_interval_of_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
+    """A rank SIGKILLed in the flush interval that holds its initialisation's end and its first steps: its stream
+    ends at the initialisation's start. The progress file's first iteration ends it there: `summary` counts the
+    script's own initialisation time (not 0 s, nor the rest as idle with no process), the job's wall time reaches
+    the first iteration, and the categories still add up to it."""
+    from tests._reliability import child_env, write_script
+
+    script = write_script(tmp_path, "killed.py", _KILLED_AFTER_ITS_INITIALISATION)
+    truth_path = tmp_path / "truth.json"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "logs"), str(truth_path)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == -9, done.stderr[-2000:]
+    truth = json.loads(truth_path.read_text())
+    stream = tmp_path / "logs" / "j" / "rank0.jsonl"
+    last = json.loads(stream.read_text().splitlines()[-1])
+    assert (last["kind"], last["name"]) == ("start", SpanName.MODEL_INIT)  # the case this test is about
+    s = _analysis.summary(_open(tmp_path / "logs" / "j"))
+    marked = (truth["init_end"] - truth["init_start"]) / 1e9
+    assert s["breakdown_s"]["initialization"] == pytest.approx(marked, abs=0.005), (s["breakdown_s"], marked)
+    assert s["breakdown_s"]["restart_idle"] < 0.005, s["breakdown_s"]
+    assert sum(s["breakdown_s"].values()) == pytest.approx(s["wall_s"], rel=1e-9)
+    assert s["wall_s"] <= (truth["killed"] - last["ts"]) / 1e9 + marked
+    assert s["verdict"].startswith("rank 0 "), s["verdict"]
 
 
 def test_a_peer_error_before_the_cause_is_a_consequence(tmp_path: Path) -> None:

@@ -601,6 +601,28 @@ def test_a_rank_killed_by_a_signal(tmp_path: Path, fault: str, sig: str) -> None
     check_goodput(run, unrecorded=unrecorded_share(run, [1]))
 
 
+def test_a_rank_killed_in_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
+    """Rank 2 is killed by SIGKILL in its second step, within a flush interval of its initialisation's end: its
+    stream most often ends at the initialisation's start, its end and the first step lost with the last flush
+    interval. The progress file's first iteration ends it: `summary`'s initialisation is the marks' (not the part
+    up to the stream's last record, nor the rest read as idle with no process), and the verdict names the step."""
+    run = launch(tmp_path, 3, "--fault", "sigkill", "--fault-rank", "2", "--fault-step", "1", "--step-ms", "10")
+    check_culprit(run, 2, 1, "model_forward", "killed by SIGKILL")
+    summary = check_goodput(run, unrecorded=unrecorded_share(run, [2]))
+    init = [m for m in run.marks()[2] if m["event"] in ("init_start", "init_end")]
+    marked = (init[1]["ts"] - init[0]["ts"]) / 1e9
+    records = [json.loads(line) for line in (run.folder / "rank2.jsonl").read_text().splitlines()]
+    lost_its_end = not any(r.get("kind") in ("end", "span") and r.get("name") == SpanName.MODEL_INIT for r in records)
+    print(f"rank 2's stream {'lost' if lost_its_end else 'kept'} its initialisation's end; marks {marked:.3f} s")
+    per_rank = summary["breakdown_s"]["initialization"] * 3
+    others = sum((ms[1]["ts"] - ms[0]["ts"]) / 1e9 for r, ms in _init_marks(run).items() if r != 2)
+    assert per_rank - others == pytest.approx(marked, abs=0.01 + 0.05 * marked), (per_rank, others, marked)
+
+
+def _init_marks(run: Run) -> dict[int, list[dict[str, Any]]]:
+    return {rank: [m for m in ms if m["event"] in ("init_start", "init_end")][:2] for rank, ms in run.marks().items()}
+
+
 def test_a_rank_out_of_memory(tmp_path: Path) -> None:
     """Rank 1 leaks 64 MiB a step in forward until an allocation fails (an address-space limit, so that the
     machine's memory is not at stake): named as out of memory, at the step and phase its own marks say, with
@@ -858,8 +880,10 @@ def test_a_node_lost_mid_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     marks = run.marks()
     lost_ranks = sorted(r for r, ms in marks.items() if any(m.get("pid") in killed for m in ms))
     assert len(lost_ranks) == 2, (lost_ranks, killed)
-    # Each lost rank's step by its own notes (one may have begun the next step when the kill came).
-    step = max(m["step"] for m in marks[lost_ranks[0]] if m["event"] == "step_start")
+    # Each lost rank's step by its own notes (one may have begun the next step when the kill came, or ended its
+    # step and be loading the next one's batch: the step it prepares, docs/analysis.md "The culprit").
+    last = [m for m in marks[lost_ranks[0]] if m["event"] in ("step_start", "step_end", "data_start")][-1]
+    step = last["step"] + (last["event"] == "step_end")
     head = f"node node-b was lost: its launcher and {' and '.join(map(str, lost_ranks)).join(('ranks ', ''))}"
     soon = run.cli("errors")
     later = read_later(run, monkeypatch)

@@ -48,10 +48,14 @@ def test_steps_and_phases_follow_the_training_thread(tmp_path: Path) -> None:
     first = _progress_now()
     assert (first.rank, first.pid, first.state, first.step, first.phase) == (0, os.getpid(), "running", None, None)
     seen = []
+    assert first.first_step_ns is None
     with tt.training_loop():
         assert _progress_now().phase == tt.SpanName.TRAINING_LOOP
         for step in (10, 11, 12):
+            before_ns = time.time_ns()
             with tt.training_iteration(step):
+                if step == 10:
+                    first_step_ns = (before_ns, time.time_ns())
                 p = _progress_now()
                 seen.append((p.step, p.phase))
                 with tt.forward():
@@ -71,6 +75,9 @@ def test_steps_and_phases_follow_the_training_thread(tmp_path: Path) -> None:
                     (12, "iteration"), (12, "model_forward")]  # fmt: skip
     last = _progress_now()
     assert last.iterations == 3 and last.steps_done == 3 and last.phase is None
+    # The first iteration's start, kept through the later ones (wall clock from the monotonic one: 1 ms apart).
+    assert last.first_step_ns is not None
+    assert first_step_ns[0] - 1e6 <= last.first_step_ns <= first_step_ns[1] + 1e6
     assert last.counter > first.counter
     assert last.updated_ns >= first.updated_ns
     assert abs(last.updated_ns - time.time_ns()) < 60e9
@@ -328,6 +335,7 @@ truth = {"completed": [], "durations_ns": []}
 with tt.training_loop():
     for step in range(5):
         t0 = time.perf_counter_ns()
+        truth.setdefault("first_step_ns", time.time_ns())
         with tt.training_iteration(step):
             time.sleep(0.002 * (step + 1))
         truth["durations_ns"].append(time.perf_counter_ns() - t0)
@@ -372,6 +380,9 @@ def test_an_iteration_that_failed_is_not_a_completed_step(tmp_path: Path, core: 
     # The last completed step's duration, not the failed one's (which took next to nothing).
     assert found.last_step_ns is not None
     assert abs(found.last_step_ns - truth["durations_ns"][-1]) < 2_000_000
+    # When the first iteration began, which the stream (nothing flushed past its header) does not say.
+    assert found.first_step_ns is not None
+    assert abs(found.first_step_ns - truth["first_step_ns"]) < 2_000_000
 
     errors = subprocess.run(
         [sys.executable, "-m", "traintrace.cli", "errors", str(tmp_path / "logs" / "j"), "--json"],

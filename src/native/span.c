@@ -43,7 +43,8 @@
 #define S_LAST_STEP_NS 19
 #define S_COLLECTIVE_T0 20
 #define S_STEPS_DONE 21
-#define N_SLOTS 22
+#define S_FIRST_STEP_T0 23
+#define N_SLOTS 24
 
 /* Span.written when its start did not fit in the queue (_recorder._START_DROPPED). */
 #define START_DROPPED 3
@@ -927,6 +928,8 @@ progress_enter(SpanCore *self, RecorderCore *R, int64_t t0)
         prog[S_STEP] = step;
         prog[S_STEP_T0] = t0;
         prog[S_ITERATIONS] = iterations;
+        if (iterations == 1)
+            prog[S_FIRST_STEP_T0] = t0;
     }
     else if (collective) {
         int64_t count = prog[S_COLLECTIVE];
@@ -1708,11 +1711,11 @@ PyInit__span(void)
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
-    PyObject *slots = Py_BuildValue("{sisisisisisisisisisisisi}", "S_COUNTER", S_COUNTER, "S_STEP", S_STEP,
+    PyObject *slots = Py_BuildValue("{sisisisisisisisisisisisisi}", "S_COUNTER", S_COUNTER, "S_STEP", S_STEP,
                                     "S_PHASE_T0", S_PHASE_T0, "S_UPDATED", S_UPDATED, "S_COLLECTIVE", S_COLLECTIVE,
                                     "S_ITERATIONS", S_ITERATIONS, "S_STEP_T0", S_STEP_T0, "S_LAST_STEP_NS",
                                     S_LAST_STEP_NS, "S_COLLECTIVE_T0", S_COLLECTIVE_T0, "S_STEPS_DONE", S_STEPS_DONE,
-                                    "S_LAST_DONE", S_LAST_DONE, "START_DROPPED", START_DROPPED);
+                                    "S_LAST_DONE", S_LAST_DONE, "S_FIRST_STEP_T0", S_FIRST_STEP_T0, "START_DROPPED", START_DROPPED);
     if (slots == NULL || PyModule_AddObject(module, "SLOTS", slots) < 0) {
         Py_XDECREF(slots);
         Py_DECREF(module);

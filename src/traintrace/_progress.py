@@ -68,6 +68,8 @@ S_COLLECTIVE_T0: Final = 20
 S_STEPS_DONE: Final = 21
 #: The writer thread's last cycle (every ``flush_interval``, records or not): the process was alive then.
 S_ALIVE: Final = 22
+#: When this process's first iteration started: a killed rank's initialisation ended by then, its end record lost.
+S_FIRST_STEP_T0: Final = 23
 #: The phase code's bits in the update word; the counter counts in steps of this.
 PHASE_BITS: Final = 8
 COUNTER_STEP: Final = 1 << PHASE_BITS
@@ -297,7 +299,10 @@ def failed(recorder: Recorder, span: Any = None, t0: int = 0) -> None:
         try:
             prog[S_STEP] = -1
             prog[S_STEP_T0] = t0
-            prog[S_ITERATIONS] = next(recorder._progress_iterations)
+            started = next(recorder._progress_iterations)
+            prog[S_ITERATIONS] = started
+            if started == 1:
+                prog[S_FIRST_STEP_T0] = t0
             prog[S_PHASE_T0] = t0
             prog[S_COUNTER] = next(recorder._progress_seq) | ITERATION_CODE
             return

@@ -32,6 +32,7 @@ from ._progress import (
     S_COLLECTIVE,
     S_COLLECTIVE_T0,
     S_COUNTER,
+    S_FIRST_STEP_T0,
     S_ITERATIONS,
     S_LAST_DONE,
     S_LAST_STEP_NS,
@@ -266,7 +267,10 @@ class _PySpanCore:
                         step = attrs.get("step") if attrs.__class__ is dict else None
                         prog[S_STEP] = step if step.__class__ is int else -1
                         prog[S_STEP_T0] = t0
-                        prog[S_ITERATIONS] = next(rec._progress_iterations)
+                        started = next(rec._progress_iterations)
+                        prog[S_ITERATIONS] = started
+                        if started == 1:
+                            prog[S_FIRST_STEP_T0] = t0
                     elif code == _COLLECTIVE:
                         prog[S_COLLECTIVE] += 1
                         prog[S_COLLECTIVE_T0] = t0

@@ -38,6 +38,7 @@ from ._progress import (
     S_COLLECTIVE_T0,
     S_COUNTER,
     S_CREATED,
+    S_FIRST_STEP_T0,
     S_ITERATIONS,
     S_LAST_DONE,
     S_LAST_STEP_NS,
@@ -89,7 +90,7 @@ DEAD: Final = "dead"
 #: when its process cannot be checked (another host).
 RECENT_S: Final = 60.0
 
-_SLOTS = 23
+_SLOTS = 24
 _MAX_I64 = (1 << 63) - 1
 
 
@@ -132,6 +133,9 @@ class Progress:
     #: The writer thread's last cycle (every ``flush_interval``): the process was alive then. None in a
     #: file written before traintrace 0.2.
     alive_ns: int | None = None
+    #: When this process's first iteration started: its initialisation had ended by then. None before the first
+    #: iteration, and in a file written before traintrace 0.2.
+    first_step_ns: int | None = None
     created_ns: int = 0
     version: int = 1
     path: str = ""
@@ -217,6 +221,7 @@ def parse_progress(raw: bytes, path: str = "") -> Progress | None:
             last_step_ns=last_step if last_step > 0 else None,
             collective_started_ns=wall(slots[S_COLLECTIVE_T0]) if in_collective else None,
             alive_ns=wall(slots[S_ALIVE]),
+            first_step_ns=wall(slots[S_FIRST_STEP_T0]),
             created_ns=slots[S_CREATED],
             version=slots[S_VERSION],
             path=path,
@@ -293,7 +298,7 @@ def progress_fields(progress: Progress | None) -> dict[str, Any]:
     if progress.step_done is not None:
         fields["last_step_done"] = progress.step_done
     # What the diagnosis reads of a killed rank's file, which a restart rewrites: the launcher's copy outlives it.
-    for name in ("phase_started_ns", "collective_started_ns", "alive_ns", "last_step_ns"):
+    for name in ("phase_started_ns", "collective_started_ns", "alive_ns", "last_step_ns", "first_step_ns"):
         value = getattr(progress, name)
         if value is not None:
             fields[name] = value

@@ -6,7 +6,7 @@ Definitions are in docs/analysis.md; keep the two in step.
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._names import EventName, SpanName
 from ._device import compute_time_sql, device_summary
@@ -78,22 +78,28 @@ def job_bounds(job: Job) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-def job_bounds_on_one_clock(job: Job) -> tuple[int, int]:
+def job_bounds_on_one_clock(job: Job, lived_until: dict[str, int] | None = None) -> tuple[int, int]:
     """``job_bounds`` with each host's times on the reference host's clock, where the records prove the hosts'
     clocks apart (``host_clocks``): by the raw times, a host 2 s ahead or behind adds 2 s to the job's wall time
-    and as much idle time to every rank."""
+    and as much idle time to every rank. ``lived_until``: host -> a time on its clock a rank of it lived until
+    past its stream's last record (``_ended_before_the_first_step``)."""
     offsets = host_clocks(job)["offsets_ns"]
-    if not offsets:
+    if not offsets and not lived_until:
         return job_bounds(job)
     rows = job.rows("SELECT host, min(start_ts), max(end_ts) FROM streams GROUP BY host")
+    later = lived_until or {}
     starts = [int(lo) - offsets.get(host, 0) for host, lo, _ in rows]
-    ends = [int(hi) - offsets.get(host, 0) for host, _, hi in rows]
+    ends = [max(int(hi), later.get(host, 0)) - offsets.get(host, 0) for host, _, hi in rows]
     return min(starts), max(ends)
 
 
 def summary(job: Job) -> dict[str, Any]:
     prepare(job)
-    start, end = job_bounds_on_one_clock(job)
+    verdict = diagnose(job)
+    # A killed rank's phases its stream left open that its progress file shows ended (its first iteration began):
+    # their time up to then, and the rank's, beyond its stream's last record.
+    ended = _ended_before_the_first_step(job, verdict)
+    start, end = job_bounds_on_one_clock(job, ended.lived_until)
     wall = max(end - start, 1)
     ranks = [int(r[0]) for r in job.rows("SELECT DISTINCT rank FROM streams WHERE NOT is_agent ORDER BY 1")]
     n_ranks = max(len(ranks), 1)
@@ -164,8 +170,14 @@ def summary(job: Job) -> dict[str, Any]:
     covered = dict(
         job.rows("SELECT rank, sum(end_ts - start_ts) / 1e9 FROM stream_facts WHERE NOT is_agent GROUP BY ALL")
     )
-    verdict = diagnose(job)
-    stopped = _stopped_responding(job, verdict)
+    for rank, cat, seconds in ended.phases:
+        per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
+        per_rank[rank][cat] += seconds
+    beyond = ended.beyond
+    for rank, seconds in beyond.items():
+        covered[rank] = covered.get(rank, 0.0) + seconds
+    # (From the stream's end: the part the first iteration's start accounts for is not also the freeze's.)
+    stopped = {rank: max(s - beyond.get(rank, 0.0), 0.0) for rank, s in _stopped_responding(job, verdict).items()}
     overlap_note = False
     for rank, cats in per_rank.items():
         inside = covered.get(rank, 0.0)
@@ -296,6 +308,55 @@ def _stopped_responding(job: Job, verdict: dict[str, Any]) -> dict[int, float]:
         for stream, (rank, seen) in gone.items()
         if ends.get(stream) is not None
     }
+
+
+#: Phases a rank runs before its first iteration: what its progress file's first iteration proves ended.
+BEFORE_THE_LOOP = (*INIT_SPANS, SpanName.CHECKPOINT_LOAD)
+
+
+class _EndedBeforeTheLoop(NamedTuple):
+    #: (rank, category, seconds) to add to what the stream's end gave the open phases.
+    phases: list[tuple[int, str, float]]
+    #: rank -> seconds it lived past its stream's last record.
+    beyond: dict[int, float]
+    #: host -> the latest such time on its clock (the job's wall time reaches it).
+    lived_until: dict[str, int]
+
+
+def _ended_before_the_first_step(job: Job, verdict: dict[str, Any]) -> _EndedBeforeTheLoop:
+    """The phases before the loop (initialisation, a checkpoint's load) that a killed rank's stream left open,
+    their end in the records the rank lost (its last flush interval), where the rank's progress file says its
+    first iteration began after the stream's last record: the phase ended by then. Counted up to the stream's
+    end already; here the rest, up to the first iteration's start, and that stretch beyond the stream's end,
+    which the rank lived through. Without it a rank killed within a flush interval of its first steps read as
+    initialising for a part of its initialisation only, and as idle (no process) for the rest."""
+    ended = _EndedBeforeTheLoop([], {}, {})
+    firsts = {
+        int(st["stream"]): (int(st["rank"]), int(st["first_step_ns"]))
+        for st in verdict.get("ranks") or ()
+        if st.get("first_step_ns") and st.get("stream") is not None and st.get("state") in ("killed", "exited", "ended")
+    }
+    if not firsts:
+        return ended
+    pairs = ", ".join(f"({stream}, {first})" for stream, (_, first) in firsts.items())
+    rows = job.rows(
+        f"""
+        SELECT s.stream, {_category_case("s.name")}, s.ts, f.end_ts, h.host
+        FROM spans_small s JOIN stream_facts f USING (stream) JOIN streams h ON h.stream = s.stream
+        JOIN (VALUES {pairs}) AS q(stream, first_ns) ON s.stream = q.stream
+        WHERE s.open AND NOT f.closed AND NOT f.running AND f.hang_from IS NULL AND f.end_ts < q.first_ns
+          AND s.ts < q.first_ns AND s.name IN ({_names(BEFORE_THE_LOOP)})
+        """
+    )
+    seen: set[int] = set()
+    for stream, cat, ts, end, host in rows:
+        rank, first = firsts[int(stream)]
+        ended.phases.append((rank, cat, (first - max(int(end), int(ts))) / NS))
+        if stream not in seen:
+            seen.add(stream)
+            ended.beyond[rank] = ended.beyond.get(rank, 0.0) + (first - int(end)) / NS
+            ended.lived_until[host] = max(ended.lived_until.get(host, 0), first)
+    return ended
 
 
 #: Phases one rank may run while the others go on training: rank 0 saving the replicated model, validating alone,

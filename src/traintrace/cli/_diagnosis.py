@@ -153,6 +153,9 @@ class RankState:
     since_ns: int | None = None
     alive_ns: int | None = None
     last_step_ns: int | None = None
+    #: From the progress file: when the process's first iteration began. Its initialisation had ended by then,
+    #: where the stream of a killed rank lost that span's end (``summary`` ends it there).
+    first_step_ns: int | None = None
     #: The job was killed from outside while the others waited for this rank, stuck this long.
     stuck_ns: int | None = None
     #: The signal the launcher itself got (the job was ended from outside), from its ``job_end`` record.
@@ -856,6 +859,7 @@ def _copied_progress(data: dict[str, Any], rank: int, restart: int) -> SimpleNam
         collective_started_ns=number("collective_started_ns"),
         alive_ns=number("alive_ns"),
         last_step_ns=number("last_step_ns"),
+        first_step_ns=number("first_step_ns"),
     )
 
 
@@ -1226,6 +1230,7 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], facts: _Facts) ->
     st.since_ns = collective if st.in_collective and collective else getattr(progress, "phase_started_ns", None)
     st.alive_ns = getattr(progress, "alive_ns", None)
     st.last_step_ns = getattr(progress, "last_step_ns", None)
+    st.first_step_ns = getattr(progress, "first_step_ns", None)
     if st.state in ("killed", "exited", "ended"):
         st.stopped_ns = max(st.stopped_ns or 0, updated)
     st.source.append("progress file")
