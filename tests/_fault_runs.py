@@ -39,7 +39,7 @@ def answers(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     from traintrace.cli import _analysis
     from traintrace.cli._engine import Job
 
-    job = Job.open([folder])
+    job = Job.open([folder], lean=True)  # as the two commands load it
     try:
         return _analysis.errors(job), _analysis.summary(job)
     finally:

@@ -17,7 +17,8 @@ step raises in the pass that follows step N - 1, N a multiple of the steps of an
 epoch). A rank that fails writes the exception that
 ended it (``ended<rank>.txt``). ``DDP_TIMEOUT_S`` (default 20) is the
 collective timeout; ``FAULT_RANK`` (default 1) the faulty rank, ``EPOCHS``
-(default 1) the epochs (4 steps each); ``DEVICES`` (default 2) the ranks.
+(default 1) the epochs (4 steps each); ``DEVICES`` (default 2) the ranks; ``ACCUMULATE`` (default 1) the batches
+whose gradients a step accumulates (an in-step fault then comes in the step's last batch).
 Stragglers: ``slow`` (the faulty rank's training step sleeps ``SLOW_MS``, default 60, from step N on)
 and ``slow_data`` (its dataset sleeps ``SLOW_MS`` per batch from the batch of step N on, in the
 training process: ``num_workers=0``); with ``SLOW_EVERY`` K, at every K-th step (batch) from step N on only, each
@@ -65,6 +66,9 @@ SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "0"))
 SAVE_MB = float(os.environ.get("SAVE_MB", "80"))
 # A BatchNorm layer: buffers, which DDP broadcasts from rank 0 before every forward (rank 0 waits there).
 BATCH_NORM = os.environ.get("BATCH_NORM") == "1"
+# Gradients accumulated over this many batches a step (each batch an iteration of the same global step): an
+# in-step fault comes in the step's last batch.
+ACCUMULATE = int(os.environ.get("ACCUMULATE", "1"))
 #: Modes that fail inside the training step's own code.
 IN_STEP = ("", "sigkill", "hang")
 
@@ -139,7 +143,7 @@ class Tiny(L.LightningModule):
         with (OUT / f"steps{self.global_rank}.jsonl").open("a") as notes:  # when each step's own code began
             notes.write(json.dumps({"step": self.global_step, "ts": time.time_ns()}) + "\n")
         faulty = self.global_rank == FAULT_RANK and self.global_step == FAULT_STEP
-        if faulty and MODE in IN_STEP:
+        if faulty and MODE in IN_STEP and (batch_idx + 1) % ACCUMULATE == 0:
             note_fault(self.global_rank, self.global_step)
             if MODE == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -240,6 +244,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=1,
+        accumulate_grad_batches=ACCUMULATE,
     )
     trainer.fit(Tiny(), train, DataLoader(data, batch_size=16))
     if trainer.global_rank == 0:

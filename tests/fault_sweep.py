@@ -22,9 +22,11 @@ completed and lost; with two nodes, the Perfetto timeline against the marks. Wit
 launcher and workers read their wall clock ahead of node-a's or behind (0.5 or 2 s, drawn; tests/clock_ahead.c
 preloaded, as NTP off on one node): the answers must be the same, and the workers' marks from node-b are moved back
 onto node-a's clock by the offset the sweep gave before they are compared. With ``--busy N``, N processes spin on
-the CPU beside the jobs: a busy host, as CI's is while its other tests run. A line per job; the exit status is the
-number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a 2-core machine (40 s for a
-process that stops responding): not part of the suite, whose fixed cases cover every fault.
+the CPU beside the jobs: a busy host, as CI's is while its other tests run. With ``--first-steps``, a fault in a
+step comes at step 0 or 1: a killed rank's initialisation and first steps in its last flush interval. A line per
+job; the exit status is the number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a
+2-core machine (40 s for a process that stops responding): not part of the suite, whose fixed cases cover every
+fault.
 """
 
 from __future__ import annotations
@@ -149,6 +151,12 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = ""
             begun = [m for m in marks if m["event"] in ("step_end", "validation_start", "validation_end")]
             validating = bool(begun) and begun[-1]["event"] == "validation_start"
             if fault in AFTER_ALL_REDUCE and validating and where == ("validation_loop", True, "all_reduce"):
+                continue
+            # Still in its forward by its marks (no loss of that step): DDP's forward in a job's second step
+            # rebuilds its gradient buckets with a broadcast from rank 0, where the others then wait.
+            began = any(m["event"] == "step_start" and m["step"] == state["step"] for m in marks)
+            lossless = not any(m["event"] == "loss" and m["step"] == state["step"] for m in marks)
+            if began and lossless and state["phase"] == "model_forward":
                 continue
             assert state["phase"] == "model_backward", (state["rank"], state["doing"], errors["verdict"])
 
@@ -276,6 +284,12 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: two launchers of 2 ranks each")
     parser.add_argument("--skew", action="store_true", help="with --nodes 2: node-b's clock ahead or behind")
     parser.add_argument("--busy", type=int, default=0, help="that many processes spinning beside the jobs")
+    parser.add_argument(
+        "--first-steps",
+        action="store_true",
+        help="faults in a step drawn at step 0 or 1 (records of the rank's "
+        "initialisation and first steps in one flush interval; DDP's bucket rebuild in step 1's forward)",
+    )
     parser.add_argument("--faults", default="", help=f"comma-separated, to draw from these only: {', '.join(FAULTS)}")
     args = parser.parse_args()
     faults = sorted(FAULTS) if not args.faults else sorted(args.faults.split(","))
@@ -306,6 +320,8 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
         # A rank can hang loading its very first batch; the slow rank needs steps before it to compare with.
         slow = fault.startswith("slow")
         step = draw.randrange(0 if fault == "hang_data" else 2, 9 if slow else 19)
+        if args.first_steps and fault in IN_STEP + IN_STEP_HANGS:
+            step = draw.choice([0, 1])
         every = draw.choice([3, 5, 50])
         if fault in IN_SAVE:
             rank, every = 0, draw.choice([3, 5])

@@ -68,6 +68,8 @@ PHASES: dict[str, str] = {
 STRAGGLERS = ("slow", "slow_data")
 #: Steps a straggler's job runs past its first slow step (ranks needs five to call it a slow-down).
 SLOW_STEPS_AFTER = 7
+#: Lightning's faults in the step whose truth is the global step, drawn with gradients accumulated over two batches.
+ACCUMULATING = ("", "sigkill", "hang", "backward", "optimizer")
 #: What the cause says, when it is not the injected exception's message.
 CAUSES = {"sigkill": "killed by SIGKILL", "hang": "hang", "data_hang": "hang"}
 
@@ -106,7 +108,8 @@ class Job:
     step: int
     epochs: int
     launcher: bool
-    #: The Trainer's batches a step (gradient accumulation): its stragglers' jobs draw 1 or 2.
+    #: Batches a step (gradient accumulation): the Trainer's stragglers' jobs draw 1 or 2, and Lightning's jobs with a
+    #: fault in the step (each batch an iteration of the same global step; the fault in the step's last batch).
     accum: int = 1
     #: A straggler slow at every N-th step (batch) from its first only.
     every: int = 1
@@ -164,6 +167,10 @@ def _draw_fault(draw: random.Random, framework: str, modes: list[str]) -> Job:
         step = LIGHTNING_STEPS_PER_EPOCH * draw.randrange(1, epochs)
     elif mode.startswith("data"):  # the loader's worker counts its samples from each epoch's start
         epochs, step = 1, draw.randrange(1, LIGHTNING_STEPS_PER_EPOCH)
+    elif mode in ACCUMULATING and draw.random() < 0.3:
+        epochs = max(epochs, 2)  # two steps an epoch
+        step = draw.randrange(0, LIGHTNING_STEPS_PER_EPOCH * epochs // 2)
+        return Job(framework, mode, devices, rank, step, epochs, launcher, accum=2)
     else:
         step = draw.randrange(0, LIGHTNING_STEPS_PER_EPOCH * epochs)
     return Job(framework, mode, devices, rank, step, epochs, launcher)
@@ -187,6 +194,7 @@ def run_job(folder: Path, job: Job) -> dict[str, Any] | None:
         HF_HUB_OFFLINE="1",
         MAX_STEPS=str(TRAINER_STEPS + SLOW_STEPS_AFTER if job.mode in STRAGGLERS else TRAINER_STEPS),
         GRAD_ACCUM=str(job.accum),
+        ACCUMULATE=str(job.accum if job.framework == "lightning" else 1),
         SLOW_EVERY=str(job.every),
         SAVE_EVERY=str(job.save_every),
         SAVE_MB=str(job.save_mb),

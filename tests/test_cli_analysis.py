@@ -505,6 +505,38 @@ def test_a_rank_killed_within_a_flush_interval_of_its_first_steps_keeps_its_init
     assert s["verdict"].startswith("rank 0 "), s["verdict"]
 
 
+@pytest.mark.parametrize(
+    ("failing", "micro_batches"),
+    [(0, 1), (3, 2)],
+    ids=["the first step", "the second micro-batch of a step, its gradients accumulated"],
+)
+def test_the_step_of_an_exception_is_the_iteration_it_unwound(tmp_path: Path, failing: int, micro_batches: int) -> None:
+    """An exception in forward unwinds its iteration, a plain record after it ends: the culprit's step is that
+    iteration's, with the attributes of plain iterations kept or not (the commands' lean load keeps its step as a
+    column only). Not the step after the last completed one: there is none at step 0, and with gradients
+    accumulated over two micro-batches (an iteration each, the same step) the first one of the failing step
+    completed (both read None, and 4, before)."""
+    import traintrace as tt
+
+    tt.configure(log_dir=str(tmp_path), job_id="j")
+    with tt.application():
+        try:
+            with tt.training_loop():
+                for step in range(failing + 1):
+                    for micro in range(micro_batches):
+                        with tt.training_iteration(step), tt.forward():
+                            if step == failing and micro == micro_batches - 1:
+                                raise RuntimeError("a bad batch")
+        except RuntimeError:
+            pass
+    tt.close()
+    for lean in (False, True):
+        report = _analysis.errors(Job.open([tmp_path / "j"], lean=lean))
+        culprit = report["culprit"]
+        assert (culprit["step"], culprit["phase"]) == (failing, SpanName.FORWARD), (lean, report["verdict"])
+        assert report["verdict"].startswith(f"rank 0 raised RuntimeError in forward at step {failing}")
+
+
 def test_a_peer_error_before_the_cause_is_a_consequence(tmp_path: Path) -> None:
     """A peer's "connection reset" written before the failing rank's own exception is not the culprit."""
     import json

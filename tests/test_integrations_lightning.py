@@ -466,13 +466,17 @@ def test_ddp_two_cpu_processes_each_rank_writes_its_stream(tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.once
-def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["a batch a step", "gradients accumulated over 2 batches"])
+def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path, accumulate: int) -> None:
     """Rank 1 of a 2-process CPU DDP fit raises in its training step at global step 3; Lightning ends the run.
     `traintrace errors` on what the callback wrote names rank 1, that step and the forward phase, as the
-    script's own truth file (written without traintrace) says."""
+    script's own truth file (written without traintrace) says. With gradients accumulated over two batches, each
+    an iteration of the same step, the fault is in the step's second batch: the first one of the step completed,
+    and the step is still 3 (it read 4, the step after the last completed iteration's)."""
     import json
 
-    done = run([sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3"], tmp_path)
+    env = {"ACCUMULATE": str(accumulate), "EPOCHS": str(accumulate)}  # 4 batches an epoch
+    done = run([sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "3"], tmp_path, **env)
     assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
     truth = json.loads((tmp_path / "fault.json").read_text())
     errors, summary = answers(tmp_path / "logs" / "ddp-test")
@@ -482,9 +486,12 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path) -> No
     assert "injected failure in training_step" in culprit["cause"]
     assert errors["verdict"].startswith(f"rank 1 raised RuntimeError in forward at step {truth['step']}; rank 0 ")
     assert errors["first_error"]["ts"] >= truth["ts"]
-    # No checkpoint before the failure (Lightning saves at the epoch's end): every step started was lost.
-    assert summary["status"] == "failed" and summary["steps_completed"] == 0
-    assert summary["steps_lost"] == truth["step"] + 1
+    # Lightning saves a checkpoint at an epoch's end: the iterations (batches) of the epochs before the failing
+    # one's completed, the failing epoch's were lost.
+    started = (truth["step"] + 1) * accumulate
+    saved = started // 4 * 4 if started % 4 else started - 4
+    assert summary["status"] == "failed" and summary["steps_completed"] == saved
+    assert summary["steps_lost"] == started - saved
 
 
 @pytest.mark.slow

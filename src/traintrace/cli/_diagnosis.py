@@ -1131,11 +1131,12 @@ def _spans_at(job: Job, wanted: list[tuple[int, int | None]]) -> dict[int, list[
     # raw as the iterations view does, those near the times first.
     for row in job.dicts(
         f"""
-        SELECT s.stream, s.id, s.parent, s.name, s.ts, s.dur, s.status, s.open, s.attrs, s.tid
-        FROM (SELECT stream, id, parent, name, ts, dur, status, open, attrs, tid FROM spans_small
+        SELECT s.stream, s.id, s.parent, s.name, s.ts, s.dur, s.status, s.open, s.attrs, s.tid, s.step
+        FROM (SELECT stream, id, parent, name, ts, dur, status, open, attrs, tid, NULL::BIGINT AS step
+              FROM spans_small
               UNION ALL
               SELECT f.stream, r.id, r.parent, '{ITERATION}' AS name, r.ts, r.dur, r.status, false AS open, r.attrs,
-                     r.tid
+                     r.tid, r.step
               FROM (SELECT * FROM raw WHERE plain
                     AND ts <= {latest} AND ts + dur >= {earliest}) r
               JOIN stream_facts f ON r.file = f.file AND r.ts >= f.lo AND r.ts < f.hi
@@ -1176,7 +1177,11 @@ def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) 
             since = span["ts"]
             continue
         if name == ITERATION:
-            step = _attrs(span["attrs"]).get("step")
+            # A plain iteration record's step is a column (its attributes are not kept for summary, ranks and
+            # errors); an iteration's start record keeps its attributes.
+            step = span.get("step")
+            if step is None:
+                step = _attrs(span["attrs"]).get("step")
             if isinstance(step, int):
                 st.step = step
         elif name == SpanName.CHECKPOINT_SAVE_FINALIZATION and st.step is None:
