@@ -152,12 +152,17 @@ def write_checkpoint(  # noqa: PLR0917 - a thread's target, called by position
 
 
 @contextlib.contextmanager
-def raised_noted(truth: Truth) -> Iterator[None]:
-    """An exception out of the worker's body noted as it leaves (the spans it went through have just ended)."""
+def raised_noted(truth: Truth, cleanup_raises: bool = False) -> Iterator[None]:
+    """An exception out of the worker's body noted as it leaves (the spans it went through have just ended).
+    ``cleanup_raises``: a rank that did not inject the fault then runs a cleanup of its own that fails (an emergency
+    checkpoint, say), whose exception replaces the one that reached it."""
     try:
         yield
     except BaseException as exc:
         truth.write(event="raised", error=type(exc).__name__)
+        if cleanup_raises and "injected" not in str(exc):
+            truth.write(event="cleanup_raised", error="OSError")
+            raise OSError("emergency checkpoint failed: no space left on the scratch disk") from exc
         raise
 
 
@@ -189,6 +194,8 @@ def main() -> None:
     # traintrace's hang detection; 0 turns it off (then only the collective's timeout ends a hang).
     parser.add_argument("--hang-timeout", type=float, default=1.5)
     parser.add_argument("--flush-interval", type=float, default=0.1)
+    # The ranks that did not fail run a cleanup of their own that raises, after the failure reached them.
+    parser.add_argument("--cleanup-raises", action="store_true")
     # Seconds a rank stays alive after an exception left main (and traintrace recorded it), before
     # exiting: a process slow to tear down on a loaded machine.
     parser.add_argument("--linger", type=float, default=0.0)
@@ -264,7 +271,7 @@ def main() -> None:
             truth.write(event="fault", kind=where, step=step)
             raise RuntimeError(f"injected failure in {where} on rank {rank} at step {step}")
 
-    with tt.application(), raised_noted(truth):
+    with tt.application(), raised_noted(truth, args.cleanup_raises):
         truth.write(event="init_start")  # the initialisation spans follow one another: one interval
         with tt.distributed_init(backend="gloo"):
             timeout = datetime.timedelta(seconds=args.gloo_timeout)

@@ -604,6 +604,22 @@ def test_a_rank_killed_by_a_signal(tmp_path: Path, fault: str, sig: str) -> None
     check_goodput(run, unrecorded=unrecorded_share(run, [1]))
 
 
+def test_an_exception_a_survivor_raised_after_the_failure_reached_it_is_not_the_cause(tmp_path: Path) -> None:
+    """Rank 1 is killed by SIGKILL in forward at step 4; rank 0, its all-reduce broken by the lost peer, runs a
+    cleanup of its own that raises OSError (an emergency checkpoint on a full disk). That later exception is a
+    consequence: the culprit is rank 1, killed, and the first error is rank 0's connection error, marked a
+    consequence (the OSError, raised once the peer's failure had reached rank 0, named rank 0 before; a sweep
+    found it as a SIGTERM handler's error)."""
+    run = launch(tmp_path, 2, "--fault", "sigkill", "--fault-rank", "1", "--fault-step", "4", "--cleanup-raises")
+    assert any(m["event"] == "cleanup_raised" for m in run.marks()[0]), "the premise: rank 0's cleanup raised"
+    errors = check_culprit(run, 1, 4, SpanName.FORWARD, "killed by SIGKILL")
+    assert errors["rule"] == "died first", errors["rule"]
+    assert errors["first_error"]["rank"] == 0 and errors["first_error"]["consequence"], errors["first_error"]
+    assert errors["first_error"]["error_type"] != "OSError", errors["first_error"]
+    rank0 = next(s for s in errors["rank_states"] if s["rank"] == 0)
+    assert rank0["error"] is None and rank0["consequence"] is not None, rank0
+
+
 def test_a_rank_killed_in_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
     """Rank 2 is killed by SIGKILL in its second step, within a flush interval of its initialisation's end: its
     stream most often ends at the initialisation's start, its end and the first step lost with the last flush

@@ -119,6 +119,10 @@ def summary(job: Job) -> dict[str, Any]:
     # The median of a rank's productive steps, in the same pass: what its steps that waited for another rank's
     # phase ran over (_waits_for_other_ranks).
     typical: dict[int, int] = {}
+    # ...and of its steps however few (its lost ones where none was productive): how far around another rank's
+    # phase its own steps are read (_waits_between_steps). Without it a job of four steps saw no step near the end
+    # of a save rank 0 made at its last step, and no wait for it.
+    step_medians: dict[int, int] = {}
     for rank, lost, seconds, count, median in job.rows(
         f"""
         SELECT i.rank, i.lost, sum({_clipped("i.ts", "i.dur")}) / 1e9, count(*), median(i.dur)
@@ -130,6 +134,8 @@ def summary(job: Job) -> dict[str, Any]:
         step_counts.setdefault(rank, {True: 0, False: 0})[bool(lost)] += int(count)
         if not lost and median is not None and count >= WAIT_MIN_STEPS:
             typical[int(rank)] = int(median)
+        if median is not None and (not lost or int(rank) not in step_medians):
+            step_medians[int(rank)] = int(median)
     # A step a failed rank was still in when it stopped (its start written, never its end) was lost too, with the
     # time from its start to the end of the stream (a rank that hung in it until it was terminated).
     for rank, seconds, count in job.rows(
@@ -195,7 +201,7 @@ def summary(job: Job) -> dict[str, Any]:
     # Time outside the steps and phases that waited for another rank's phase (after `other` is known: it is taken
     # from there).
     idle = {rank: cats["other"] for rank, cats in per_rank.items()}
-    for rank, cat, seconds in [] if alone else _waits_between_steps(job, typical, idle):
+    for rank, cat, seconds in [] if alone else _waits_between_steps(job, step_medians, idle):
         moved = min(seconds, per_rank[rank]["other"])
         per_rank[rank]["other"] -= moved
         per_rank[rank][cat] += moved
@@ -331,8 +337,9 @@ def _ended_before_the_first_step(job: Job, verdict: dict[str, Any]) -> _EndedBef
     which the rank lived through. Without it a rank killed within a flush interval of its first steps read as
     initialising for a part of its initialisation only, and as idle (no process) for the rest."""
     ended = _EndedBeforeTheLoop([], {}, {})
-    firsts = {
-        int(st["stream"]): (int(st["rank"]), int(st["first_step_ns"]))
+    offsets = host_clocks(job)["offsets_ns"]
+    firsts = {  # on the host's own clock, as its stream's times (the verdict's are on the reference host's)
+        int(st["stream"]): (int(st["rank"]), int(st["first_step_ns"]) + offsets.get(st.get("host") or "", 0))
         for st in verdict.get("ranks") or ()
         if st.get("first_step_ns") and st.get("stream") is not None and st.get("state") in ("killed", "exited", "ended")
     }
@@ -461,7 +468,9 @@ GAP_FLOOR_S = 1e-3
 GAP_CONTEXT_STEPS = 4
 
 
-def _waits_between_steps(job: Job, typical: dict[int, int], idle: dict[int, float]) -> list[tuple[int, str, float]]:
+def _waits_between_steps(
+    job: Job, step_medians: dict[int, int], idle: dict[int, float]
+) -> list[tuple[int, str, float]]:
     """(rank, category, seconds): the time a rank waited for another rank's checkpoint save or load, validation
     or test *between* its steps, outside its spans (so far counted as ``other``): at a barrier after rank 0's
     save, as Lightning's ``Trainer.save_checkpoint`` does on every rank (docs/analysis.md, "Waiting for another
@@ -513,7 +522,8 @@ def _waits_between_steps(job: Job, typical: dict[int, int], idle: dict[int, floa
                 continue
             if any(a < p1 <= b for a, b in own.get(stream, ())):
                 continue  # in a phase of its own when this one ended (its own save, say): not between steps
-            context = GAP_CONTEXT_STEPS * typical.get(rank, 0)
+            # Its median step (``step_medians``), else the phase's own length, on each side.
+            context = GAP_CONTEXT_STEPS * (step_medians.get(rank) or (p1 - p0))
             windows.append((stream, cat, p0, p1, p0 - context, p1 + context))
     if not windows:
         return []
@@ -1452,6 +1462,22 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         """
     )
     verdict = diagnose(job)
+    # The first error is the first cause: peers' consequences (connection closed, timeouts) and hang reports
+    # come after it in importance, whatever their time; so does an error a rank raised once it was failing already
+    # (after a peer's failure reached it, or a signal came: a handler's or a cleanup's), as the verdict reads it.
+    troubled = dict(
+        job.rows(
+            f"SELECT stream, min(ts) FROM other WHERE kind = 'event' AND name = '{EventName.SIGNAL}' "
+            "AND NOT is_agent GROUP BY stream"
+        )
+    )
+    for e in all_errors:  # in time order, on each stream's own clock
+        later = e["stream"] in troubled and e["ts"] >= troubled[e["stream"]]
+        e["consequence"] = later or (
+            e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS or _secondary(e) or _terminated_by(e)
+        )
+        if e["consequence"] and not e["agent"] and e["name"] not in HANG_ERRORS and e["error_type"] not in HANG_ERRORS:
+            troubled.setdefault(e["stream"], e["ts"])
     clocks = host_clocks(job)
     if clocks["offsets_ns"]:
         # Hosts whose clocks run ahead or behind: every error's time on the reference host's clock, as the verdict
@@ -1460,12 +1486,6 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
         for e in all_errors:
             e["ts"] -= clocks["offsets_ns"].get(host_of.get(e["stream"]), 0)
         all_errors.sort(key=lambda e: (e["ts"], e["rank"] is None, e["rank"] or 0))
-    # The first error is the first cause: peers' consequences (connection closed, timeouts) and hang reports
-    # come after it in importance, whatever their time.
-    for e in all_errors:
-        e["consequence"] = (
-            e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS or _secondary(e) or _terminated_by(e)
-        )
     causes = [e for e in all_errors if not e["consequence"]]
     first = causes[0] if causes else (all_errors[0] if all_errors else None)
     if first is not None and first.get("span"):

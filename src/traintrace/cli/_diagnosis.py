@@ -1015,7 +1015,7 @@ def clock_offsets(job: Job) -> dict[str, Any]:
 
 def _on_reference_clock(st: RankState, offset: int) -> None:
     """The rank's times on the reference host's clock (its host's runs ``offset`` ahead)."""
-    for name in ("stopped_ns", "last_progress_ns", "since_ns", "alive_ns", "launcher_seen_ns"):
+    for name in ("stopped_ns", "last_progress_ns", "since_ns", "alive_ns", "launcher_seen_ns", "first_step_ns"):
         value = getattr(st, name)
         if value is not None:
             setattr(st, name, value - offset)
@@ -1061,8 +1061,12 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
     resolved = facts.resolved.get(stream)
     if hangs and resolved is not None and resolved >= hangs[-1]["ts"]:
         hangs = []  # progress resumed after the last hang report
-    primary = [e for e in real if not _secondary(e)]
-    secondary = [e for e in real if _secondary(e)]
+    # An exception of its own raised once the rank was failing already (after a peer's failure reached it, or a
+    # signal came: a handler's or a cleanup's error) did not start the failure: it is a consequence too.
+    troubled = [e["ts"] for e in real if _secondary(e)] + [ts for ts, _ in signals[:1]]
+    since = min(troubled) if troubled else None
+    primary = [e for e in real if not _secondary(e) and (since is None or e["ts"] < since)]
+    secondary = [e for e in real if e not in primary]
     st.last_progress_ns = facts.last_ok.get(stream, (None, None))[0]
     st.launcher_signal = facts.signal_of_launcher(st.host)
     fail = facts.failures.get((st.rank, st.restart))
