@@ -1715,7 +1715,8 @@ PyInit__span(void)
                                     "S_PHASE_T0", S_PHASE_T0, "S_UPDATED", S_UPDATED, "S_COLLECTIVE", S_COLLECTIVE,
                                     "S_ITERATIONS", S_ITERATIONS, "S_STEP_T0", S_STEP_T0, "S_LAST_STEP_NS",
                                     S_LAST_STEP_NS, "S_COLLECTIVE_T0", S_COLLECTIVE_T0, "S_STEPS_DONE", S_STEPS_DONE,
-                                    "S_LAST_DONE", S_LAST_DONE, "S_FIRST_STEP_T0", S_FIRST_STEP_T0, "START_DROPPED", START_DROPPED);
+                                    "S_LAST_DONE", S_LAST_DONE, "S_FIRST_STEP_T0", S_FIRST_STEP_T0, "START_DROPPED",
+                                    START_DROPPED);
     if (slots == NULL || PyModule_AddObject(module, "SLOTS", slots) < 0) {
         Py_XDECREF(slots);
         Py_DECREF(module);
