@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -479,18 +477,11 @@ def test_a_rank_killed_within_a_flush_interval_of_its_first_steps_keeps_its_init
     ends at the initialisation's start. The progress file's first iteration ends it there: `summary` counts the
     script's own initialisation time (not 0 s, nor the rest as idle with no process), the job's wall time reaches
     the first iteration, and the categories still add up to it."""
-    from tests._reliability import child_env, write_script
+    from tests._reliability import run_script, write_script
 
     script = write_script(tmp_path, "killed.py", _KILLED_AFTER_ITS_INITIALISATION)
     truth_path = tmp_path / "truth.json"
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "logs"), str(truth_path)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_script(script, str(tmp_path / "logs"), str(truth_path))
     assert done.returncode == -9, done.stderr[-2000:]
     truth = json.loads(truth_path.read_text())
     stream = tmp_path / "logs" / "j" / "rank0.jsonl"
