@@ -194,7 +194,8 @@ def main() -> None:
     # traintrace's hang detection; 0 turns it off (then only the collective's timeout ends a hang).
     parser.add_argument("--hang-timeout", type=float, default=1.5)
     parser.add_argument("--flush-interval", type=float, default=0.1)
-    # The ranks that did not fail run a cleanup of their own that raises, after the failure reached them.
+    # The ranks that did not fail run a cleanup of their own that raises, after the failure reached them (they
+    # ignore SIGTERM, so that the launcher's does not end them first).
     parser.add_argument("--cleanup-raises", action="store_true")
     # Seconds a rank stays alive after an exception left main (and traintrace recorded it), before
     # exiting: a process slow to tear down on a loaded machine.
@@ -229,7 +230,9 @@ def main() -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
-    signal.signal(signal.SIGTERM, on_sigterm)  # a user's own handler: traintrace records, then calls it
+    # A user's own handler: traintrace records, then calls it. With --cleanup-raises the ranks wait for their own
+    # failure to run the cleanup (the launcher's SIGTERM after a peer died would otherwise race it).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.cleanup_raises else on_sigterm)
     tt.configure(
         hang_timeout=args.hang_timeout, hang_check_interval=0.25, flush_interval=args.flush_interval, log_interval=5
     )

@@ -1477,7 +1477,7 @@ def errors(job: Job, hang_after_s: float = 60.0) -> dict[str, Any]:
             e["name"] in HANG_ERRORS or e["error_type"] in HANG_ERRORS or _secondary(e) or _terminated_by(e)
         )
         if e["consequence"] and not e["agent"] and e["name"] not in HANG_ERRORS and e["error_type"] not in HANG_ERRORS:
-            troubled.setdefault(e["stream"], e["ts"])
+            troubled[e["stream"]] = min(troubled.get(e["stream"], e["ts"]), e["ts"])
     clocks = host_clocks(job)
     if clocks["offsets_ns"]:
         # Hosts whose clocks run ahead or behind: every error's time on the reference host's clock, as the verdict
