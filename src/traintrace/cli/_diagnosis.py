@@ -100,8 +100,9 @@ NODE_WINDOW_NS = 2_000_000_000
 #: this much clock skew between hosts is tolerated.
 SKEW_NS = 50_000_000
 #: A host's clock is corrected only when its ranks' records are impossible without an offset of more than
-#: SKEW_NS (see ``clock_offsets``), from at least this many steps the hosts both completed...
-OFFSET_MIN_STEPS = 3
+#: SKEW_NS (see ``clock_offsets``), from at least this many steps the hosts both completed (each step's bounds
+#: hold alone; more steps narrow them, and show ranks that do not step together)...
+OFFSET_MIN_STEPS = 1
 #: ...and when at least this share of those steps end, on the corrected clock, within OFFSET_SPREAD_NS (or a
 #: tenth of the offset) of the reference host's ends: data-parallel ranks leave each step's all-reduce together.
 OFFSET_ALIGNED_SHARE = 0.5
