@@ -497,6 +497,36 @@ def test_ddp_fault_is_diagnosed_from_the_callbacks_records(tmp_path: Path, accum
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.once
+def test_a_rank_killed_in_forward_after_ddps_buffer_broadcast_died_in_forward(tmp_path: Path) -> None:
+    """A model with a BatchNorm layer, under torchrun: DDP broadcasts its buffers from rank 0 before every forward,
+    a collective the callback records inside the forward it times without a span. Rank 1 is SIGKILLed in its
+    training step at step 2, after that broadcast; torchrun leaves no record of how it ended, and its stream none
+    of its last steps: the progress file alone says where it was. `errors` names rank 1, step 2 and forward, as
+    the script's truth says (it read "in a step (between phases)" before: the broadcast's end put the file back
+    in the iteration)."""
+    import json
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
+    done = run(
+        [*command, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "2", "sigkill"],
+        tmp_path,
+        BATCH_NORM="1",
+        DDP_TIMEOUT_S="10",
+    )
+    assert done.returncode != 0, done.stdout[-3000:] + done.stderr[-3000:]
+    truth = json.loads((tmp_path / "fault.json").read_text())
+    assert (truth["rank"], truth["step"]) == (1, 2), truth  # the premise
+    errors, _ = answers(tmp_path / "logs" / "ddp-test")
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, 2, "model_forward"), errors["verdict"]
+    assert errors["verdict"].startswith("rank 1 ") and "in forward at step 2" in errors["verdict"], errors["verdict"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_loss_that_overflows_on_one_rank_is_diagnosed_as_diverged(tmp_path: Path) -> None:
     """Rank 1's batch at step 2 overflows its loss; DDP's all-reduce puts NaN in both ranks' weights and the fit
     runs to its end. From the callback's records, `errors` says the job diverged on rank 1 at step 2 and that

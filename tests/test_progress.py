@@ -87,6 +87,41 @@ def test_steps_and_phases_follow_the_training_thread(tmp_path: Path) -> None:
     assert stream_state(closed) == FINISHED
 
 
+def test_a_span_inside_a_timed_phase_returns_the_file_to_it(tmp_path: Path) -> None:
+    """A phase an integration times without a span (``enter_timed_phase``, the Lightning callback's forward)
+    is where the file says the rank is again once a span inside it (DDP's buffer broadcast, a collective)
+    ends, not the enclosing span's phase; a timed phase does not outlive the span it began in."""
+    tt.configure(log_dir=str(tmp_path), job_id="j")
+    rec = tt.get_recorder()
+    assert rec is not None
+    forward = _progress.PHASE_CODES[tt.SpanName.FORWARD]
+    backward = _progress.PHASE_CODES[tt.SpanName.BACKWARD]
+    with tt.training_loop():
+        with tt.training_iteration(0):
+            timed_ns = time.perf_counter_ns()
+            _progress.enter_timed_phase(rec, forward, timed_ns)
+            with tt.span(tt.SpanName.COLLECTIVE):
+                assert _progress_now().phase == tt.SpanName.COLLECTIVE
+            back = _progress_now()
+            assert (back.phase, back.in_collective) == (tt.SpanName.FORWARD, False)
+            with tt.span("my_custom_span"), tt.span(tt.SpanName.COLLECTIVE):
+                pass  # the collective's enclosing standard phase is the iteration; the file, forward
+            assert _progress_now().phase == tt.SpanName.FORWARD
+            _progress.enter_timed_phase(rec, backward, time.perf_counter_ns())
+            with tt.span(tt.SpanName.COLLECTIVE), tt.span(tt.SpanName.COLLECTIVE):
+                pass
+            assert _progress_now().phase == tt.SpanName.BACKWARD
+        # The iteration ended: backward (timed inside it) is over.
+        assert _progress_now().phase == tt.SpanName.TRAINING_LOOP
+        with tt.checkpoint_save():
+            pass
+        assert _progress_now().phase == tt.SpanName.TRAINING_LOOP
+        with tt.training_iteration(1), tt.forward():
+            assert _progress_now().phase == tt.SpanName.FORWARD
+        assert _progress_now().phase == tt.SpanName.TRAINING_LOOP
+    assert _progress_now().phase is None
+
+
 def test_the_writer_stamps_the_file_while_nothing_is_recorded(tmp_path: Path) -> None:
     """A rank stuck in one phase records nothing, yet its file says until when the process lived: the
     writer stamps it every cycle (what `errors` measures a hang killed from outside with)."""

@@ -44,6 +44,7 @@
 #define S_COLLECTIVE_T0 20
 #define S_STEPS_DONE 21
 #define S_FIRST_STEP_T0 23
+#define PHASE_MASK 0xff /* the phase code's bits in the update word (_progress.PHASE_BITS) */
 #define N_SLOTS 24
 
 /* Span.written when its start did not fit in the queue (_recorder._START_DROPPED). */
@@ -545,6 +546,7 @@ span_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->parent = Py_NewRef(Py_None);
     self->status = Py_NewRef(s_ok);
     self->metrics = Py_NewRef(Py_None);
+    self->prev_t0 = -1;
     if (PyType_IS_GC(type) && untracked_layout(type))
         PyObject_GC_UnTrack(self);
     return (PyObject *)self;
@@ -940,6 +942,8 @@ progress_enter(SpanCore *self, RecorderCore *R, int64_t t0)
         prog[S_COLLECTIVE] = count + 1;
         prog[S_COLLECTIVE_T0] = t0;
     }
+    self->prev_word = prog[S_COUNTER];
+    self->prev_t0 = prog[S_PHASE_T0];
     prog[S_PHASE_T0] = t0;
     prog[S_COUNTER] = seq | code;
     return 0;
@@ -966,7 +970,9 @@ progress_exit(SpanCore *self, RecorderCore *R, int64_t t1)
             return progress_failed(rec, NULL, 0);
         }
     }
-    /* Back in the enclosing standard phase (0: none). */
+    /* Back in the enclosing standard phase (0: none), or where the file was when this span started,
+     * if that was set within the enclosing phase (a phase timed without a span, see prev_word). */
+    int64_t outer_t0 = 0;
     PyObject *parent = Py_NewRef(self->parent);
     while (parent != Py_None) {
         int in_phase = phase_code(((SpanCore *)parent)->name, &outer);
@@ -974,8 +980,10 @@ progress_exit(SpanCore *self, RecorderCore *R, int64_t t1)
             Py_DECREF(parent);
             return progress_failed(rec, NULL, 0);
         }
-        if (in_phase)
+        if (in_phase) {
+            outer_t0 = ((SpanCore *)parent)->t0;
             break;
+        }
         PyObject *next = Py_NewRef(((SpanCore *)parent)->parent);
         Py_DECREF(parent);
         parent = next;
@@ -997,6 +1005,10 @@ progress_exit(SpanCore *self, RecorderCore *R, int64_t t1)
         prog[S_COLLECTIVE] -= 1;
     }
     prog[S_UPDATED] = t1;
+    if (self->prev_t0 >= outer_t0 && self->prev_t0 <= self->t0) {
+        prog[S_PHASE_T0] = self->prev_t0;
+        outer = (long)(self->prev_word & PHASE_MASK);
+    }
     prog[S_COUNTER] = seq | outer;
     return 0;
 }
@@ -1092,6 +1104,7 @@ span_enter(SpanCore *self, PyObject *unused)
     Py_SETREF(self->status, Py_NewRef(s_ok));
     self->written = 0;
     self->has_t1 = 0;
+    self->prev_t0 = -1;
     Py_SETREF(self->rec, Py_NewRef(rec));
     PyObject *token = PyContextVar_Set(g_current, (PyObject *)self);
     if (token == NULL)
@@ -1711,12 +1724,12 @@ PyInit__span(void)
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
-    PyObject *slots = Py_BuildValue("{sisisisisisisisisisisisisi}", "S_COUNTER", S_COUNTER, "S_STEP", S_STEP,
+    PyObject *slots = Py_BuildValue("{sisisisisisisisisisisisisisi}", "S_COUNTER", S_COUNTER, "S_STEP", S_STEP,
                                     "S_PHASE_T0", S_PHASE_T0, "S_UPDATED", S_UPDATED, "S_COLLECTIVE", S_COLLECTIVE,
                                     "S_ITERATIONS", S_ITERATIONS, "S_STEP_T0", S_STEP_T0, "S_LAST_STEP_NS",
                                     S_LAST_STEP_NS, "S_COLLECTIVE_T0", S_COLLECTIVE_T0, "S_STEPS_DONE", S_STEPS_DONE,
-                                    "S_LAST_DONE", S_LAST_DONE, "S_FIRST_STEP_T0", S_FIRST_STEP_T0, "START_DROPPED",
-                                    START_DROPPED);
+                                    "S_LAST_DONE", S_LAST_DONE, "S_FIRST_STEP_T0", S_FIRST_STEP_T0, "PHASE_MASK",
+                                    PHASE_MASK, "START_DROPPED", START_DROPPED);
     if (slots == NULL || PyModule_AddObject(module, "SLOTS", slots) < 0) {
         Py_XDECREF(slots);
         Py_DECREF(module);

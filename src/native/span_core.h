@@ -34,9 +34,15 @@ typedef struct {
      * stands for is made when attrs is first read (by the writer's generic path, or a user):
      * not on the training thread. */
     int attrs_step;
+    /* The progress file's update word and phase start as this span found them (prev_t0 -1: not
+     * read), put back at its stop when they were set within the enclosing standard phase: a phase
+     * an integration times without a span (the Lightning callback's forward) outlives a span that
+     * starts and stops inside it. */
+    int64_t prev_word;
+    int64_t prev_t0;
 } SpanCore;
 
-#define SPAN_CORE_VERSION 1L
+#define SPAN_CORE_VERSION 2L
 
 /* The layout and version as one number, compared across the two modules. */
 #define SPAN_CORE_LAYOUT                                                                            \

@@ -73,6 +73,7 @@ S_FIRST_STEP_T0: Final = 23
 #: The phase code's bits in the update word; the counter counts in steps of this.
 PHASE_BITS: Final = 8
 COUNTER_STEP: Final = 1 << PHASE_BITS
+PHASE_MASK: Final = COUNTER_STEP - 1
 #: Byte ranges of the text fields (UTF-8, NUL-padded).
 HOST_AT: Final = (256, 320)
 JOB_AT: Final = (320, 384)

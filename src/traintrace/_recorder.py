@@ -28,6 +28,7 @@ from ._progress import COLLECTIVE_CODE as _COLLECTIVE
 from ._progress import COUNTER_STEP as _COUNTER_STEP
 from ._progress import ITERATION_CODE as _ITERATION
 from ._progress import PHASE_CODES as _PHASES
+from ._progress import PHASE_MASK as _PHASE_MASK
 from ._progress import (
     S_COLLECTIVE,
     S_COLLECTIVE_T0,
@@ -81,7 +82,7 @@ def _load_native() -> Any:
         return None
     from . import _progress as progress
 
-    expected = {name: getattr(progress, name) for name in module.SLOTS if name.startswith("S_")}
+    expected = {name: getattr(progress, name) for name in module.SLOTS if name.startswith(("S_", "PHASE_"))}
     expected["START_DROPPED"] = _START_DROPPED
     if dict(module.SLOTS) != expected:  # a stale build: its slots are not this version's
         return None
@@ -191,7 +192,11 @@ class _PySpanCore:
     the reference for its semantics.
     """
 
+    # _prev_t0, _prev_word: the progress file's phase start and update word as the span found them (see
+    # progress_exit in span.c).
     __slots__ = (
+        "_prev_t0",
+        "_prev_word",
         "_rec",
         "attrs",
         "id",
@@ -262,6 +267,8 @@ class _PySpanCore:
                 name = self.name
                 if name in _PHASES:
                     code = _PHASES[name]
+                    self._prev_word = prog[S_COUNTER]
+                    self._prev_t0 = prog[S_PHASE_T0]
                     if code == _ITERATION:
                         attrs = self.attrs
                         step = attrs.get("step") if attrs.__class__ is dict else None
@@ -322,12 +329,23 @@ class _PySpanCore:
                             prog[S_LAST_DONE] = prog[S_ITERATIONS]
                     elif code == _COLLECTIVE and prog[S_COLLECTIVE] > 0:
                         prog[S_COLLECTIVE] -= 1
-                    # Back in the enclosing standard phase (0: none).
+                    # Back in the enclosing standard phase (0: none), or where the file was when this span
+                    # started, if that was set within the enclosing phase: a phase an integration times without
+                    # a span (the Lightning callback's forward) outlives a span that starts and stops inside it.
                     parent = self.parent
                     while parent is not None and parent.name not in _PHASES:
                         parent = parent.parent
                     prog[S_UPDATED] = t1
-                    prog[S_COUNTER] = next(rec._progress_seq) | (0 if parent is None else _PHASES[parent.name])
+                    try:
+                        prev_t0 = self._prev_t0
+                    except AttributeError:  # started before this thread kept the file
+                        prev_t0 = -1
+                    if (0 if parent is None else parent.t0) <= prev_t0 <= self.t0:
+                        prog[S_PHASE_T0] = prev_t0
+                        code = self._prev_word & _PHASE_MASK
+                    else:
+                        code = 0 if parent is None else _PHASES[parent.name]
+                    prog[S_COUNTER] = next(rec._progress_seq) | code
             except Exception:  # noqa: BLE001 - never raise into training
                 _progress_failed(rec)
         if self.written != _START_DROPPED:
