@@ -23,7 +23,9 @@ launcher and workers read their wall clock ahead of node-a's or behind (0.5 or 2
 preloaded, as NTP off on one node): the answers must be the same, and the workers' marks from node-b are moved back
 onto node-a's clock by the offset the sweep gave before they are compared. With ``--busy N``, N processes spin on
 the CPU beside the jobs: a busy host, as CI's is while its other tests run. With ``--first-steps``, a fault in a
-step comes at step 0 or 1: a killed rank's initialisation and first steps in its last flush interval. A line per
+step comes at step 0 or 1: a killed rank's initialisation and first steps in its last flush interval. With
+``--torchrun``, plain torchrun instead of traintrace-run: no launcher stream, so a process that ended without a
+record (killed, crashed, ``os._exit``, frozen) is said to have ended so, and the rest must be as right. A line per
 job; the exit status is the number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a
 2-core machine (40 s for a process that stops responding): not part of the suite, whose fixed cases cover every
 fault.
@@ -103,6 +105,8 @@ IN_VALIDATION = ("validation", "hang_validation")
 #: Faults that end the process (a signal, ``os._exit``), or stop it, before its writer flushes: its last flush
 #: interval of records may be missing (docs/analysis.md, "Goodput").
 UNFLUSHED = ("sigkill", "sigsegv", "kill_in_checkpoint", "exit", "freeze", "gil_stuck")
+#: The cause said of a process that ended without a record under plain torchrun, whose agent writes none.
+WITHOUT_LAUNCHER = "ended without a close record"
 #: Faults before the first step: no step to draw.
 BEFORE_LOOP = ("model_init", "hang_init")
 
@@ -161,11 +165,15 @@ def check_others(run: Run, errors: dict[str, Any], culprit: int, fault: str = ""
             assert state["phase"] == "model_backward", (state["rank"], state["doing"], errors["verdict"])
 
 
-def check(run: Run, fault: str, rank: int, step: int, *, goodput: bool = True, buffers: bool = False) -> None:
+def check(
+    run: Run, fault: str, rank: int, step: int, *, goodput: bool = True, buffers: bool = False, torchrun: bool = False
+) -> None:
     phase, cause, _ = FAULTS[fault]
+    if torchrun and fault in UNFLUSHED:  # no launcher stream: no record says how the process ended
+        cause = WITHOUT_LAUNCHER
     if fault in ("exit", "sys_exit", "hang_in_checkpoint"):
         mark = fault_step_of(run, rank)
-        said = f"exit code {mark['exit_code']}" if "exit_code" in mark else cause
+        said = f"exit code {mark['exit_code']}" if "exit_code" in mark and cause != WITHOUT_LAUNCHER else cause
         check_others(run, check_culprit(run, rank, mark["step"], str(phase), said), rank, fault, buffers=buffers)
     elif fault == "after_loop":
         mark = fault_step_of(run, rank)
@@ -176,7 +184,7 @@ def check(run: Run, fault: str, rank: int, step: int, *, goodput: bool = True, b
     elif phase is not None:
         errors = check_culprit(run, rank, None if fault in BEFORE_LOOP else step, phase, cause)
         check_others(run, errors, rank, fault, buffers=buffers)
-        if fault in ("freeze", "gil_stuck"):
+        if fault in ("freeze", "gil_stuck") and not torchrun:
             assert errors["rule"] == "stopped responding", errors["verdict"]
         if fault == "hang_init":
             assert errors["rule"] == "hang: the rank the collectives timed out on", errors["verdict"]
@@ -290,6 +298,9 @@ def main() -> int:
         help="faults in a step drawn at step 0 or 1 (records of the rank's "
         "initialisation and first steps in one flush interval; DDP's bucket rebuild in step 1's forward)",
     )
+    parser.add_argument(
+        "--torchrun", action="store_true", help="plain torchrun instead of traintrace-run: no launcher stream"
+    )
     parser.add_argument("--faults", default="", help=f"comma-separated, to draw from these only: {', '.join(FAULTS)}")
     args = parser.parse_args()
     faults = sorted(FAULTS) if not args.faults else sorted(args.faults.split(","))
@@ -298,6 +309,8 @@ def main() -> int:
         parser.error(f"unknown fault {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
     if args.nodes == 2:  # the two launchers restart nothing
         faults = [f for f in faults if f != "loader_kill"] or parser.error("loader_kill needs one node")
+    if args.torchrun and args.nodes != 1:
+        parser.error("--torchrun needs one node")
     if args.skew and args.nodes != 2:
         parser.error("--skew needs --nodes 2")
     with busy_host(args.busy):
@@ -369,13 +382,14 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
         try:
             faulty = ("--fault", fault, "--fault-rank", str(rank), "--fault-step", str(step), *extra)
             if args.nodes == 1:
-                run = launch(folder, nproc, *faulty, max_restarts=restarts)
+                run = launch(folder, nproc, *faulty, max_restarts=restarts, torchrun=args.torchrun)
             else:
                 clock = {"LD_PRELOAD": str(library), "CLOCK_AHEAD_NS": str(ahead_ns)}
                 run = launch_two_nodes(folder, *faulty, node_env={"node-b": clock} if ahead_ns else None)
                 if ahead_ns:
                     marks_on_one_clock(run.truth, "node-b", ahead_ns)
-            check(run, fault, rank, step, goodput=args.nodes == 1, buffers="--batch-norm" in extra)
+            buffers = "--batch-norm" in extra
+            check(run, fault, rank, step, goodput=args.nodes == 1, buffers=buffers, torchrun=args.torchrun)
         except Exception:  # an assertion or anything else: the job's answer is wrong
             wrong += 1
             say_wrong(job, folder)

@@ -92,15 +92,17 @@ def launch(
     timeout: float = 150,
     max_restarts: int = 0,
     prefix: tuple[str, ...] = (),
+    torchrun: bool = False,
 ) -> Run:
-    """Run the worker under traintrace-run (after ``prefix``, a command that runs the rest of the line);
-    ``during(process, truth)`` runs while it does."""
+    """Run the worker under traintrace-run, or plain torchrun (no launcher stream), after ``prefix`` (a command that
+    runs the rest of the line); ``during(process, truth)`` runs while it does."""
     truth = tmp_path / "truth"
+    launcher = (
+        [str(Path(sys.executable).with_name("torchrun"))] if torchrun else [sys.executable, "-m", "traintrace.launch"]
+    )
     command = [
         *prefix,
-        sys.executable,
-        "-m",
-        "traintrace.launch",
+        *launcher,
         "--standalone",
         "--nproc-per-node",
         str(nproc),
@@ -2010,12 +2012,17 @@ def test_an_exception_after_the_training_loop(tmp_path: Path) -> None:
     check_goodput(run)
 
 
-@pytest.mark.parametrize("fault", ["exit", "sys_exit"])
-def test_a_rank_exiting_with_a_code(tmp_path: Path, fault: str) -> None:
+@pytest.mark.parametrize(
+    ("fault", "torchrun"),
+    [("exit", False), ("sys_exit", False), pytest.param("sys_exit", True, marks=pytest.mark.once)],
+    ids=["exit", "sys_exit", "sys_exit-torchrun"],
+)
+def test_a_rank_exiting_with_a_code(tmp_path: Path, fault: str, torchrun: bool) -> None:
     """Rank 1 calls os._exit(3) (its last records lost) or sys.exit(3) (its spans end terminated, its stream
     closes) in backward, no exception, no signal: named with its exit code, not a survivor that saw the
-    connection close."""
-    run = launch(tmp_path, 3, "--fault", fault, "--fault-rank", "1", "--fault-step", "7")
+    connection close. Under plain torchrun, which records nothing, the code is the one its own stream says
+    sys.exit() left its spans with (it read as a hang before: stopped making progress, not in a collective)."""
+    run = launch(tmp_path, 3, "--fault", fault, "--fault-rank", "1", "--fault-step", "7", torchrun=torchrun)
     fault = fault_step_of(run, 1)
     errors = check_culprit(run, 1, fault["step"], SpanName.BACKWARD, f"exit code {fault['exit_code']}")
     assert errors["culprit"]["state"] == "exited" and errors["culprit"]["exit_code"] == fault["exit_code"]

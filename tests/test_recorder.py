@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -115,13 +116,24 @@ def test_stack_includes_frames_above_the_span(memory: tt.MemoryBackend) -> None:
 
 
 def test_system_exit_is_terminated_not_error(memory: tt.MemoryBackend) -> None:
-    """SystemExit ends spans as terminated and is not an error."""
+    """SystemExit ends spans as terminated and is not an error; one ``system_exit`` event, in the innermost span
+    it left, says the status the process exits with (a message: status 1; none: 0)."""
     with pytest.raises(SystemExit):
-        with tt.span("s"):
+        with tt.span("outer"), tt.span("s"):
             raise SystemExit(3)
+    for argument in ("bad config", None):
+        with pytest.raises(SystemExit), tt.span("again"):
+            sys.exit(argument)
     tt.flush()
-    assert memory.spans("s")[0]["status"] == "terminated"
+    assert [s["status"] for s in memory.spans()] == ["terminated"] * 4
     assert memory.errors() == []
+    inner = memory.spans("s")[0]["id"]
+    exits = memory.events(tt.EventName.SYSTEM_EXIT)
+    assert [(e["span"], e["attrs"]) for e in exits] == [
+        (inner, {"exit_code": 3}),
+        (memory.spans("again")[0]["id"], {"exit_code": 1, "message": "bad config"}),
+        (memory.spans("again")[1]["id"], {"exit_code": 0}),
+    ]
 
 
 def test_low_level_start_stop_across_callbacks(memory: tt.MemoryBackend) -> None:

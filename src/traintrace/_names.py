@@ -73,6 +73,8 @@ class EventName:
     DEVICE_PROPERTIES: Final = "device_properties"
     SPAN_ATTRIBUTES: Final = "span_attributes"
     SIGNAL: Final = "signal"
+    #: ``sys.exit()`` leaving a span: ``exit_code`` (and ``message`` for a non-integer argument).
+    SYSTEM_EXIT: Final = "system_exit"
     ERROR: Final = "error"
     EXCEPTION: Final = "exception"
     #: Error records of the hang watchdog (docs/insight.md): suspected, ended by a forced exit.

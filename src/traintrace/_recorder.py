@@ -612,6 +612,19 @@ class Recorder(_RecorderBase):
         else:
             # SystemExit, KeyboardInterrupt, GeneratorExit: an ending, not a fault.
             span.status = SpanStatus.TERMINATED
+            if isinstance(exc, SystemExit):
+                self._record_exit(exc, span.id, when)
+
+    def _record_exit(self, exc: SystemExit, span_id: int, when: int) -> None:
+        """A ``system_exit`` event for ``sys.exit()`` leaving a span (once per exit): the exit status it gives, which
+        a stream otherwise lacks where no launcher of traintrace's sees the process end (plain torchrun)."""
+        if self.closed or _already_recorded(exc, self._recorded_exceptions):
+            return
+        code = exc.code
+        attrs: dict[str, Any] = {"exit_code": int(code) if isinstance(code, int) else 0 if code is None else 1}
+        if code is not None and not isinstance(code, int):
+            attrs["message"] = clip_text(str(code))  # printed to stderr by the interpreter, status 1
+        self.put((EVENT, EventName.SYSTEM_EXIT, attrs, span_id, _get_ident(), when, _ERROR))
 
     def record_exception(
         self, exc: BaseException, name: str, metrics: Mapping[str, Any] | None, span_id: int, when: int = 0

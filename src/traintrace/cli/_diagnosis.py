@@ -751,6 +751,16 @@ class _Facts:
             "AND NOT is_agent ORDER BY ts"
         ):
             self.signals.setdefault(stream, []).append((ts, attrs))
+        #: stream -> the exit status of the last ``sys.exit()`` that left one of its spans (its own record of how
+        #: it ended, for a process no launcher of traintrace's saw end).
+        self.exits: dict[int, int] = {}
+        for stream, attrs in job.rows(
+            f"SELECT stream, attrs FROM other WHERE kind = 'event' AND name = '{EventName.SYSTEM_EXIT}' "
+            "AND NOT is_agent ORDER BY ts"
+        ):
+            code = _attrs(attrs).get("exit_code")
+            if isinstance(code, int) and not isinstance(code, bool):
+                self.exits[int(stream)] = code
         self.resolved: dict[int, int] = dict(
             job.rows(
                 f"SELECT stream, max(ts) FROM other WHERE kind = 'event' AND name = '{EventName.HANG_RESOLVED}' "
@@ -1075,6 +1085,8 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
         st.exit_code, st.signal = fail["exit_code"], fail["signal"]
         st.launcher_seen_ns = fail.get("failed_at_ns")
         st.source.append("launcher")
+    elif facts.exits.get(stream) and f["closed"]:
+        st.exit_code = facts.exits[stream]  # sys.exit(code) left its spans: the status its process ended with
     if primary:
         st.state, st.error = "error", _error_info(primary[0])
         st.stopped_ns = primary[0]["ts"]
