@@ -319,7 +319,9 @@ def main() -> None:
             truth.write(event="checkpoint_load_start", step=saved[-1])
             loaded = checkpoints / f"step{saved[-1]}.pt"
             with tt.checkpoint_load(current_iteration=saved[-1], checkpoint_path=str(loaded)):
-                model.module.load_state_dict(torch.load(loaded))
+                state = torch.load(loaded)
+                state.pop("pad", None)  # --checkpoint-pad-kb's filler, no weight
+                model.module.load_state_dict(state)
             first = saved[-1]
             truth.write(event="checkpoint_load_end", step=first)
         with tt.training_loop():

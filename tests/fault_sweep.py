@@ -24,11 +24,13 @@ preloaded, as NTP off on one node): the answers must be the same, and the worker
 onto node-a's clock by the offset the sweep gave before they are compared. With ``--busy N``, N processes spin on
 the CPU beside the jobs: a busy host, as CI's is while its other tests run. With ``--first-steps``, a fault in a
 step comes at step 0 or 1: a killed rank's initialisation and first steps in its last flush interval. With
-``--torchrun``, plain torchrun instead of traintrace-run: no launcher stream, so a process that ended without a
-record (killed, crashed, ``os._exit``, frozen) is said to have ended so, and the rest must be as right. A line per
-job; the exit status is the number of jobs whose answer was wrong (at most 99). It takes 10 to 20 s a job on a
-2-core machine (40 s for a process that stops responding): not part of the suite, whose fixed cases cover every
-fault.
+``--restarts``, a fault in a step comes in the first attempt only and the launcher restarts the job once
+(resuming from its last checkpoint, or not), which finishes: ``errors`` must name the first attempt's culprit and
+say the job recovered. With ``--torchrun``, plain torchrun instead of traintrace-run: no launcher stream, so a
+process that ended without a record (killed, crashed, ``os._exit``, frozen) is said to have ended so, and the rest
+must be as right. A line per job; the exit status is the number of jobs whose answer was wrong (at most 99). It
+takes 10 to 20 s a job on a 2-core machine (40 s for a process that stops responding): not part of the suite,
+whose fixed cases cover every fault.
 """
 
 from __future__ import annotations
@@ -249,6 +251,27 @@ def check(
         check_where_the_time_went(run, fault, rank)
 
 
+def check_recovered(run: Run, fault: str, rank: int, *, torchrun: bool = False) -> None:
+    """A fault in a step of the first attempt only (``--restarts``): the restart finished. ``errors`` names the
+    first attempt's culprit, step, phase and cause, by the worker's marks, and says the job recovered; the goodput
+    and the time of each category as for a job that finished."""
+    phase, cause, _ = FAULTS[fault]
+    mark = fault_step_of(run, rank)
+    assert mark["restart"] == 0, mark
+    if torchrun and fault in UNFLUSHED:
+        cause = WITHOUT_LAUNCHER
+    elif "exit_code" in mark:
+        cause = f"exit code {mark['exit_code']}"
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    found = (culprit["rank"], culprit["restart"], culprit["step"], culprit["phase"])
+    assert found == (rank, 0, mark["step"], phase), errors["verdict"]
+    assert cause in culprit["cause"], culprit["cause"]
+    assert errors["status"] == "recovered" and errors["verdict"].endswith("finished"), errors["verdict"]
+    check_goodput(run, failed=False)
+
+
 def check_where_the_time_went(run: Run, fault: str, rank: int) -> None:
     """Goodput, and the seconds of each category the worker's marks time."""
     check_goodput(run, failed=FAULTS[fault][2], unrecorded=unrecorded(run, fault, rank))
@@ -297,6 +320,11 @@ def main() -> int:
         action="store_true",
         help="faults in a step drawn at step 0 or 1 (records of the rank's "
         "initialisation and first steps in one flush interval; DDP's bucket rebuild in step 1's forward)",
+    )
+    parser.add_argument(
+        "--restarts",
+        action="store_true",
+        help="a fault in a step comes in the first attempt only; the launcher restarts the job once, which finishes",
     )
     parser.add_argument(
         "--torchrun", action="store_true", help="plain torchrun instead of traintrace-run: no launcher stream"
@@ -358,6 +386,9 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             if fault == "slow_data" and draw.random() < 0.5:
                 extra += ["--no-record-collectives"]
         restarts = 0
+        if args.restarts and fault in IN_STEP:
+            extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]
+            restarts = 1
         if fault == "loader_kill":
             extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]
             restarts = 1
@@ -389,7 +420,10 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
                 if ahead_ns:
                     marks_on_one_clock(run.truth, "node-b", ahead_ns)
             buffers = "--batch-norm" in extra
-            check(run, fault, rank, step, goodput=args.nodes == 1, buffers=buffers, torchrun=args.torchrun)
+            if restarts and fault != "loader_kill":
+                check_recovered(run, fault, rank, torchrun=args.torchrun)
+            else:
+                check(run, fault, rank, step, goodput=args.nodes == 1, buffers=buffers, torchrun=args.torchrun)
         except Exception:  # an assertion or anything else: the job's answer is wrong
             wrong += 1
             say_wrong(job, folder)

@@ -423,14 +423,16 @@ def check_step_times(run: Run, summary: dict[str, Any]) -> None:
     durations: list[int] = []
     kept: list[int] = []  # less the steps that may be unrecorded
     for ms in run.marks().values():
-        last = max(ms, key=lambda m: m["ts"])
+        # Each attempt's process ended on its own (a restart's killed rank loses its attempt's last interval).
+        last = {m["restart"]: m for m in sorted(ms, key=lambda m: m["ts"])}
         starts = {(m["restart"], m["step"]): m["ts"] for m in ms if m["event"] == "step_start"}
         for m in ms:
             if m["event"] != "step_end":
                 continue
             duration = m["ts"] - starts[m["restart"], m["step"]]
             durations.append(duration)
-            if last["event"] == "exit" or m["ts"] < last["ts"] - FLUSH_S * 1e9:
+            ended = last[m["restart"]]
+            if ended["event"] == "exit" or m["ts"] < ended["ts"] - FLUSH_S * 1e9:
                 kept.append(duration)
     unrecorded = len(durations) - len(kept)
     stats = summary["step_time"]
@@ -2145,6 +2147,33 @@ def test_a_restart_that_loads_a_checkpoint_cut_short(tmp_path: Path) -> None:
         f"; restart 0 had failed first: rank 0 was killed by SIGKILL (exit code -9) in a checkpoint save at step "
         f"{fault['step']}"
     ), verdict
+
+
+@pytest.mark.once
+def test_a_rank_killed_in_an_attempt_plain_torchrun_restarted(tmp_path: Path) -> None:
+    """Plain torchrun (no launcher stream) restarts a 3-rank job after rank 1 is SIGKILLed in forward at step 7 of
+    the first attempt; the restart finishes. Rank 1's stream lost its last flush interval (three steps), and the
+    restarted process made its progress file anew: the first attempt's, kept under its attempt's name, alone says
+    where it died. `errors` names rank 1, restart 0, step 7 and forward, as the worker's marks say, and that the job
+    recovered (it read the step and phase of the stream's last records before)."""
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "sigkill", "--fault-rank", "1", "--fault-step", "7", "--fault-attempt", "0"),
+        max_restarts=1,
+        torchrun=True,
+    )
+    fault = fault_step_of(run, 1)
+    assert (fault["restart"], fault["step"]) == (0, 7)
+    assert (run.folder / "rank1.restart0.progress").exists()
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    found = (culprit["rank"], culprit["restart"], culprit["step"], culprit["phase"])
+    assert found == (1, 0, 7, SpanName.FORWARD), errors["verdict"]
+    assert "ended without a close record" in culprit["cause"], culprit["cause"]
+    assert errors["status"] == "recovered" and errors["verdict"].endswith("finished"), errors["verdict"]
+    check_goodput(run, failed=False)
 
 
 @pytest.mark.once

@@ -122,6 +122,38 @@ def test_a_span_inside_a_timed_phase_returns_the_file_to_it(tmp_path: Path) -> N
     assert _progress_now().phase is None
 
 
+def test_a_restart_keeps_the_earlier_attempts_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attempt of a job torchrun restarts opens the rank's progress file anew: the earlier attempt's, which
+    alone says where a rank killed there was, is kept under its attempt's name, and readers take the latest
+    attempt's for the rank. A second configure() of the same attempt, or a later attempt's file met by a new run
+    under the same job id, is replaced."""
+    job = tmp_path / "j"
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")  # as torchrun sets it, with the restart count
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    def attempt(restart: int, step: int) -> None:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+        tt.configure(log_dir=str(tmp_path), job_id="j")
+        with tt.training_loop(), tt.training_iteration(step):
+            pass
+        tt.close()
+
+    attempt(0, 7)
+    attempt(1, 3)
+    assert sorted(p.name for p in find_progress_files(job)) == ["rank0.progress", "rank0.restart0.progress"]
+    kept = read_progress(job / "rank0.restart0.progress")
+    assert kept is not None and (kept.restart, kept.step) == (0, 7)
+    assert read_job_progress(job)[0].restart == 1
+    attempt(1, 4)  # the same attempt again
+    assert sorted(p.name for p in find_progress_files(job)) == ["rank0.progress", "rank0.restart0.progress"]
+    attempt(0, 9)  # a new run under the same id: its first attempt replaces the last one's file
+    assert sorted(p.name for p in find_progress_files(job)) == ["rank0.progress", "rank0.restart0.progress"]
+    latest = read_progress(job / "rank0.progress")
+    assert latest is not None and (latest.restart, latest.step) == (0, 9)
+
+
 def test_the_writer_stamps_the_file_while_nothing_is_recorded(tmp_path: Path) -> None:
     """A rank stuck in one phase records nothing, yet its file says until when the process lived: the
     writer stamps it every cycle (what `errors` measures a hang killed from outside with)."""

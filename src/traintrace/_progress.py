@@ -139,6 +139,31 @@ def _text(value: str, size: int) -> bytes:
     return data + b"\0" * (size - len(data))
 
 
+def kept_attempt_path(path: Path, restart: int) -> Path:
+    """Where an earlier attempt's progress file is kept when a restart opens the rank's:
+    ``rank0.progress`` -> ``rank0.restart0.progress``."""
+    stem = path.name[: -len(SUFFIX)] if path.name.endswith(SUFFIX) else path.name
+    return path.with_name(f"{stem}.restart{restart}{SUFFIX}")
+
+
+def _keep_earlier_attempt(path: Path, restart: int) -> None:
+    """A restart (torchrun's, with no launcher of traintrace's to copy it) would replace the file of the attempt
+    before, which alone says where a rank killed there was: that file is moved aside, to its attempt's name, when
+    it is an earlier attempt's. The same attempt's file (a second ``configure()``) is replaced, as is a later
+    one's (a job run again under the same id). Best effort: the new file is made either way."""
+    try:
+        with path.open("rb") as old:
+            head = old.read(8 * (S_RESTART + 1))
+        if len(head) < 8 * (S_RESTART + 1):
+            return
+        magic = int.from_bytes(head[:8], "little")
+        theirs = int.from_bytes(head[8 * S_RESTART : 8 * (S_RESTART + 1)], "little", signed=True)
+        if magic == MAGIC and 0 <= theirs < restart:
+            path.replace(kept_attempt_path(path, theirs))
+    except OSError:
+        pass
+
+
 class ProgressFile:
     """One open, mapped progress file. ``view`` is the int64 view the hot path stores into."""
 
@@ -173,6 +198,7 @@ class ProgressFile:
             written = os.write(fd, bytes(initial))
             if written != SIZE:
                 raise OSError(f"short write to {temporary} ({written} of {SIZE} bytes)")
+            _keep_earlier_attempt(path, identity.restart_count)
             temporary.replace(path)
             self._map = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:

@@ -1221,9 +1221,10 @@ def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) 
 
 def _from_progress(job: Job, st: RankState, f: dict[str, Any], facts: _Facts) -> None:
     """A rank that died without writing its last records: the progress file knows its exact step and phase."""
-    progress: Any = job.progress_files().get(st.rank)
-    if progress is None or getattr(progress, "restart", st.restart) != st.restart:
-        # A later attempt rewrote the file: the launcher's copy of it, made when it saw this attempt's rank die.
+    progress: Any = job.progress_of_attempts().get((st.rank, st.restart))
+    if progress is None:
+        # A later attempt rewrote the file (traintrace before 0.2): the launcher's copy of it, made when it saw this
+        # attempt's rank die.
         progress = (facts.failures.get((st.rank, st.restart)) or {}).get("progress")
         if progress is None:
             return

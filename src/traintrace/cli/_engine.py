@@ -446,6 +446,7 @@ class Job:
     _tmp: Any = None
     manifest_world_size: int = 0
     _progress_cache: dict[int, Any] | None = None
+    _attempts_cache: dict[tuple[int, int], Any] | None = None
     #: The hosts' clock offsets, once computed (``_diagnosis.host_clocks``).
     clocks: dict[str, Any] | None = None
     #: The size of the files the cache key was made from (-1: not made).
@@ -1133,19 +1134,37 @@ class Job:
         self.con.execute(f"CREATE TABLE {name} AS SELECT unnest({sql_list(streams)}::BIGINT[]) AS stream")
 
     def progress_files(self) -> dict[int, Any]:
-        """rank -> the rank's progress file (``traintrace.progress``), for the folders of the job's files."""
+        """rank -> the rank's progress file (``traintrace.progress``), for the folders of the job's files: its
+        latest attempt's."""
         if self._progress_cache is None:
-            self._progress_cache = {}
+            latest: dict[int, Any] = {}
+            for (rank, _), found in sorted(self.progress_of_attempts().items()):
+                latest[rank] = found
+            self._progress_cache = latest
+        return self._progress_cache
+
+    def progress_of_attempts(self) -> dict[tuple[int, int], Any]:
+        """(rank, restart) -> that attempt's progress file: a restart keeps the file of the attempt before it
+        (``rank0.restart0.progress``) where no launcher of traintrace's copied it."""
+        if self._attempts_cache is None:
+            self._attempts_cache = {}
             folders = sorted({str(Path(f.path).parent) for f in self.files})
             try:
                 # The reading module imports the writing side's (sockets, logging): only where there are files.
                 if any(p.name.endswith(PROGRESS_SUFFIX) for folder in folders for p in Path(folder).iterdir()):
-                    from ..progress import read_job_progress
+                    from ..progress import find_progress_files, read_progress
 
-                    self._progress_cache = dict(read_job_progress(folders))
+                    for path in (p for folder in folders for p in find_progress_files(folder)):
+                        found = read_progress(path)
+                        if found is None:
+                            continue
+                        key = (found.rank, found.restart)
+                        known = self._attempts_cache.get(key)
+                        if known is None or found.created_ns > known.created_ns:
+                            self._attempts_cache[key] = found
             except Exception:  # noqa: BLE001 - a progress file is a hint, never a failure
-                self._progress_cache = {}
-        return self._progress_cache
+                self._attempts_cache = {}
+        return self._attempts_cache
 
     def _collect_notes(self) -> None:
         for check in self.files:
