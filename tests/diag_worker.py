@@ -152,10 +152,11 @@ def write_checkpoint(  # noqa: PLR0917 - a thread's target, called by position
 
 
 @contextlib.contextmanager
-def raised_noted(truth: Truth, cleanup_raises: bool = False) -> Iterator[None]:
+def raised_noted(truth: Truth, cleanup_raises: bool = False, abort: bool = False) -> Iterator[None]:
     """An exception out of the worker's body noted as it leaves (the spans it went through have just ended).
     ``cleanup_raises``: a rank that did not inject the fault then runs a cleanup of its own that fails (an emergency
-    checkpoint, say), whose exception replaces the one that reached it."""
+    checkpoint, say), whose exception replaces the one that reached it. ``abort``: such a rank is aborted (SIGABRT)
+    a few flush intervals later, as NCCL's watchdog aborts a process whose collective timed out."""
     try:
         yield
     except BaseException as exc:
@@ -163,6 +164,10 @@ def raised_noted(truth: Truth, cleanup_raises: bool = False) -> Iterator[None]:
         if cleanup_raises and "injected" not in str(exc):
             truth.write(event="cleanup_raised", error="OSError")
             raise OSError("emergency checkpoint failed: no space left on the scratch disk") from exc
+        if abort and isinstance(exc, Exception) and "injected" not in str(exc):
+            time.sleep(0.3)  # the exception's records written (the flush interval is 0.1 s)
+            truth.write(event="abort")
+            os.abort()
         raise
 
 
@@ -197,6 +202,9 @@ def main() -> None:
     # The ranks that did not fail run a cleanup of their own that raises, after the failure reached them (they
     # ignore SIGTERM, so that the launcher's does not end them first).
     parser.add_argument("--cleanup-raises", action="store_true")
+    # The ranks that did not fail are aborted (SIGABRT) once the failure reached them (their collective timed out),
+    # as NCCL's watchdog aborts them.
+    parser.add_argument("--abort-after-failure", action="store_true")
     # Seconds a rank stays alive after an exception left main (and traintrace recorded it), before
     # exiting: a process slow to tear down on a loaded machine.
     parser.add_argument("--linger", type=float, default=0.0)
@@ -274,7 +282,7 @@ def main() -> None:
             truth.write(event="fault", kind=where, step=step)
             raise RuntimeError(f"injected failure in {where} on rank {rank} at step {step}")
 
-    with tt.application(), raised_noted(truth, args.cleanup_raises):
+    with tt.application(), raised_noted(truth, args.cleanup_raises, args.abort_after_failure):
         truth.write(event="init_start")  # the initialisation spans follow one another: one interval
         with tt.distributed_init(backend="gloo"):
             timeout = datetime.timedelta(seconds=args.gloo_timeout)

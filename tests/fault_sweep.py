@@ -24,13 +24,13 @@ preloaded, as NTP off on one node): the answers must be the same, and the worker
 onto node-a's clock by the offset the sweep gave before they are compared. With ``--busy N``, N processes spin on
 the CPU beside the jobs: a busy host, as CI's is while its other tests run. With ``--first-steps``, a fault in a
 step comes at step 0 or 1: a killed rank's initialisation and first steps in its last flush interval. With
-``--restarts``, a fault in a step comes in the first attempt only and the launcher restarts the job once
-(resuming from its last checkpoint, or not), which finishes: ``errors`` must name the first attempt's culprit and
-say the job recovered. With ``--torchrun``, plain torchrun instead of traintrace-run: no launcher stream, so a
-process that ended without a record (killed, crashed, ``os._exit``, frozen) is said to have ended so, and the rest
-must be as right. A line per job; the exit status is the number of jobs whose answer was wrong (at most 99). It
-takes 10 to 20 s a job on a 2-core machine (40 s for a process that stops responding): not part of the suite,
-whose fixed cases cover every fault.
+``--restarts``, a fault in a step (or a hang there) comes in the first attempt only and the launcher restarts the
+job once (resuming from its last checkpoint, or not), which finishes: ``errors`` must name the first attempt's
+culprit and say the job recovered. With ``--torchrun``, plain torchrun instead of traintrace-run: no launcher
+stream, so a process that ended without a record (killed, crashed, ``os._exit``, frozen) is said to have ended so,
+and the rest must be as right. A line per job; the exit status is the number of jobs whose answer was wrong (at
+most 99). It takes 10 to 20 s a job on a 2-core machine (40 s for a process that stops responding): not part of
+the suite, whose fixed cases cover every fault.
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             if fault == "slow_data" and draw.random() < 0.5:
                 extra += ["--no-record-collectives"]
         restarts = 0
-        if args.restarts and fault in IN_STEP:
+        if args.restarts and fault in IN_STEP + IN_STEP_HANGS:
             extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]
             restarts = 1
         if fault == "loader_kill":

@@ -624,6 +624,27 @@ def test_an_exception_a_survivor_raised_after_the_failure_reached_it_is_not_the_
     assert rank0["error"] is None and rank0["consequence"] is not None, rank0
 
 
+def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_path: Path) -> None:
+    """Rank 1 hangs loading its batch for step 5 (hang detection off); the others' collective times out and each,
+    once its timeout error is written, is aborted (SIGABRT), as NCCL's watchdog aborts a rank whose collective timed
+    out (and as gloo's threads sometimes do here). A rank killed by a signal after the failure had reached it is a
+    consequence: the culprit is rank 1, hung in data loading (an aborted survivor, killed first, was named before:
+    a sweep found it, `fault_sweep --seed 220`)."""
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "hang_data", "--fault-rank", "1", "--fault-step", "5", "--hang-timeout", "0"),
+        "--abort-after-failure",
+    )
+    aborted = [r for r, ms in run.marks().items() if any(m["event"] == "abort" for m in ms)]
+    assert aborted and 1 not in aborted, run.output[-3000:]  # the premise: a survivor aborted
+    errors = check_culprit(run, 1, 5, SpanName.DATA_LOADING, "hang")
+    for state in errors["rank_states"]:
+        if state["rank"] in aborted:
+            assert state["state"] == "error" and state["consequence"] is not None, state
+            assert state["cause"].endswith("; then killed by SIGABRT"), state["cause"]
+
+
 def test_a_rank_killed_in_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
     """Rank 2 is killed by SIGKILL in its second step, within a flush interval of its initialisation's end: its
     stream most often ends at the initialisation's start, its end and the first step lost with the last flush

@@ -1087,12 +1087,17 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
         st.source.append("launcher")
     elif facts.exits.get(stream) and f["closed"]:
         st.exit_code = facts.exits[stream]  # sys.exit(code) left its spans: the status its process ended with
+    killed = bool(st.signal and st.signal != "SIGTERM") or (
+        st.exit_code is not None and st.exit_code < 0 and st.exit_code != -15
+    )
     if primary:
         st.state, st.error = "error", _error_info(primary[0])
         st.stopped_ns = primary[0]["ts"]
-    elif (st.signal and st.signal != "SIGTERM") or (
-        st.exit_code is not None and st.exit_code < 0 and st.exit_code != -15
-    ):
+    elif killed and secondary:
+        # Killed once the failure had reached it (its collective timed out, a peer was gone): a consequence too,
+        # as the abort a communication library's watchdog sends a rank whose collective timed out (SIGABRT).
+        st.state = "error"
+    elif killed:
         st.state = "killed"
     elif signals:
         st.state = "terminated"
@@ -1699,7 +1704,12 @@ def _cause(s: RankState) -> str:
     if s.state == "ended":
         return "its stream ended without a close record (killed, or crashed)"
     if s.consequence is not None:
-        return f"failed as a consequence: {s.consequence['error_type']}: {_first_line(s.consequence['message'])}"
+        by = s.signal if s.signal and s.signal != "SIGTERM" else None
+        if by is None and s.exit_code is not None and s.exit_code < 0 and s.exit_code != -15:
+            by = f"signal {-s.exit_code}"
+        ending = "" if by is None else f"; then killed by {by}"
+        kind, message = s.consequence["error_type"], _first_line(s.consequence["message"])
+        return f"failed as a consequence: {kind}: {message}{ending}"
     return s.state
 
 
