@@ -171,6 +171,25 @@ def raised_noted(truth: Truth, cleanup_raises: bool = False, abort: bool = False
         raise
 
 
+def start_abort_watchdog(truth: Truth, rank: int, after_s: float) -> None:
+    """A thread that aborts the process once its rank's progress file says it has waited ``after_s`` in a
+    collective: NCCL's watchdog, which tears a rank down when its collective times out, no exception raised."""
+    from traintrace.progress import read_progress
+
+    path = Path(os.environ["TRAINTRACE_LOG_DIR"]) / os.environ["TRAINTRACE_JOB_ID"] / f"rank{rank}.progress"
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.1)
+            found = read_progress(path)
+            since = found.collective_started_ns if found is not None and found.in_collective else None
+            if since is not None and time.time_ns() - since > after_s * 1e9:
+                truth.write(event="abort", step=found.step if found is not None else None)
+                os.abort()
+
+    threading.Thread(target=watch, name="abort-watchdog", daemon=True).start()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("truth")
@@ -205,6 +224,9 @@ def main() -> None:
     # The ranks that did not fail are aborted (SIGABRT) once the failure reached them (their collective timed out),
     # as NCCL's watchdog aborts them.
     parser.add_argument("--abort-after-failure", action="store_true")
+    # A watchdog thread aborts the process (SIGABRT) once it has waited this many seconds in a collective, as
+    # NCCL's watchdog does (no exception in Python); give a longer --gloo-timeout. 0: none.
+    parser.add_argument("--watchdog-abort", type=float, default=0.0)
     # Seconds a rank stays alive after an exception left main (and traintrace recorded it), before
     # exiting: a process slow to tear down on a loaded machine.
     parser.add_argument("--linger", type=float, default=0.0)
@@ -244,6 +266,8 @@ def main() -> None:
     tt.configure(
         hang_timeout=args.hang_timeout, hang_check_interval=0.25, flush_interval=args.flush_interval, log_interval=5
     )
+    if args.watchdog_abort:
+        start_abort_watchdog(truth, rank, args.watchdog_abort)
     if args.linger:
         recorded = sys.excepthook
 

@@ -26,11 +26,13 @@ the CPU beside the jobs: a busy host, as CI's is while its other tests run. With
 step comes at step 0 or 1: a killed rank's initialisation and first steps in its last flush interval. With
 ``--restarts``, a fault in a step (or a hang there) comes in the first attempt only and the launcher restarts the
 job once (resuming from its last checkpoint, or not), which finishes: ``errors`` must name the first attempt's
-culprit and say the job recovered. With ``--torchrun``, plain torchrun instead of traintrace-run: no launcher
-stream, so a process that ended without a record (killed, crashed, ``os._exit``, frozen) is said to have ended so,
-and the rest must be as right. A line per job; the exit status is the number of jobs whose answer was wrong (at
-most 99). It takes 10 to 20 s a job on a 2-core machine (40 s for a process that stops responding): not part of
-the suite, whose fixed cases cover every fault.
+culprit and say the job recovered. With ``--abort``, the ranks a failure reached are aborted (SIGABRT) once their
+collective failed (after their exception), and with ``--watchdog`` once they have waited 3 s in a collective (no
+exception: NCCL's watchdog). With ``--torchrun``, plain torchrun instead of traintrace-run: no launcher stream, so a
+process that ended without a record (killed, crashed, ``os._exit``, frozen) is said to have ended so, and the rest
+must be as right. A line per job; the exit status is the number of jobs whose answer was wrong (at most 99). It
+takes 10 to 20 s a job on a 2-core machine (40 s for a process that stops responding): not part of the suite, whose
+fixed cases cover every fault.
 """
 
 from __future__ import annotations
@@ -188,8 +190,8 @@ def check(
         check_others(run, errors, rank, fault, buffers=buffers)
         if fault in ("freeze", "gil_stuck") and not torchrun:
             assert errors["rule"] == "stopped responding", errors["verdict"]
-        if fault == "hang_init":
-            assert errors["rule"] == "hang: the rank the collectives timed out on", errors["verdict"]
+        if fault == "hang_init":  # the others' hang reports, or their collective's timeout, if it came first
+            assert errors["rule"].startswith("hang: the rank"), errors["verdict"]
     elif fault == "finish_early":
         mark = fault_step_of(run, rank)
         errors = run.cli("errors")
@@ -327,6 +329,16 @@ def main() -> int:
         help="a fault in a step comes in the first attempt only; the launcher restarts the job once, which finishes",
     )
     parser.add_argument(
+        "--abort",
+        action="store_true",
+        help="ranks the failure reached are aborted (SIGABRT) once their collective failed, as NCCL's watchdog does",
+    )
+    parser.add_argument(
+        "--watchdog",
+        action="store_true",
+        help="a rank 3 s in a collective is aborted (SIGABRT) by a watchdog thread, as NCCL's; no Python exception",
+    )
+    parser.add_argument(
         "--torchrun", action="store_true", help="plain torchrun instead of traintrace-run: no launcher stream"
     )
     parser.add_argument("--faults", default="", help=f"comma-separated, to draw from these only: {', '.join(FAULTS)}")
@@ -385,6 +397,10 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             # before the broadcast, where every rank then waits as long (docs/analysis.md, "ranks").
             if fault == "slow_data" and draw.random() < 0.5:
                 extra += ["--no-record-collectives"]
+        if args.abort:
+            extra += ["--abort-after-failure"]
+        if args.watchdog:
+            extra += ["--gloo-timeout", "30", "--watchdog-abort", "3"]
         restarts = 0
         if args.restarts and fault in IN_STEP + IN_STEP_HANGS:
             extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]

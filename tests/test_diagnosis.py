@@ -645,6 +645,30 @@ def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_pa
             assert state["cause"].endswith("; then killed by SIGABRT"), state["cause"]
 
 
+@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])
+def test_ranks_a_watchdog_aborted_in_their_collective_are_not_the_cause(tmp_path: Path, torchrun: bool) -> None:
+    """Rank 1 hangs in forward at step 6 (hang detection off); ranks 0 and 2 wait in backward's all-reduce until a
+    watchdog thread aborts each (SIGABRT) after 3 s there, as NCCL's watchdog tears down a rank whose collective
+    timed out: no exception in Python, the stream just stops (faulthandler writes `Fatal Python error: Aborted`
+    beside it). The aborted ranks waited; rank 1 is named, hung in forward, under traintrace-run (which sees the
+    signal) and plain torchrun (which records nothing). Before, the first rank aborted was named: killed first."""
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6", "--hang-timeout", "0"),
+        *("--gloo-timeout", "30", "--watchdog-abort", "3"),
+        torchrun=torchrun,
+    )
+    aborted = [r for r, ms in run.marks().items() if any(m["event"] == "abort" for m in ms)]
+    assert aborted and 1 not in aborted, run.output[-3000:]  # the premise: the others were aborted
+    errors = check_culprit(run, 1, 6, SpanName.FORWARD, "hang")
+    assert errors["rule"] == "hang: the rank the collectives timed out on", errors["rule"]
+    for state in errors["rank_states"]:
+        if state["rank"] in aborted:
+            assert (state["state"], state["in_collective"], state["phase"]) == ("error", True, "model_backward")
+            assert state["cause"].startswith("failed as a consequence: SIGABRT: aborted after waiting"), state
+
+
 def test_a_rank_killed_in_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
     """Rank 2 is killed by SIGKILL in its second step, within a flush interval of its initialisation's end: its
     stream most often ends at the initialisation's start, its end and the first step lost with the last flush

@@ -118,6 +118,8 @@ UNWIND_NS = 1_000_000_000
 #: The others wait on a rank (in a job ended from outside, or running) when it and they have not moved for at
 #: least this long before their writers' last stamps, and STUCK_STEPS times their last step's duration.
 STUCK_NS = 1_000_000_000
+#: What faulthandler writes for SIGABRT (abort()): a stream that just stopped, beside it.
+ABORTED = "Fatal Python error: Aborted"
 STUCK_STEPS = 10
 #: A rank the launcher killed this long after its process's last sign of life (the writer thread's last stamp,
 #: its last record) had stopped responding: its process did nothing, writer included, until it was killed.
@@ -954,6 +956,7 @@ def _rank_states(job: Job, streams: list[dict[str, Any]], facts: _Facts) -> list
         if st.phase == SpanName.APPLICATION and last_done_step is not None and st.step == int(last_done_step) + 1:
             st.step, st.after_loop = int(last_done_step), True
         _unresponsive(st)
+        _aborted_waiting(st)
     states = [st for st, _, _ in started]
     for st in states:
         offset = facts.offsets.get(st.host or "")
@@ -1274,6 +1277,30 @@ def _unresponsive(st: RankState) -> None:
     last_sign = max(st.alive_ns or 0, st.stopped_ns or 0)
     if last_sign and st.launcher_seen_ns - last_sign >= UNRESPONSIVE_NS:
         st.unresponsive_ns = st.launcher_seen_ns - last_sign
+
+
+def _aborted_waiting(st: RankState) -> None:
+    """A rank aborted (SIGABRT: the launcher's signal, or faulthandler's ``Fatal Python error: Aborted`` beside a
+    stream that just stopped) after waiting STUCK_NS or more in a collective, until its process last stamped its
+    progress file: a communication library's watchdog tore it down when the collective timed out (NCCL's, under
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING``), no exception raised. A consequence of the rank it waited for, as a
+    timeout error would be; without this, the ranks that waited were killed first and named the culprits."""
+    if st.state not in ("killed", "ended") or not st.in_collective or st.error is not None or st.consequence:
+        return
+    by_signal = st.signal == "SIGABRT" or st.exit_code == -6
+    if not by_signal and not (st.state == "ended" and st.fault_stacks and ABORTED in st.fault_stacks):
+        return
+    died = max(st.alive_ns or 0, st.launcher_seen_ns or 0, st.stopped_ns or 0)
+    if st.since_ns is None or died - st.since_ns < STUCK_NS:
+        return  # an abort in the collective itself (a crash), not a wait the watchdog ended
+    waited = (died - st.since_ns) / 1e9
+    st.state, st.signal = "error", st.signal or "SIGABRT"
+    st.consequence = {
+        "ts": died,
+        "error_type": "SIGABRT",
+        "message": f"aborted after waiting {waited:.1f} s in a collective (a watchdog's timeout, as NCCL's)",
+        "stack": st.fault_stacks,
+    }
 
 
 def _unresponsive_running(job: Job, states: list[RankState]) -> None:
@@ -1707,7 +1734,7 @@ def _cause(s: RankState) -> str:
         by = s.signal if s.signal and s.signal != "SIGTERM" else None
         if by is None and s.exit_code is not None and s.exit_code < 0 and s.exit_code != -15:
             by = f"signal {-s.exit_code}"
-        ending = "" if by is None else f"; then killed by {by}"
+        ending = "" if by is None or s.consequence["error_type"] == by else f"; then killed by {by}"
         kind, message = s.consequence["error_type"], _first_line(s.consequence["message"])
         return f"failed as a consequence: {kind}: {message}{ending}"
     return s.state
