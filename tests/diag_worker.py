@@ -222,7 +222,7 @@ def main() -> None:
     # ignore SIGTERM, so that the launcher's does not end them first).
     parser.add_argument("--cleanup-raises", action="store_true")
     # The ranks that did not fail are aborted (SIGABRT) once the failure reached them (their collective timed out),
-    # as NCCL's watchdog aborts them.
+    # as NCCL's watchdog aborts them; they ignore SIGTERM.
     parser.add_argument("--abort-after-failure", action="store_true")
     # A watchdog thread aborts the process (SIGABRT) once it has waited this many seconds in a collective, as
     # NCCL's watchdog does (no exception in Python); give a longer --gloo-timeout. 0: none.
@@ -262,7 +262,8 @@ def main() -> None:
 
     # A user's own handler: traintrace records, then calls it. With --cleanup-raises the ranks wait for their own
     # failure to run the cleanup (the launcher's SIGTERM after a peer died would otherwise race it).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.cleanup_raises else on_sigterm)
+    # --abort-after-failure too: the launcher's SIGTERM would end them before their collective fails.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.cleanup_raises or args.abort_after_failure else on_sigterm)
     tt.configure(
         hang_timeout=args.hang_timeout, hang_check_interval=0.25, flush_interval=args.flush_interval, log_interval=5
     )

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from traintrace.cli._diagnosis import (
+    ABORTED,
     RankState,
+    _aborted_waiting,
     _cause,
     _copied_progress,
     _culprit,
@@ -47,6 +49,41 @@ def test_a_rank_whose_own_collective_failed_alone_is_not_named_a_hang() -> None:
     culprit, rule = _culprit(states)
     assert rule != "hang: the rank the collectives timed out on" and all(s.hang is None for s in states)
     assert culprit is None or culprit.rank != 0
+
+
+@pytest.mark.parametrize(
+    ("waited_s", "how", "consequence"),
+    [
+        (3.0, {"signal": "SIGABRT", "exit_code": -6, "state": "killed"}, True),
+        (3.0, {"state": "ended", "fault_stacks": f"{ABORTED}\n\nCurrent thread ..."}, True),
+        (0.2, {"signal": "SIGABRT", "exit_code": -6, "state": "killed"}, False),  # a crash in the collective
+        (3.0, {"signal": "SIGKILL", "exit_code": -9, "state": "killed"}, False),  # not an abort
+        (3.0, {"state": "ended"}, False),  # no record of how it ended
+    ],
+    ids=["aborted by the launcher's view", "aborted by faulthandler's", "a crash", "killed", "ended"],
+)
+def test_a_rank_aborted_after_waiting_in_a_collective_is_a_consequence(
+    waited_s: float, how: dict[str, Any], consequence: bool
+) -> None:
+    """NCCL's watchdog aborts (SIGABRT, no exception) a rank whose collective timed out: a rank aborted a second
+    or more after it entered its collective, until its last sign of life, waited; one aborted at once crashed."""
+    st = state(0, in_collective=True, since_ns=T0, alive_ns=T0 + int(waited_s * S), step=4, phase="model_backward")
+    for name, value in how.items():
+        setattr(st, name, value)
+    _aborted_waiting(st)
+    assert (st.consequence is not None) is consequence, st
+    if consequence:
+        assert st.state == "error" and st.signal == "SIGABRT"
+        assert _cause(st) == (
+            f"failed as a consequence: SIGABRT: aborted after waiting {waited_s:.1f} s in a collective "
+            "(a watchdog's timeout, as NCCL's)"
+        )
+        stopped = T0 + int((waited_s + 1) * S)  # torchrun's SIGTERM, after the abort
+        waiting = state(1, step=4, phase="model_forward", state="terminated", signal="SIGTERM", stopped_ns=stopped)
+        culprit, rule = _culprit([st, waiting])
+        assert culprit is waiting and rule == "hang: the rank the collectives timed out on", rule
+    else:
+        assert st.state == how["state"]
 
 
 def test_a_rank_ahead_of_the_waiting_ranks_is_not_named() -> None:

@@ -667,6 +667,10 @@ def test_ranks_a_watchdog_aborted_in_their_collective_are_not_the_cause(tmp_path
         if state["rank"] in aborted:
             assert (state["state"], state["in_collective"], state["phase"]) == ("error", True, "model_backward")
             assert state["cause"].startswith("failed as a consequence: SIGABRT: aborted after waiting"), state
+    # Their 3 s in the step until the abort, writing nothing, are lost progress by the marks, and the job lasted
+    # until then: the progress files' last stamps say so (the step counted to the streams' last records before,
+    # the rest idle with no process).
+    check_goodput(run)
 
 
 def test_a_rank_killed_in_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
@@ -2043,11 +2047,17 @@ def test_an_exception_before_the_training_loop(tmp_path: Path) -> None:
 
 
 @pytest.mark.once  # in the pure pass, the pure core's error records: test_an_exception_on_one_rank
-def test_an_exception_after_the_training_loop(tmp_path: Path) -> None:
+@pytest.mark.parametrize("abort", [False, True], ids=["raise", "aborted"])
+def test_an_exception_after_the_training_loop(tmp_path: Path, abort: bool) -> None:
     """Rank 0 raises after its last step (writing the final model fails) while the others wait at the final
     barrier: outside the training loop after step 11 (the last step every rank's marks end), not "at step 12",
-    a step that never ran."""
-    run = launch(tmp_path, 3, "--fault", "after_loop", "--fault-rank", "0", "--steps", "12")
+    a step that never ran. With the others aborted (SIGABRT) 0.3 s after their barrier failed, writing nothing
+    more: the job's wall time reaches their progress files' last stamps, and the goodput is the marks' (the wall
+    ended at their last records before, the goodput several points high: `fault_sweep --seed 230 --abort`)."""
+    more = ("--abort-after-failure",) if abort else ()
+    run = launch(tmp_path, 3, "--fault", "after_loop", "--fault-rank", "0", "--steps", "12", *more)
+    if abort:
+        assert any(m["event"] == "abort" for m in run.marks()[1]), run.output[-3000:]  # the premise
     fault = fault_step_of(run, 0)
     last = max(m["step"] for m in run.marks()[0] if m["event"] == "step_end" and m["ts"] < fault["ts"])
     assert last == 11

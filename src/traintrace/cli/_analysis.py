@@ -138,10 +138,12 @@ def summary(job: Job) -> dict[str, Any]:
             step_medians[int(rank)] = int(median)
     # A step a failed rank was still in when it stopped (its start written, never its end) was lost too, with the
     # time from its start to the end of the stream (a rank that hung in it until it was terminated).
+    # A rank dead without closing its stream was in it until it last showed life (``_lived_past_the_stream``).
+    lived_join, open_end = ended.open_end()
     for rank, seconds, count in job.rows(
         f"""
-        SELECT f.rank, sum({_clipped("s.ts", "greatest(f.end_ts - s.ts, 0)")}) / 1e9, count(*)
-        FROM spans_small s JOIN stream_facts f USING (stream)
+        SELECT f.rank, sum({_clipped("s.ts", f"greatest({open_end} - s.ts, 0)")}) / 1e9, count(*)
+        FROM spans_small s JOIN stream_facts f USING (stream) {lived_join}
         WHERE s.name = '{SpanName.ITERATION}' AND s.open AND f.failed AND NOT f.running AND NOT f.is_agent
         GROUP BY ALL
         """
@@ -152,8 +154,8 @@ def summary(job: Job) -> dict[str, Any]:
     case = _category_case("s.name")
     spans_sql = f"""
         SELECT s.rank, {case} AS cat,
-               sum({_clipped("s.ts", "coalesce(s.dur, greatest(f.end_ts - s.ts, 0))")}) / 1e9
-        FROM spans_small s JOIN stream_facts f USING (stream)
+               sum({_clipped("s.ts", f"coalesce(s.dur, greatest({open_end} - s.ts, 0))")}) / 1e9
+        FROM spans_small s JOIN stream_facts f USING (stream) {lived_join}
         WHERE NOT s.is_agent AND {case} IS NOT NULL
           AND NOT (s.name = '{SpanName.DATA_LOADING}' AND EXISTS (
               SELECT 1 FROM iterations i WHERE i.stream = s.stream AND i.id = s.parent))
@@ -163,8 +165,8 @@ def summary(job: Job) -> dict[str, Any]:
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank][cat] += seconds
     for rank, seconds in job.rows(
-        "SELECT rank, sum(end_ts - hang_from) / 1e9 FROM stream_facts "
-        "WHERE hang_from IS NOT NULL AND NOT is_agent GROUP BY ALL"
+        f"SELECT f.rank, sum({open_end} - f.hang_from) / 1e9 FROM stream_facts f {ended.open_end('f.stream')[0]} "
+        "WHERE f.hang_from IS NOT NULL AND NOT f.is_agent GROUP BY ALL"
     ):
         per_rank[rank]["hang"] += seconds
     # A job of one rank has no other rank to wait for: both looks for waits are left out (13 ms of a small job).
@@ -327,6 +329,17 @@ class _EndedBeforeTheLoop(NamedTuple):
     beyond: dict[int, float]
     #: host -> the latest such time on its clock (the job's wall time reaches it).
     lived_until: dict[str, int]
+    #: stream -> when its rank, dead without closing it, last showed life (its own clock): its open spans end there.
+    streams_until: dict[int, int]
+
+    def open_end(self, stream: str = "s.stream") -> tuple[str, str]:
+        """(a join on the column ``stream``, the SQL end of what was left open in stream ``f``): the stream's end,
+        or when its rank last showed life past it (``_lived_past_the_stream``)."""
+        if not self.streams_until:
+            return "", "f.end_ts"
+        pairs = ", ".join(f"({number}, {until})" for number, until in self.streams_until.items())
+        join = f"LEFT JOIN (VALUES {pairs}) AS lv(stream, until_ns) ON lv.stream = {stream}"
+        return join, "greatest(f.end_ts, coalesce(lv.until_ns, f.end_ts))"
 
 
 def _ended_before_the_first_step(job: Job, verdict: dict[str, Any]) -> _EndedBeforeTheLoop:
@@ -336,13 +349,19 @@ def _ended_before_the_first_step(job: Job, verdict: dict[str, Any]) -> _EndedBef
     end already; here the rest, up to the first iteration's start, and that stretch beyond the stream's end,
     which the rank lived through. Without it a rank killed within a flush interval of its first steps read as
     initialising for a part of its initialisation only, and as idle (no process) for the rest."""
-    ended = _EndedBeforeTheLoop([], {}, {})
+    ended = _EndedBeforeTheLoop([], {}, {}, {})
     offsets = host_clocks(job)["offsets_ns"]
+    dead = [
+        st
+        for st in verdict.get("ranks") or ()
+        if st.get("stream") is not None and st.get("state") in ("killed", "exited", "ended", "error")
+    ]
     firsts = {  # on the host's own clock, as its stream's times (the verdict's are on the reference host's)
         int(st["stream"]): (int(st["rank"]), int(st["first_step_ns"]) + offsets.get(st.get("host") or "", 0))
-        for st in verdict.get("ranks") or ()
-        if st.get("first_step_ns") and st.get("stream") is not None and st.get("state") in ("killed", "exited", "ended")
+        for st in dead
+        if st.get("first_step_ns") and st.get("state") != "error"
     }
+    _lived_past_the_stream(job, firsts, ended)
     if not firsts:
         return ended
     pairs = ", ".join(f"({stream}, {first})" for stream, (_, first) in firsts.items())
@@ -355,15 +374,34 @@ def _ended_before_the_first_step(job: Job, verdict: dict[str, Any]) -> _EndedBef
           AND s.ts < q.first_ns AND s.name IN ({_names(BEFORE_THE_LOOP)})
         """
     )
-    seen: set[int] = set()
-    for stream, cat, ts, end, host in rows:
+    for stream, cat, ts, end, _ in rows:
         rank, first = firsts[int(stream)]
         ended.phases.append((rank, cat, (first - max(int(end), int(ts))) / NS))
-        if stream not in seen:
-            seen.add(stream)
-            ended.beyond[rank] = ended.beyond.get(rank, 0.0) + (first - int(end)) / NS
-            ended.lived_until[host] = max(ended.lived_until.get(host, 0), first)
     return ended
+
+
+def _lived_past_the_stream(job: Job, firsts: dict[int, tuple[int, int]], ended: Any) -> None:
+    """A rank that ended without closing its stream (killed, aborted, ``os._exit``) lived until its process last
+    stamped its progress file (the writer does so every flush interval, records or not), or until its first
+    iteration began where that was later: that stretch beyond its stream's last record is the rank's, its spans
+    left open end there (a step it was in, lost; a hang it was in), and the job's wall time reaches it. Without it
+    a rank that waited in a collective until a watchdog aborted it, writing nothing, read as gone from its last
+    record on, and the job as shorter."""
+    files = job.progress_of_attempts()
+    rows = job.rows(
+        "SELECT f.stream, f.rank, f.restart, f.end_ts, h.host FROM stream_facts f "
+        "JOIN streams h ON h.stream = f.stream WHERE NOT f.closed AND NOT f.running AND NOT f.is_agent"
+    )
+    for stream, rank, restart, end, host in rows:
+        progress = files.get((int(rank), int(restart)))
+        alive = int(getattr(progress, "alive_ns", None) or 0)  # the host's own clock, as the stream's times
+        last = max(alive, firsts.get(int(stream), (0, 0))[1])
+        if last <= int(end):
+            continue
+        ended.beyond[int(rank)] = ended.beyond.get(int(rank), 0.0) + (last - int(end)) / NS
+        ended.lived_until[host] = max(ended.lived_until.get(host, 0), last)
+        if int(stream) not in firsts:  # a pre-loop phase left open ends at the first iteration (``phases``)
+            ended.streams_until[int(stream)] = last
 
 
 #: Phases one rank may run while the others go on training: rank 0 saving the replicated model, validating alone,
