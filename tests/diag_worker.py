@@ -267,6 +267,7 @@ def main() -> None:
     tt.configure(
         hang_timeout=args.hang_timeout, hang_check_interval=0.25, flush_interval=args.flush_interval, log_interval=5
     )
+    truth.write(event="configured")  # its stream began just before: the job's wall time as records can know it
     if args.watchdog_abort:
         start_abort_watchdog(truth, rank, args.watchdog_abort)
     if args.linger:

@@ -137,6 +137,46 @@ def test_a_damaged_job_answers_the_same_on_spark_notes_included(tmp_path: Path, 
     assert "no traintrace header" in notes and "ranks missing entirely" in notes
 
 
+_ABORTED_IN_A_STEP = """
+import json, os, sys, time
+import traintrace as tt
+
+tt.configure(log_dir=sys.argv[1], job_id="aborted", flush_interval=0.1, log_interval=1)
+with tt.training_loop():
+    began = time.time_ns()
+    for step in range(5):
+        with tt.training_iteration(step):
+            time.sleep(0.02)
+    with tt.training_iteration(5), tt.span(tt.SpanName.COLLECTIVE):
+        time.sleep(1.0)  # waits, writing nothing, until a watchdog aborts it
+        with open(sys.argv[2], "w") as out:
+            json.dump({"began": began, "aborted": time.time_ns()}, out)
+        os.abort()
+"""
+
+
+def test_a_rank_aborted_in_a_step_answers_the_same_on_spark(tmp_path: Path, spark: Any) -> None:
+    """A real process aborted (SIGABRT) 1 s into its sixth step, its stream's last record the step's start, no
+    checkpoint saved: every step is lost progress, up to its progress file's last stamp, on both engines (the SQL
+    differs there: a join on a VALUES list failed on Spark's checkpointed tables; and a one-rank job failed on Spark
+    before, a list's second item read where there is none), within a flush interval of the script's own clock."""
+    import subprocess
+
+    from tests._reliability import child_env, write_script
+
+    script = write_script(tmp_path, "aborted.py", _ABORTED_IN_A_STEP)
+    truth = tmp_path / "truth.json"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "logs"), str(truth)], env=child_env(), timeout=60, check=False
+    )
+    assert done.returncode == -6
+    marks = json.loads(truth.read_text())
+    summary = check_engines_agree(tmp_path / "logs" / "aborted", spark)["summary"]
+    lost = summary["breakdown_s"]["lost_progress"]
+    waited = (marks["aborted"] - marks["began"]) / 1e9
+    assert waited - 0.15 <= lost <= waited + 0.01, (lost, waited, summary["breakdown_s"])
+
+
 def test_a_device_timed_job_answers_the_same_on_spark(device: FakeDevice, tmp_path: Path, spark: Any) -> None:  # noqa: F811
     _write_job(tmp_path, device, "gpu")
     summary = check_engines_agree(tmp_path / "logs", spark)["summary"]

@@ -139,11 +139,11 @@ def summary(job: Job) -> dict[str, Any]:
     # A step a failed rank was still in when it stopped (its start written, never its end) was lost too, with the
     # time from its start to the end of the stream (a rank that hung in it until it was terminated).
     # A rank dead without closing its stream was in it until it last showed life (``_lived_past_the_stream``).
-    lived_join, open_end = ended.open_end()
+    open_end = ended.open_end()
     for rank, seconds, count in job.rows(
         f"""
         SELECT f.rank, sum({_clipped("s.ts", f"greatest({open_end} - s.ts, 0)")}) / 1e9, count(*)
-        FROM spans_small s JOIN stream_facts f USING (stream) {lived_join}
+        FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE s.name = '{SpanName.ITERATION}' AND s.open AND f.failed AND NOT f.running AND NOT f.is_agent
         GROUP BY ALL
         """
@@ -155,7 +155,7 @@ def summary(job: Job) -> dict[str, Any]:
     spans_sql = f"""
         SELECT s.rank, {case} AS cat,
                sum({_clipped("s.ts", f"coalesce(s.dur, greatest({open_end} - s.ts, 0))")}) / 1e9
-        FROM spans_small s JOIN stream_facts f USING (stream) {lived_join}
+        FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE NOT s.is_agent AND {case} IS NOT NULL
           AND NOT (s.name = '{SpanName.DATA_LOADING}' AND EXISTS (
               SELECT 1 FROM iterations i WHERE i.stream = s.stream AND i.id = s.parent))
@@ -165,7 +165,7 @@ def summary(job: Job) -> dict[str, Any]:
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank][cat] += seconds
     for rank, seconds in job.rows(
-        f"SELECT f.rank, sum({open_end} - f.hang_from) / 1e9 FROM stream_facts f {ended.open_end('f.stream')[0]} "
+        f"SELECT f.rank, sum({open_end} - f.hang_from) / 1e9 FROM stream_facts f "
         "WHERE f.hang_from IS NOT NULL AND NOT f.is_agent GROUP BY ALL"
     ):
         per_rank[rank]["hang"] += seconds
@@ -332,14 +332,14 @@ class _EndedBeforeTheLoop(NamedTuple):
     #: stream -> when its rank, dead without closing it, last showed life (its own clock): its open spans end there.
     streams_until: dict[int, int]
 
-    def open_end(self, stream: str = "s.stream") -> tuple[str, str]:
-        """(a join on the column ``stream``, the SQL end of what was left open in stream ``f``): the stream's end,
-        or when its rank last showed life past it (``_lived_past_the_stream``)."""
+    def open_end(self) -> str:
+        """The SQL end of what was left open in stream ``f``: the stream's end, or when its rank last showed life
+        past it (``_lived_past_the_stream``)."""
         if not self.streams_until:
-            return "", "f.end_ts"
-        pairs = ", ".join(f"({number}, {until})" for number, until in self.streams_until.items())
-        join = f"LEFT JOIN (VALUES {pairs}) AS lv(stream, until_ns) ON lv.stream = {stream}"
-        return join, "greatest(f.end_ts, coalesce(lv.until_ns, f.end_ts))"
+            return "f.end_ts"
+        # A CASE, not a join on a VALUES list: Spark's planner fails such a join on the checkpointed tables.
+        whens = " ".join(f"WHEN {number} THEN {until}" for number, until in self.streams_until.items())
+        return f"greatest(f.end_ts, CASE f.stream {whens} ELSE f.end_ts END)"
 
 
 def _ended_before_the_first_step(job: Job, verdict: dict[str, Any]) -> _EndedBeforeTheLoop:
@@ -351,15 +351,10 @@ def _ended_before_the_first_step(job: Job, verdict: dict[str, Any]) -> _EndedBef
     initialising for a part of its initialisation only, and as idle (no process) for the rest."""
     ended = _EndedBeforeTheLoop([], {}, {}, {})
     offsets = host_clocks(job)["offsets_ns"]
-    dead = [
-        st
-        for st in verdict.get("ranks") or ()
-        if st.get("stream") is not None and st.get("state") in ("killed", "exited", "ended", "error")
-    ]
     firsts = {  # on the host's own clock, as its stream's times (the verdict's are on the reference host's)
         int(st["stream"]): (int(st["rank"]), int(st["first_step_ns"]) + offsets.get(st.get("host") or "", 0))
-        for st in dead
-        if st.get("first_step_ns") and st.get("state") != "error"
+        for st in verdict.get("ranks") or ()
+        if st.get("first_step_ns") and st.get("stream") is not None and st.get("state") in ("killed", "exited", "ended")
     }
     _lived_past_the_stream(job, firsts, ended)
     if not firsts:
@@ -369,7 +364,7 @@ def _ended_before_the_first_step(job: Job, verdict: dict[str, Any]) -> _EndedBef
         f"""
         SELECT s.stream, {_category_case("s.name")}, s.ts, f.end_ts, h.host
         FROM spans_small s JOIN stream_facts f USING (stream) JOIN streams h ON h.stream = s.stream
-        JOIN (VALUES {pairs}) AS q(stream, first_ns) ON s.stream = q.stream
+        JOIN (VALUES {pairs}) AS q(first_stream, first_ns) ON s.stream = q.first_stream
         WHERE s.open AND NOT f.closed AND NOT f.running AND f.hang_from IS NULL AND f.end_ts < q.first_ns
           AND s.ts < q.first_ns AND s.name IN ({_names(BEFORE_THE_LOOP)})
         """
@@ -395,12 +390,13 @@ def _lived_past_the_stream(job: Job, firsts: dict[int, tuple[int, int]], ended: 
     for stream, rank, restart, end, host in rows:
         progress = files.get((int(rank), int(restart)))
         alive = int(getattr(progress, "alive_ns", None) or 0)  # the host's own clock, as the stream's times
-        last = max(alive, firsts.get(int(stream), (0, 0))[1])
+        first = firsts.get(int(stream), (0, 0))[1]
+        last = max(alive, first)
         if last <= int(end):
             continue
         ended.beyond[int(rank)] = ended.beyond.get(int(rank), 0.0) + (last - int(end)) / NS
         ended.lived_until[host] = max(ended.lived_until.get(host, 0), last)
-        if int(stream) not in firsts:  # a pre-loop phase left open ends at the first iteration (``phases``)
+        if first <= int(end):  # else a pre-loop phase left open ends at the first iteration (``phases``)
             ended.streams_until[int(stream)] = last
 
 
@@ -1228,8 +1224,10 @@ def _intermittent(
             UNION ALL
             SELECT 'data_loading', restart, k, rank, step, ts, dur FROM loading_parts WHERE dur IS NOT NULL
         )
-        -- max(x, 2): the two largest, as a list (1-based): the slowest rank's and the next slowest's.
-        SELECT part, restart, k, arg_max(rank, x) AS who, max(x) AS top, max(x, 2)[2] AS ref,
+        -- max(x, 2): the two largest, as a list (1-based): the slowest rank's and the next slowest's (in a CASE:
+        -- Spark evaluates it before HAVING, and a one-element list has no second item there, but an error).
+        SELECT part, restart, k, arg_max(rank, x) AS who, max(x) AS top,
+               CASE WHEN count(*) > 1 THEN max(x, 2)[2] END AS ref,
                arg_max(step, x) AS step, arg_max(ts, x) AS ts
         FROM v GROUP BY part, restart, k HAVING count(*) > 1
         """
