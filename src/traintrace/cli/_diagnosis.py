@@ -118,9 +118,9 @@ UNWIND_NS = 1_000_000_000
 #: The others wait on a rank (in a job ended from outside, or running) when it and they have not moved for at
 #: least this long before their writers' last stamps, and STUCK_STEPS times their last step's duration.
 STUCK_NS = 1_000_000_000
+STUCK_STEPS = 10
 #: What faulthandler writes for SIGABRT (abort()): a stream that just stopped, beside it.
 ABORTED = "Fatal Python error: Aborted"
-STUCK_STEPS = 10
 #: A rank the launcher killed this long after its process's last sign of life (the writer thread's last stamp,
 #: its last record) had stopped responding: its process did nothing, writer included, until it was killed.
 UNRESPONSIVE_NS = 10_000_000_000
@@ -1231,8 +1231,8 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], facts: _Facts) ->
     """A rank that died without writing its last records: the progress file knows its exact step and phase."""
     progress: Any = job.progress_of_attempts().get((st.rank, st.restart))
     if progress is None:
-        # A later attempt rewrote the file (traintrace before 0.2): the launcher's copy of it, made when it saw this
-        # attempt's rank die.
+        # A later attempt rewrote the file (written before restarts kept theirs): the launcher's copy of it, made
+        # when it saw this attempt's rank die.
         progress = (facts.failures.get((st.rank, st.restart)) or {}).get("progress")
         if progress is None:
             return
