@@ -161,14 +161,16 @@ def truth_kept(run: Run, failed: bool) -> set[tuple[int, int, int]]:
     return kept
 
 
-def kept_step_times(run: Run, failed: bool) -> tuple[dict[int, list[tuple[int, int]]], int]:
+def kept_step_times(
+    run: Run, failed: bool, since: str = "process_start"
+) -> tuple[dict[int, list[tuple[int, int]]], int]:
     """Each rank's steps of ``truth_kept`` as (end, duration), and the ranks' wall time, from the worker's own
-    marks."""
+    marks: from the first rank's process start, or (``since="configured"``) from when the first rank's configure()
+    returned. The records' wall time begins between the two: at the stream's header, which configure() writes on its
+    way (20 ms in, and 0.3 s on a loaded machine)."""
     marks = run.marks()
     every = [m for ms in marks.values() for m in ms]
-    # From the first rank's configure() (its stream's header is written near its end), not its process's start:
-    # what came before (imports, configure() itself: 20 ms, 0.3 s on a loaded machine) is in no record.
-    opened = [m["ts"] for m in every if m["event"] == "configured"]
+    opened = [m["ts"] for m in every if m["event"] == since]
     start = min(opened or [m["ts"] for m in every if m["event"] == "process_start"])
     end = max(m["ts"] for m in every)
     kept = truth_kept(run, failed)
@@ -183,10 +185,10 @@ def kept_step_times(run: Run, failed: bool) -> tuple[dict[int, list[tuple[int, i
     return steps, end - start
 
 
-def truth_goodput(run: Run, failed: bool) -> float:
+def truth_goodput(run: Run, failed: bool, since: str = "process_start") -> float:
     """Productive step time per rank (the steps of ``truth_kept``, less what they waited for another rank's
-    phase: ``truth_waits``) over the ranks' wall time, from the worker's own marks."""
-    steps, wall = kept_step_times(run, failed)
+    phase: ``truth_waits``) over the ranks' wall time (``kept_step_times``), from the worker's own marks."""
+    steps, wall = kept_step_times(run, failed, since)
     waited = sum(ns for of_rank in truth_waits(run, failed).values() for ns in of_rank.values())
     return (sum(d for kept in steps.values() for _, d in kept) - waited) / len(steps) / wall
 
@@ -224,16 +226,18 @@ def check_goodput(run: Run, failed: bool = True, unrecorded: float = 0.0) -> dic
     those the worker's marks time match them (``check_time_went``). ``unrecorded``: what the docs allow to be
     missing below the truth (``unrecorded_share``)."""
     summary = run.cli("summary", ranks_only=True)
+    # The records' wall time begins within configure(): between the process's start and configure()'s return.
     truth = truth_goodput(run, failed)
+    high = truth_goodput(run, failed, "configured")
     low = truth - unrecorded
     print(
-        f"goodput {summary['goodput'] * 100:.2f}% truth {truth * 100:.2f}%"
+        f"goodput {summary['goodput'] * 100:.2f}% truth {truth * 100:.2f}% to {high * 100:.2f}%"
         + (f" (down to {low * 100:.2f}% with a killed rank's last flush interval)" if unrecorded else "")
         + f" wall {summary['wall_s']:.2f} s"
     )
-    assert low - 0.01 <= summary["goodput"] <= truth + 0.01, (summary["goodput"], truth, summary["breakdown_s"])
+    assert low - 0.01 <= summary["goodput"] <= high + 0.01, (summary["goodput"], truth, high, summary["breakdown_s"])
     # Most of a short test job is start-up, so one point is loose: the productive time must match too.
-    assert low - 0.05 * low - 0.002 <= summary["goodput"] <= truth + 0.05 * truth + 0.002, (summary["goodput"], truth)
+    assert low - 0.05 * low - 0.002 <= summary["goodput"] <= high + 0.05 * high + 0.002, (summary["goodput"], high)
     assert sum(summary["breakdown_s"].values()) == pytest.approx(summary["wall_s"], rel=1e-9)
     check_steps(run, summary, failed)
     check_time_went(run, summary, failed)
