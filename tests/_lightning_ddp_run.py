@@ -27,7 +27,8 @@ every rank notes when each step's own code began (``steps<rank>.jsonl``, ``time.
 Checkpoints: with ``SAVE_EVERY`` K, a ``ModelCheckpoint`` saves every K steps, ``SAVE_MB`` (default 80) more in
 each checkpoint; global rank 0 alone writes, the others wait at the strategy's barrier. Every rank notes when
 its ``Trainer.save_checkpoint`` began and ended (``saves<rank>.jsonl``), and the writing rank when its write began
-and ended (``writes<rank>.jsonl``), without traintrace.
+and ended (``writes<rank>.jsonl``), without traintrace. ``LATE_EXISTS_MS``: global rank 0's check whether each
+checkpoint's file exists, which ModelCheckpoint shares with every rank by a collective, takes that long.
 Under torchrun, Lightning starts no process itself.
 """
 
@@ -64,6 +65,9 @@ EPOCHS = int(os.environ.get("EPOCHS", "1"))
 DEVICES = int(os.environ.get("DEVICES", "2"))
 SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "0"))
 SAVE_MB = float(os.environ.get("SAVE_MB", "80"))
+# Rank 0's check whether a checkpoint's file exists (ModelCheckpoint's, before each save, shared with every rank by
+# a collective) takes this many milliseconds: a slow shared file system, or rank 0 late to the save.
+LATE_EXISTS_MS = float(os.environ.get("LATE_EXISTS_MS", "0"))
 # A BatchNorm layer: buffers, which DDP broadcasts from rank 0 before every forward (rank 0 waits there).
 BATCH_NORM = os.environ.get("BATCH_NORM") == "1"
 # Gradients accumulated over this many batches a step (each batch an iteration of the same global step): an
@@ -113,6 +117,11 @@ def note_interval(name: str, rank: int, t0: int, t1: int) -> None:
 
 class NotedCheckpoint(ModelCheckpoint):
     """ModelCheckpoint whose every save is noted on every rank (the write on rank 0, the barrier after it)."""
+
+    def file_exists(self, filepath: object, trainer: L.Trainer) -> bool:  # type: ignore[override]
+        if LATE_EXISTS_MS and trainer.is_global_zero:
+            time.sleep(LATE_EXISTS_MS / 1000)
+        return super().file_exists(filepath, trainer)  # type: ignore[arg-type]
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         t0 = time.time_ns()

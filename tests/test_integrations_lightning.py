@@ -553,19 +553,28 @@ def test_ddp_loss_that_overflows_on_one_rank_is_diagnosed_as_diverged(tmp_path: 
 @pytest.mark.subprocess
 @pytest.mark.once
 @pytest.mark.parametrize(
-    ("mode", "every", "save_every", "batch_norm"),
+    ("mode", "every", "save_every", "batch_norm", "late_exists_ms"),
     [
-        ("slow", "1", "0", "0"),
-        ("slow_data", "1", "0", "0"),
-        ("slow", "2", "0", "0"),
-        ("slow_data", "2", "2", "0"),
-        ("slow", "1", "0", "1"),
-        ("slow_data", "1", "0", "1"),
+        ("slow", "1", "0", "0", "0"),
+        ("slow_data", "1", "0", "0", "0"),
+        ("slow", "2", "0", "0", "0"),
+        ("slow_data", "2", "2", "0", "0"),
+        ("slow_data", "2", "2", "0", "40"),
+        ("slow", "1", "0", "1", "0"),
+        ("slow_data", "1", "0", "1", "0"),
     ],
-    ids=["slow", "slow_data", "slow-2", "slow_data-2-saves", "slow-buffers", "slow_data-buffers"],
+    ids=[
+        "slow",
+        "slow_data",
+        "slow-2",
+        "slow_data-2-saves",
+        "slow_data-2-saves-rank-0-late",
+        "slow-buffers",
+        "slow_data-buffers",
+    ],
 )
 def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
-    tmp_path: Path, mode: str, every: str, save_every: str, batch_norm: str
+    tmp_path: Path, *, mode: str, every: str, save_every: str, batch_norm: str, late_exists_ms: str
 ) -> None:
     """Rank 1 of a 2-process DDP fit is 60 ms slower from step 6 on: in its training step (``slow``) or fetching
     its batches (``slow_data``). DDP's all-reduce makes rank 0 wait in backward, so both ranks' steps take as
@@ -575,10 +584,21 @@ def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
     other batch while a ModelCheckpoint saves every 2 steps: each slow batch is fetched after a save, which the
     callback timed nowhere before (``no stragglers``). A model with a BatchNorm layer, whose buffers DDP broadcasts
     from rank 0 before each forward: rank 0 waits there for rank 1, not in backward; the callback records that
-    broadcast as a collective (it named rank 0 too before, slow in compute)."""
+    broadcast as a collective (it named rank 0 too before, slow in compute). With saves, rank 0 late by 40 ms to
+    ModelCheckpoint's collective before each save (its file-exists check on a slow file system): rank 1 waits
+    there; that stretch was recorded as a wait for a batch on both ranks, and fed the next step's only on rank 1,
+    which has no save record of its own: its onset read step 2, the first save's (as a loaded CI machine made it
+    once), not step 6."""
     script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "6", mode]
     done = run(
-        script, tmp_path, EPOCHS="4", SLOW_EVERY=every, SAVE_EVERY=save_every, SAVE_MB="20", BATCH_NORM=batch_norm
+        script,
+        tmp_path,
+        EPOCHS="4",
+        SLOW_EVERY=every,
+        SAVE_EVERY=save_every,
+        SAVE_MB="20",
+        BATCH_NORM=batch_norm,
+        LATE_EXISTS_MS=late_exists_ms,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = check_straggler(tmp_path, tmp_path / "logs" / "ddp-test", mode, ranks=2)

@@ -693,7 +693,15 @@ class TraintraceCallback(Callback):
     ) -> None:
         # Fires on every rank before the write (only global rank 0 writes).
         self._wait_before_save = self._wait_t0 is not None or self._wait_span is not None
-        self._end_wait()
+        # Since the batch ended, ModelCheckpoint decided to save and broadcast whether the file exists: no wait for
+        # a batch, and a rank that does not write waits there for the writer. Timed, that stretch is not recorded
+        # (it was, on every rank, and fed the next step's wait on ranks without a save record of their own: a rank
+        # late to that broadcast made the other, on a loaded machine, a straggler fetching batches after saves). A
+        # live span (a listener present) has been seen begun: it ends here as before.
+        if self._wait_t0 is not None:
+            self._wait_t0 = None
+        else:
+            self._end_wait()
         if not self._info or any(obj is not trainer for obj, *_ in self._patched):
             return
         # No wrapped checkpoint IO: the save is known only to start here.
