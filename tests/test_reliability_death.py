@@ -357,6 +357,35 @@ def test_segfault_stacks_go_to_the_fault_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.subprocess
+def test_the_processes_of_one_stream_file_each_have_their_part_of_the_fault_file(tmp_path: Path) -> None:
+    """A job's restarts append to one stream file, and so to one fault file: a process that crashed, one that
+    ended cleanly (its marker line taken out again: the file as the first left it, byte for byte), one that
+    crashed too. The reader gives both crashes' stacks without the marker lines; ``errors`` reads each stream's
+    process's own part (the first's stream is not the file's last: before, it had none)."""
+    from traintrace._format import FAULTS_MARKER
+    from traintrace.cli._diagnosis import _fault_stacks
+
+    script = write_script(tmp_path, "end.py", ENDINGS)
+    logs, path = tmp_path / "logs", tmp_path / "logs" / "end.jsonl"
+    faults = path.with_name(path.name + ".faults.txt")
+    assert run_script(script, str(logs), "segfault").returncode == -signal.SIGSEGV
+    first = faults.read_bytes()
+    assert first.startswith(FAULTS_MARKER.encode()) and b"Segmentation fault" in first
+    assert run_script(script, str(logs), "exit").returncode == 3
+    assert faults.read_bytes() == first
+    assert run_script(script, str(logs), "segfault").returncode == -signal.SIGSEGV
+    result = read_file(path)
+    assert [s.closed_cleanly for s in result.streams] == [False, True, False]
+    assert result.faults.count("Segmentation fault") == 2 and FAULTS_MARKER not in result.faults
+    pids = [s.header["pid"] for s in result.streams]
+    parts = [_fault_stacks(str(path), pid, last_in_file=i == 2) for i, pid in enumerate(pids)]
+    assert parts[1] is None  # the clean run's: no stacks
+    for part in (parts[0], parts[2]):
+        assert part is not None and part.count("Segmentation fault") == 1 and "end.py" in part
+    assert parts[0] + parts[2] == result.faults
+
+
+@pytest.mark.subprocess
 def test_fault_file_is_removed_after_a_clean_run(tmp_path: Path) -> None:
     """A run that ends normally leaves no fault file behind."""
     script = write_script(tmp_path, "end.py", ENDINGS)

@@ -6,8 +6,11 @@ writes every thread's stack with async-signal-safe calls to a file descriptor
 opened in advance. traintrace opens ``<stream path>.faults.txt`` (the file
 backend's path plus that suffix) at ``configure()`` and removes it again at a
 clean close when nothing was written to it, so it exists after a run only when
-the process crashed (or was killed, in which case it is empty).
-:func:`traintrace.reader.read_file` reads it into ``StreamFile.faults``.
+the process crashed (or was killed, in which case it holds only the line below).
+Each process first writes a line with its pid (``FAULTS_MARKER``): a job's
+restarts append to one stream file, and so to one fault file; the analysis
+reads the part of the process whose stream it reads.
+:func:`traintrace.reader.read_file` reads the stacks into ``StreamFile.faults``.
 
 If faulthandler was already enabled (``python -X faulthandler``,
 ``PYTHONFAULTHANDLER``, or the program's own call), it is left as it is.
@@ -21,7 +24,7 @@ import logging
 import os
 from pathlib import Path
 
-from ._format import FAULTS_SUFFIX
+from ._format import FAULTS_MARKER, FAULTS_SUFFIX
 from ._safefs import open_dir, open_nofollow
 
 log = logging.getLogger("traintrace.lib")
@@ -55,28 +58,37 @@ def enable(stream_path: Path, file_mode: int) -> None:
         log.debug("traintrace: no fault file %s: %s", target, exc)
         return
     try:
+        # A restart's process appends to the file of the one before: its part begins at this line.
+        start = os.fstat(fd).st_size
+        os.write(fd, f"{FAULTS_MARKER}{os.getpid()}\n".encode())
         faulthandler.enable(file=fd, all_threads=True)
     except (OSError, RuntimeError, ValueError) as exc:
         os.close(fd)
         log.debug("traintrace: faulthandler not enabled: %s", exc)
         return
-    _state.update(fd=fd, path=target, pid=os.getpid())
+    _state.update(fd=fd, path=target, pid=os.getpid(), start=start, written=os.fstat(fd).st_size)
 
 
 def release() -> None:
-    """Stop writing fault stacks; remove the fault file when it is empty."""
+    """Stop writing fault stacks; take this process's part (its marker line) out of the fault file when it wrote
+    no stacks, and remove the file when nothing is left."""
     fd = _state.pop("fd", None)
     path = _state.pop("path", None)
     pid = _state.pop("pid", None)
+    start, written = _state.pop("start", None), _state.pop("written", None)
     if not isinstance(fd, int):
         return
     faulthandler.disable()
-    empty = False
-    with contextlib.suppress(OSError):
-        empty = os.fstat(fd).st_size == 0
+    unused = False
+    if isinstance(start, int):
+        with contextlib.suppress(OSError):
+            unused = os.fstat(fd).st_size == written and pid == os.getpid()
+    if unused and isinstance(start, int) and start:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)  # an earlier process's stacks stay
     with contextlib.suppress(OSError):
         os.close(fd)
-    if empty and pid == os.getpid() and isinstance(path, Path):
+    if unused and not start and isinstance(path, Path):
         with contextlib.suppress(OSError):
             path.unlink()
 

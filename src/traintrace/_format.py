@@ -16,6 +16,9 @@ SCHEMA_VERSION: Final = 1
 
 #: Suffix added to a stream's path for its fault file (faulthandler's tracebacks of a fatal signal).
 FAULTS_SUFFIX: Final = ".faults.txt"
+#: The line a process writes to its fault file as it opens it, before any stacks of its own: processes of one
+#: stream file (a job's restarts append to it) share its fault file, and the analysis reads each one's part.
+FAULTS_MARKER: Final = "# traintrace: the fault stacks of process "
 #: Suffix of a rank's progress file (``traintrace.progress``), beside the job's streams.
 PROGRESS_SUFFIX: Final = ".progress"
 

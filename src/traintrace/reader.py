@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._format import CHECKED_TYPES, SCHEMA, SCHEMA_VERSION
+from ._format import CHECKED_TYPES, FAULTS_MARKER, SCHEMA, SCHEMA_VERSION
 
 __all__ = ["BadLine", "Stream", "StreamFile", "iter_lines", "read_file"]
 
@@ -203,4 +203,6 @@ def _read_faults(path: str | os.PathLike[str]) -> str:
             data = handle.read(MAX_FAULTS_BYTES)
     except OSError:
         return ""
-    return data.decode("utf-8", "replace")
+    # The lines that say which process wrote what follows (``FAULTS_MARKER``) are not stacks.
+    text = data.decode("utf-8", "replace")
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(FAULTS_MARKER))

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .._format import FAULTS_SUFFIX  # not .._faults: it imports what the recording side needs
+from .._format import FAULTS_MARKER, FAULTS_SUFFIX  # not .._faults: it imports what the recording side needs
 from .._lifecycle import EventType  # not ..events: it would import the recorder
 from .._names import EventName, SpanName, SpanStatus
 from ._engine import Job
@@ -218,7 +218,7 @@ def diagnose(job: Job) -> dict[str, Any]:
     facts = job.dicts(
         """
         SELECT f.stream, f.rank, f.restart, f.start_ts, f.end_ts, f.closed, f.failed, f.running, f.hang_ts,
-               f.hang_from, s.errors, s.path, s.next_start IS NULL AS last_in_file
+               f.hang_from, s.errors, s.path, s.pid, s.next_start IS NULL AS last_in_file
         FROM stream_facts f JOIN streams s USING (stream) WHERE NOT f.is_agent ORDER BY f.restart, f.rank
         """
     )
@@ -1118,8 +1118,8 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
         st.state = "ended"
     elif secondary or f["failed"]:
         st.state = "error"
-    if st.state in ("killed", "exited", "ended") and f["last_in_file"]:
-        st.fault_stacks = _fault_stacks(str(f["path"]))
+    if st.state in ("killed", "exited", "ended"):
+        st.fault_stacks = _fault_stacks(str(f["path"]), f["pid"], last_in_file=bool(f["last_in_file"]))
     if secondary:
         st.consequence = _error_info(secondary[0])
     if hangs:
@@ -1352,14 +1352,37 @@ def _why_unresponsive(st: RankState) -> str:
     return "a stopped or suspended process, native code stuck holding the GIL, or a frozen host"
 
 
-def _fault_stacks(stream_path: str, limit: int = 65536) -> str | None:
-    """What faulthandler wrote beside the stream when the process crashed (docs/reliability.md)."""
+#: At most this much of a fault file is read (a stream file's processes share it, each its part).
+MAX_FAULTS_BYTES = 8 << 20
+
+
+def _fault_stacks(stream_path: str, pid: Any, *, last_in_file: bool, limit: int = 65536) -> str | None:
+    """What faulthandler wrote beside the stream when its process (``pid``) crashed (docs/reliability.md): the
+    part of the fault file after that process's marker line. A file without marker lines (an older traintrace's)
+    is the last process's of the stream file: before, a restart's processes shared it unmarked, and an attempt
+    aborted before a restart that finished read as no more than a stream that ended."""
     path = Path(stream_path)
     try:
-        text = path.with_name(path.name + FAULTS_SUFFIX).read_text(errors="replace")[:limit]
+        with path.with_name(path.name + FAULTS_SUFFIX).open("rb") as handle:
+            text = handle.read(MAX_FAULTS_BYTES).decode("utf-8", "replace")
     except OSError:
         return None
-    return text if text.strip() else None
+    parts: dict[str, str] = {}
+    owner: str | None = None
+    lines: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith(FAULTS_MARKER):
+            if owner is not None:
+                parts[owner] = "".join(lines)
+            owner, lines = line[len(FAULTS_MARKER) :].strip(), []
+        else:
+            lines.append(line)
+    if owner is None:
+        mine = text if last_in_file else ""
+    else:
+        parts[owner] = "".join(lines)
+        mine = parts.get(str(pid), "")
+    return mine[:limit] if mine.strip() else None
 
 
 def _attrs(value: Any) -> dict[str, Any]:
