@@ -678,6 +678,48 @@ def test_ranks_a_watchdog_aborted_in_their_collective_are_not_the_cause(tmp_path
     # until then: the progress files' last stamps say so (the step counted to the streams' last records before,
     # the rest idle with no process).
     check_goodput(run)
+    check_open_spans_drawn_until(run, {r: next(m for m in run.marks()[r] if m["event"] == "abort") for r in aborted})
+
+
+def check_open_spans_drawn_until(run: Run, deaths: dict[int, dict[str, Any]]) -> None:
+    """`traintrace export`'s timeline draws the spans a rank left open up to its death (``deaths``: rank -> the
+    worker's mark of it), as `summary` counts them: within a flush interval before it (the writer's last stamp of
+    the progress file) and a little after. The trace's times against the marks: the shift of the rank's last
+    step drawn (its end) from the worker's mark of that step's end. Before, they ended at the stream's last record.
+    The export without DuckDB (the plain reader's) draws them the same."""
+    trace, plain = run.folder.parent / "trace.json", run.folder.parent / "plain.json"
+    export = [sys.executable, "-m", "traintrace.cli", "export", str(run.folder), "-o", str(trace), "--quiet"]
+    subprocess.run(export, check=True, timeout=120, env=ENV, capture_output=True)
+    without_duckdb = (
+        "import sys; sys.modules['duckdb'] = None\nfrom traintrace.cli import main\n"
+        f"sys.exit(main(['export', {str(run.folder)!r}, '-o', {str(plain)!r}, '--quiet']))"
+    )
+    subprocess.run([sys.executable, "-c", without_duckdb], check=True, timeout=120, env=ENV, capture_output=True)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+
+    def open_spans(path: Path) -> list[tuple[int, str, float, float]]:
+        drawn = json.loads(path.read_text())["traceEvents"]
+        return sorted(
+            (e["pid"], e["name"], e["ts"], e["dur"])
+            for e in drawn
+            if e.get("ph") == "X" and e["args"].get("status") == "open"
+        )
+
+    assert open_spans(plain) == open_spans(trace)
+    for rank, death in deaths.items():
+        steps = [e for e in events if e["pid"] == rank and e["name"] == "iteration" and "step" in e["args"]]
+        last = max(steps, key=lambda e: e["ts"])
+        mark = next(
+            m
+            for m in run.marks()[rank]
+            if m["event"] == "step_end" and m["step"] == last["args"]["step"] and m["restart"] == death["restart"]
+        )
+        shift_us = last["ts"] + last["dur"] - mark["ts"] / 1e3
+        ends = [e["ts"] + e["dur"] for e in events if e["pid"] == rank and e["args"].get("status") == "open"]
+        assert ends, rank
+        for end in ends:
+            late_s = (end - shift_us - death["ts"] / 1e3) / 1e6
+            assert -(FLUSH_S + 0.15) <= late_s <= 0.15, (rank, late_s)
 
 
 def test_a_rank_killed_in_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
@@ -2236,6 +2278,37 @@ def test_a_rank_killed_in_an_attempt_plain_torchrun_restarted(tmp_path: Path) ->
     assert "ended without a close record" in culprit["cause"], culprit["cause"]
     assert errors["status"] == "recovered" and errors["verdict"].endswith("finished"), errors["verdict"]
     check_goodput(run, failed=False)
+
+
+def test_ranks_a_watchdog_aborted_before_a_restart_are_not_the_cause(tmp_path: Path) -> None:
+    """Under plain torchrun, rank 1 hangs in forward at step 6 of the first attempt; ranks 0 and 2 wait in backward's
+    all-reduce until a watchdog aborts each (SIGABRT) after 3 s; torchrun stops rank 1 and restarts the job, which
+    finishes. The restart's processes append to the same stream files, and so to the same fault files: `errors`
+    reads each attempt's own part of them (a process's marker line), and names rank 1, hung in forward at step 6 of
+    restart 0, and that the job recovered. Before, the stacks beside an attempt's stream were read for a file's
+    last stream only: the aborted ranks' streams just ended, and rank 2 was named, `died first`."""
+    run = launch(
+        tmp_path,
+        3,
+        *("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6", "--fault-attempt", "0"),
+        *("--hang-timeout", "0", "--gloo-timeout", "30", "--watchdog-abort", "3"),
+        max_restarts=1,
+        torchrun=True,
+    )
+    aborted = {r for r, ms in run.marks().items() if any(m["event"] == "abort" and m["restart"] == 0 for m in ms)}
+    assert aborted and 1 not in aborted, run.output[-3000:]  # the premise: the others were aborted
+    fault = fault_step_of(run, 1)
+    assert (fault["restart"], fault["step"]) == (0, 6)
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert culprit is not None, errors["verdict"]
+    found = (culprit["rank"], culprit["restart"], culprit["step"], culprit["phase"])
+    assert found == (1, 0, 6, SpanName.FORWARD), errors["verdict"]
+    assert errors["verdict"].startswith("restart 0 failed: rank 1 hung in forward at step 6"), errors["verdict"]
+    assert errors["status"] == "recovered" and errors["verdict"].endswith("finished"), errors["verdict"]
+    for rank in aborted:  # each aborted attempt's own stacks, the ones faulthandler wrote at its abort
+        state = next(s for s in errors["rank_states"] if (s["rank"], s["restart"]) == (rank, 0))
+        assert state["cause"].startswith("failed as a consequence: SIGABRT: aborted after waiting"), state
 
 
 @pytest.mark.once

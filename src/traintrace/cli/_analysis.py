@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from .._names import EventName, SpanName
 from ._device import compute_time_sql, device_summary
 from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose, host_clocks, shared_node
-from ._engine import ITERATION, Job, compress_ranks, sql_string
+from ._engine import BEFORE_THE_LOOP, ITERATION, Job, compress_ranks, sql_string
 
 NS = 1e9
 
@@ -316,10 +316,6 @@ def _stopped_responding(job: Job, verdict: dict[str, Any]) -> dict[int, float]:
         for stream, (rank, seen) in gone.items()
         if ends.get(stream) is not None
     }
-
-
-#: Phases a rank runs before its first iteration: what its progress file's first iteration proves ended.
-BEFORE_THE_LOOP = (*INIT_SPANS, SpanName.CHECKPOINT_LOAD)
 
 
 class _EndedBeforeTheLoop(NamedTuple):

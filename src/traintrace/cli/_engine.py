@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -333,6 +333,49 @@ def find_export(paths: Sequence[str | os.PathLike[str]]) -> Path | None:
         if (folder / EXPORT_META).is_file():
             return folder
     return None
+
+
+def read_attempts(folders: Iterable[Path]) -> dict[tuple[int, int], Any]:
+    """(rank, restart) -> that attempt's progress file in ``folders`` (the latest one written, where several)."""
+    found_in: dict[tuple[int, int], Any] = {}
+    names = sorted({str(folder) for folder in folders})
+    try:
+        # The reading module imports the writing side's (sockets, logging): only where there are files.
+        if any(p.name.endswith(PROGRESS_SUFFIX) for folder in names for p in Path(folder).iterdir()):
+            from ..progress import find_progress_files, read_progress
+
+            for path in (p for folder in names for p in find_progress_files(folder)):
+                found = read_progress(path)
+                if found is None:
+                    continue
+                key = (found.rank, found.restart)
+                known = found_in.get(key)
+                if known is None or found.created_ns > known.created_ns:
+                    found_in[key] = found
+    except Exception:  # noqa: BLE001 - a progress file is a hint, never a failure
+        return {}
+    return found_in
+
+
+#: Phases a rank runs before its first iteration: what its progress file's first iteration proves ended.
+BEFORE_THE_LOOP = (
+    SpanName.DISTRIBUTED_INIT,
+    SpanName.DATA_LOADER_INIT,
+    SpanName.MODEL_INIT,
+    SpanName.OPTIMIZER_INIT,
+    SpanName.CHECKPOINT_LOAD,
+)
+
+
+def lived_until(progress: Any, end_ns: int) -> tuple[int, int | None]:
+    """For a stream that ended without its close record at ``end_ns`` (its last record), from its attempt's
+    progress file (``read_attempts``; None: none): when its rank last showed life (the writer stamps the file
+    every flush interval, records or not; at the latest its first iteration's start), and that first iteration's
+    start where it came after the stream's end (then a phase before the loop left open ended there). Spans left
+    open end at the first, save those before the loop where the second is given. On the stream's host's clock."""
+    alive = int(getattr(progress, "alive_ns", None) or 0)
+    first = int(getattr(progress, "first_step_ns", None) or 0)
+    return max(end_ns, alive, first), (first if first > end_ns else None)
 
 
 def discover(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -1147,23 +1190,7 @@ class Job:
         """(rank, restart) -> that attempt's progress file: a restart keeps the file of the attempt before it
         (``rank0.restart0.progress``) where no launcher of traintrace's copied it."""
         if self._attempts_cache is None:
-            self._attempts_cache = {}
-            folders = sorted({str(Path(f.path).parent) for f in self.files})
-            try:
-                # The reading module imports the writing side's (sockets, logging): only where there are files.
-                if any(p.name.endswith(PROGRESS_SUFFIX) for folder in folders for p in Path(folder).iterdir()):
-                    from ..progress import find_progress_files, read_progress
-
-                    for path in (p for folder in folders for p in find_progress_files(folder)):
-                        found = read_progress(path)
-                        if found is None:
-                            continue
-                        key = (found.rank, found.restart)
-                        known = self._attempts_cache.get(key)
-                        if known is None or found.created_ns > known.created_ns:
-                            self._attempts_cache[key] = found
-            except Exception:  # noqa: BLE001 - a progress file is a hint, never a failure
-                self._attempts_cache = {}
+            self._attempts_cache = read_attempts(Path(f.path).parent for f in self.files)
         return self._attempts_cache
 
     def _collect_notes(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from ._analysis import FIELD_ALIASES, job_bounds_on_one_clock, prepare
 from ._diagnosis import host_clocks
 from ._engine import (
+    BEFORE_THE_LOOP,
     COLUMNS,
     CORE_COLUMNS,
     EXPORT_FORMAT,
@@ -30,6 +31,7 @@ from ._engine import (
     RARE_FIELDS,
     Job,
     find_export,
+    lived_until,
     sql_string,
 )
 
@@ -51,10 +53,10 @@ def export_chrome(
 ) -> dict[str, Any]:
     """Write the trace to ``out``; returns counts of what was written."""
     prepare(job)
-    job_start, job_end = job_bounds_on_one_clock(job)
+    job_start, job_end = job_bounds_on_one_clock(job, _ends_of_open_spans(job))
     on_one_clock = _on_one_clock(job)
-    spans_small, iterations, other, stream_facts = (
-        on_one_clock(t) for t in ("spans_small", "iterations", "other", "stream_facts")
+    spans_small, iterations, other, open_ends = (
+        on_one_clock(t) for t in ("spans_small", "iterations", "other", "export_ends")
     )
     lo = job_start + int((start_s or 0) * 1e9)
     hi = job_end + 1 if end_s is None else job_start + int(end_s * 1e9)
@@ -66,6 +68,7 @@ def export_chrome(
     cond = f"ts + coalesce(dur, 0) >= {lo} AND ts <= {hi} {rank_filter}"
     sp = "s."
     span_cond = f"{sp}ts + coalesce({sp}dur, 0) >= {lo} AND {sp}ts <= {hi} {rank_filter.replace('rank', sp + 'rank')}"
+    before = ", ".join(sql_string(name) for name in BEFORE_THE_LOOP)
     rate_fields = ("samples_per_second", "tokens_per_second", "mfu", "tflops")
     counter_args = ", ".join(
         f"'{key}', coalesce(" + ", ".join(f"try_cast(a.{a} AS DOUBLE)" for a in FIELD_ALIASES[key]) + ")"
@@ -75,10 +78,11 @@ def export_chrome(
         "spans": f"""
             SELECT ',' || to_json({{'name': s.name, 'cat': 'span', 'ph': 'X', 'pid': coalesce(s.rank, {AGENT_PID}),
                 'tid': coalesce(s.tid, 0), 'ts': round((s.ts - {job_start}) / 1000.0, 3),
-                'dur': round(coalesce(s.dur, greatest(f.end_ts - s.ts, 0)) / 1000.0, 3),
+                'dur': round(coalesce(s.dur, greatest(CASE WHEN f.first_ts IS NOT NULL AND s.name IN ({before})
+                                                           THEN f.first_ts ELSE f.end_ts END - s.ts, 0)) / 1000.0, 3),
                 'args': json_merge_patch(coalesce(s.attrs, '{{}}'::JSON),
                                          json_object('status', s.status, 'id', s.id))}})
-            FROM {spans_small} s JOIN {stream_facts} f USING (stream)
+            FROM {spans_small} s JOIN {open_ends} f USING (stream)
             WHERE s.name <> 'iteration' AND {span_cond}
         """,
         "iterations": f"""
@@ -146,6 +150,37 @@ def export_chrome(
     return {"path": str(out_path), "events": counts, "start_ns": job_start}
 
 
+def _ends_of_open_spans(job: Job) -> dict[str, int]:
+    """Make ``export_ends``: per stream, where the spans it left open end (``end_ts``: its last record, or, for a
+    stream that ended without its close record, when its rank last showed life; ``first_ts``: where a phase before
+    the loop left open ended, its first iteration's start past the stream's end, else NULL), on its host's clock,
+    as ``summary`` reads them. Before, a rank aborted after waiting 3 s in a collective was drawn gone from its last
+    record on. Returns host -> the latest such end on its clock (the timeline reaches it)."""
+    attempts = job.progress_of_attempts()
+    later: dict[int, tuple[int, int | None]] = {}
+    hosts: dict[str, int] = {}
+    if attempts:
+        rows = job.rows(
+            "SELECT f.stream, f.rank, f.restart, f.end_ts, h.host FROM stream_facts f "
+            "JOIN streams h ON h.stream = f.stream WHERE NOT f.closed AND NOT f.is_agent"
+        )
+        for stream, rank, restart, end, host in rows:
+            until, first = lived_until(attempts.get((int(rank), int(restart))), int(end))
+            if until > int(end):
+                later[int(stream)] = (until, first)
+                hosts[host] = max(hosts.get(host, 0), until)
+    whens = " ".join(f"WHEN {stream} THEN {until}" for stream, (until, _) in later.items())
+    firsts = " ".join(f"WHEN {stream} THEN {first}" for stream, (_, first) in later.items() if first is not None)
+    job.con.execute(
+        "CREATE OR REPLACE TEMP TABLE export_ends AS SELECT stream, "
+        + (f"CASE stream {whens} ELSE end_ts END" if whens else "end_ts")
+        + " AS end_ts, "
+        + (f"CASE stream {firsts} END" if firsts else "NULL::BIGINT")
+        + " AS first_ts FROM stream_facts"
+    )
+    return hosts
+
+
 def _on_one_clock(job: Job) -> Callable[[str], str]:
     """A function from a table's name to the relation the export reads: the table itself, or, where hosts'
     clocks differ, the table with each stream's times moved onto the reference host's clock (a Perfetto
@@ -158,7 +193,7 @@ def _on_one_clock(job: Job) -> Callable[[str], str]:
         f"CREATE OR REPLACE TEMP TABLE export_clock AS SELECT stream, CASE host {by_host} ELSE 0 END AS ahead "
         "FROM streams"
     )
-    moved = {"stream_facts": "t.end_ts - c.ahead AS end_ts"}
+    moved = {"export_ends": "t.end_ts - c.ahead AS end_ts, t.first_ts - c.ahead AS first_ts"}
 
     def relation(table: str) -> str:
         return (

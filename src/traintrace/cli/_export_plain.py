@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..reader import StreamFile, read_file
-from ._engine import discover
+from ._engine import BEFORE_THE_LOOP, discover, lived_until, read_attempts
 
 #: pid of the launcher (agent) track: after every rank (as in the DuckDB export).
 AGENT_PID = 1_000_000
@@ -40,12 +40,25 @@ def export_chrome_plain(
     end_s: float | None = None,
 ) -> dict[str, Any]:
     """Write the trace to ``out`` from ``paths`` (files or job folders); returns counts."""
-    files: list[StreamFile] = [read_file(p) for p in discover(paths)]
+    found = discover(paths)
+    files: list[StreamFile] = [read_file(p) for p in found]
     streams = [s for f in files for s in f.streams if isinstance(s.header.get("ts"), int)]
     if not streams:
         raise ValueError("no traintrace streams found in " + ", ".join(str(p) for p in paths))
+    attempts = read_attempts(p.parent for p in found)
+    # Where each stream's open spans end (as the DuckDB export's ``export_ends``): its last record, or when its rank,
+    # dead without closing it, last showed life; and where a phase before the loop it left open ended.
+    ends: dict[int, tuple[int, int | None]] = {}
+    for stream in streams:
+        end, header = _stream_end(stream.records, stream.header), stream.header
+        rank = header.get("rank")
+        closed = any(r.get("kind") == "close" for r in stream.records)
+        if isinstance(rank, int) and header.get("role") != "agent" and not closed:
+            ends[id(stream)] = lived_until(attempts.get((rank, int(header.get("restart") or 0))), end)
+        else:
+            ends[id(stream)] = (end, None)
     job_start = min(int(s.header["ts"]) for s in streams)
-    job_end = max(_stream_end(s.records, s.header) for s in streams)
+    job_end = max(end for end, _ in ends.values())
     lo = job_start + int((start_s or 0) * 1e9)
     hi = job_end + 1 if end_s is None else job_start + int(end_s * 1e9)
 
@@ -70,7 +83,7 @@ def export_chrome_plain(
             agent = True
         else:
             hosts.setdefault(pid, str(header.get("host")))
-        end = _stream_end(stream.records, header)
+        end, first = ends[id(stream)]
         for record in stream.records:
             if record.get("kind") == "thread" and record.get("thread_name") is not None:
                 threads.add((pid, int(record.get("tid") or 0), str(record["thread_name"])))
@@ -78,7 +91,8 @@ def export_chrome_plain(
             ts, dur = span.get("ts"), span.get("dur")
             if not isinstance(ts, int):
                 continue
-            dur = dur if isinstance(dur, int) else max(end - ts, 0)
+            if not isinstance(dur, int):
+                dur = max((first if first is not None and span.get("name") in BEFORE_THE_LOOP else end) - ts, 0)
             if ts + dur < lo or ts > hi:
                 continue
             attrs = dict(span.get("attrs") or {})
