@@ -14,7 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.cli_jobs import Recording
-from traintrace.cli._engine import ScratchFolder, check_tail, compress_ranks, discover, parse_ranks
+from traintrace.cli._engine import (
+    ScratchFolder,
+    check_tail,
+    compress_ranks,
+    discover,
+    last_run_start,
+    parse_ranks,
+)
 
 pytest.importorskip("duckdb")
 
@@ -347,3 +354,39 @@ def test_a_job_beyond_the_memory_limit_says_to_raise_it(
     assert main(["ranks", str(job)]) == EXIT_OUT_OF_MEMORY
     err = capsys.readouterr().err
     assert f"limit ({DEFAULT_MEMORY_LIMIT}) allows" in err and "16.0 MiB" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("streams", "expected"),
+    [
+        # Restarts: each file's restart numbers go up.
+        ([("r0", 10, 0, 1, 40), ("r0", 50, 1, 2, 90), ("r1", 11, 0, 3, 40), ("r1", 51, 1, 4, 90)], None),
+        # A second configure() in one process: the same pid.
+        ([("r0", 10, 0, 1, 15), ("r0", 20, 0, 1, 30)], None),
+        # Run again: every file's numbers begin again; the launcher's stream comes before its workers'.
+        (
+            [
+                *[("a", 9, 0, 1, 60), ("r0", 10, 0, 2, 50), ("r1", 11, 0, 3, 50)],
+                *[("a", 99, 0, 4, 160), ("r0", 100, 0, 5, 150), ("r1", 101, 0, 6, 150)],
+            ],
+            99,
+        ),
+        # Run again after a restart: 0, 1, then 0, 1.
+        ([("r0", 10, 0, 1, 15), ("r0", 20, 1, 2, 25), ("r0", 30, 0, 3, 35), ("r0", 40, 1, 4, 45)], 30),
+        # Three runs, rank 2 missing from the third: its last new run (the second's, which began 2 later than rank
+        # 0's) is not the last run's; the third run's ranks start 2 apart too.
+        (
+            [
+                *[("r0", 10, 0, 1, 40), ("r0", 50, 0, 2, 90), ("r0", 102, 0, 3, 150)],
+                *[("r2", 12, 0, 4, 40), ("r2", 52, 0, 5, 90), ("r1", 100, 0, 6, 150)],
+            ],
+            100,
+        ),
+    ],
+    ids=["restarts", "second-configure", "run-again", "run-again-after-a-restart", "rank-missing-from-the-last"],
+)
+def test_the_last_run_of_a_job_run_again_under_its_id(
+    streams: list[tuple[str, int, int, int, int]], expected: int | None
+) -> None:
+    """(file, start, restart, pid, end) of each stream -> where the last run of the job began."""
+    assert last_run_start(streams) == expected

@@ -2312,6 +2312,35 @@ def test_ranks_a_watchdog_aborted_before_a_restart_are_not_the_cause(tmp_path: P
 
 
 @pytest.mark.once
+def test_a_job_run_again_under_its_id_is_read_as_its_last_run(tmp_path: Path) -> None:
+    """Plain torchrun twice into one folder (its default job id, master address and port, is the same each time):
+    rank 1 is SIGKILLed in forward at step 7 of the first run; the second finishes. The second run's processes
+    append to the first's files with the same restart number. `errors` and `summary` are about the last run, with
+    a note: healthy, its wall time the second run's by its workers' marks. Before, the two were read as one
+    attempt: `failed`, rank 1 `in forward at step 5` (the step of the stream's last records: the second run had
+    replaced the progress file) and `ranks 0 and 1 were in an unknown phase at step 24`."""
+    logs = {"TRAINTRACE_LOG_DIR": str(tmp_path / "logs")}
+    faulty = ("--fault", "sigkill", "--fault-rank", "1", "--fault-step", "7")
+    first = launch(tmp_path / "first", 2, *faulty, torchrun=True, env=logs)
+    assert first.returncode != 0 and fault_step_of(first, 1)["step"] == 7
+    began = time.time_ns()
+    second = launch(tmp_path / "second", 2, torchrun=True, env=logs)
+    assert second.returncode == 0, second.output[-3000:]
+    run = Run(tmp_path / "logs" / "job", second.truth, second.returncode, second.output)
+    errors = run.cli("errors")
+    assert errors["status"] == "healthy" and errors["culprit"] is None, errors["verdict"]
+    states = [(s["rank"], s["restart"], s["state"]) for s in errors["rank_states"]]
+    assert states == [(0, 0, "closed"), (1, 0, "closed")], errors["verdict"]
+    assert any("more than one run of this job" in note for note in errors["notes"]), errors["notes"]
+    summary = run.cli("summary")
+    marks = [m for ms in run.marks().values() for m in ms]
+    assert min(m["ts"] for m in marks) >= began
+    marked = (max(m["ts"] for m in marks) - min(m["ts"] for m in marks)) / 1e9
+    # The records begin within configure() (after the process's first mark) and end before its last.
+    assert marked - 1.0 <= summary["wall_s"] <= marked + 0.1, (summary["wall_s"], marked)
+
+
+@pytest.mark.once
 def test_a_restart_that_fails_otherwise(tmp_path: Path) -> None:
     """Rank 1 raises in backward at step 7 in the first attempt, and in forward at step 7 in the restart: the
     verdict is about the last attempt and names the first failure too (it may be the root)."""

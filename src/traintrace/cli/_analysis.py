@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from .._names import EventName, SpanName
 from ._device import compute_time_sql, device_summary
 from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose, host_clocks, shared_node
-from ._engine import BEFORE_THE_LOOP, ITERATION, Job, compress_ranks, sql_string
+from ._engine import BEFORE_THE_LOOP, ITERATION, Job, compress_ranks, own_progress, sql_string
 
 NS = 1e9
 
@@ -380,12 +380,13 @@ def _lived_past_the_stream(job: Job, firsts: dict[int, tuple[int, int]], ended: 
     record on, and the job as shorter."""
     files = job.progress_of_attempts()
     rows = job.rows(
-        "SELECT f.stream, f.rank, f.restart, f.end_ts, h.host FROM stream_facts f "
+        "SELECT f.stream, f.rank, f.restart, f.end_ts, h.host, h.pid FROM stream_facts f "
         "JOIN streams h ON h.stream = f.stream WHERE NOT f.closed AND NOT f.running AND NOT f.is_agent"
     )
-    for stream, rank, restart, end, host in rows:
-        progress = files.get((int(rank), int(restart)))
-        alive = int(getattr(progress, "alive_ns", None) or 0)  # the host's own clock, as the stream's times
+    for stream, rank, restart, end, host, pid in rows:
+        # The host's own clock, as the stream's times; the file of the stream's own process only.
+        progress = own_progress(files.get((int(rank), int(restart))), pid)
+        alive = int(getattr(progress, "alive_ns", None) or 0)
         first = firsts.get(int(stream), (0, 0))[1]
         last = max(alive, first)
         if last <= int(end):

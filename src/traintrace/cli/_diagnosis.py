@@ -19,7 +19,7 @@ from typing import Any
 from .._format import FAULTS_MARKER, FAULTS_SUFFIX  # not .._faults: it imports what the recording side needs
 from .._lifecycle import EventType  # not ..events: it would import the recorder
 from .._names import EventName, SpanName, SpanStatus
-from ._engine import Job
+from ._engine import Job, own_progress
 
 #: Messages of errors that are the consequence of another rank's failure, not a cause.
 SECONDARY = re.compile(
@@ -1229,7 +1229,8 @@ def _locate(st: RankState, spans: list[dict[str, Any]], error_span: int | None) 
 
 def _from_progress(job: Job, st: RankState, f: dict[str, Any], facts: _Facts) -> None:
     """A rank that died without writing its last records: the progress file knows its exact step and phase."""
-    progress: Any = job.progress_of_attempts().get((st.rank, st.restart))
+    # The stream's own process's file: a job run again under the same restart number writes a new one.
+    progress: Any = own_progress(job.progress_of_attempts().get((st.rank, st.restart)), f.get("pid"))
     if progress is None:
         # A later attempt rewrote the file (written before restarts kept theirs): the launcher's copy of it, made
         # when it saw this attempt's rank die.

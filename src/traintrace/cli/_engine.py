@@ -9,6 +9,7 @@ on demand), which keeps a multi-million-record job in a few hundred MB; with
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -314,7 +315,8 @@ EXPORT_VERSION = 1
 
 
 #: Bumped whenever the tables a cache file holds change meaning.
-CACHE_VERSION = 4  # 2: raw has the plain column; 3: other and spans_small have no column a; 4: spans_small a view
+CACHE_VERSION = 5  # 2: raw has the plain column; 3: other and spans_small have no column a; 4: spans_small a view;
+# 5: headers holds the last run of the job only (all_headers every stream)
 
 
 def cache_folder() -> Path:
@@ -367,12 +369,69 @@ BEFORE_THE_LOOP = (
 )
 
 
-def lived_until(progress: Any, end_ns: int) -> tuple[int, int | None]:
+def new_runs(headers: Iterable[Sequence[Any]]) -> bool:
+    """Whether a file's streams (``(path, start_ts, restart, pid, ...)`` each) begin a new run of the job: a
+    stream whose restart number is no higher than the one before it in its file, from another process."""
+    by_file: dict[str, list[tuple[int, int, Any]]] = {}
+    for path, start, restart, pid, *_ in headers:
+        by_file.setdefault(str(path), []).append((int(start), int(restart or 0), pid))
+    for streams in by_file.values():
+        streams.sort(key=lambda s: s[0])
+        if any(now[1] <= before[1] and now[2] != before[2] for before, now in itertools.pairwise(streams)):
+            return True
+    return False
+
+
+def last_run_start(streams: Iterable[Sequence[Any]]) -> int | None:
+    """Where a folder holds more than one run of a job (its files' streams, ``(path, start_ts, restart, pid,
+    end_ts)`` each), the start of the last run, else None.
+
+    A job run again under the same id (plain torchrun's default id is its master address and port) appends to
+    the same files: a stream whose restart number is no higher than the stream before it in its file, from another
+    process, begins a new run there (``new_runs``). Read as one job, a run that finished after one that failed read
+    as failed, the ranks' states of both mixed. Runs follow one another: the last begins where nothing of the
+    runs before it still ran, the latest such point at or before the start of each file's last new run (the
+    launcher's stream, before its workers', is in it; a rank missing from the last run has its last new run in an
+    earlier one)."""
+    by_file: dict[str, list[tuple[int, int, Any]]] = {}
+    spans: list[tuple[int, int]] = []
+    for path, start, restart, pid, end in streams:
+        by_file.setdefault(str(path), []).append((int(start), int(restart or 0), pid))
+        spans.append((int(start), max(int(end if end is not None else start), int(start))))
+    news = []  # each file's last new run's first stream's start
+    for of_file in by_file.values():
+        of_file.sort(key=lambda s: s[0])
+        found = [now[0] for before, now in itertools.pairwise(of_file) if now[1] <= before[1] and now[2] != before[2]]
+        if found:
+            news.append(found[-1])
+    if not news:
+        return None
+    quiet: list[int] = []  # the starts before which every stream begun earlier had ended
+    ran_until: int | None = None
+    for start, end in sorted(spans):
+        if ran_until is None or ran_until < start:
+            quiet.append(start)
+        ran_until = end if ran_until is None else max(ran_until, end)
+    return max(max(q for q in quiet if q <= first) for first in news)
+
+
+def own_progress(progress: Any, pid: Any) -> Any:
+    """``progress`` (a progress file as read), or None where another process than ``pid`` wrote it."""
+    if progress is None or (isinstance(pid, int) and getattr(progress, "pid", pid) != pid):
+        return None
+    return progress
+
+
+def lived_until(progress: Any, end_ns: int, pid: Any) -> tuple[int, int | None]:
     """For a stream that ended without its close record at ``end_ns`` (its last record), from its attempt's
     progress file (``read_attempts``; None: none): when its rank last showed life (the writer stamps the file
     every flush interval, records or not; at the latest its first iteration's start), and that first iteration's
     start where it came after the stream's end (then a phase before the loop left open ended there). Spans left
-    open end at the first, save those before the loop where the second is given. On the stream's host's clock."""
+    open end at the first, save those before the loop where the second is given. On the stream's host's clock.
+    A file another process wrote (not ``pid``, the stream's: a job run again under the same restart number) says
+    nothing of this one."""
+    if own_progress(progress, pid) is None:
+        return end_ns, None
     alive = int(getattr(progress, "alive_ns", None) or 0)
     first = int(getattr(progress, "first_step_ns", None) or 0)
     return max(end_ns, alive, first), (first if first > end_ns else None)
@@ -490,6 +549,12 @@ class Job:
     manifest_world_size: int = 0
     _progress_cache: dict[int, Any] | None = None
     _attempts_cache: dict[tuple[int, int], Any] | None = None
+    #: The files that hold a header (of any run).
+    header_paths: set[str] = field(default_factory=set)
+    #: Where the folder holds several runs of the job: the last one's start (``last_run_start``); the streams of
+    #: earlier runs, not read.
+    last_run_start_ns: int | None = None
+    earlier_run_streams: int = 0
     #: The hosts' clock offsets, once computed (``_diagnosis.host_clocks``).
     clocks: dict[str, Any] | None = None
     #: The size of the files the cache key was made from (-1: not made).
@@ -892,7 +957,7 @@ class Job:
         # time in the same file (restarts append); records before a file's first header go to that header.
         con.execute(
             f"""
-            CREATE TABLE headers AS
+            CREATE TABLE all_headers AS
             SELECT *, CASE WHEN row_number() OVER w = 1 THEN {-BIG} ELSE start_ts END AS lo,
                    coalesce(lead(start_ts) OVER w, {BIG}) AS hi,
                    lead(start_ts) OVER w AS next_start
@@ -908,6 +973,25 @@ class Job:
             WINDOW w AS (PARTITION BY file ORDER BY start_ts)
             """
         )
+        # The streams of the folder's last run of the job (``last_run_start``): an earlier run's records stay in
+        # the files, and are not read.
+        seen = con.execute("SELECT path, start_ts, restart, pid, stream FROM all_headers").fetchall()
+        self.header_paths = {str(row[0]) for row in seen}
+        since = None
+        if new_runs(seen):  # where each stream ended, then: a pass over the records, for such a folder only
+            ends = dict(
+                con.execute(
+                    "SELECT h.stream, max(r.ts + coalesce(r.dur, 0)) FROM raw r JOIN all_headers h "
+                    "ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi GROUP BY h.stream"
+                ).fetchall()
+            )
+            since = last_run_start((path, ts, again, pid, ends.get(number)) for path, ts, again, pid, number in seen)
+        self.last_run_start_ns, self.earlier_run_streams = since, 0
+        if since is None:
+            con.execute("CREATE TABLE headers AS SELECT * FROM all_headers")
+        else:
+            con.execute(f"CREATE TABLE headers AS SELECT * FROM all_headers WHERE start_ts >= {int(since)}")
+            self.earlier_run_streams = sum(1 for row in seen if int(row[1]) < since)
         con.execute(
             """
             CREATE TABLE other AS
@@ -1205,9 +1289,14 @@ class Job:
                 f"{lost[1]} records missing by sequence number in {lost[0]} stream(s) "
                 f"({int(lost[2] or 0)} reported dropped by the writer; the rest unreadable lines)"
             )
-        with_header = {row[0] for row in self.con.execute("SELECT DISTINCT path FROM headers").fetchall()}
-        for path in (f.path for f in self.files if f.size and f.path not in with_header):
+        for path in (f.path for f in self.files if f.size and f.path not in self.header_paths):
             self.notes.append(f"{path}: no traintrace header; its records are ignored")
+        if self.last_run_start_ns is not None:
+            began = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.last_run_start_ns / 1e9))
+            self.notes.append(
+                f"the folder holds more than one run of this job (restart numbers begin again): the answers are "
+                f"about the last, begun {began} UTC; {self.earlier_run_streams} stream(s) of earlier runs are not read"
+            )
         missing = self.missing_ranks()
         if missing:
             self.notes.append(f"ranks missing entirely (no file): {compress_ranks(missing)}")

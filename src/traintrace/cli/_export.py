@@ -161,11 +161,11 @@ def _ends_of_open_spans(job: Job) -> dict[str, int]:
     hosts: dict[str, int] = {}
     if attempts:
         rows = job.rows(
-            "SELECT f.stream, f.rank, f.restart, f.end_ts, h.host FROM stream_facts f "
+            "SELECT f.stream, f.rank, f.restart, f.end_ts, h.host, h.pid FROM stream_facts f "
             "JOIN streams h ON h.stream = f.stream WHERE NOT f.closed AND NOT f.is_agent"
         )
-        for stream, rank, restart, end, host in rows:
-            until, first = lived_until(attempts.get((int(rank), int(restart))), int(end))
+        for stream, rank, restart, end, host, pid in rows:
+            until, first = lived_until(attempts.get((int(rank), int(restart))), int(end), pid)
             if until > int(end):
                 later[int(stream)] = (until, first)
                 hosts[host] = max(hosts.get(host, 0), until)
@@ -255,7 +255,7 @@ def export_parquet(job: Job, out: str | os.PathLike[str]) -> dict[str, Any]:
     sql = f"""
         SELECT r.file, h.rank, {core}, r.attrs::VARCHAR AS attrs, r.step, r.batch_size, {rare}
         FROM (SELECT *, json_transform(rare, '{spec}') AS x FROM raw) r
-        LEFT JOIN headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi
+        LEFT JOIN all_headers h ON r.file = h.file AND r.ts >= h.lo AND r.ts < h.hi  -- every run's records
     """
     with tempfile.TemporaryDirectory(prefix="traintrace-parquet-", dir=job.scratch) as tmp:
         staged = Path(tmp) / "export"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..reader import StreamFile, read_file
-from ._engine import BEFORE_THE_LOOP, discover, lived_until, read_attempts
+from ._engine import BEFORE_THE_LOOP, discover, last_run_start, lived_until, read_attempts
 
 #: pid of the launcher (agent) track: after every rank (as in the DuckDB export).
 AGENT_PID = 1_000_000
@@ -42,9 +42,16 @@ def export_chrome_plain(
     """Write the trace to ``out`` from ``paths`` (files or job folders); returns counts."""
     found = discover(paths)
     files: list[StreamFile] = [read_file(p) for p in found]
-    streams = [s for f in files for s in f.streams if isinstance(s.header.get("ts"), int)]
-    if not streams:
+    of_file = [(str(p), s) for p, f in zip(found, files, strict=True) for s in f.streams]
+    of_file = [(p, s) for p, s in of_file if isinstance(s.header.get("ts"), int)]
+    if not of_file:
         raise ValueError("no traintrace streams found in " + ", ".join(str(p) for p in paths))
+    # The last run of the job, as the DuckDB export reads it (``last_run_start``).
+    since = last_run_start(
+        (p, s.header["ts"], s.header.get("restart"), s.header.get("pid"), _stream_end(s.records, s.header))
+        for p, s in of_file
+    )
+    streams = [s for _, s in of_file if since is None or s.header["ts"] >= since]
     attempts = read_attempts(p.parent for p in found)
     # Where each stream's open spans end (as the DuckDB export's ``export_ends``): its last record, or when its rank,
     # dead without closing it, last showed life; and where a phase before the loop it left open ended.
@@ -54,7 +61,8 @@ def export_chrome_plain(
         rank = header.get("rank")
         closed = any(r.get("kind") == "close" for r in stream.records)
         if isinstance(rank, int) and header.get("role") != "agent" and not closed:
-            ends[id(stream)] = lived_until(attempts.get((rank, int(header.get("restart") or 0))), end)
+            progress = attempts.get((rank, int(header.get("restart") or 0)))
+            ends[id(stream)] = lived_until(progress, end, header.get("pid"))
         else:
             ends[id(stream)] = (end, None)
     job_start = min(int(s.header["ts"]) for s in streams)
