@@ -26,7 +26,8 @@ noted (``slow<rank>.jsonl``); the truth (``fault.json``) is written at the first
 every rank notes when each step's own code began (``steps<rank>.jsonl``, ``time.time_ns()``).
 Checkpoints: with ``SAVE_EVERY`` K, a ``ModelCheckpoint`` saves every K steps, ``SAVE_MB`` (default 80) more in
 each checkpoint; global rank 0 alone writes, the others wait at the strategy's barrier. Every rank notes when
-its ``Trainer.save_checkpoint`` began and ended (``saves<rank>.jsonl``), and the writing rank when its write began
+its ``Trainer.save_checkpoint`` began and ended (``saves<rank>.jsonl``), when ModelCheckpoint's collective before it
+(whether the file exists) began and ended (``exists<rank>.jsonl``), and the writing rank when its write began
 and ended (``writes<rank>.jsonl``), without traintrace. ``LATE_EXISTS_MS``: global rank 0's check whether each
 checkpoint's file exists, which ModelCheckpoint shares with every rank by a collective, takes that long.
 Under torchrun, Lightning starts no process itself.
@@ -119,9 +120,12 @@ class NotedCheckpoint(ModelCheckpoint):
     """ModelCheckpoint whose every save is noted on every rank (the write on rank 0, the barrier after it)."""
 
     def file_exists(self, filepath: object, trainer: L.Trainer) -> bool:  # type: ignore[override]
+        t0 = time.time_ns()
         if LATE_EXISTS_MS and trainer.is_global_zero:
             time.sleep(LATE_EXISTS_MS / 1000)
-        return super().file_exists(filepath, trainer)  # type: ignore[arg-type]
+        exists = super().file_exists(filepath, trainer)  # type: ignore[arg-type]
+        note_interval("exists", trainer.global_rank, t0, time.time_ns())  # ModelCheckpoint's collective, every rank
+        return exists
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         t0 = time.time_ns()
