@@ -681,24 +681,27 @@ def test_ranks_a_watchdog_aborted_in_their_collective_are_not_the_cause(tmp_path
     check_open_spans_drawn_until(run, {r: next(m for m in run.marks()[r] if m["event"] == "abort") for r in aborted})
 
 
+def exports(run: Run) -> list[list[dict[str, Any]]]:
+    """The events of `traintrace export`'s timeline of ``run``, as DuckDB writes it and as the plain reader does."""
+    found = []
+    for name, block in (("trace.json", ""), ("plain.json", "import sys; sys.modules['duckdb'] = None\n")):
+        out = run.folder.parent / name
+        args = ["export", str(run.folder), "-o", str(out), "--quiet"]
+        code = f"{block}from traintrace.cli import main\nraise SystemExit(main({args!r}))"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=ENV, capture_output=True)
+        found.append(json.loads(out.read_text())["traceEvents"])
+    return found
+
+
 def check_open_spans_drawn_until(run: Run, deaths: dict[int, dict[str, Any]]) -> None:
     """`traintrace export`'s timeline draws the spans a rank left open up to its death (``deaths``: rank -> the
     worker's mark of it), as `summary` counts them: within a flush interval before it (the writer's last stamp of
     the progress file) and a little after. The trace's times against the marks: the shift of the rank's last
     step drawn (its end) from the worker's mark of that step's end. Before, they ended at the stream's last record.
     The export without DuckDB (the plain reader's) draws them the same."""
-    trace, plain = run.folder.parent / "trace.json", run.folder.parent / "plain.json"
-    export = [sys.executable, "-m", "traintrace.cli", "export", str(run.folder), "-o", str(trace), "--quiet"]
-    subprocess.run(export, check=True, timeout=120, env=ENV, capture_output=True)
-    without_duckdb = (
-        "import sys; sys.modules['duckdb'] = None\nfrom traintrace.cli import main\n"
-        f"sys.exit(main(['export', {str(run.folder)!r}, '-o', {str(plain)!r}, '--quiet']))"
-    )
-    subprocess.run([sys.executable, "-c", without_duckdb], check=True, timeout=120, env=ENV, capture_output=True)
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    trace, plain = exports(run)
 
-    def open_spans(path: Path) -> list[tuple[int, str, float, float]]:
-        drawn = json.loads(path.read_text())["traceEvents"]
+    def open_spans(drawn: list[dict[str, Any]]) -> list[tuple[int, str, float, float]]:
         return sorted(
             (e["pid"], e["name"], e["ts"], e["dur"])
             for e in drawn
@@ -706,6 +709,7 @@ def check_open_spans_drawn_until(run: Run, deaths: dict[int, dict[str, Any]]) ->
         )
 
     assert open_spans(plain) == open_spans(trace)
+    events = [e for e in trace if e.get("ph") == "X"]
     for rank, death in deaths.items():
         steps = [e for e in events if e["pid"] == rank and e["name"] == "iteration" and "step" in e["args"]]
         last = max(steps, key=lambda e: e["ts"])
@@ -2338,6 +2342,11 @@ def test_a_job_run_again_under_its_id_is_read_as_its_last_run(tmp_path: Path) ->
     marked = (max(m["ts"] for m in marks) - min(m["ts"] for m in marks)) / 1e9
     # The records begin within configure() (after the process's first mark) and end before its last.
     assert marked - 1.0 <= summary["wall_s"] <= marked + 0.1, (summary["wall_s"], marked)
+    # The timeline draws the last run's steps alone, with and without DuckDB.
+    ended = sorted((r, m["step"]) for r, ms in run.marks().items() for m in ms if m["event"] == "step_end")
+    for trace in exports(run):
+        drawn = sorted((e["pid"], e["args"]["step"]) for e in trace if e.get("ph") == "X" and e["name"] == "iteration")
+        assert drawn == ended
 
 
 @pytest.mark.once
