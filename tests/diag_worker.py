@@ -138,6 +138,15 @@ def save(state: dict[str, torch.Tensor], final: Path, step: int, truth: Truth, *
     os.replace(final.with_suffix(".tmp"), final)
 
 
+def created_ns() -> int:
+    """When the kernel created this process, on the wall clock (its start in clock ticks after boot, /proc, against
+    the time since boot now: within 20 ms)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time_ns() - int((uptime - start) * 1e9)
+
+
 def write_checkpoint(  # noqa: PLR0917 - a thread's target, called by position
     state: dict[str, torch.Tensor], final: Path, step: int, blocking: Any, truth: Truth, fail: bool = False
 ) -> None:
@@ -251,7 +260,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     truth = Truth(Path(args.truth), rank, restart)
-    truth.write(event="process_start", pid=os.getpid(), host=os.environ.get("TRAINTRACE_HOST"))
+    truth.write(event="process_start", pid=os.getpid(), host=os.environ.get("TRAINTRACE_HOST"), created=created_ns())
     # Registered before traintrace's own: runs after it (exit handlers run last-in first-out).
     atexit.register(truth.write, event="exit")
 

@@ -241,7 +241,34 @@ def check_goodput(run: Run, failed: bool = True, unrecorded: float = 0.0) -> dic
     assert sum(summary["breakdown_s"].values()) == pytest.approx(summary["wall_s"], rel=1e-9)
     check_steps(run, summary, failed)
     check_time_went(run, summary, failed)
+    check_startup(run)
     return summary
+
+
+def check_startup(run: Run) -> None:
+    """Under traintrace-run, `summary`'s process start-up (the launcher's stream read too: a rank's, from the
+    launcher's start of its process to its stream's header) against the kernel's creation time of each worker
+    process and its own marks: the header is written inside configure(), after the ``process_start`` mark and
+    before ``configured``. Summed over a rank's attempts, the mean over the ranks; 50 ms an attempt of slack (the
+    launcher records the start after it, /proc counts in 10 ms ticks) and 5%. Without a launcher stream the job
+    begins at the first header: none."""
+    summary = run.cli("summary")
+    if not list(run.folder.glob("agent*.jsonl")):
+        assert summary["breakdown_s"]["startup"] == 0.0, summary["breakdown_s"]
+        return
+    low = high = 0.0
+    attempts = 0
+    for ms in run.marks().values():
+        starts = [m for m in ms if m["event"] == "process_start"]
+        configured = {m["restart"]: m["ts"] for m in ms if m["event"] == "configured"}
+        for start in starts:
+            attempts += 1
+            low += (start["ts"] - start["created"]) / 1e9
+            high += (configured.get(start["restart"], start["ts"]) - start["created"]) / 1e9
+    ranks = len(run.marks())
+    low, high, slack = low / ranks, high / ranks, 0.05 * attempts / ranks
+    got = summary["breakdown_s"]["startup"]
+    assert low - slack - 0.05 * low <= got <= high + slack + 0.05 * high, (got, low, high)
 
 
 #: Category of `summary`'s breakdown -> the worker's marks that open and close one of its intervals.

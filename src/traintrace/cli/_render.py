@@ -13,6 +13,7 @@ from ._engine import compress_ranks
 LABELS = {
     "productive": "productive training",
     "lost_progress": "progress lost (redone after failure)",
+    "startup": "process start-up (to configure())",
     "initialization": "initialisation",
     "checkpoint_load": "checkpoint load",
     "checkpoint_save": "checkpoint save (exposed)",
