@@ -369,17 +369,20 @@ BEFORE_THE_LOOP = (
 )
 
 
-def new_runs(headers: Iterable[Sequence[Any]]) -> bool:
-    """Whether a file's streams (``(path, start_ts, restart, pid, ...)`` each) begin a new run of the job: a
-    stream whose restart number is no higher than the one before it in its file, from another process."""
+def new_runs(headers: Iterable[Sequence[Any]]) -> list[int]:
+    """Where a file's streams (``(path, start_ts, restart, pid, ...)`` each) begin a new run of the job: the start
+    of each file's last stream whose restart number is no higher than the one before it in the file, from another
+    process (a second ``configure()`` in one process is no new run)."""
     by_file: dict[str, list[tuple[int, int, Any]]] = {}
     for path, start, restart, pid, *_ in headers:
         by_file.setdefault(str(path), []).append((int(start), int(restart or 0), pid))
+    news = []
     for streams in by_file.values():
         streams.sort(key=lambda s: s[0])
-        if any(now[1] <= before[1] and now[2] != before[2] for before, now in itertools.pairwise(streams)):
-            return True
-    return False
+        found = [now[0] for before, now in itertools.pairwise(streams) if now[1] <= before[1] and now[2] != before[2]]
+        if found:
+            news.append(found[-1])
+    return news
 
 
 def last_run_start(streams: Iterable[Sequence[Any]]) -> int | None:
@@ -393,19 +396,11 @@ def last_run_start(streams: Iterable[Sequence[Any]]) -> int | None:
     runs before it still ran, the latest such point at or before the start of each file's last new run (the
     launcher's stream, before its workers', is in it; a rank missing from the last run has its last new run in an
     earlier one)."""
-    by_file: dict[str, list[tuple[int, int, Any]]] = {}
-    spans: list[tuple[int, int]] = []
-    for path, start, restart, pid, end in streams:
-        by_file.setdefault(str(path), []).append((int(start), int(restart or 0), pid))
-        spans.append((int(start), max(int(end if end is not None else start), int(start))))
-    news = []  # each file's last new run's first stream's start
-    for of_file in by_file.values():
-        of_file.sort(key=lambda s: s[0])
-        found = [now[0] for before, now in itertools.pairwise(of_file) if now[1] <= before[1] and now[2] != before[2]]
-        if found:
-            news.append(found[-1])
+    streams = list(streams)
+    news = new_runs(streams)
     if not news:
         return None
+    spans = [(int(start), max(int(start if end is None else end), int(start))) for _, start, _, _, end in streams]
     quiet: list[int] = []  # the starts before which every stream begun earlier had ended
     ran_until: int | None = None
     for start, end in sorted(spans):
