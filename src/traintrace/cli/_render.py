@@ -98,6 +98,7 @@ def render_summary(s: dict[str, Any]) -> str:
     out.append("")
     p = s["phases_s"]
     phase_rows = [
+        ("process start-up", seconds(p["startup_s"])),
         ("initialisation", seconds(p["initialization_s"])),
         ("training (steps + data loading)", seconds(p["training_s"])),
         ("checkpoint save, exposed", seconds(p["checkpoint_save_exposed_s"])),
