@@ -37,6 +37,8 @@ FINISHED_WITH_ERRORS = "finished_with_errors"
 #: failure), and a communication error raised while handling SIGTERM (Lightning's handler broadcasts it to the
 #: other ranks, which may be gone).
 TERMINATED_WORKER = re.compile(r"DataLoader worker \(pid[^)]*\) is killed by signal: Terminated", re.IGNORECASE)
+#: A loader worker gone, which, raised while the rank's SIGTERM handler ran, the same SIGTERM ended.
+WORKER_EXITED = re.compile(r"DataLoader worker \(pid(?:\(s\))?[^)]*\) exited unexpectedly", re.IGNORECASE)
 IN_SIGTERM_HANDLER = re.compile(r"sigterm", re.IGNORECASE)
 #: An allocation that failed: PyTorch's (CUDA: ``CUDA out of memory. Tried to allocate ...``, ``OutOfMemoryError``;
 #: the CPU allocator: ``DefaultCPUAllocator: can't allocate memory``), Python's ``MemoryError``, C++'s ``bad_alloc``,
@@ -1400,9 +1402,13 @@ def _attrs(value: Any) -> dict[str, Any]:
 
 def _terminated_by(error: dict[str, Any]) -> bool:
     """The error is the rank's own termination by SIGTERM (``TERMINATED_WORKER``, ``IN_SIGTERM_HANDLER``)."""
-    if TERMINATED_WORKER.search(str(error.get("message") or "")):
+    message = str(error.get("message") or "")
+    if TERMINATED_WORKER.search(message):
         return True
-    return _secondary(error) and bool(IN_SIGTERM_HANDLER.search(str(error.get("stack") or "")))
+    # Lightning's handler broadcasts to the other ranks: a peer gone fails it, and a loader worker the same SIGTERM
+    # ended may be found gone while that failure is handled (the exception then names the worker).
+    gone = _secondary(error) or bool(WORKER_EXITED.search(message))
+    return gone and bool(IN_SIGTERM_HANDLER.search(str(error.get("stack") or "")))
 
 
 def _secondary(error: dict[str, Any]) -> bool:
