@@ -658,17 +658,21 @@ def test_an_exception_a_survivor_raised_after_the_failure_reached_it_is_not_the_
     assert rank0["error"] is None and rank0["consequence"] is not None, rank0
 
 
-def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_path: Path) -> None:
+@pytest.mark.parametrize("torchrun", [False, True], ids=["launcher", "torchrun"])
+def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_path: Path, torchrun: bool) -> None:
     """Rank 1 hangs loading its batch for step 5 (hang detection off); the others' collective times out and each,
     once its timeout error is written, is aborted (SIGABRT), as NCCL's watchdog aborts a rank whose collective timed
     out (and as gloo's threads sometimes do here). A rank killed by a signal after the failure had reached it is a
     consequence: the culprit is rank 1, hung in data loading (an aborted survivor, killed first, was named before:
-    a sweep found it, `fault_sweep --seed 220`)."""
+    a sweep found it, `fault_sweep --seed 220`). Under plain torchrun nothing says how the aborted ranks ended but
+    their streams, cut after their timeout errors, and faulthandler's stacks: they were named before, `died first`
+    where each stream ended, outside the loop (`fault_sweep --seed 290 --abort --torchrun`)."""
     run = launch(
         tmp_path,
         3,
         *("--fault", "hang_data", "--fault-rank", "1", "--fault-step", "5", "--hang-timeout", "0"),
         "--abort-after-failure",
+        torchrun=torchrun,
     )
     aborted = [r for r, ms in run.marks().items() if any(m["event"] == "abort" for m in ms)]
     assert aborted and 1 not in aborted, run.output[-3000:]  # the premise: a survivor aborted
@@ -676,7 +680,11 @@ def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_pa
     for state in errors["rank_states"]:
         if state["rank"] in aborted:
             assert state["state"] == "error" and state["consequence"] is not None, state
-            assert state["cause"].endswith("; then killed by SIGABRT"), state["cause"]
+            assert (state["step"], state["in_collective"]) == (5, True), state
+            if torchrun:  # no launcher saw the signal; faulthandler's stacks beside the stream name it
+                assert "Fatal Python error: Aborted" in (state["fault_stacks"] or ""), state
+            else:
+                assert state["cause"].endswith("; then killed by SIGABRT"), state["cause"]
 
 
 @pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])

@@ -1104,6 +1104,11 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
         st.state = "error"
     elif killed:
         st.state = "killed"
+    elif secondary and not f["closed"] and not signals:
+        # Its stream cut after the failure had reached it, with no launcher to say how it ended (plain torchrun):
+        # aborted once its collective failed (faulthandler's stacks beside it say so), or killed while it wound
+        # down. A consequence, as the same rank's SIGABRT the launcher saw is above.
+        st.state = "error"
     elif signals:
         st.state = "terminated"
         sig = _attrs(signals[0][1])
@@ -1120,7 +1125,7 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
         st.state = "ended"
     elif secondary or f["failed"]:
         st.state = "error"
-    if st.state in ("killed", "exited", "ended"):
+    if st.state in ("killed", "exited", "ended") or (st.state == "error" and not f["closed"] and not primary):
         st.fault_stacks = _fault_stacks(str(f["path"]), f["pid"], last_in_file=bool(f["last_in_file"]))
     if secondary:
         st.consequence = _error_info(secondary[0])
