@@ -134,6 +134,30 @@ def test_watchdog_waits_for_marked_long_phases(memory: tt.MemoryBackend) -> None
     assert [e for e in memory.errors() if e["name"] == "hang_suspected"] == []
 
 
+def test_watchdog_counts_from_the_end_of_a_long_phase_that_failed(memory: tt.MemoryBackend) -> None:
+    """An exception leaves a model initialisation longer than hang_timeout (its peers' collective timed out): the
+    process lives on reporting it. The plain limit counts from the phase's end, not from the progress before it
+    (the process group's initialisation): a report came at the first tick after the exception, `no progress for
+    7.3s`, and `summary` counted the whole initialisation as a hang (`fault_sweep --seed 291 --abort`)."""
+    configure(memory)
+    with tt.distributed_init():
+        pass
+    try:
+        with tt.model_init():
+            time.sleep(LIMIT + 4 * PERIOD)
+            raise RuntimeError("Timed out waiting 6000ms for recv operation to complete")
+    except RuntimeError:
+        ended = time.monotonic()
+    time.sleep(LIMIT / 2)  # within the limit of the phase's end
+    tt.flush()
+    assert [e for e in memory.errors() if e["name"] == "hang_suspected"] == []
+    # Past the limit of the phase's end it is a hang, and no older than that.
+    assert wait_for(lambda: [e for e in memory.errors() if e["name"] == "hang_suspected"], timeout=LIMIT + 10)
+    (error,) = (e for e in memory.errors() if e["name"] == "hang_suspected")
+    idle = error["attrs"]["idle_seconds"]
+    assert LIMIT <= idle <= time.monotonic() - ended + PERIOD, idle
+
+
 def test_watchdog_fires_when_a_phase_exceeds_its_own_limit(memory: tt.MemoryBackend) -> None:
     """A phase past its own limit is reported, naming the phase."""
     configure(memory, hang_timeout=60, phase_timeouts={"validation_loop": 0.5})

@@ -406,6 +406,9 @@ class Watchdog(_Periodic):
         self.suspected_at: int | None = None
         self._suspected_ref = 0
         self.fired = 0
+        # The last tick that saw a long phase open: once it ends, however it ended (an exception leaving a failed
+        # model initialisation), the plain limit counts from there, not from the progress before the phase.
+        self._phase_seen = 0
 
     def _reference(self, spans: list[Span]) -> int:
         ref = max(self.stats.last_progress, self.beat)
@@ -420,6 +423,7 @@ class Watchdog(_Periodic):
         ref = self._reference(spans)
         phases = [s for s in spans if s.name in self.phase_timeouts_ns]
         if phases:
+            self._phase_seen = now
             for span in phases:
                 limit = self.phase_timeouts_ns[span.name]
                 if now - max(span.t0, ref) > limit:
@@ -429,6 +433,7 @@ class Watchdog(_Periodic):
         if ref == 0 or (self.stats.loop_ended and not looping):
             # Not armed: no loop or progress yet, or the loop is over.
             return False, ref, self.timeout_ns, None, spans
+        ref = max(ref, self._phase_seen)
         return now - ref > self.timeout_ns, ref, self.timeout_ns, None, spans
 
     def tick(self) -> None:
