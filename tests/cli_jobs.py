@@ -712,7 +712,8 @@ def expected_hang(script: Script) -> dict[str, Any]:
     completed, by docs/analysis.md's definitions: a rank that reported the hang spent it in ``hang``, from its last
     progress (the end of its last step, or of the save after it; the training loop's start before its first step)
     to the end of its stream; a rank that did not lost the step it was in (or, loading its batch, spent the time
-    in ``data_loading``)."""
+    in ``data_loading``), and a hung rank that did not, until its peers were left waiting for it, the rest in
+    ``hang``."""
     assert script.fail_step is not None
     times, _ = hang_timeline(script)
     every = script.checkpoint_every
@@ -733,10 +734,22 @@ def expected_hang(script: Script) -> dict[str, Any]:
         began, stopped = t["began"] or 0, t["stopped"] or 0
         if t["report"] is not None:
             cat["hang"] = stopped - began
-        elif rank in hung_ranks(script) and script.hang_phase == "data_loading":
+            began = stopped
+        elif rank in hung_ranks(script):
+            # Hung without a report of its own: the hang's from when the ranks not hung were left waiting in their
+            # all-reduce (or, none waiting, from the first of them to fail).
+            peers = [times[r] for r in range(script.ranks) if r not in hung_ranks(script)]
+            waited = [p["waits"] for p in peers if p["waits"] is not None]
+            failed = [p["timeout"] for p in peers if p["timeout"] is not None]
+            if waited or failed:
+                hung_from = min(max(min(waited or failed), began), stopped)
+                cat["hang"] = stopped - hung_from
+                stopped = hung_from
+        if rank in hung_ranks(script) and script.hang_phase == "data_loading":
             cat["data_loading"] = stopped - began
         else:
             cat["lost_progress"] += stopped - began
+        stopped = t["stopped"] or 0
         now = t1 + round((script.init_s + script.load_s) * S)
         for step in range(resume, script.steps):
             cat["productive"] += script.step_dur_at(rank, step)

@@ -102,6 +102,8 @@ def summary(job: Job) -> dict[str, Any]:
     # A killed rank's phases its stream left open that its progress file shows ended (its first iteration began):
     # their time up to then, and the rank's, beyond its stream's last record.
     ended = _ended_before_the_first_step(job, verdict)
+    hung = _hung_unreported(job, verdict)
+    hang_from = _hang_from_sql(hung)
     start, end = job_bounds_on_one_clock(job, ended.lived_until)
     wall = max(end - start, 1)
     ranks = [int(r[0]) for r in job.rows("SELECT DISTINCT rank FROM streams WHERE NOT is_agent ORDER BY 1")]
@@ -128,7 +130,7 @@ def summary(job: Job) -> dict[str, Any]:
     step_medians: dict[int, int] = {}
     for rank, lost, seconds, count, median in job.rows(
         f"""
-        SELECT i.rank, i.lost, sum({_clipped("i.ts", "i.dur")}) / 1e9, count(*), median(i.dur)
+        SELECT i.rank, i.lost, sum({_clipped("i.ts", "i.dur", hang_from)}) / 1e9, count(*), median(i.dur)
         FROM iterations i JOIN stream_facts f USING (stream) GROUP BY ALL
         """
     ):
@@ -145,7 +147,7 @@ def summary(job: Job) -> dict[str, Any]:
     open_end = ended.open_end()
     for rank, seconds, count in job.rows(
         f"""
-        SELECT f.rank, sum({_clipped("s.ts", f"greatest({open_end} - s.ts, 0)")}) / 1e9, count(*)
+        SELECT f.rank, sum({_clipped("s.ts", f"greatest({open_end} - s.ts, 0)", hang_from)}) / 1e9, count(*)
         FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE s.name = '{SpanName.ITERATION}' AND s.open AND f.failed AND NOT f.running AND NOT f.is_agent
         GROUP BY ALL
@@ -157,7 +159,7 @@ def summary(job: Job) -> dict[str, Any]:
     case = _category_case("s.name")
     spans_sql = f"""
         SELECT s.rank, {case} AS cat,
-               sum({_clipped("s.ts", f"coalesce(s.dur, greatest({open_end} - s.ts, 0))")}) / 1e9
+               sum({_clipped("s.ts", f"coalesce(s.dur, greatest({open_end} - s.ts, 0))", hang_from)}) / 1e9
         FROM spans_small s JOIN stream_facts f USING (stream)
         WHERE NOT s.is_agent AND {case} IS NOT NULL
           AND NOT (s.name = '{SpanName.DATA_LOADING}' AND EXISTS (
@@ -168,13 +170,13 @@ def summary(job: Job) -> dict[str, Any]:
         per_rank.setdefault(rank, dict.fromkeys(CATEGORIES, 0.0))
         per_rank[rank][cat] += seconds
     for rank, seconds in job.rows(
-        f"SELECT f.rank, sum({open_end} - f.hang_from) / 1e9 FROM stream_facts f "
-        "WHERE f.hang_from IS NOT NULL AND NOT f.is_agent GROUP BY ALL"
+        f"SELECT f.rank, sum(greatest({open_end} - {hang_from}, 0)) / 1e9 FROM stream_facts f "
+        f"WHERE {hang_from} IS NOT NULL AND NOT f.is_agent GROUP BY ALL"
     ):
         per_rank[rank]["hang"] += seconds
     # A job of one rank has no other rank to wait for: both looks for waits are left out (13 ms of a small job).
     alone = len(ranks) < 2
-    for rank, cat, seconds in [] if alone else _waits_for_other_ranks(job, typical):
+    for rank, cat, seconds in [] if alone else _waits_for_other_ranks(job, typical, hang_from):
         moved = min(seconds, per_rank[rank]["productive"])
         per_rank[rank]["productive"] -= moved
         per_rank[rank][cat] += moved
@@ -210,7 +212,7 @@ def summary(job: Job) -> dict[str, Any]:
     # Time outside the steps and phases that waited for another rank's phase (after `other` is known: it is taken
     # from there).
     idle = {rank: cats["other"] for rank, cats in per_rank.items()}
-    for rank, cat, seconds in [] if alone else _waits_between_steps(job, step_medians, idle):
+    for rank, cat, seconds in [] if alone else _waits_between_steps(job, step_medians, idle, hung):
         moved = min(seconds, per_rank[rank]["other"])
         per_rank[rank]["other"] -= moved
         per_rank[rank][cat] += moved
@@ -458,7 +460,9 @@ WAIT_MARGIN = 0.1
 WAIT_MIN_STEPS = 5
 
 
-def _waits_for_other_ranks(job: Job, typical: dict[int, int]) -> list[tuple[int, str, float]]:
+def _waits_for_other_ranks(
+    job: Job, typical: dict[int, int], hang_from: str = "f.hang_from"
+) -> list[tuple[int, str, float]]:
     """(rank, category, seconds): the time a rank's productive steps waited for another rank's checkpoint save
     or load, validation or test (docs/analysis.md, "Waiting for another rank's phase"). A step that ran over
     its rank's median productive step (``typical``) by more than ``WAIT_MARGIN`` of it, while another rank of its
@@ -476,7 +480,7 @@ def _waits_for_other_ranks(job: Job, typical: dict[int, int]) -> list[tuple[int,
     ahead = _clock_ahead(job, "host")
     names = ", ".join(f"'{name}'" for name in WAITED_FOR)
     case = _category_case("s.name")
-    clipped = _clipped("i.ts", "i.dur")
+    clipped = _clipped("i.ts", "i.dur", hang_from)
     # The slow steps, stored once: the query below reads them twice (the waiting ranks' steps, and the steps of the
     # ranks in the phases).
     job.con.execute(
@@ -542,7 +546,7 @@ GAP_CONTEXT_STEPS = 4
 
 
 def _waits_between_steps(
-    job: Job, step_medians: dict[int, int], idle: dict[int, float]
+    job: Job, step_medians: dict[int, int], idle: dict[int, float], hung: dict[int, int] | None = None
 ) -> list[tuple[int, str, float]]:
     """(rank, category, seconds): the time a rank waited for another rank's checkpoint save or load, validation
     or test *between* its steps, outside its spans (so far counted as ``other``): at a barrier after rank 0's
@@ -566,7 +570,8 @@ def _waits_between_steps(
         "FROM stream_facts f JOIN streams s USING (stream) WHERE NOT f.is_agent"
     ):
         ahead = int(offsets.get(host, 0)) if offsets else 0
-        stop = int(end) if hang_from is None else min(int(end), int(hang_from))
+        began = hang_from if hang_from is not None else (hung or {}).get(int(stream))
+        stop = int(end) if began is None else min(int(end), int(began))
         streams[int(stream)] = (int(rank), int(restart), ahead, int(start) - ahead, stop - ahead)
         files[int(stream)] = int(file)
     case = _category_case("s.name")
@@ -681,12 +686,72 @@ def _waits_between_steps(
     return [(rank, cat, seconds) for (rank, cat), seconds in sorted(waits.items())]
 
 
-def _clipped(ts: str, dur: str) -> str:
-    """A duration cut where the stream's hang began (``f`` is the stream's row of stream_facts)."""
+def _clipped(ts: str, dur: str, hang_from: str = "f.hang_from") -> str:
+    """A duration cut where the stream's hang began (``f`` is the stream's row of stream_facts; ``hang_from``,
+    ``_hang_from_sql``'s)."""
     return (
-        f"CASE WHEN f.hang_from IS NOT NULL AND {ts} + {dur} > f.hang_from THEN greatest(f.hang_from - {ts}, 0) "
+        f"CASE WHEN {hang_from} IS NOT NULL AND {ts} + {dur} > {hang_from} THEN greatest({hang_from} - {ts}, 0) "
         f"ELSE {dur} END"
     )
+
+
+def _hang_from_sql(hung: dict[int, int]) -> str:
+    """When stream ``f``'s hang began: its own hang report's reading (stream_facts), or ``_hung_unreported``'s."""
+    if not hung:
+        return "f.hang_from"
+    # A CASE, not a join on a VALUES list: Spark's planner fails such a join on the checkpointed tables.
+    whens = " ".join(f"WHEN {stream} THEN {ns}" for stream, ns in hung.items())
+    return f"coalesce(f.hang_from, CASE f.stream {whens} END)"
+
+
+def _hung_unreported(job: Job, verdict: dict[str, Any]) -> dict[int, int]:
+    """stream -> when its rank's hang began, for each rank the diagnosis names hung whose stream has no hang report
+    of its own (hang detection off, or a long phase's limit of 30 minutes not reached: a model initialisation or
+    a checkpoint save that never returned; it may live on for as long as its launcher lets it, 30 s after its
+    SIGTERM under torchrun). No record says when it stopped working; from when its peers (the other ranks of its
+    attempt) were left waiting for it (the earliest collective they were left in), else from their first
+    failure (their collective's timeout where no span shows the collective), its time is the hang's, not the
+    phase's (a hung save read as 23% of the job in checkpoint saves before)."""
+    states = [st for st in verdict.get("ranks") or () if st.get("stream") is not None]
+    hung = [st for st in states if str(st.get("cause") or "").startswith("hang")]
+    if not hung:
+        return {}
+    listed = ", ".join(str(int(st["stream"])) for st in hung)
+    reported = {
+        int(r[0])
+        for r in job.rows(f"SELECT stream FROM stream_facts WHERE stream IN ({listed}) AND hang_from IS NOT NULL")
+    }
+    hung = [st for st in hung if int(st["stream"]) not in reported]
+    if not hung:
+        return {}
+    # The diagnosis's times are on the reference host's clock; each stream's records on its own host's.
+    offsets = host_clocks(job)["offsets_ns"]
+
+    def ahead(st: dict[str, Any]) -> int:
+        return int(offsets.get(st.get("host") or "", 0) or 0)
+
+    out: dict[int, int] = {}
+    for restart in {st.get("restart") for st in hung}:
+        alone = {int(st["stream"]) for st in hung}
+        peers = [st for st in states if st.get("restart") == restart and int(st["stream"]) not in alone]
+        waiting = []
+        for st in peers:
+            if st.get("in_collective") and st.get("stopped_ns"):
+                # The collective it was left in: the last one it began before it stopped.
+                row = job.one(
+                    f"SELECT max(ts) FROM spans_small WHERE stream = {int(st['stream'])} "
+                    f"AND name = '{SpanName.COLLECTIVE}' AND ts <= {int(st['stopped_ns']) + ahead(st)}"
+                )
+                if row and row[0] is not None:
+                    waiting.append(int(row[0]) - ahead(st))
+        failed = [int(st["stopped_ns"]) for st in peers if st.get("state") == "error" and st.get("stopped_ns")]
+        marks = waiting or failed
+        if not marks:
+            continue
+        for st in hung:
+            if st.get("restart") == restart:
+                out[int(st["stream"])] = max(min(marks) + ahead(st), int(st.get("since_ns") or 0))
+    return out
 
 
 def _count_medians(step_counts: dict[int, dict[bool, int]]) -> tuple[Any, ...]:

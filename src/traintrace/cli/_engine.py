@@ -141,7 +141,8 @@ RARE_KINDS = ("header", "error", "thread", "dropped")
 RARE_FIELDS = tuple(k for k in COLUMNS if k not in CORE_COLUMNS)
 
 ITERATION = SpanName.ITERATION
-#: Phases whose end (ok) is progress to the hang detection (traintrace._stats), like an iteration's.
+#: Long phases, whose end (however they ended) the hang detection counts from (traintrace._monitor), as an
+#: iteration's.
 PROGRESS_PHASES = (
     SpanName.CHECKPOINT_SAVE_SYNC,
     SpanName.CHECKPOINT_SAVE_ASYNC,
@@ -1126,8 +1127,9 @@ class Job:
                 WHERE r.plain AND r.ts + r.dur <= hang.hang_ts
                 GROUP BY hang.stream
             ), hang_pairs AS (
-                -- Or of the last progress other than an iteration, as the hang detection measures it: a phase that
-                -- ended ok (a checkpoint save or load, validation, test, initialisation), the training loop's start.
+                -- Or of the last progress other than an iteration, as the hang detection measures it: the end of a
+                -- long phase (a checkpoint save or load, validation, test, initialisation), however it ended (the
+                -- plain limit counts from there), the training loop's start.
                 SELECT hang.stream,
                        max(CASE WHEN s.name = '{SpanName.TRAINING_LOOP}'
                                  AND (s.open OR s.ts + s.dur > hang.hang_ts) THEN s.ts
@@ -1135,7 +1137,7 @@ class Job:
                 FROM hang JOIN spans_small s USING (stream)
                 WHERE (s.name = '{SpanName.TRAINING_LOOP}' AND s.ts <= hang.hang_ts)
                    OR (NOT s.open AND s.ts + s.dur <= hang.hang_ts
-                       AND (s.name = '{ITERATION}' OR (s.name IN ({progress}) AND s.status = '{ok}')))
+                       AND s.name IN ('{ITERATION}', {progress}))
                 GROUP BY hang.stream
             )"""
         hang_ts = "hang.hang_ts"
