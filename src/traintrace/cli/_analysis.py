@@ -750,7 +750,7 @@ def _hung_unreported(job: Job, verdict: dict[str, Any]) -> dict[int, int]:
             continue
         for st in hung:
             if st.get("restart") == restart:
-                out[int(st["stream"])] = max(min(marks) + ahead(st), int(st.get("since_ns") or 0))
+                out[int(st["stream"])] = max(min(marks), int(st.get("since_ns") or 0)) + ahead(st)
     return out
 
 
