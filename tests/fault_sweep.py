@@ -296,8 +296,9 @@ def launch_two_nodes(
         ends = time.monotonic() + timeout
         for launcher in launchers:
             launcher.wait(timeout=max(ends - time.monotonic(), 1))
+        ended_ns = time.time_ns()  # the sweep's clock: node-a's, which node-b's marks are moved onto
         returncode = max(launcher.returncode for launcher in launchers)
-    return Run(folder / "logs" / "job", folder / "truth", returncode, "")
+    return Run(folder / "logs" / "job", folder / "truth", returncode, "", ended_ns)
 
 
 def marks_on_one_clock(truth: Path, host: str, ahead_ns: int) -> None:
@@ -310,6 +311,8 @@ def marks_on_one_clock(truth: Path, host: str, ahead_ns: int) -> None:
             continue
         for m in marks:
             m["ts"] -= ahead_ns
+            if "created" in m:  # the process's creation, read against the same (skewed) wall clock
+                m["created"] -= ahead_ns
         path.write_text("".join(json.dumps(m) + "\n" for m in marks))
 
 
