@@ -730,20 +730,28 @@ def _hung_unreported(job: Job, verdict: dict[str, Any]) -> dict[int, int]:
     def ahead(st: dict[str, Any]) -> int:
         return int(offsets.get(st.get("host") or "", 0) or 0)
 
+    alone = {int(st["stream"]) for st in hung}
+    # Each waiting peer's collective it was left in: the last one it began before it stopped (one query for all).
+    stops = {
+        int(st["stream"]): int(st["stopped_ns"]) + ahead(st)
+        for st in states
+        if int(st["stream"]) not in alone and st.get("in_collective") and st.get("stopped_ns")
+    }
+    left_in: dict[int, int] = {}
+    if stops:
+        whens = " ".join(f"WHEN {stream} THEN {ns}" for stream, ns in stops.items())
+        left_in = {
+            int(stream): int(ts)
+            for stream, ts in job.rows(
+                f"SELECT stream, max(ts) FROM spans_small WHERE name = '{SpanName.COLLECTIVE}' "
+                f"AND stream IN ({', '.join(map(str, stops))}) AND ts <= CASE stream {whens} END GROUP BY stream"
+            )
+            if ts is not None
+        }
     out: dict[int, int] = {}
     for restart in {st.get("restart") for st in hung}:
-        alone = {int(st["stream"]) for st in hung}
         peers = [st for st in states if st.get("restart") == restart and int(st["stream"]) not in alone]
-        waiting = []
-        for st in peers:
-            if st.get("in_collective") and st.get("stopped_ns"):
-                # The collective it was left in: the last one it began before it stopped.
-                row = job.one(
-                    f"SELECT max(ts) FROM spans_small WHERE stream = {int(st['stream'])} "
-                    f"AND name = '{SpanName.COLLECTIVE}' AND ts <= {int(st['stopped_ns']) + ahead(st)}"
-                )
-                if row and row[0] is not None:
-                    waiting.append(int(row[0]) - ahead(st))
+        waiting = [left_in[int(st["stream"])] - ahead(st) for st in peers if int(st["stream"]) in left_in]
         failed = [int(st["stopped_ns"]) for st in peers if st.get("state") == "error" and st.get("stopped_ns")]
         marks = waiting or failed
         if not marks:
