@@ -233,7 +233,7 @@ def check_goodput(run: Run, failed: bool = True, unrecorded: float = 0.0) -> dic
     truth = truth_goodput(run, failed)
     high = truth_goodput(run, failed, "configured")
     low = truth - unrecorded
-    if hung_until_killed(run) and run.ended_ns:
+    if hung_marks(run) and run.ended_ns:
         # A hung rank that let its SIGTERM pass lived on, writing no mark, until the launcher killed it (30 s under
         # torchrun): the job's wall time ends between the last mark and the launcher's end.
         low = min(low, truth_goodput(run, failed, until=run.ended_ns) - unrecorded)
@@ -261,10 +261,6 @@ def hung_marks(run: Run) -> dict[int, dict[str, Any]]:
         if last["event"] == "fault" and str(last.get("kind", "")).startswith("hang"):
             out[rank] = last
     return out
-
-
-def hung_until_killed(run: Run) -> bool:
-    return bool(hung_marks(run))
 
 
 def check_startup(run: Run) -> None:
