@@ -553,15 +553,16 @@ def test_ddp_loss_that_overflows_on_one_rank_is_diagnosed_as_diverged(tmp_path: 
 @pytest.mark.subprocess
 @pytest.mark.once
 @pytest.mark.parametrize(
-    ("mode", "every", "save_every", "batch_norm", "late_exists_ms"),
+    ("mode", "every", "save_every", "batch_norm", "late_exists_ms", "live"),
     [
-        ("slow", "1", "0", "0", "0"),
-        ("slow_data", "1", "0", "0", "0"),
-        ("slow", "2", "0", "0", "0"),
-        ("slow_data", "2", "2", "0", "0"),
-        ("slow_data", "2", "2", "0", "40"),
-        ("slow", "1", "0", "1", "0"),
-        ("slow_data", "1", "0", "1", "0"),
+        ("slow", "1", "0", "0", "0", "0"),
+        ("slow_data", "1", "0", "0", "0", "0"),
+        ("slow", "2", "0", "0", "0", "0"),
+        ("slow_data", "2", "2", "0", "0", "0"),
+        ("slow_data", "2", "2", "0", "40", "0"),
+        ("slow_data", "2", "2", "0", "40", "1"),
+        ("slow", "1", "0", "1", "0", "0"),
+        ("slow_data", "1", "0", "1", "0", "0"),
     ],
     ids=[
         "slow",
@@ -569,12 +570,13 @@ def test_ddp_loss_that_overflows_on_one_rank_is_diagnosed_as_diverged(tmp_path: 
         "slow-2",
         "slow_data-2-saves",
         "slow_data-2-saves-rank-0-late",
+        "slow_data-2-saves-rank-0-late-live",
         "slow-buffers",
         "slow_data-buffers",
     ],
 )
 def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
-    tmp_path: Path, *, mode: str, every: str, save_every: str, batch_norm: str, late_exists_ms: str
+    tmp_path: Path, *, mode: str, every: str, save_every: str, batch_norm: str, late_exists_ms: str, live: str
 ) -> None:
     """Rank 1 of a 2-process DDP fit is 60 ms slower from step 6 on: in its training step (``slow``) or fetching
     its batches (``slow_data``). DDP's all-reduce makes rank 0 wait in backward, so both ranks' steps take as
@@ -588,7 +590,9 @@ def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
     ModelCheckpoint's collective before each save (its file-exists check on a slow file system): rank 1 waits
     there; that stretch was recorded as a wait for a batch on both ranks, and fed the next step's only on rank 1,
     which has no save record of its own: its onset read step 2, the first save's (as a loaded CI machine made it
-    once), not step 6."""
+    once), not step 6. The same with the NVTX backend on (``live``: a listener, so the callback opens its spans as
+    they begin): the wait, open since the batch's end, ended there as a wait for a batch and read step 2 every
+    time; it now ends ``interrupted``."""
     script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "6", mode]
     done = run(
         script,
@@ -599,8 +603,12 @@ def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
         SAVE_MB="20",
         BATCH_NORM=batch_norm,
         LATE_EXISTS_MS=late_exists_ms,
+        **({"TRAINTRACE_BACKENDS_NVTX_ENABLED": "1"} if live == "1" else {}),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if live == "1":  # the premise: the waits were live spans, and those a save cut short say so
+        records = (tmp_path / "logs" / "ddp-test" / "rank1.jsonl").read_text()
+        assert '"status":"interrupted"' in records, records[-2000:]
     data = check_straggler(tmp_path, tmp_path / "logs" / "ddp-test", mode, ranks=2)
     assert any("outside backward" in note for note in data["notes"]), data["notes"]
 

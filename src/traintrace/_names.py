@@ -111,6 +111,9 @@ class SpanStatus:
     ERROR: Final = "error"
     TERMINATED: Final = "terminated"
     ABANDONED: Final = "abandoned"
+    #: Ended because something else began before it completed, as the Lightning callback's live wait for a batch
+    #: when a checkpoint save begins instead: the commands count its time as no part of that phase.
+    INTERRUPTED: Final = "interrupted"
 
 
 #: Default verbosity of each standard span; other spans default to INFO.

@@ -10,7 +10,7 @@ import json
 from typing import Any, NamedTuple
 
 from .._lifecycle import EventType  # not ..events: it would import the recorder
-from .._names import EventName, SpanName
+from .._names import EventName, SpanName, SpanStatus
 from ._device import compute_time_sql, device_summary
 from ._diagnosis import HANG_ERRORS, _secondary, _terminated_by, diagnose, host_clocks, shared_node
 from ._engine import BEFORE_THE_LOOP, ITERATION, Job, compress_ranks, own_progress, sql_string
@@ -161,7 +161,7 @@ def summary(job: Job) -> dict[str, Any]:
         SELECT s.rank, {case} AS cat,
                sum({_clipped("s.ts", f"coalesce(s.dur, greatest({open_end} - s.ts, 0))", hang_from)}) / 1e9
         FROM spans_small s JOIN stream_facts f USING (stream)
-        WHERE NOT s.is_agent AND {case} IS NOT NULL
+        WHERE NOT s.is_agent AND {case} IS NOT NULL AND {NOT_INTERRUPTED}
           AND NOT (s.name = '{SpanName.DATA_LOADING}' AND EXISTS (
               SELECT 1 FROM iterations i WHERE i.stream = s.stream AND i.id = s.parent))
         GROUP BY ALL
@@ -622,7 +622,8 @@ def _waits_between_steps(
     phase_end = "s.ts + coalesce(s.dur, greatest(f.end_ts - s.ts, 0))"
     spans = (
         "spans_small s JOIN stream_facts f USING (stream) JOIN keys k ON k.file = s.file AND k.b = ({}) // {} "
-        f"WHERE NOT s.is_agent AND (s.name IN ({categorised}) OR (s.name = '{ITERATION}' AND s.open))"
+        f"WHERE NOT s.is_agent AND (s.name IN ({categorised}) OR (s.name = '{ITERATION}' AND s.open)) "
+        f"AND {NOT_INTERRUPTED}"
     )
     for stream, t0, t1, parent in job.rows(
         # Four keyed joins, not one over a shared CTE: the engine would read every step into the CTE first.
@@ -684,6 +685,10 @@ def _waits_between_steps(
             key = (streams[stream][0], cat)
             waits[key] = waits.get(key, 0.0) + overlap * share / NS
     return [(rank, cat, seconds) for (rank, cat), seconds in sorted(waits.items())]
+
+
+#: A span that something else cut short (``SpanStatus.INTERRUPTED``) is no part of its phase's time.
+NOT_INTERRUPTED = f"coalesce(s.status, '') <> '{SpanStatus.INTERRUPTED}'"
 
 
 def _clipped(ts: str, dur: str, hang_from: str = "f.hang_from") -> str:
@@ -1229,6 +1234,7 @@ def _step_parts(job: Job) -> None:
         WITH waits AS (
             SELECT stream, rank, restart, ts, dur, id, parent FROM spans_small
             WHERE name = '{SpanName.DATA_LOADING}' AND dur IS NOT NULL AND NOT is_agent
+              AND coalesce(status, '') <> '{SpanStatus.INTERRUPTED}'
         ), gathers AS (
             -- Collectives inside a wait (the Trainer gathers each step's token count from every rank as it
             -- fetches the batch): time waiting for the slowest rank's loader, not this rank's own.

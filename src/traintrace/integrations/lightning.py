@@ -697,11 +697,12 @@ class TraintraceCallback(Callback):
         # a batch, and a rank that does not write waits there for the writer. Timed, that stretch is not recorded
         # (it was, on every rank, and fed the next step's wait on ranks without a save record of their own: a rank
         # late to that broadcast made the other, on a loaded machine, a straggler fetching batches after saves). A
-        # live span (a listener present) has been seen begun: it ends here as before.
+        # live span (a listener present) has been seen begun: it ends here, ``interrupted``, which the commands
+        # count as no wait for a batch (as the timed stretch it was not recorded).
         if self._wait_t0 is not None:
             self._wait_t0 = None
         else:
-            self._end_wait()
+            self._end_wait(SpanStatus.INTERRUPTED)
         if not self._info or any(obj is not trainer for obj, *_ in self._patched):
             return
         # No wrapped checkpoint IO: the save is known only to start here.
