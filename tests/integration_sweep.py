@@ -19,7 +19,9 @@ opened around the code as tests/fault_sweep.py's worker does. Checked: ``errors`
 names the faulty rank, the step and phase the script's own truth (``fault.json``, ``started<rank>.txt``, the losses,
 written without traintrace) says, and the cause; the status; every other rank in the verdict; for a straggler,
 ``ranks`` names it alone, the part and the step its script's notes give (``steps<rank>.jsonl``). With ``--busy N``,
-N processes spin on the CPU beside the jobs: a busy host, as CI's is while its other tests run. A line per job; the
+N processes spin on the CPU beside the jobs: a busy host, as CI's is while its other tests run. With ``--nvtx``, the
+NVTX backend is on (for Nsight): a span listener, so the callbacks open their spans as they begin, not timed between
+hooks and written at their end. A line per job; the
 exit status is the number of jobs whose answer was wrong (at most 99). 10 to 40 s a job on a 2-core machine: not
 part of the suite, whose fixed cases (tests/test_integrations_lightning.py, tests/test_integrations_transformers.py)
 cover the exception, the data faults and the overflow.
@@ -176,10 +178,11 @@ def _draw_fault(draw: random.Random, framework: str, modes: list[str]) -> Job:
     return Job(framework, mode, devices, rank, step, epochs, launcher)
 
 
-def run_job(folder: Path, job: Job) -> dict[str, Any] | None:
+def run_job(folder: Path, job: Job, *, nvtx: bool = False) -> dict[str, Any] | None:
     """The script under torchrun, or under traintrace-run (torchrun with the launcher's own stream). A hang is read
     while the job runs (``errors``, returned), 5 s after the fault; then the job goes on until the collectives'
-    timeout ends it or, where none does (the Trainer's), 30 s after the fault the whole job is killed."""
+    timeout ends it or, where none does (the Trainer's), 30 s after the fault the whole job is killed. ``nvtx``: the
+    NVTX backend on (a span listener: the callbacks open their spans as they begin)."""
     framework = FRAMEWORKS[job.framework]
     start = (
         [sys.executable, "-m", "traintrace.launch"] if job.launcher else [str(Path(sys.executable).parent / "torchrun")]
@@ -198,6 +201,7 @@ def run_job(folder: Path, job: Job) -> dict[str, Any] | None:
         SLOW_EVERY=str(job.every),
         SAVE_EVERY=str(job.save_every),
         SAVE_MB=str(job.save_mb),
+        **({"TRAINTRACE_BACKENDS_NVTX_ENABLED": "1"} if nvtx else {}),
         BATCH_NORM="1" if job.batch_norm else "0",
     )
     env.update(TRAINTRACE_LOG_DIR=str(folder / "logs"), TRAINTRACE_JOB_ID=framework.job)
@@ -314,6 +318,9 @@ def main() -> int:
     parser.add_argument("--framework", choices=(*FRAMEWORKS, "both"), default="both")
     parser.add_argument("--keep", action="store_true", help="keep every job's folder (a wrong one's is always kept)")
     parser.add_argument("--busy", type=int, default=0, help="that many processes spinning beside the jobs")
+    parser.add_argument(
+        "--nvtx", action="store_true", help="the NVTX backend on: a span listener, so the callbacks' spans are live"
+    )
     parser.add_argument("--modes", default="", help=f"comma-separated, to draw from these only: {', '.join(PHASES)}")
     args = parser.parse_args()
     modes = list(PHASES) if not args.modes else args.modes.split(",")
@@ -337,7 +344,7 @@ def sweep(args: argparse.Namespace, frameworks: list[str], modes: list[str]) -> 
         folder = Path(tempfile.mkdtemp(prefix="traintrace-integration-sweep-"))
         began = time.monotonic()
         try:
-            live = run_job(folder, job)
+            live = run_job(folder, job, nvtx=args.nvtx)
             verdict = check(folder, job)
             if live is not None:
                 verdict = f"{check(folder, job, live)}; at the end: {verdict}"
