@@ -490,3 +490,34 @@ def test_a_held_tensor_that_is_not_finite_is_an_event_once_read(
     tt.flush()
     events = memory.events("non_finite_metric")
     assert [e["attrs"] for e in events] == [{"metric": "loss", "value": "NaN", "step": 6}]
+
+
+def test_a_wait_for_a_batch_cut_short_is_no_part_of_the_data_loading_mean(tmp_path: Path) -> None:
+    """A wait for a batch that something else cut short (the Lightning callback ends it ``interrupted`` when a
+    checkpoint save begins) is left out of ``average_dataloader_time``, as the commands leave it out of data
+    loading: the mean is that of the waits that ended with a batch (either core: the native encoder counts the
+    sub-phases of a file's statistics itself)."""
+    tt.configure(
+        log_dir=str(tmp_path), job_id="cut", backends=[tt.FileBackendConfig()], log_interval=4, device_sample_interval=0
+    )
+    with tt.training_loop():
+        for step in range(4):
+            wait = tt.start(tt.SpanName.DATA_LOADING)
+            time.sleep(0.002)
+            tt.stop(wait)
+            with tt.training_iteration(step):
+                pass
+            if step == 1:
+                cut = tt.start(tt.SpanName.DATA_LOADING)
+                time.sleep(0.03)
+                tt.stop(cut, status=tt.SpanStatus.INTERRUPTED)
+    tt.close()
+    records = _read_stream(tmp_path)
+    waits = [r for r in records if r.get("name") == tt.SpanName.DATA_LOADING and r["kind"] in ("span", "end")]
+    assert [w["status"] for w in waits].count(tt.SpanStatus.INTERRUPTED) == 1 and len(waits) == 5, waits
+    whole = [w["dur"] * NS for w in waits if w["status"] == tt.SpanStatus.OK]
+    intervals = [e["attrs"] for e in records if e.get("name") == "training_iterations" and e["attrs"]["interval"]]
+    assert len(intervals) == 1, intervals
+    assert intervals[0]["average_dataloader_time"] == pytest.approx(sum(whole) / len(whole), rel=1e-9)
+    assert intervals[0]["average_dataloader_time"] < 0.03
+    assert_valid(records)

@@ -1043,6 +1043,9 @@ static int observed(Encoder *e, Stats *st, PyObject *name, PyObject *attrs, PyOb
     if (name != S_ITERATION && PyUnicode_Compare(name, S_ITERATION) != 0) {
         PyObject *f = PyDict_GetItemWithError(st->phase_fields, name);
         if (f != NULL) {
+            /* Not ``ok`` (an ``interrupted`` wait is no part of its phase's mean): Python's statistics decide. */
+            if (status == NULL || !PyUnicode_Check(status) || (status != S_OK && PyUnicode_Compare(status, S_OK) != 0))
+                return OBS_PYTHON;
             *field = f;
             return OBS_PHASE;
         }

@@ -246,6 +246,8 @@ class IterationStats:
         t1 = span.t1 or span.t0
         field = PHASE_FIELDS.get(name)
         if field is not None:
+            if span.status == SpanStatus.INTERRUPTED:  # cut short by something else: no part of the phase's mean
+                return
             self._phase_sum[field] = self._phase_sum.get(field, 0) + (t1 - span.t0)
             self._phase_count[field] = self._phase_count.get(field, 0) + 1
             return
