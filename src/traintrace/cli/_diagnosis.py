@@ -1810,19 +1810,24 @@ def _first_line(text: str | None, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def _every_rank(count: int) -> str:
+    return "the only rank" if count == 1 else "both ranks" if count == 2 else f"all {count} ranks"
+
+
 def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     if culprit is None and _killed_together(states):
         launcher = any("launcher" in s.source for s in states)
         how = "killed by a signal" if launcher else "cut off without a close record"
+        were = "was" if len(states) == 1 else "were"
         return (
-            f"killed from outside: all {len(states)} ranks were {how} at once, none failed first "
+            f"killed from outside: {_every_rank(len(states))} {were} {how} at once, none failed first "
             f"(the scheduler, the OOM killer or a lost node); " + _doing_groups(states)
         )
     if culprit is None and _terminated_together(states):
         launchers = "the launchers" if len({s.host for s in states}) > 1 else "the launcher"
         who = f"{launchers} and " if any(s.launcher_signal for s in states) else ""
         return (
-            f"{_ended_how(states)} from outside: {who}all {len(states)} ranks got the signal at once, none failed "
+            f"{_ended_how(states)} from outside: {who}{_every_rank(len(states))} got the signal at once, none failed "
             f"first (the scheduler's time limit, or a cancelled job); " + _doing_groups(states)
         )
     if culprit is None:

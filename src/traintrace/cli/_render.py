@@ -106,7 +106,9 @@ def render_summary(s: dict[str, Any]) -> str:
         ("checkpoint load", seconds(p["checkpoint_load_s"])),
         ("validation", seconds(p["validation_s"])),
         ("test", seconds(p["test_s"])),
-        ("idle between restarts", seconds(p["idle_between_restarts_s"])),
+        # The launcher's rendezvous and its wait for the processes' exit are in it too: a job that never
+        # restarted has some.
+        ("no process (rendezvous, restarts)", seconds(p["idle_between_restarts_s"])),
     ]
     out.append(table(("phase", "time"), phase_rows))
     out.append("")
