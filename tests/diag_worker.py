@@ -233,6 +233,8 @@ def main() -> None:
     # The ranks that did not fail are aborted (SIGABRT) once the failure reached them (their collective timed out),
     # as NCCL's watchdog aborts them; they ignore SIGTERM.
     parser.add_argument("--abort-after-failure", action="store_true")
+    # Seconds the SIGTERM handler works before the process ends (an emergency checkpoint save).
+    parser.add_argument("--sigterm-cleanup", type=float, default=0.0)
     # A watchdog thread aborts the process (SIGABRT) once it has waited this many seconds in a collective, as
     # NCCL's watchdog does (no exception in Python); give a longer --gloo-timeout. 0: none.
     parser.add_argument("--watchdog-abort", type=float, default=0.0)
@@ -266,6 +268,7 @@ def main() -> None:
 
     def on_sigterm(signum: int, frame: object) -> None:
         truth.write(event="sigterm")
+        time.sleep(args.sigterm_cleanup)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

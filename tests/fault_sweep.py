@@ -10,8 +10,12 @@ SIGSEGV, an exit with a code (``os._exit`` or ``sys.exit``), a process that stop
 that keeps the GIL), a rank that leaves the loop early, a hang in compute, in data loading (from the first batch
 on), in a collective, in a validation pass, in model initialisation or in rank 0's checkpoint save (hang detection
 on or off), an exception in that save or a SIGKILL inside it, a DataLoader worker killed (torchrun restarts the job,
-which finishes), a batch whose loss overflows (the job diverges), or a rank slow in compute or data loading from
-some step on (at every step, at every few steps only, or for a few steps only). The faulty rank, the step, the
+which finishes), a batch whose loss overflows (the job diverges), a rank slow in compute or data loading from
+some step on (at every step, at every few steps only, or for a few steps only), a rank that runs out of memory (an
+address-space limit), rank 0's saves on a file system that fills up (a 2 MiB tmpfs in the job's mount namespace;
+the job's streams on it too, or not),
+or the scheduler ending the whole job (SIGTERM or SIGKILL to the launcher and every rank at once, while it trains
+or 3 s after a rank hung in forward). The faulty rank, the step, the
 checkpoint interval, validation passes, asynchronous or large saves, the step time and how long a failed rank
 lingers are drawn too.
 Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
@@ -41,6 +45,8 @@ import argparse
 import json
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from tests._fault_runs import busy_host, say_wrong, tally
+from tests.diag_worker import LEAK_STEPS
 from tests.test_diagnosis import (
+    SHARED_DISK_MOUNT,
+    SMALL_DISK_MOUNT,
     Run,
     check_culprit,
     check_goodput,
@@ -56,10 +65,13 @@ from tests.test_diagnosis import (
     clock_ahead_library,
     fault_step_of,
     first_non_finite_loss,
+    kill_the_job,
     launch,
     steps_by_marks,
     two_nodes,
     unrecorded_share,
+    wait_for_mark,
+    wait_for_step,
 )
 from traintrace.cli._engine import RECENT_S
 
@@ -101,6 +113,18 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
     "inf_batch": (None, "", False),
     "slow_compute": (None, "", False),
     "slow_data": (None, "", False),
+    # Forward keeps a 64 MiB tensor a step under an address-space limit until an allocation fails.
+    "leak_oom": ("model_forward", "ran out of memory", True),
+    # Rank 0's synchronous saves of 700 KiB go to a 2 MiB file system (a tmpfs in the job's own mount namespace):
+    # the third does not fit.
+    "full_disk": ("checkpoint_save_sync", "RuntimeError", True),
+    # The same with the job's streams on that file system too (one scratch folder for both).
+    "full_disk_logs": ("checkpoint_save_sync", "RuntimeError", True),
+    # The scheduler ends the whole job at rank 0's step: SIGTERM (a time limit) or SIGKILL to the launcher and
+    # every rank at once; or SIGTERM 3 s after a rank hung in forward (no hang detection, long collective timeout).
+    "term_all": (None, "", True),
+    "kill_all": (None, "", True),
+    "hang_term": ("model_forward", "hang", True),
 }
 #: Faults in rank 0's checkpoint save.
 IN_SAVE = ("checkpoint", "hang_in_checkpoint", "kill_in_checkpoint", "async_save")
@@ -113,6 +137,10 @@ UNFLUSHED = ("sigkill", "sigsegv", "kill_in_checkpoint", "exit", "freeze", "gil_
 WITHOUT_LAUNCHER = "ended without a close record"
 #: Faults before the first step: no step to draw.
 BEFORE_LOOP = ("model_init", "hang_init")
+#: Faults of rank 0's saves on a small file system.
+ON_SMALL_DISK = ("full_disk", "full_disk_logs")
+#: The scheduler's signals to the whole job: no rank failed first.
+FROM_OUTSIDE = ("term_all", "kill_all")
 
 
 #: Faults inside a step after which every other rank waits in (or fails out of) that step's gradient all-reduce, or
@@ -189,6 +217,34 @@ def check(
         errors = check_culprit(run, rank, last, str(phase), cause)
         assert errors["culprit"]["after_loop"], errors["verdict"]
         check_others(run, errors, rank)
+    elif fault in ("full_disk", "full_disk_logs"):
+        failed = [m for m in run.marks()[0] if m["event"] == "checkpoint_failed"]
+        assert failed, run.output[-3000:]
+        errors = check_culprit(run, 0, failed[0]["step"], str(phase), cause)
+        assert "the checkpoint's file system was full" in errors["verdict"], errors["verdict"]
+        check_others(run, errors, rank)
+    elif fault == "hang_term":
+        mark = fault_step_of(run, rank)
+        errors = run.cli("errors")
+        # Hang detection on: its report names the hang before the signal comes.
+        assert errors["rule"] == "terminated while waiting for a rank" or errors["rule"].startswith("hang"), errors[
+            "verdict"
+        ]
+        culprit = errors["culprit"]
+        assert (culprit["rank"], culprit["step"], culprit["phase"]) == (rank, mark["step"], phase), errors["verdict"]
+        assert errors["verdict"].startswith(f"rank {rank} hung in forward at step {mark['step']}"), errors["verdict"]
+        check_others(run, errors, rank, "hang_compute", buffers=buffers)
+    elif fault in FROM_OUTSIDE:
+        errors = run.cli("errors")
+        rule, verdict = (
+            ("terminated together", "terminated by SIGTERM") if fault == "term_all" else ("killed together", "killed")
+        )
+        assert errors["culprit"] is None and errors["rule"] == rule, errors["verdict"]
+        assert errors["status"] == "failed" and errors["verdict"].startswith(verdict), errors["verdict"]
+        marks = run.marks()
+        for state in errors["rank_states"]:
+            allowed = steps_by_marks(marks[state["rank"]], killed=True)
+            assert state["step"] in allowed, (state, allowed, errors["verdict"])
     elif phase is not None:
         errors = check_culprit(run, rank, None if fault in BEFORE_LOOP else step, phase, cause)
         check_others(run, errors, rank, fault, buffers=buffers)
@@ -280,11 +336,14 @@ def check_recovered(run: Run, fault: str, rank: int, *, torchrun: bool = False) 
 
 def check_where_the_time_went(run: Run, fault: str, rank: int) -> None:
     """Goodput, and the seconds of each category the worker's marks time."""
-    check_goodput(run, failed=FAULTS[fault][2], unrecorded=unrecorded(run, fault, rank))
+    killed = sorted(run.marks()) if fault == "kill_all" else []
+    check_goodput(run, failed=FAULTS[fault][2], unrecorded=unrecorded(run, fault, rank), killed=killed)
 
 
 def unrecorded(run: Run, fault: str, rank: int) -> float:
     """The goodput the docs allow to be missing: a killed or frozen rank's last flush interval of records."""
+    if fault == "kill_all":
+        return unrecorded_share(run, sorted(run.marks()), True)
     return unrecorded_share(run, [rank], FAULTS[fault][2]) if fault in UNFLUSHED else 0.0
 
 
@@ -314,6 +373,25 @@ def marks_on_one_clock(truth: Path, host: str, ahead_ns: int) -> None:
             if "created" in m:  # the process's creation, read against the same (skewed) wall clock
                 m["created"] -= ahead_ns
         path.write_text("".join(json.dumps(m) + "\n" for m in marks))
+
+
+def from_outside(fault: str, rank: int, step: int, *, watchdog: bool) -> Any:
+    """For the scheduler's faults, what ends the job while it runs (``launch``'s ``during``): SIGTERM or SIGKILL to
+    the launcher and every rank once rank 0 began ``step``; SIGTERM a while after ``rank`` hung (2 s under the
+    watchdog, which aborts a rank 3 s in a collective; else 3 s)."""
+    if fault not in (*FROM_OUTSIDE, "hang_term"):
+        return None
+
+    def end(process: subprocess.Popen[str], truth: Path) -> None:
+        if fault == "hang_term":
+            wait_for_mark(process, truth, rank, "fault")
+            time.sleep(2.0 if watchdog else 3.0)
+        else:
+            wait_for_step(process, truth, 0, step)
+        if process.poll() is None:
+            kill_the_job(truth, signal.SIGKILL if fault == "kill_all" else signal.SIGTERM)
+
+    return end
 
 
 def main() -> int:
@@ -354,8 +432,10 @@ def main() -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         parser.error(f"unknown fault {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
-    if args.nodes == 2:  # the two launchers restart nothing
-        faults = [f for f in faults if f != "loader_kill"] or parser.error("loader_kill needs one node")
+    if args.nodes == 2:  # the two launchers restart nothing; the small disk is one launcher's
+        faults = [f for f in faults if f not in ("loader_kill", *ON_SMALL_DISK)] or parser.error(
+            "loader_kill and the full disks need one node"
+        )
     if args.torchrun and args.nodes != 1:
         parser.error("--torchrun needs one node")
     if args.skew and args.nodes != 2:
@@ -386,6 +466,11 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
         if fault in IN_SAVE:
             rank, every = 0, draw.choice([3, 5])
             step = every * draw.randrange(1, 18 // every + 1)  # the save after step ``step - 1``
+        elif fault in ("full_disk", "full_disk_logs"):
+            rank, every = 0, draw.choice([3, 5])
+            step = every * 3  # the third save does not fit
+        elif fault == "leak_oom":
+            step = draw.randrange(LEAK_STEPS + 1, 19)
         extra = ["--checkpoint-every", str(every), "--step-ms", str(draw.choice([10, 30, 60]))]
         # A validation pass every few steps in some jobs (always for a fault in it); async saves in others.
         validate = draw.choice([0, 0, 2, 3, 4])
@@ -394,9 +479,11 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             step = validate * draw.randrange(1, 18 // validate + 1)  # the pass after step ``step - 1``
         if validate:
             extra += ["--validate-every", str(validate)]
-        if fault == "async_save" or (fault not in IN_SAVE and draw.random() < 0.25):
+        if fault == "async_save" or (fault not in (*IN_SAVE, *ON_SMALL_DISK) and draw.random() < 0.25):
             extra += ["--async-checkpoint"]
-        if draw.random() < 0.3:  # a large save (20 MB): the other ranks wait for rank 0's in their next step
+        if fault in ON_SMALL_DISK:
+            extra += ["--checkpoint-pad-kb", "700"]
+        elif draw.random() < 0.3:  # a large save (20 MB): the other ranks wait for rank 0's in their next step
             extra += ["--checkpoint-pad-kb", "20000"]
         if draw.random() < 0.3:  # buffers, which DDP broadcasts from rank 0 before each forward
             extra += ["--batch-norm"]
@@ -404,7 +491,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             # before the broadcast, where every rank then waits as long (docs/analysis.md, "ranks").
             if fault == "slow_data" and draw.random() < 0.5:
                 extra += ["--no-record-collectives"]
-        if args.abort:
+        if args.abort and fault not in (*FROM_OUTSIDE, "hang_term"):  # (the workers would ignore the SIGTERM)
             extra += ["--abort-after-failure"]
         if args.watchdog:
             extra += ["--gloo-timeout", "30", "--watchdog-abort", "3"]
@@ -415,7 +502,11 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
         if fault == "loader_kill":
             extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]
             restarts = 1
-        if fault in ("hang_init", "freeze", "gil_stuck") or fault.startswith("hang"):
+        if fault in ("term_all", "hang_term"):  # a SIGTERM handler that saves a checkpoint before the process ends
+            extra += ["--sigterm-cleanup", draw.choice(["0", "0", "0.3", "2.0"])]
+        if fault == "hang_term":  # nothing ends the hang but the scheduler's signal (hang detection on or off)
+            extra += ["--hang-timeout", draw.choice(["1.5", "0"]), "--gloo-timeout", "60"]
+        elif fault in ("hang_init", "freeze", "gil_stuck") or fault.startswith("hang"):
             extra += ["--hang-timeout", draw.choice(["1.5", "0"])]
         elif slow:
             extra += ["--steps", "30"]
@@ -434,9 +525,26 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
         folder = Path(tempfile.mkdtemp(prefix="traintrace-sweep-"))
         began = time.monotonic()
         try:
-            faulty = ("--fault", fault, "--fault-rank", str(rank), "--fault-step", str(step), *extra)
+            worker_fault = {"hang_term": "hang_compute", "term_all": "none", "kill_all": "none"}.get(fault, fault)
+            faulty = ("--fault", worker_fault, "--fault-rank", str(rank), "--fault-step", str(step), *extra)
+            during = from_outside(fault, rank, step, watchdog=args.watchdog)
+            if fault == "full_disk":
+                disk = folder / "checkpoints"
+                disk.mkdir()
+                faulty += ("--checkpoint-dir", str(disk))
+                prefix: tuple[str, ...] = (*SMALL_DISK_MOUNT, str(disk))
+            elif fault == "full_disk_logs":
+                (folder / "logs").mkdir()
+                faulty += ("--checkpoint-dir", str(folder / "logs" / "checkpoints"))
+                prefix = (*SHARED_DISK_MOUNT, str(folder / "logs"))
+            else:
+                prefix = ()
             if args.nodes == 1:
-                run = launch(folder, nproc, *faulty, max_restarts=restarts, torchrun=args.torchrun)
+                run = launch(
+                    folder, nproc, *faulty, max_restarts=restarts, torchrun=args.torchrun, during=during, prefix=prefix
+                )
+                if fault == "full_disk_logs":  # what the tmpfs held, copied out before it went
+                    shutil.copytree(folder / "logs.kept", folder / "logs", dirs_exist_ok=True)
             else:
                 clock = {"LD_PRELOAD": str(library), "CLOCK_AHEAD_NS": str(ahead_ns)}
                 run = launch_two_nodes(folder, *faulty, node_env={"node-b": clock} if ahead_ns else None)

@@ -40,7 +40,8 @@ class Catch(logging.Handler):
             warnings.append(record.getMessage())
 logging.getLogger("traintrace.lib").addHandler(Catch())
 logs = mnt / "logs"
-tt.configure(job_id="disk", log_dir=str(logs), backends={"file": {"path": "s.jsonl"}, "log": False},
+# No reserve: every write once the disk is full fails (test_a_full_disk_leaves_room_for_the_failure has one).
+tt.configure(job_id="disk", log_dir=str(logs), backends={"file": {"path": "s.jsonl", "reserve_bytes": 0}, "log": False},
              flush_interval=0.01)
 def steps(first, last):
     for step in range(first, last):
@@ -130,6 +131,102 @@ def test_full_disk_then_read_only_folder_then_recovery(tmp_path: Path) -> None:
     assert second["records"][-1]["kind"] == "close"
     # A torn line at the moment the disk filled is the only kind of bad line.
     assert len(first["bad_lines"]) <= 1
+    assert not schema_errors(records)
+
+
+# Runs inside `unshare -m`: a 1 MiB tmpfs holds the stream and what fills it (a checkpoint, say); the exception that
+# follows, and the records after it up to the reserve's size, are written; prints what happened as JSON.
+RESERVE = r"""
+import json, logging, os, subprocess, sys
+from pathlib import Path
+import traintrace as tt
+from traintrace.reader import read_file
+
+mnt = Path(sys.argv[1])
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+warnings = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            warnings.append(record.getMessage())
+logging.getLogger("traintrace.lib").addHandler(Catch())
+logs = mnt / "logs"
+tt.configure(job_id="disk", log_dir=str(logs), backends={"file": {"path": "s.jsonl"}, "log": False},
+             flush_interval=0.01)
+reserve = logs / ".s.jsonl.reserve"
+reserved = os.stat(reserve).st_blocks * 512
+with tt.training_loop():
+    for step in range(20):
+        with tt.training_iteration(step):
+            pass
+    tt.flush()
+    fd = os.open(mnt / "checkpoint", os.O_WRONLY | os.O_CREAT)  # fills the disk to the last byte
+    for size in (4096, 1):
+        try:
+            while True:
+                os.write(fd, b"\0" * size)
+        except OSError:
+            pass
+    os.close(fd)
+    try:
+        with tt.checkpoint_save({"step": 20}):
+            raise OSError(28, "No space left on device")
+    except OSError:
+        pass
+    tt.flush()
+    after_failure = reserve.exists()
+    for step in range(20, 2000):  # 128 KiB: about a thousand of these
+        with tt.training_iteration(step):
+            tt.event("progress", {"step": step, "pad": "p" * 60})
+        if step % 100 == 0:
+            tt.flush()
+tt.flush()
+os.unlink(mnt / "checkpoint")  # space returns: the drops are noted, then the close record
+tt.close()
+result = read_file(logs / "s.jsonl")
+print(json.dumps({"warnings": warnings, "reserved": reserved, "reserve_after_failure": after_failure,
+                  "reserve_after_close": reserve.exists(), "records": [r for s in result.streams for r in s.records],
+                  "bad_lines": len(result.bad_lines)}))
+"""
+
+
+@pytest.mark.subprocess
+@needs_namespace
+def test_a_full_disk_leaves_room_for_the_failure(tmp_path: Path) -> None:
+    """The stream's file system fills up (a checkpoint on the same disk) and the save fails: the stream's reserve,
+    128 KiB set aside in a hidden file when it started, is released by the first write that finds no room, so
+    the save's error is written, and the records after it until that space is used; then they are dropped and
+    counted as before (noted once space returns). The reserve file is gone after close."""
+    script = write_script(tmp_path, "reserve.py", RESERVE)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", sys.executable, str(script), str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["reserved"] >= 128 * 1024, report["reserved"]
+    # (The save's error may fit in the file's last page, which the full disk had already given it.)
+    assert not report["reserve_after_close"]
+    assert "reserve is released" in report["warnings"][0], report["warnings"]
+    records = report["records"]
+    saves = [r for r in records if r.get("name") == "checkpoint_save_sync" and r["kind"] in ("span", "end")]
+    assert [s["status"] for s in saves] == ["error"], saves
+    errors = [r for r in records if r["kind"] == "error"]
+    assert errors and "No space left on device" in json.dumps(errors[0]), errors
+    steps = [r["attrs"]["step"] for r in records if r["kind"] == "event" and r["name"] == "progress"]
+    # After the failure: a run of steps in the reserve's room (about 300 bytes each; a page's slack holds 14), then
+    # drops, counted.
+    assert steps and steps == list(range(20, 20 + len(steps))) and len(steps) > 200, (len(steps), steps[:3])
+    dropped = [r for r in records if r["kind"] == "dropped"]
+    assert 20 + len(steps) < 2000 and dropped and dropped[0]["reason"] == "write_error", (len(steps), dropped)
+    # (The note of what was lost follows the first batch that could be written: here, the close record's.)
+    assert [r["kind"] for r in records[-2:]] == ["close", "dropped"] and report["bad_lines"] <= 1
     assert not schema_errors(records)
 
 

@@ -188,9 +188,13 @@ class FileBackendConfig(BackendConfig):
     verbosity: Verbosity | str | int = Verbosity.PROFILING
     file_mode: int = 0o640
     fsync_on_close: bool = True
+    #: Bytes set aside in a hidden sibling file for when the file system fills up (0: none).
+    reserve_bytes: int = 128 * 1024
 
     def validate(self, where: str) -> None:
         super().validate(where)
+        if isinstance(self.reserve_bytes, bool) or not isinstance(self.reserve_bytes, int) or self.reserve_bytes < 0:
+            raise ConfigError(f"{where}.reserve_bytes: expected a number of bytes, 0 or more (0: no reserve)")
         if not isinstance(self.path, str) or not self.path.strip():
             raise ConfigError(f"{where}.path: expected a non-empty path template")
         if "\x00" in self.path:
@@ -206,7 +210,13 @@ class FileBackendConfig(BackendConfig):
         from .backends._file import FileBackend
 
         path = resolve_path(self.path, config.log_dir, identity)
-        return FileBackend(path, verbosity=level, file_mode=self.file_mode, fsync_on_close=self.fsync_on_close)
+        return FileBackend(
+            path,
+            verbosity=level,
+            file_mode=self.file_mode,
+            fsync_on_close=self.fsync_on_close,
+            reserve_bytes=self.reserve_bytes,
+        )
 
 
 @dataclass

@@ -21,6 +21,13 @@ __all__ = ["FileBackend", "dir_mode", "seq_range"]
 log = logging.getLogger("traintrace.lib")
 
 
+#: Bytes a stream keeps aside for when its file system fills up (``FileBackendConfig.reserve_bytes``): room for
+#: the records that follow, an exception's with its stack (a few KiB) among them.
+RESERVE_BYTES = 128 * 1024
+#: The errors of a file system (or a quota) with no room left.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
 def seq_range(records: Sequence[Record]) -> tuple[int | None, int | None]:
     """The first and last integer ``seq`` of ``records`` (None, None when none has one)."""
     seqs = [r.get("seq") for r in records if isinstance(r.get("seq"), int)]
@@ -38,6 +45,12 @@ class FileBackend:
     renamed (log rotation) while open is noticed at the next write: the path is
     reopened and the header written again.
 
+    Where the disk fills up (a checkpoint and the telemetry on one file
+    system), the records that say why the job failed come after it is full:
+    the stream keeps ``reserve_bytes`` aside in a hidden sibling file
+    (``.<name>.reserve``, allocated when the stream starts, removed at close),
+    which the first write that finds no space deletes before it tries again.
+
     The file is never opened through a symlink: its folder is resolved when
     the stream starts, and a link planted later at the stream's name or in
     place of that folder is refused (those writes fail and are counted, as on
@@ -51,11 +64,16 @@ class FileBackend:
         verbosity: int = Verbosity.PROFILING,
         file_mode: int = 0o640,
         fsync_on_close: bool = True,
+        reserve_bytes: int = RESERVE_BYTES,
     ) -> None:
         self.path = Path(path)
         self.verbosity = int(verbosity)
         self.file_mode = file_mode
         self.fsync_on_close = fsync_on_close
+        self.reserve_bytes = reserve_bytes
+        #: The reserve file's name in the stream's folder while it holds space; None once released (or never made).
+        self._reserve: str | None = None
+        self._reserve_tried = False
         self._fd = -1
         self._folder: Path | None = None
         self._header: Record | None = None
@@ -93,6 +111,10 @@ class FileBackend:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
             self._fd = open_nofollow(name, flags, self.file_mode, folder)
             info = os.fstat(self._fd)
+            if not self._reserve_tried:
+                self._reserve_tried = True
+                if stat.S_ISREG(info.st_mode):  # (not beside a device or a pipe)
+                    self._make_reserve(folder)
             self._identity = (info.st_dev, info.st_ino)
             size = info.st_size
             if size > 0:
@@ -104,6 +126,55 @@ class FileBackend:
                     os.close(reader)
         finally:
             os.close(folder)
+
+    def _make_reserve(self, folder: int) -> None:
+        """Set ``reserve_bytes`` of the file system aside in ``.<name>.reserve``; none where that fails (no room
+        already: nothing to keep)."""
+        if self.reserve_bytes <= 0:
+            return
+        name = f".{self.path.name}.reserve"
+        try:
+            fd = open_nofollow(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.file_mode, folder)
+        except OSError:
+            return
+        try:
+            try:
+                os.posix_fallocate(fd, 0, self.reserve_bytes)
+            except (AttributeError, OSError) as exc:
+                # No fallocate here (macOS; ZFS says EOPNOTSUPP): blocks written hold the space as well.
+                if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+                    raise
+                chunk = bytes(min(self.reserve_bytes, 64 * 1024))
+                left = self.reserve_bytes
+                while left > 0:
+                    left -= os.write(fd, chunk[:left])
+            self._reserve = name
+        except OSError:
+            _unlink_quietly(name, folder)
+        finally:
+            os.close(fd)
+
+    def _release_reserve(self) -> bool:
+        """Give the reserve's space back to the file system (once): True when there was one."""
+        name = self._reserve
+        if name is None or self._folder is None:
+            return False
+        self._reserve = None
+        try:
+            folder = open_dir(self._folder, follow=False)
+        except OSError:
+            return False
+        try:
+            released = _unlink_quietly(name, folder)
+        finally:
+            os.close(folder)
+        if released:
+            log.warning(
+                "traintrace: %s: the file system is full; its %d KiB reserve is released for the records that follow",
+                self.path,
+                self.reserve_bytes // 1024,
+            )
+        return released
 
     def _check_replaced(self) -> None:
         """Reopen when the file was deleted, renamed (log rotation) or replaced.
@@ -200,19 +271,24 @@ class FileBackend:
             data = b"\n" + data
         view = memoryview(data)
         written = 0
-        try:
-            if write is not None:
-                written = write(self._fd, view)
-            while written < len(view):
-                written += os.write(self._fd, view[written:])
-        except OSError as exc:
-            # Whatever part of the line went out is cut; the next write starts a new line.
-            if written > 0:
-                self._need_newline = not data[:written].endswith(b"\n")
-            self._note_failure(exc)
-            if exc.errno in (errno.EBADF, errno.ESTALE):
-                self._fd = -1
-            return False
+        while True:
+            try:
+                if write is not None:
+                    first, write = write, None
+                    written = first(self._fd, view)
+                while written < len(view):
+                    written += os.write(self._fd, view[written:])
+                break
+            except OSError as exc:
+                if exc.errno in _NO_SPACE and self._release_reserve():
+                    continue  # the rest of the batch, into the space set aside
+                # Whatever part of the line went out is cut; the next write starts a new line.
+                if written > 0:
+                    self._need_newline = not data[:written].endswith(b"\n")
+                self._note_failure(exc)
+                if exc.errno in (errno.EBADF, errno.ESTALE):
+                    self._fd = -1
+                return False
         self._reopened = False
         self._need_newline = False
         self.bytes_written += written
@@ -233,6 +309,16 @@ class FileBackend:
         self._check_due = True
 
     def close(self) -> None:
+        if self._reserve is not None and self._folder is not None:
+            name, self._reserve = self._reserve, None
+            try:
+                folder = open_dir(self._folder, follow=False)
+                try:
+                    _unlink_quietly(name, folder)
+                finally:
+                    os.close(folder)
+            except OSError:
+                pass
         if self._fd < 0:
             return
         try:
@@ -243,3 +329,11 @@ class FileBackend:
         finally:
             os.close(self._fd)
             self._fd = -1
+
+
+def _unlink_quietly(name: str, folder: int) -> bool:
+    try:
+        os.unlink(name, dir_fd=folder)
+    except OSError:
+        return False
+    return True

@@ -101,6 +101,9 @@ NODE_WINDOW_NS = 2_000_000_000
 #: A killed rank is the culprit only when it stopped before every other rank's first sign of trouble;
 #: this much clock skew between hosts is tolerated.
 SKEW_NS = 50_000_000
+#: A rank blocked in a collective (native code) runs its SIGTERM handler only once the collective returns: once
+#: the ranks that handled theirs at once have exited, within this long of the last one's last sign of life.
+COLLECTIVE_RELEASE_NS = 1_000_000_000
 #: A host's clock is corrected only when its ranks' records are impossible without an offset of more than
 #: SKEW_NS (see ``clock_offsets``), from at least this many steps the hosts both completed (each step's bounds
 #: hold alone; more steps narrow them, and show ranks that do not step together)...
@@ -158,6 +161,9 @@ class RankState:
     since_ns: int | None = None
     alive_ns: int | None = None
     last_step_ns: int | None = None
+    #: The writer thread's last stamp in the progress file, whatever else was read from the file: a rank whose
+    #: SIGTERM handler worked (saved a checkpoint) lived that long after the handler's record.
+    stamped_ns: int | None = None
     #: From the progress file: when the process's first iteration began. Its initialisation had ended by then,
     #: where the stream of a killed rank lost that span's end (``summary`` ends it there).
     first_step_ns: int | None = None
@@ -1031,7 +1037,8 @@ def clock_offsets(job: Job) -> dict[str, Any]:
 
 def _on_reference_clock(st: RankState, offset: int) -> None:
     """The rank's times on the reference host's clock (its host's runs ``offset`` ahead)."""
-    for name in ("stopped_ns", "last_progress_ns", "since_ns", "alive_ns", "launcher_seen_ns", "first_step_ns"):
+    names = ("stopped_ns", "last_progress_ns", "since_ns", "alive_ns", "stamped_ns", "launcher_seen_ns")
+    for name in (*names, "first_step_ns"):
         value = getattr(st, name)
         if value is not None:
             setattr(st, name, value - offset)
@@ -1244,6 +1251,7 @@ def _from_progress(job: Job, st: RankState, f: dict[str, Any], facts: _Facts) ->
         progress = (facts.failures.get((st.rank, st.restart)) or {}).get("progress")
         if progress is None:
             return
+    st.stamped_ns = getattr(progress, "alive_ns", None)
     if st.state not in ("killed", "exited", "ended", "terminated", "running") or st.hang is not None:
         return  # an exception or a hang report says where the rank was; the file says where it ended up
     if st.state == "exited" and f["closed"]:
@@ -1542,16 +1550,25 @@ def _killed_together(states: list[RankState]) -> bool:
 def _terminated_together(states: list[RankState]) -> bool:
     """Every rank got a signal from outside at once (the scheduler's time limit or a cancelled job: Slurm signals
     every task) and none had seen trouble first: the launcher itself got a signal (``traintrace-run`` says so),
-    or every rank handled SIGTERM within SKEW_NS of the others. (A launcher that stops the other ranks after one
-    failed signals them later than that, and the failed rank did not handle a signal.)"""
+    or every rank not in a collective handled SIGTERM within SKEW_NS of the first, and every rank in one by
+    COLLECTIVE_RELEASE_NS after the last of those showed life: its handler ran only once its collective returned,
+    when they had exited (a 4-rank torchrun job terminated while rank 2 hung: the three in the all-reduce
+    handled theirs 26 to 58 ms after it; later where a handler saves a checkpoint before the process exits). (A
+    launcher that stops the other ranks after one failed signals them later than that, and the failed rank did
+    not handle a signal; the others, left in a collective by a rank that exited, record its failure before any
+    signal.)"""
     if len(states) < 2 or any(s.error is not None or s.consequence is not None or s.hang is not None for s in states):
         return False
     if any(s.launcher_signal for s in states):
         return all(s.state in ("terminated", "killed", "ended") for s in states)
     if not all(s.state == "terminated" for s in states):
         return False
-    times = [s.stopped_ns or 0 for s in states]
-    return max(times) - min(times) <= SKEW_NS
+    first = min(s.stopped_ns or 0 for s in states)
+    prompt = [s for s in states if not s.in_collective]
+    if any((s.stopped_ns or 0) - first > SKEW_NS for s in prompt):
+        return False
+    released = max((max(s.alive_ns or 0, s.stamped_ns or 0, s.stopped_ns or 0) for s in prompt), default=first)
+    return all((s.stopped_ns or 0) - released <= COLLECTIVE_RELEASE_NS for s in states if s.in_collective)
 
 
 def _ended_how(states: list[RankState]) -> str:
