@@ -348,10 +348,17 @@ def unrecorded(run: Run, fault: str, rank: int) -> float:
 
 
 def launch_two_nodes(
-    folder: Path, *args: str, timeout: float = 150, node_env: dict[str, dict[str, str]] | None = None
+    folder: Path,
+    *args: str,
+    timeout: float = 150,
+    node_env: dict[str, dict[str, str]] | None = None,
+    during: Any = None,
 ) -> Run:
-    """The worker on two launchers (node-a and node-b, 2 ranks each, one rendezvous), run to their end."""
+    """The worker on two launchers (node-a and node-b, 2 ranks each, one rendezvous), run to their end;
+    ``during(node-a's launcher, truth)`` runs while they do."""
     with two_nodes(folder, *args, node_env=node_env) as launchers:
+        if during is not None:
+            during(launchers[0], folder / "truth")
         ends = time.monotonic() + timeout
         for launcher in launchers:
             launcher.wait(timeout=max(ends - time.monotonic(), 1))
@@ -452,7 +459,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
     # Two nodes: the goodput (the ranks' streams only) is checked once the last job is over a minute old. Within
     # a minute a silent rank on another host (node-b is not this machine's name) still counts as running, as it
     # would (docs/analysis.md, "Running jobs"); the launchers' streams, which say it ended, are left out there.
-    later: list[tuple[str, Path, Run, str, int]] = []
+    later: list[tuple[str, Path, Run, str, int, int]] = []
     for _ in range(args.jobs):
         nproc = draw.choice([2, 3, 4]) if args.nodes == 1 else 4
         fault = draw.choice(faults)
@@ -547,12 +554,14 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
                     shutil.copytree(folder / "logs.kept", folder / "logs", dirs_exist_ok=True)
             else:
                 clock = {"LD_PRELOAD": str(library), "CLOCK_AHEAD_NS": str(ahead_ns)}
-                run = launch_two_nodes(folder, *faulty, node_env={"node-b": clock} if ahead_ns else None)
+                run = launch_two_nodes(folder, *faulty, node_env={"node-b": clock} if ahead_ns else None, during=during)
                 if ahead_ns:
                     marks_on_one_clock(run.truth, "node-b", ahead_ns)
             buffers = "--batch-norm" in extra
             if restarts and fault != "loader_kill":
                 check_recovered(run, fault, rank, torchrun=args.torchrun)
+            elif args.nodes == 2 and fault == "kill_all":
+                pass  # within a minute the other host's silent ranks still count as running (below)
             else:
                 check(run, fault, rank, step, goodput=args.nodes == 1, buffers=buffers, torchrun=args.torchrun)
         except Exception:  # an assertion or anything else: the job's answer is wrong
@@ -560,7 +569,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             say_wrong(job, folder)
             continue
         if args.nodes == 2:
-            later.append((job, folder, run, fault, rank))
+            later.append((job, folder, run, fault, rank, step))
             print(f"right so far {job} ({time.monotonic() - began:.0f} s)", flush=True)
             continue
         print(f"right {job} ({time.monotonic() - began:.0f} s)", flush=True)
@@ -568,8 +577,10 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     if later:
         time.sleep(RECENT_S + 1)
-    for job, folder, run, fault, rank in later:
+    for job, folder, run, fault, rank, step in later:
         try:
+            if fault == "kill_all":  # no launcher stream says it ended: a minute without a sign of life does
+                check(run, fault, rank, step, goodput=False)
             check_where_the_time_went(run, fault, rank)
             check_timeline_on_one_clock(run, {})  # node-b's marks are on node-a's clock already
         except Exception:  # as above

@@ -9,7 +9,8 @@ the ``TraintraceTrainerCallback``) under torchrun or traintrace-run, gloo on CPU
 a random rank and step: an exception in the training step (Lightning) or the loss (the Trainer), in the backward
 pass (a gradient hook), in the optimizer's step, in a validation step (Lightning) or a checkpoint save (the
 Trainer), or in the DataLoader's worker; SIGKILL or a hang there; a read in the DataLoader's worker that never
-returns; a batch whose loss overflows (Lightning: the job diverges); a straggler, 60 ms slower from a random step on
+returns; a batch whose loss overflows (Lightning: the job diverges); the scheduler's SIGTERM to every process at
+once (``term``: no culprit); a straggler, 60 ms slower from a random step on
 in its training step or loss (``slow``) or fetching its batches (``slow_data``), at every step or every 2nd or
 3rd only. In 40% of the Lightning jobs a ModelCheckpoint saves every 2 or 3 steps, 20 or 80 MB, rank 0 writing
 while the others wait at the barrier; where such a job ends well, ``summary``'s checkpoint save time is checked
@@ -65,6 +66,9 @@ PHASES: dict[str, str] = {
     "inf": "",
     "slow": "compute",
     "slow_data": "data_loading",
+    # The scheduler's SIGTERM to every process of the job (its time limit) once the rank began the step: no
+    # culprit, no fault of the script's.
+    "term": "",
 }
 #: Modes whose job ends normally, with one rank slower than the others from the step drawn on.
 STRAGGLERS = ("slow", "slow_data")
@@ -89,13 +93,13 @@ FRAMEWORKS = {
     "lightning": Framework(
         HERE / "_lightning_ddp_run.py",
         "ddp-test",
-        ("", "sigkill", "hang", "backward", "optimizer", "validation", "data", "data_hang", "inf", *STRAGGLERS),
+        ("", "sigkill", "hang", "backward", "optimizer", "validation", "data", "data_hang", "inf", "term", *STRAGGLERS),
         "injected failure in training_step",
     ),
     "transformers": Framework(
         HERE / "_hf_ddp_run.py",
         "hf-ddp",
-        ("", "sigkill", "hang", "backward", "optimizer", "save", "data", "data_hang", *STRAGGLERS),
+        ("", "sigkill", "hang", "backward", "optimizer", "save", "data", "data_hang", "term", *STRAGGLERS),
         "injected failure in compute_loss",
     ),
 }
@@ -213,6 +217,12 @@ def run_job(folder: Path, job: Job, *, nvtx: bool = False) -> dict[str, Any] | N
         try:
             deadline = time.monotonic() + 300
             fault = folder / "fault.json"
+            began = folder / f"started{job.rank}.txt"
+            while job.mode == "term" and process.poll() is None and time.monotonic() < deadline:
+                if began.exists() and began.read_text().strip() and int(began.read_text()) >= job.step:
+                    signal_job(folder, signal.SIGTERM)
+                    break
+                time.sleep(0.005)
             while job.mode.endswith("hang") and process.poll() is None and time.monotonic() < deadline:
                 if fault.exists():
                     time.sleep(5.0)
@@ -229,6 +239,17 @@ def run_job(folder: Path, job: Job, *, nvtx: bool = False) -> dict[str, Any] | N
                 kill_job(folder, process)
             (folder / "release").write_text("")
     return live
+
+
+def signal_job(folder: Path, sig: int) -> None:
+    """``sig`` to every process started with the job's folder in its command line (the launcher, the ranks and
+    their DataLoader workers), at once."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(folder).encode() in cmdline.read_bytes():
+                os.kill(int(cmdline.parent.name), sig)
+        except (OSError, ValueError):  # gone meanwhile
+            pass
 
 
 def kill_job(folder: Path, launcher: subprocess.Popen[bytes]) -> None:
@@ -254,7 +275,7 @@ def first_non_finite(notes: Path) -> float:
 def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
     """The answer of ``errors`` when the job ended, or the one read while it ran (``live``)."""
     framework = FRAMEWORKS[job.framework]
-    assert job.mode == "inf" or (folder / "fault.json").exists(), "the premise: the fault was injected"
+    assert job.mode in ("inf", "term") or (folder / "fault.json").exists(), "the premise: the fault was injected"
     saved = ""
     if job.save_every and job.mode in (*STRAGGLERS, "inf"):  # jobs that end well: every save noted
         truth = check_checkpoint_save(folder, answers(folder / "logs" / framework.job)[1], job.devices)
@@ -265,6 +286,14 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
         slow = f"stragglers {data['stragglers']}: slow in {culprit['slow_in']} since step {culprit['slow_since_step']}"
         return slow + saved
     errors = live if live is not None else answers(folder / "logs" / framework.job)[0]
+    if job.mode == "term":
+        assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
+        assert errors["status"] == "failed", errors["verdict"]
+        assert errors["verdict"].startswith("terminated by SIGTERM from outside"), errors["verdict"]
+        for state in errors["rank_states"]:  # the last step it began, by its own notes, or the next it prepared
+            began = int((folder / f"started{state['rank']}.txt").read_text())
+            assert state["step"] in (began, began + 1), (state["rank"], state["step"], began, errors["verdict"])
+        return str(errors["verdict"])
     culprit = errors["culprit"]
     assert culprit is not None, errors["verdict"]
     rank = job.rank

@@ -1550,20 +1550,23 @@ def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("hung", "torchrun"),
+    ("hung", "torchrun", "saving"),
     [
-        (False, False),
-        pytest.param(True, False, marks=pytest.mark.once),
-        pytest.param(True, True, marks=pytest.mark.once),
+        (False, False, False),
+        pytest.param(False, False, True, marks=pytest.mark.once),
+        pytest.param(True, False, False, marks=pytest.mark.once),
+        pytest.param(True, True, False, marks=pytest.mark.once),
     ],
-    ids=["training", "hung", "hung-torchrun"],
+    ids=["training", "training-saving", "hung", "hung-torchrun"],
 )
-def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool, torchrun: bool) -> None:
+def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool, torchrun: bool, saving: bool) -> None:
     """SIGTERM to the launcher and every rank at once (the scheduler's time limit: Slurm signals every task),
     while the job trains, or while rank 1 hangs in forward: no rank is blamed for the signal; a hang is named.
     Under plain torchrun (no launcher stream) the ranks' SIGTERM handlers save for 2 s before the process ends:
     the ranks blocked in the all-reduce run theirs only once rank 1 has exited, 2 s after it ran its own, by
-    their marks. They read as rank 1 terminated first (`died first`) before."""
+    their marks. They read as rank 1 terminated first (`died first`) before. With hang detection on (1.5 s) and
+    handlers that save for 2.5 s, no rank hung: every one read as hung in forward before, its watchdog's report
+    coming in its handler."""
     times: dict[str, float] = {}
 
     def terminate_everything(process: subprocess.Popen[str], truth: Path) -> None:
@@ -1577,11 +1580,12 @@ def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool, t
 
     fault = ("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6") if hung else ()
     fault += ("--sigterm-cleanup", "2.0") if torchrun else ()
+    fault += ("--sigterm-cleanup", "2.5") if saving else ()
     run = launch(
         tmp_path,
         3,
         *fault,
-        *("--hang-timeout", "0", "--gloo-timeout", "60"),
+        *("--hang-timeout", "1.5" if saving else "0", "--gloo-timeout", "60"),
         during=terminate_everything,
         torchrun=torchrun,
     )
@@ -1597,6 +1601,9 @@ def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool, t
         for state in errors["rank_states"]:
             started = [m["step"] for m in run.marks()[state["rank"]] if m["event"] == "step_start"]
             assert state["step"] == started[-1], (state, started[-1])
+            assert state["hang"] is None, state
+        if saving:  # the premise: the handlers worked past the hang limit before the job ended (the test's clock)
+            assert run.ended_ns is not None and run.ended_ns / 1e9 - times["signalled"] >= 2.5, run.ended_ns
         return
     assert errors["rule"] == "terminated while waiting for a rank", errors["verdict"]
     fault_mark = fault_step_of(run, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -156,6 +157,39 @@ def test_watchdog_counts_from_the_end_of_a_long_phase_that_failed(memory: tt.Mem
     (error,) = (e for e in memory.errors() if e["name"] == "hang_suspected")
     idle = error["attrs"]["idle_seconds"]
     assert LIMIT <= idle <= time.monotonic() - ended + PERIOD, idle
+
+
+def test_watchdog_is_paused_while_the_users_sigterm_handler_runs(memory: tt.MemoryBackend) -> None:
+    """The user's own SIGTERM handler (traintrace records the signal, then calls it) works longer than hang_timeout
+    (an emergency checkpoint save; the scheduler's time limit ended the job): no hang is reported while it runs,
+    and if it returns and training goes on, the plain limit counts from its end. Every rank of a 2-node job the
+    scheduler terminated read as hung before (`fault_sweep --seed 308 --nodes 2`)."""
+    ran: list[float] = []
+
+    def save_then_return(signum: int, frame: object) -> None:
+        time.sleep(LIMIT + 4 * PERIOD)
+        ran.append(time.monotonic())
+
+    previous = signal.signal(signal.SIGTERM, save_then_return)
+    try:
+        configure(memory)
+        with tt.training_loop():
+            with tt.training_iteration(0):
+                pass
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, on this (the main) thread
+            assert ran, "the handler ran"
+            time.sleep(LIMIT / 2)  # within the limit of the handler's end
+            tt.flush()
+            assert [e for e in memory.errors() if e["name"] == "hang_suspected"] == []
+            assert [e["attrs"]["signal"] for e in memory.events("signal")] == ["SIGTERM"]
+            # Past the limit of the handler's end it is a hang again, and no older than that.
+            assert wait_for(lambda: [e for e in memory.errors() if e["name"] == "hang_suspected"], timeout=LIMIT + 10)
+        (error,) = (e for e in memory.errors() if e["name"] == "hang_suspected")
+        idle = error["attrs"]["idle_seconds"]
+        assert LIMIT <= idle <= time.monotonic() - ran[0] + PERIOD, idle
+    finally:
+        tt.close()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_watchdog_fires_when_a_phase_exceeds_its_own_limit(memory: tt.MemoryBackend) -> None:

@@ -442,6 +442,12 @@ class Watchdog(_Periodic):
             self._stop.set()
             return
         now = perf_counter_ns()
+        if recorder.handling_signal:
+            # The user's SIGTERM handler runs (the process is being ended): no hang of training is reported while it
+            # does (a 2 s emergency save read as a hang on every rank of a job the scheduler terminated), and the
+            # plain limit counts from its end if the process goes on.
+            self._phase_seen = now
+            return
         if self.suspected_at is not None:
             progressed = self._reference(open_spans(self.pipeline)) > self._suspected_ref
             if progressed:

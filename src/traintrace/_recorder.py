@@ -559,6 +559,9 @@ class Recorder(_RecorderBase):
     identity_conflict_reported: bool = False
     #: Device (GPU) time of phases (``_device_timing.DeviceTimer``), when on.
     device_timer: Any = None
+    #: The user's own SIGTERM handler is running (``_setup._on_sigterm``): the process is being ended, and the time
+    #: its cleanup takes (an emergency checkpoint save) is no hang of training.
+    handling_signal: bool = False
 
     def __init__(self, pipeline: RecordSink, max_level: int, listeners: list[Any]) -> None:
         self._pipeline = pipeline

@@ -274,7 +274,13 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
                 attrs["ignored"] = True
             rec.signalled(attrs, terminate=False)
         if callable(previous):
-            previous(signum, frame)
+            if rec is not None:
+                rec.handling_signal = True
+            try:
+                previous(signum, frame)
+            finally:
+                if rec is not None:
+                    rec.handling_signal = False
         return
     if _terminating:
         return  # a second SIGTERM: the first one's flush goes on, then the process ends

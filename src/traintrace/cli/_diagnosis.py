@@ -1084,6 +1084,10 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
     resolved = facts.resolved.get(stream)
     if hangs and resolved is not None and resolved >= hangs[-1]["ts"]:
         hangs = []  # progress resumed after the last hang report
+    if hangs and signals:
+        # Reported once the process was being ended (its SIGTERM handler saving a checkpoint, streams written
+        # before traintrace paused hang detection there): no hang of training.
+        hangs = [e for e in hangs if e["ts"] < signals[0][0]]
     # An exception of its own raised once the rank was failing already (after a peer's failure reached it, or a
     # signal came: a handler's or a cleanup's error) did not start the failure: it is a consequence too.
     troubled = [e["ts"] for e in real if _secondary(e)] + [ts for ts, _ in signals[:1]]
