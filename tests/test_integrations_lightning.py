@@ -800,6 +800,51 @@ def test_ddp_hang_in_a_training_step_is_named_while_the_others_wait_in_backward(
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.once
+def test_a_hang_that_the_schedulers_sigterm_ends_is_timed_to_the_signal(tmp_path: Path) -> None:
+    """Rank 1 hangs in its training step at step 2; rank 0 waits in DDP's all-reduce inside backward; 2 s later
+    the scheduler sends SIGTERM to both. Lightning's own handler, installed over traintrace's, broadcasts to the
+    other rank before it calls the one it found: rank 1's broadcast and rank 0's all-reduce wait for each other
+    until the collectives' 10 s timeout. traintrace's handler goes over Lightning's and records the signal as it
+    comes: rank 1 hung for 2 s, by the script's clock, when the job was terminated; the signals recorded only
+    after the timeout read it as 12 s before."""
+    import json
+    import os
+    import signal
+
+    from tests._fault_runs import start
+    from traintrace.progress import read_progress
+
+    logs = tmp_path / "logs" / "ddp-test"
+    script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "2", "hang"]
+    launcher = start(script, tmp_path, DDP_TIMEOUT_S="10")
+    pids = [launcher.pid]
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "fault.json").exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2.0)
+        progress = [read_progress(logs / f"rank{rank}.progress") for rank in (0, 1)]
+        pids += [p.pid for p in progress if p is not None]
+        assert launcher.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
+        signalled = time.time_ns()
+        for pid in pids[1:]:
+            os.kill(pid, signal.SIGTERM)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            _kill_all(pids, launcher)
+    truth = json.loads((tmp_path / "fault.json").read_text())
+    errors, _ = answers(logs)
+    culprit = errors["culprit"]
+    assert errors["rule"] == "terminated while waiting for a rank", errors["verdict"]
+    assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, 2, tt.SpanName.FORWARD), errors["verdict"]
+    low, high = (signalled - truth["ts"]) / 1e9 - 0.5, (signalled - truth["ts"]) / 1e9 + 0.5
+    assert low <= culprit["stuck_ns"] / 1e9 <= high, (culprit["stuck_ns"], low, high, errors["verdict"])
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.once
 def test_ddp_data_loading_hang_seen_by_hang_detection(tmp_path: Path) -> None:
     """The same hang with traintrace's hang detection firing first (3 s here; 10 minutes by default, before
     gloo's 30-minute timeout): both ranks report a hang and neither is in a recorded collective. The reports

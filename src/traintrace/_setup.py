@@ -257,6 +257,8 @@ def _install_sigterm() -> None:
 
 
 _terminating = False
+#: A framework's SIGTERM handler runs inside ``noting_sigterm``'s wrapper, which recorded the signal already.
+_noted = False
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -268,19 +270,13 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     rec = get_active()
     if callable(previous) or previous == signal.SIG_IGN:
         # The user's handler decides whether the process ends; spans unwind normally.
-        if rec is not None:
+        if rec is not None and not _noted:
             attrs: dict[str, Any] = {"signal": "SIGTERM"}
             if not callable(previous):
                 attrs["ignored"] = True
             rec.signalled(attrs, terminate=False)
         if callable(previous):
-            if rec is not None:
-                rec.handling_signal = True
-            try:
-                previous(signum, frame)
-            finally:
-                if rec is not None:
-                    rec.handling_signal = False
+            _handling(rec, previous, signum, frame)
         return
     if _terminating:
         return  # a second SIGTERM: the first one's flush goes on, then the process ends
@@ -291,6 +287,42 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         closing.signalled({"reason": "SIGTERM"}, terminate=True)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def _handling(rec: Recorder | None, handler: Callable[[int, FrameType | None], Any], *args: Any) -> None:
+    """Run a SIGTERM handler not traintrace's with hang detection paused (the process is being ended)."""
+    was = rec.handling_signal if rec is not None else False
+    if rec is not None:
+        rec.handling_signal = True
+    try:
+        handler(*args)
+    finally:
+        if rec is not None:
+            rec.handling_signal = was
+
+
+def noting_sigterm(handler: Callable[[int, FrameType | None], Any]) -> Callable[[int, FrameType | None], Any]:
+    """``handler`` (a framework's SIGTERM handler, installed over traintrace's) behind one that records the signal
+    first, on its arrival, and pauses hang detection while ``handler`` runs. Lightning's broadcasts to the other
+    ranks before it calls the handler it found (traintrace's): a rank whose peer was blocked in a collective
+    waited there until the collective's timeout, and its signal, recorded only then, read as the end of 10 s
+    without progress before it."""
+
+    def noted(signum: int, frame: FrameType | None) -> None:
+        global _noted
+        rec = get_active()
+        if rec is None or _noted:
+            handler(signum, frame)
+            return
+        rec.signalled({"signal": "SIGTERM"}, terminate=False)
+        _noted = True
+        try:
+            _handling(rec, handler, signum, frame)
+        finally:
+            _noted = False
+
+    noted.traintrace_noting = True  # type: ignore[attr-defined]
+    return noted
 
 
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:

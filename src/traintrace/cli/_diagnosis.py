@@ -1554,25 +1554,38 @@ def _killed_together(states: list[RankState]) -> bool:
 def _terminated_together(states: list[RankState]) -> bool:
     """Every rank got a signal from outside at once (the scheduler's time limit or a cancelled job: Slurm signals
     every task) and none had seen trouble first: the launcher itself got a signal (``traintrace-run`` says so),
-    or every rank not in a collective handled SIGTERM within SKEW_NS of the first, and every rank in one by
-    COLLECTIVE_RELEASE_NS after the last of those showed life: its handler ran only once its collective returned,
-    when they had exited (a 4-rank torchrun job terminated while rank 2 hung: the three in the all-reduce
-    handled theirs 26 to 58 ms after it; later where a handler saves a checkpoint before the process exits). (A
-    launcher that stops the other ranks after one failed signals them later than that, and the failed rank did
-    not handle a signal; the others, left in a collective by a rank that exited, record its failure before any
-    signal.)"""
-    if len(states) < 2 or any(s.error is not None or s.consequence is not None or s.hang is not None for s in states):
+    or every rank handled SIGTERM within SKEW_NS of the first, but a rank blocked in native code when it came (in
+    a collective, or where it had been since before: DDP's all-reduce inside backward), whose handler ran only
+    once that returned, by COLLECTIVE_RELEASE_NS after the last of the prompt ones showed life (a 4-rank torchrun
+    job terminated while rank 2 hung: the three in the all-reduce handled theirs 26 to 58 ms after it; later
+    where a handler saves a checkpoint before the process exits, or where Lightning's handler broadcast to the
+    others: a rank in backward's all-reduce handled its own 10 s later, when that timed out). (A launcher that
+    stops the other ranks after one failed signals them later than that, and the failed rank did not handle a
+    signal; the others, left in a collective by a rank that exited, record its failure before any signal.)"""
+    if len(states) < 2 or any(s.error is not None or s.hang is not None for s in states):
+        return False
+    # A consequence after the rank's own signal is its handler's (Lightning's broadcasts to the others): no sign
+    # of trouble before it.
+    if any(s.consequence is not None and not _after_own_signal(s, s.consequence) for s in states):
         return False
     if any(s.launcher_signal for s in states):
         return all(s.state in ("terminated", "killed", "ended") for s in states)
     if not all(s.state == "terminated" for s in states):
         return False
     first = min(s.stopped_ns or 0 for s in states)
-    prompt = [s for s in states if not s.in_collective]
-    if any((s.stopped_ns or 0) - first > SKEW_NS for s in prompt):
+    prompt = [s for s in states if (s.stopped_ns or 0) - first <= SKEW_NS]
+    late = [s for s in states if s not in prompt]
+    # Blocked in native code when the signal came: in a collective, or where it had been since before the first
+    # rank's signal (DDP's all-reduce inside backward, which a framework's callback records nowhere).
+    if any(not s.in_collective and (s.since_ns is None or s.since_ns > first) for s in late):
         return False
-    released = max((max(s.alive_ns or 0, s.stamped_ns or 0, s.stopped_ns or 0) for s in prompt), default=first)
-    return all((s.stopped_ns or 0) - released <= COLLECTIVE_RELEASE_NS for s in states if s.in_collective)
+    released = max(max(s.alive_ns or 0, s.stamped_ns or 0, s.stopped_ns or 0) for s in prompt)
+    return all((s.stopped_ns or 0) - released <= COLLECTIVE_RELEASE_NS for s in late)
+
+
+def _after_own_signal(s: RankState, info: dict[str, Any]) -> bool:
+    ts = info.get("ts")
+    return s.state == "terminated" and s.stopped_ns is not None and isinstance(ts, int) and ts >= s.stopped_ns
 
 
 def _ended_how(states: list[RankState]) -> str:

@@ -452,6 +452,7 @@ class TraintraceCallback(Callback):
 
     # ------------------------------------------------------------ training
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _note_sigterm_first()
         if not self._info:
             return
         attrs: dict[str, Any] = {"global_step": int(trainer.global_step), "epoch": int(trainer.current_epoch)}
@@ -872,3 +873,26 @@ class TraintraceCallback(Callback):
                     "lightning_version": checkpoint.get("pytorch-lightning_version"),
                 },
             )
+
+
+def _note_sigterm_first() -> None:
+    """Lightning installs its SIGTERM handler just before the loop runs (over traintrace's, which it calls last):
+    it broadcasts to the other ranks first, which blocks where a peer is in another collective. traintrace's goes
+    over it, to record the signal when it comes (``_setup.noting_sigterm``); Lightning restores its own at the end
+    of the run."""
+    import signal
+    import threading
+
+    from .. import _setup
+    from .._recorder import get_active
+
+    rec = get_active()
+    if rec is None or not rec.config.handle_sigterm or threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler) or handler is _setup._on_sigterm or getattr(handler, "traintrace_noting", False):
+        return
+    try:
+        signal.signal(signal.SIGTERM, _setup.noting_sigterm(handler))
+    except (ValueError, OSError):
+        pass
