@@ -686,6 +686,30 @@ def _hang_truth(folder: Path) -> dict[str, Any]:
     return truth
 
 
+def _a_rank_hung_for(tmp_path: Path, seconds: float, *, ddp_timeout_s: int) -> tuple[Any, list[int]]:
+    """A 2-rank fit whose rank 1 hangs in its training step at step 2, ``seconds`` after it did (by the script's
+    note of the fault): the launching process and the pids of it and the ranks (killed if this fails)."""
+    from tests._fault_runs import start
+    from traintrace.progress import read_progress
+
+    logs = tmp_path / "logs" / "ddp-test"
+    script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "2", "hang"]
+    launcher = start(script, tmp_path, DDP_TIMEOUT_S=str(ddp_timeout_s))
+    pids = [launcher.pid]
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "fault.json").exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(seconds)
+        progress = [read_progress(logs / f"rank{rank}.progress") for rank in (0, 1)]
+        pids += [p.pid for p in progress if p is not None]
+        assert launcher.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
+    except BaseException:
+        _kill_all(pids, launcher)
+        raise
+    return launcher, pids
+
+
 def _kill_all(pids: list[int], launcher: Any) -> None:
     """SIGKILL to each process (the ranks, which Lightning started as children of the first), then reap the
     launching one."""
@@ -765,21 +789,9 @@ def test_ddp_hang_in_a_training_step_is_named_while_the_others_wait_in_backward(
     collective at different places matched no rule)."""
     import json
 
-    from tests._fault_runs import start
-    from traintrace.progress import read_progress
-
     logs = tmp_path / "logs" / "ddp-test"
-    script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "2", "hang"]
-    launcher = start(script, tmp_path, DDP_TIMEOUT_S="120")
-    pids = [launcher.pid]
+    launcher, pids = _a_rank_hung_for(tmp_path, 4.0, ddp_timeout_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "fault.json").exists() and launcher.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(4.0)
-        progress = [read_progress(logs / f"rank{rank}.progress") for rank in (0, 1)]
-        pids += [p.pid for p in progress if p is not None]
-        assert launcher.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
         looked = time.time_ns()
         errors, _ = answers(logs)
         answered = time.time_ns()
@@ -811,21 +823,9 @@ def test_a_hang_that_the_schedulers_sigterm_ends_is_timed_to_the_signal(tmp_path
     import os
     import signal
 
-    from tests._fault_runs import start
-    from traintrace.progress import read_progress
-
     logs = tmp_path / "logs" / "ddp-test"
-    script = [sys.executable, str(HERE / "_lightning_ddp_run.py"), str(tmp_path), "2", "hang"]
-    launcher = start(script, tmp_path, DDP_TIMEOUT_S="10")
-    pids = [launcher.pid]
+    launcher, pids = _a_rank_hung_for(tmp_path, 2.0, ddp_timeout_s=10)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "fault.json").exists() and launcher.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(2.0)
-        progress = [read_progress(logs / f"rank{rank}.progress") for rank in (0, 1)]
-        pids += [p.pid for p in progress if p is not None]
-        assert launcher.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
         signalled = time.time_ns()
         for pid in pids[1:]:
             os.kill(pid, signal.SIGTERM)

@@ -23,16 +23,16 @@ from tests._reliability import child_env, needs_namespace, schema_errors, write_
 from traintrace.backends import BaseBackend, FileBackend, MemoryBackend
 from traintrace.reader import read_file
 
-# Runs inside `unshare -m`: mounts a 256 KiB tmpfs, fills it, frees it, makes it read-only
-# after a rotation, then writable again; prints what happened as JSON (the mount is gone after).
-FULL_DISK = r"""
+# The start of a script run inside `unshare -m`: mounts a tmpfs of the size its second argument says on the folder
+# its first names, and gathers the library's warnings.
+ON_A_TMPFS = r"""
 import json, logging, os, subprocess, sys, time
 from pathlib import Path
 import traintrace as tt
 from traintrace.reader import read_file
 
 mnt = Path(sys.argv[1])
-subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True)
+subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={sys.argv[2]}", "tmpfs", str(mnt)], check=True)
 warnings = []
 class Catch(logging.Handler):
     def emit(self, record):
@@ -40,6 +40,11 @@ class Catch(logging.Handler):
             warnings.append(record.getMessage())
 logging.getLogger("traintrace.lib").addHandler(Catch())
 logs = mnt / "logs"
+"""
+
+# Fills a 256 KiB tmpfs, frees it, makes it read-only after a rotation, then writable again; prints what happened as
+# JSON (the mount is gone after).
+FULL_DISK = r"""
 # No reserve: every write once the disk is full fails (test_a_full_disk_leaves_room_for_the_failure has one).
 tt.configure(job_id="disk", log_dir=str(logs), backends={"file": {"path": "s.jsonl", "reserve_bytes": 0}, "log": False},
              flush_interval=0.01)
@@ -86,17 +91,13 @@ print(json.dumps({"warnings": warnings, "full_warnings": full_warnings, "ro_warn
 """
 
 
-@pytest.mark.subprocess
-@needs_namespace
-def test_full_disk_then_read_only_folder_then_recovery(tmp_path: Path) -> None:
-    """Disk full, then (after a rotation) a read-only folder: training goes on, one warning per
-    fault, the lost records are counted with their sequence numbers, and writing resumes when
-    space or write access returns."""
-    script = write_script(tmp_path, "disk.py", FULL_DISK)
+def run_on_a_tmpfs(tmp_path: Path, script: str, size: str) -> dict[str, Any]:
+    """``script`` after ``ON_A_TMPFS`` in a mount namespace of its own, on a tmpfs of ``size``: what it printed."""
+    path = write_script(tmp_path, "on_tmpfs.py", ON_A_TMPFS + script)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     done = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", sys.executable, str(script), str(mnt)],
+        ["unshare", "-m", "--propagation", "private", sys.executable, str(path), str(mnt), size],
         capture_output=True,
         text=True,
         timeout=120,
@@ -104,7 +105,16 @@ def test_full_disk_then_read_only_folder_then_recovery(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    return dict(json.loads(done.stdout))
+
+
+@pytest.mark.subprocess
+@needs_namespace
+def test_full_disk_then_read_only_folder_then_recovery(tmp_path: Path) -> None:
+    """Disk full, then (after a rotation) a read-only folder: training goes on, one warning per
+    fault, the lost records are counted with their sequence numbers, and writing resumes when
+    space or write access returns."""
+    report = run_on_a_tmpfs(tmp_path, FULL_DISK, "256k")
     # One warning for the full disk, one for the read-only folder; none for recovery.
     assert report["full_warnings"] == 1 and report["ro_warnings"] == 2, report["warnings"]
     assert "No space left" in report["warnings"][0]
@@ -134,23 +144,9 @@ def test_full_disk_then_read_only_folder_then_recovery(tmp_path: Path) -> None:
     assert not schema_errors(records)
 
 
-# Runs inside `unshare -m`: a 1 MiB tmpfs holds the stream and what fills it (a checkpoint, say); the exception that
-# follows, and the records after it up to the reserve's size, are written; prints what happened as JSON.
+# A 1 MiB tmpfs holds the stream and what fills it (a checkpoint, say); the exception that follows, and the records
+# after it up to the reserve's size, are written; prints what happened as JSON.
 RESERVE = r"""
-import json, logging, os, subprocess, sys
-from pathlib import Path
-import traintrace as tt
-from traintrace.reader import read_file
-
-mnt = Path(sys.argv[1])
-subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
-warnings = []
-class Catch(logging.Handler):
-    def emit(self, record):
-        if record.levelno >= logging.WARNING:
-            warnings.append(record.getMessage())
-logging.getLogger("traintrace.lib").addHandler(Catch())
-logs = mnt / "logs"
 tt.configure(job_id="disk", log_dir=str(logs), backends={"file": {"path": "s.jsonl"}, "log": False},
              flush_interval=0.01)
 reserve = logs / ".s.jsonl.reserve"
@@ -197,19 +193,7 @@ def test_a_full_disk_leaves_room_for_the_failure(tmp_path: Path) -> None:
     128 KiB set aside in a hidden file when it started, is released by the first write that finds no room, so
     the save's error is written, and the records after it until that space is used; then they are dropped and
     counted as before (noted once space returns). The reserve file is gone after close."""
-    script = write_script(tmp_path, "reserve.py", RESERVE)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", sys.executable, str(script), str(mnt)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env(),
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = run_on_a_tmpfs(tmp_path, RESERVE, "1m")
     assert report["reserved"] >= 128 * 1024, report["reserved"]
     # (The save's error may fit in the file's last page, which the full disk had already given it.)
     assert not report["reserve_after_close"]
