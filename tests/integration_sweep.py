@@ -219,7 +219,8 @@ def run_job(folder: Path, job: Job, *, nvtx: bool = False) -> dict[str, Any] | N
             fault = folder / "fault.json"
             began = folder / f"started{job.rank}.txt"
             while job.mode == "term" and process.poll() is None and time.monotonic() < deadline:
-                if began.exists() and began.read_text().strip() and int(began.read_text()) >= job.step:
+                text = began.read_text().strip() if began.exists() else ""
+                if text.isdigit() and int(text) >= job.step:  # (empty while the script rewrites it)
                     signal_job(folder, signal.SIGTERM)
                     break
                 time.sleep(0.005)
