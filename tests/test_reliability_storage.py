@@ -40,6 +40,15 @@ class Catch(logging.Handler):
             warnings.append(record.getMessage())
 logging.getLogger("traintrace.lib").addHandler(Catch())
 logs = mnt / "logs"
+def fill(path):  # a file at path that takes the disk's last byte
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    for size in (4096, 1):
+        try:
+            while True:
+                os.write(fd, b"\0" * size)
+        except OSError:
+            pass
+    os.close(fd)
 """
 
 # Fills a 256 KiB tmpfs, frees it, makes it read-only after a rotation, then writable again; prints what happened as
@@ -56,14 +65,7 @@ def steps(first, last):
 
 steps(0, 100)
 filler = mnt / "filler"
-fd = os.open(filler, os.O_WRONLY | os.O_CREAT)     # fill the disk to the last byte
-for size in (4096, 1):
-    try:
-        while True:
-            os.write(fd, b"\0" * size)
-    except OSError:
-        pass
-os.close(fd)
+fill(filler)
 steps(100, 300)                            # all of these fail: disk full
 full_warnings = len(warnings)
 filler.unlink()                            # space returns
@@ -156,14 +158,7 @@ with tt.training_loop():
         with tt.training_iteration(step):
             pass
     tt.flush()
-    fd = os.open(mnt / "checkpoint", os.O_WRONLY | os.O_CREAT)  # fills the disk to the last byte
-    for size in (4096, 1):
-        try:
-            while True:
-                os.write(fd, b"\0" * size)
-        except OSError:
-            pass
-    os.close(fd)
+    fill(mnt / "checkpoint")
     try:
         with tt.checkpoint_save({"step": 20}):
             raise OSError(28, "No space left on device")
