@@ -292,8 +292,10 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
         assert errors["status"] == "failed", errors["verdict"]
         assert errors["verdict"].startswith("terminated by SIGTERM from outside"), errors["verdict"]
         for state in errors["rank_states"]:  # the last step it began, by its own notes, or the next it prepared
-            began = int((folder / f"started{state['rank']}.txt").read_text())
-            assert state["step"] in (began, began + 1), (state["rank"], state["step"], began, errors["verdict"])
+            note = folder / f"started{state['rank']}.txt"
+            began = int(note.read_text()) if note.exists() else -1  # none: fetching its first batch
+            allowed = (began, began + 1) if began >= 0 else (None, 0)
+            assert state["step"] in allowed, (state["rank"], state["step"], began, errors["verdict"])
         return str(errors["verdict"])
     culprit = errors["culprit"]
     assert culprit is not None, errors["verdict"]
