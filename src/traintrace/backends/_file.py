@@ -154,8 +154,8 @@ class FileBackend:
         finally:
             os.close(fd)
 
-    def _release_reserve(self) -> bool:
-        """Give the reserve's space back to the file system (once): True when there was one."""
+    def _drop_reserve(self) -> bool:
+        """Remove the reserve file (once): True when there was one and it is gone."""
         name = self._reserve
         if name is None or self._folder is None:
             return False
@@ -165,9 +165,13 @@ class FileBackend:
         except OSError:
             return False
         try:
-            released = _unlink_quietly(name, folder)
+            return _unlink_quietly(name, folder)
         finally:
             os.close(folder)
+
+    def _release_reserve(self) -> bool:
+        """Give the reserve's space back to the file system (once): True when there was one."""
+        released = self._drop_reserve()
         if released:
             log.warning(
                 "traintrace: %s: the file system is full; its %d KiB reserve is released for the records that follow",
@@ -309,16 +313,7 @@ class FileBackend:
         self._check_due = True
 
     def close(self) -> None:
-        if self._reserve is not None and self._folder is not None:
-            name, self._reserve = self._reserve, None
-            try:
-                folder = open_dir(self._folder, follow=False)
-                try:
-                    _unlink_quietly(name, folder)
-                finally:
-                    os.close(folder)
-            except OSError:
-                pass
+        self._drop_reserve()
         if self._fd < 0:
             return
         try:
