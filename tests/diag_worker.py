@@ -401,6 +401,7 @@ def main() -> None:
                         y = x.sum(dim=1, keepdim=True)
                 truth.write(event="step_start", step=step)
                 with tt.training_iteration(step, {"batch_size": len(x)}) as it:
+                    truth.write(event="step_entered", step=step)  # the iteration's span began between these two
                     with tt.forward():
                         injected("forward", step)
                         time.sleep(args.step_ms / 1e3)
