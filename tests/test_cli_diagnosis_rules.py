@@ -299,15 +299,8 @@ def test_killed_while_waiting_needs_a_long_wait_on_every_side_and_one_rank_behin
 
 
 def terminated(rank: int, at_s: float, **fields: Any) -> RankState:
-    return state(
-        rank,
-        state="terminated",
-        signal="SIGTERM",
-        step=7,
-        phase="model_forward",
-        stopped_ns=T0 + int(at_s * S),
-        **fields,
-    )
+    fields = {"step": 7, "phase": "model_forward", "signal_ns": T0 + int(at_s * S), **fields}
+    return state(rank, state="terminated", signal="SIGTERM", stopped_ns=T0 + int(at_s * S), **fields)
 
 
 def test_terminated_together_needs_the_signal_at_once_or_the_launchers_word() -> None:
@@ -326,6 +319,27 @@ def test_terminated_together_needs_the_signal_at_once_or_the_launchers_word() ->
     told.append(state(2, state="killed", signal="SIGKILL", step=7, stopped_ns=T0 + 40 * S, launcher_signal="SIGTERM"))
     assert _culprit(told) == (None, "terminated together")
     assert _sentence(None, told).startswith("terminated by SIGTERM from outside: the launcher and all 3 ranks")
+    # Rank 2 signalled alone in forward; the others, in backward's all-reduce, record that their peer is gone
+    # 48 ms later (a consequence, when they stopped), then the launcher's SIGTERM 12 ms after: rank 2 is named
+    # (the consequence came before their own signal: it is no part of the signal's handling).
+    gone = {"ts": T0 + int(10.048 * S), "error_type": "RuntimeError", "message": "Connection closed by peer"}
+    waiting = {"in_collective": True, "phase": "model_backward", "since_ns": T0 + 9 * S, "consequence": gone}
+    peer_gone = [terminated(r, 10.048, signal_ns=T0 + int(10.06 * S), **waiting) for r in (0, 1)]
+    culprit, rule = _culprit([*peer_gone, terminated(2, 10.0)])
+    assert rule == "died first" and culprit is not None and culprit.rank == 2
+    # The same handled the other way round (their signals first, then the peer's loss, as a handler does):
+    # together, as before.
+    handled = [terminated(r, 10.06, **(waiting | {"consequence": gone | {"ts": T0 + int(10.07 * S)}})) for r in (0, 1)]
+    assert _culprit([*handled, terminated(2, 10.0)]) == (None, "terminated together")
+    # With no error recorded, a rank blocked in a collective may handle the whole job's signal late; but where
+    # its host's launcher recorded the end and got no signal itself, the signals were not the scheduler's.
+    blocked = {k: v for k, v in waiting.items() if k != "consequence"}
+    late = [terminated(0, 10.06, **blocked), terminated(1, 10.06, **blocked), terminated(2, 10.0)]
+    assert _culprit(late) == (None, "terminated together")
+    for s in late:
+        s.launcher_unsignalled = True
+    culprit, rule = _culprit(late)
+    assert rule == "died first" and culprit is not None and culprit.rank == 2
     # A rank that raised first is the culprit whatever came after.
     raised = [
         *together[:2],

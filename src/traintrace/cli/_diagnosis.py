@@ -164,6 +164,9 @@ class RankState:
     #: The writer thread's last stamp in the progress file, whatever else was read from the file: a rank whose
     #: SIGTERM handler worked (saved a checkpoint) lived that long after the handler's record.
     stamped_ns: int | None = None
+    #: When the rank recorded its first signal (SIGTERM from outside or from its launcher); ``stopped_ns`` is
+    #: its first error where one came before it.
+    signal_ns: int | None = None
     #: From the progress file: when the process's first iteration began. Its initialisation had ended by then,
     #: where the stream of a killed rank lost that span's end (``summary`` ends it there).
     first_step_ns: int | None = None
@@ -171,6 +174,9 @@ class RankState:
     stuck_ns: int | None = None
     #: The signal the launcher itself got (the job was ended from outside), from its ``job_end`` record.
     launcher_signal: str | None = None
+    #: Its host's launcher recorded the job's end and got no signal: a SIGTERM the rank got was the launcher's
+    #: own (stopping the ranks after a failure) or sent to the rank alone, not the scheduler's to the whole job.
+    launcher_unsignalled: bool = False
     #: For a culprit that ran out of memory or was killed: its memory in the sampler's ``device_properties``
     #: events before the end (``_memory``), None without samples.
     memory: dict[str, Any] | None = None
@@ -746,9 +752,11 @@ class _Facts:
                     launcher_hosts.add(str(host))
         #: host -> how far its clock runs ahead of the reference host's, where the records prove it (``clock_offsets``).
         self.offsets: dict[str, int] = host_clocks(job)["offsets_ns"]
-        self.failures, self.launcher_signal, by_stream = _launcher_events(job)
+        self.failures, self.launcher_signal, by_stream, quiet = _launcher_events(job)
         self.launcher_hosts = launcher_hosts
         self.host_signals = {self.hosts[stream]: sig for stream, sig in by_stream.items() if stream in self.hosts}
+        #: Hosts whose launcher recorded the job's end and got no signal itself.
+        self.quiet_launcher_hosts = {self.hosts[stream] for stream in quiet if stream in self.hosts}
         self.errors: dict[int, list[dict[str, Any]]] = {}
         for e in job.dicts(
             "SELECT stream, ts, name, error_type, message, stack, span, attrs FROM other "
@@ -816,14 +824,17 @@ class _Facts:
         return max(self._last_span.get(st.stream, 0), int(st.last_progress_ns or 0))
 
 
-def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], str | None, dict[int, str]]:
+def _launcher_events(
+    job: Job,
+) -> tuple[dict[tuple[int, int], dict[str, Any]], str | None, dict[int, str], set[int]]:
     """From the launchers' streams, in one pass: (rank, restart) -> exit code and signal of its worker_failure
     events, the signal a launcher got itself (``traintrace-run`` writes torchrun's SignalException in
-    ``job_end``: the job was ended from outside), and each launcher stream's own signal (one node's: a
-    preempted or drained node)."""
+    ``job_end``: the job was ended from outside), each launcher stream's own signal (one node's: a
+    preempted or drained node), and the launcher streams whose ``job_end`` names no signal."""
     failures: dict[tuple[int, int], dict[str, Any]] = {}
     launcher_signal: str | None = None
     by_stream: dict[int, str] = {}
+    quiet: set[int] = set()
     failure, end = EventType.WORKER_FAILURE.value, EventType.JOB_END.value
     for stream, name, attrs_text, ts in job.rows(
         f"SELECT stream, name, attrs, ts FROM other WHERE is_agent AND kind = 'event' "
@@ -839,6 +850,8 @@ def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], s
             if isinstance(data.get("signal"), str):
                 launcher_signal = launcher_signal or str(data["signal"])
                 by_stream.setdefault(int(stream), str(data["signal"]))
+            else:
+                quiet.add(int(stream))
             continue
         rank, restart = attrs.get("rank"), attrs.get("restart", 0)
         if not isinstance(rank, int):
@@ -852,7 +865,7 @@ def _launcher_events(job: Job) -> tuple[dict[tuple[int, int], dict[str, Any]], s
             "failed_at_ns": failed_at * 1_000_000_000 if type(failed_at) is int and failed_at > 0 else None,
             "progress": _copied_progress(data, rank, int(restart or 0)),
         }
-    return failures, launcher_signal, by_stream
+    return failures, launcher_signal, by_stream, quiet - by_stream.keys()
 
 
 def _copied_progress(data: dict[str, Any], rank: int, restart: int) -> SimpleNamespace | None:
@@ -1037,7 +1050,7 @@ def clock_offsets(job: Job) -> dict[str, Any]:
 
 def _on_reference_clock(st: RankState, offset: int) -> None:
     """The rank's times on the reference host's clock (its host's runs ``offset`` ahead)."""
-    names = ("stopped_ns", "last_progress_ns", "since_ns", "alive_ns", "stamped_ns", "launcher_seen_ns")
+    names = ("stopped_ns", "signal_ns", "last_progress_ns", "since_ns", "alive_ns", "stamped_ns", "launcher_seen_ns")
     for name in (*names, "first_step_ns"):
         value = getattr(st, name)
         if value is not None:
@@ -1096,6 +1109,7 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
     secondary = [e for e in real if e not in primary]
     st.last_progress_ns = facts.last_ok.get(stream, (None, None))[0]
     st.launcher_signal = facts.signal_of_launcher(st.host)
+    st.launcher_unsignalled = st.launcher_signal is None and st.host in facts.quiet_launcher_hosts
     fail = facts.failures.get((st.rank, st.restart))
     if fail:
         st.exit_code, st.signal = fail["exit_code"], fail["signal"]
@@ -1151,6 +1165,8 @@ def _rank_state(job: Job, f: dict[str, Any], facts: _Facts) -> tuple[RankState, 
         }
     # When the rank stopped: its first error or signal, else the end of its stream.
     marks = [e["ts"] for e in real[:1]] + [signals[0][0] for _ in signals[:1]]
+    if signals:
+        st.signal_ns = signals[0][0]
     if st.stopped_ns is None:
         st.stopped_ns = min(marks) if marks else f["end_ts"]
     # Where it was: at the hang if it hung first, else when it stopped.
@@ -1561,7 +1577,9 @@ def _terminated_together(states: list[RankState]) -> bool:
     where a handler saves a checkpoint before the process exits, or where Lightning's handler broadcast to the
     others: a rank in backward's all-reduce handled its own 10 s later, when that timed out). (A launcher that
     stops the other ranks after one failed signals them later than that, and the failed rank did not handle a
-    signal; the others, left in a collective by a rank that exited, record its failure before any signal.)"""
+    signal; the others, left in a collective by a rank that exited, record its failure before any signal. Where
+    a launcher of ``traintrace-run``'s recorded the end and got no signal itself, nobody signalled the whole job:
+    a scheduler signals the launcher too.)"""
     if len(states) < 2 or any(s.error is not None or s.hang is not None for s in states):
         return False
     # A consequence after the rank's own signal is its handler's (Lightning's broadcasts to the others): no sign
@@ -1570,7 +1588,7 @@ def _terminated_together(states: list[RankState]) -> bool:
         return False
     if any(s.launcher_signal for s in states):
         return all(s.state in ("terminated", "killed", "ended") for s in states)
-    if not all(s.state == "terminated" for s in states):
+    if not all(s.state == "terminated" for s in states) or any(s.launcher_unsignalled for s in states):
         return False
     first = min(s.stopped_ns or 0 for s in states)
     prompt = [s for s in states if (s.stopped_ns or 0) - first <= SKEW_NS]
@@ -1585,7 +1603,7 @@ def _terminated_together(states: list[RankState]) -> bool:
 
 def _after_own_signal(s: RankState, info: dict[str, Any]) -> bool:
     ts = info.get("ts")
-    return s.state == "terminated" and s.stopped_ns is not None and isinstance(ts, int) and ts >= s.stopped_ns
+    return s.state == "terminated" and s.signal_ns is not None and isinstance(ts, int) and ts >= s.signal_ns
 
 
 def _ended_how(states: list[RankState]) -> str:
