@@ -267,8 +267,10 @@ def main() -> None:
     atexit.register(truth.write, event="exit")
 
     def on_sigterm(signum: int, frame: object) -> None:
-        truth.write(event="sigterm")
+        # A SIGTERM may come while the process exits after its exception, its stream closed (no record sees it).
+        truth.write(event="sigterm", after_close=not tt.is_configured())
         time.sleep(args.sigterm_cleanup)
+        truth.write(event="sigterm_done")  # the process ends now: its interrupted step lasted until here
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

@@ -6,19 +6,18 @@ Each job is tests/diag_worker.py under traintrace-run (gloo on CPU, 2 to 4 ranks
 of 2 ranks each on this machine, named node-a and node-b, as tests/test_diagnosis.py's two-node jobs) with one fault
 drawn at random: an exception in a phase (data loading, forward, backward, optimizer, between phases, a validation
 pass, building the model, writing the final model after the loop, rank 0's background checkpoint write), SIGKILL,
-SIGSEGV, an exit with a code (``os._exit`` or ``sys.exit``), a process that stops responding (SIGSTOP, or C code
-that keeps the GIL), a rank that leaves the loop early, a hang in compute, in data loading (from the first batch
-on), in a collective, in a validation pass, in model initialisation or in rank 0's checkpoint save (hang detection
-on or off), an exception in that save or a SIGKILL inside it, a DataLoader worker killed (torchrun restarts the job,
-which finishes), a batch whose loss overflows (the job diverges), a rank slow in compute or data loading from
-some step on (at every step, at every few steps only, or for a few steps only), a rank that runs out of memory (an
-address-space limit), rank 0's saves on a file system that fills up (a 2 MiB tmpfs in the job's mount namespace;
-the job's streams on it too, or not),
-or the scheduler ending the whole job (SIGTERM or SIGKILL to the launcher and every rank at once, while it trains
-or 3 s after a rank hung in forward). The faulty rank, the step, the
-checkpoint interval, validation passes, asynchronous or large saves, the step time and how long a failed rank
-lingers are drawn too.
-Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
+SIGSEGV, SIGTERM from another process to the rank alone, an exit with a code (``os._exit`` or ``sys.exit``), a
+process that stops responding (SIGSTOP, or C code that keeps the GIL), a rank that leaves the loop early, a hang in
+compute, in data loading (from the first batch on), in a collective, in a validation pass, in model initialisation
+or in rank 0's checkpoint save (hang detection on or off), an exception in that save or a SIGKILL inside it, a
+DataLoader worker killed (torchrun restarts the job, which finishes), a batch whose loss overflows (the job
+diverges), a rank slow in compute or data loading from some step on (at every step, at every few steps only, or for
+a few steps only), a rank that runs out of memory (an address-space limit), rank 0's saves on a file system that
+fills up (a 2 MiB tmpfs in the job's mount namespace; the job's streams on it too, or not), or the scheduler ending
+the whole job (SIGTERM or SIGKILL to the launcher and every rank at once, while it trains or 3 s after a rank hung
+in forward), or Ctrl-C in its terminal (SIGINT to every process). The faulty rank, the step, the checkpoint
+interval, validation passes, asynchronous or large saves, the step time and how long a failed rank lingers are drawn
+too. Checked as tests/test_diagnosis.py checks its fixed cases: ``errors`` names the rank, step, phase and cause the
 worker's own marks say (a diverged job: the first infinite loss's rank and step); ``ranks`` names the slow rank, its
 part and its first slow step (and, slow at some steps only, its last and how many, as the worker marked them);
 goodput within a point of the marks', the seconds of each category they time, the step times, and the steps
@@ -36,13 +35,13 @@ exception: NCCL's watchdog). With ``--torchrun``, plain torchrun instead of trai
 process that ended without a record (killed, crashed, ``os._exit``, frozen) is said to have ended so, and the rest
 must be as right. A line per job; the exit status is the number of jobs whose answer was wrong (at most 99). It
 takes 10 to 20 s a job on a 2-core machine (40 s for a process that stops responding): not part of the suite, whose
-fixed cases cover every fault.
-"""
+fixed cases cover every fault."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import signal
@@ -84,6 +83,9 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
     "iteration": ("iteration", "RuntimeError", True),
     "sigkill": ("model_forward", "killed by SIGKILL", True),
     "sigsegv": ("model_forward", "killed by SIGSEGV", True),
+    # SIGTERM from another process to the rank alone, in forward (its handler may save first): the launcher stops
+    # the others after it.
+    "sigterm": ("model_forward", "terminated by SIGTERM", True),
     "exit": ("model_backward", "exit code", True),
     "sys_exit": ("model_backward", "exit code", True),
     "hang_compute": ("model_forward", "hang", True),
@@ -123,6 +125,8 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
     # The scheduler ends the whole job at rank 0's step: SIGTERM (a time limit) or SIGKILL to the launcher and
     # every rank at once; or SIGTERM 3 s after a rank hung in forward (no hang detection, long collective timeout).
     "term_all": (None, "", True),
+    # Ctrl-C: SIGINT to the launcher and every rank (the terminal's process group; torchrun passes it on too).
+    "int_all": (None, "", True),
     "kill_all": (None, "", True),
     "hang_term": ("model_forward", "hang", True),
 }
@@ -140,15 +144,17 @@ BEFORE_LOOP = ("model_init", "hang_init")
 #: Faults of rank 0's saves on a small file system.
 ON_SMALL_DISK = ("full_disk", "full_disk_logs")
 #: The scheduler's signals to the whole job: no rank failed first.
-FROM_OUTSIDE = ("term_all", "kill_all")
+FROM_OUTSIDE = ("term_all", "kill_all", "int_all")
 
 
 #: Faults inside a step after which every other rank waits in (or fails out of) that step's gradient all-reduce, or
 #: the next step's when the culprit got past it: in backward, where DDP runs it.
 IN_STEP = ("data", "forward", "backward", "optimizer", "iteration", "sigkill", "sigsegv", "exit", "sys_exit")
-IN_STEP_HANGS = ("hang_compute", "hang_data", "freeze", "gil_stuck")
+IN_STEP_HANGS = ("hang_compute", "hang_data", "freeze", "gil_stuck", "sigterm")
 #: Faults that stop the rank before its model's forward, where DDP broadcasts a model's buffers from rank 0.
-BEFORE_BROADCAST = ("data", "hang_data", "forward", "sigkill", "sigsegv", "hang_compute", "freeze", "gil_stuck")
+BEFORE_BROADCAST = (
+    *("data", "hang_data", "forward", "sigkill", "sigsegv", "hang_compute", "freeze", "gil_stuck", "sigterm"),
+)
 #: Faults after the step's all-reduce: the other ranks may end the step and wait in what comes next (the next
 #: forward's broadcast of the buffers, or the validation pass's all-reduce).
 AFTER_ALL_REDUCE = ("optimizer", "iteration")
@@ -236,9 +242,11 @@ def check(
         check_others(run, errors, rank, "hang_compute", buffers=buffers)
     elif fault in FROM_OUTSIDE:
         errors = run.cli("errors")
-        rule, verdict = (
-            ("terminated together", "terminated by SIGTERM") if fault == "term_all" else ("killed together", "killed")
-        )
+        rule, verdict = {
+            "term_all": ("terminated together", "terminated by SIGTERM"),
+            "int_all": ("terminated together", "terminated by SIGINT"),
+            "kill_all": ("killed together", "killed"),
+        }[fault]
         assert errors["culprit"] is None and errors["rule"] == rule, errors["verdict"]
         assert errors["status"] == "failed" and errors["verdict"].startswith(verdict), errors["verdict"]
         marks = run.marks()
@@ -385,18 +393,27 @@ def marks_on_one_clock(truth: Path, host: str, ahead_ns: int) -> None:
 def from_outside(fault: str, rank: int, step: int, *, watchdog: bool) -> Any:
     """For the scheduler's faults, what ends the job while it runs (``launch``'s ``during``): SIGTERM or SIGKILL to
     the launcher and every rank once rank 0 began ``step``; SIGTERM a while after ``rank`` hung (2 s under the
-    watchdog, which aborts a rank 3 s in a collective; else 3 s)."""
-    if fault not in (*FROM_OUTSIDE, "hang_term"):
+    watchdog, which aborts a rank 3 s in a collective; else 3 s). For ``sigterm``, SIGTERM to ``rank`` alone once
+    it waits in forward for it."""
+    if fault not in (*FROM_OUTSIDE, "hang_term", "sigterm"):
         return None
 
     def end(process: subprocess.Popen[str], truth: Path) -> None:
+        if fault == "sigterm":
+            wait_for_mark(process, truth, rank, "fault")
+            pid_file, deadline = truth / "sigterm.pid", time.monotonic() + 10
+            while not pid_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05)
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            return
         if fault == "hang_term":
             wait_for_mark(process, truth, rank, "fault")
             time.sleep(2.0 if watchdog else 3.0)
         else:
             wait_for_step(process, truth, 0, step)
         if process.poll() is None:
-            kill_the_job(truth, signal.SIGKILL if fault == "kill_all" else signal.SIGTERM)
+            kill_the_job(truth, {"kill_all": signal.SIGKILL, "int_all": signal.SIGINT}.get(fault, signal.SIGTERM))
 
     return end
 
@@ -498,7 +515,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
             # before the broadcast, where every rank then waits as long (docs/analysis.md, "ranks").
             if fault == "slow_data" and draw.random() < 0.5:
                 extra += ["--no-record-collectives"]
-        if args.abort and fault not in (*FROM_OUTSIDE, "hang_term"):  # (the workers would ignore the SIGTERM)
+        if args.abort and fault not in (*FROM_OUTSIDE, "hang_term", "sigterm"):  # (the workers would ignore SIGTERM)
             extra += ["--abort-after-failure"]
         if args.watchdog:
             extra += ["--gloo-timeout", "30", "--watchdog-abort", "3"]
@@ -509,7 +526,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
         if fault == "loader_kill":
             extra += ["--fault-attempt", "0", *(["--resume"] if draw.random() < 0.5 else [])]
             restarts = 1
-        if fault in ("term_all", "hang_term"):  # a SIGTERM handler that saves a checkpoint before the process ends
+        if fault in ("term_all", "hang_term", "sigterm"):  # a SIGTERM handler that saves before the process ends
             extra += ["--sigterm-cleanup", draw.choice(["0", "0", "0.3", "2.0"])]
         if fault == "hang_term":  # nothing ends the hang but the scheduler's signal (hang detection on or off)
             extra += ["--hang-timeout", draw.choice(["1.5", "0"]), "--gloo-timeout", "60"]
@@ -532,7 +549,7 @@ def sweep(args: argparse.Namespace, faults: list[str]) -> int:
         folder = Path(tempfile.mkdtemp(prefix="traintrace-sweep-"))
         began = time.monotonic()
         try:
-            worker_fault = {"hang_term": "hang_compute", "term_all": "none", "kill_all": "none"}.get(fault, fault)
+            worker_fault = {"hang_term": "hang_compute", **dict.fromkeys(FROM_OUTSIDE, "none")}.get(fault, fault)
             faulty = ("--fault", worker_fault, "--fault-rank", str(rank), "--fault-step", str(step), *extra)
             during = from_outside(fault, rank, step, watchdog=args.watchdog)
             if fault == "full_disk":

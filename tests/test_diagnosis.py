@@ -253,6 +253,12 @@ def check_goodput(run: Run, failed: bool = True, unrecorded: float = 0.0, killed
     truth = truth_goodput(run, failed)
     high = truth_goodput(run, failed, "configured")
     low = truth - unrecorded
+    outlived = outlived_streams(run)
+    if outlived:
+        # A SIGTERM handler that ran after its process's stream closed at exit (the launcher's, while the process
+        # exited after its exception) worked where no record sees it: without a launcher's stream to say when the
+        # process ended (plain torchrun), the job's wall time ends at its records, before that.
+        high = max(high, truth_goodput(run, failed, "configured", until=outlived))
     if hung_marks(run) and run.ended_ns:
         # A hung rank that let its SIGTERM pass lived on, writing no mark, until the launcher killed it (30 s under
         # torchrun): the job's wall time ends between the last mark and the launcher's end.
@@ -270,6 +276,16 @@ def check_goodput(run: Run, failed: bool = True, unrecorded: float = 0.0, killed
     check_time_went(run, summary, failed)
     check_startup(run)
     return summary
+
+
+def outlived_streams(run: Run) -> int | None:
+    """Where a rank's SIGTERM handler ran after its stream had closed (its ``sigterm`` mark says so), the last mark
+    of the job before any such handler's; else None."""
+    marks = run.marks()
+    after = [m["ts"] for ms in marks.values() for m in ms if m["event"] == "sigterm" and m.get("after_close")]
+    if not after:
+        return None
+    return max(m["ts"] for ms in marks.values() for m in ms if m["ts"] < min(after))
 
 
 def hung_marks(run: Run) -> dict[int, dict[str, Any]]:
@@ -328,7 +344,8 @@ GOES_ON_AFTER = (
 def marked_intervals(ms: list[dict[str, Any]]) -> Iterator[tuple[str | None, dict[str, Any], int]]:
     """A rank's intervals by its marks: (category of ``TIMED_BY_MARKS``, or None for a step; the opening mark; the
     end). An interval its rank never closed (an exception, a signal, the end of the process) ends at the rank's
-    next fault mark, its SIGTERM, its exit or its last mark in that attempt."""
+    next fault mark, the end of its SIGTERM handler (a handler that saves first works inside the interrupted
+    interval, whose span stays open until the process ends), its exit or its last mark in that attempt."""
     closing_of = dict(TIMED_BY_MARKS.values())
     ms = sorted(ms, key=lambda m: m["ts"])
     for i, m in enumerate(ms):
@@ -345,7 +362,7 @@ def marked_intervals(ms: list[dict[str, Any]]) -> Iterator[tuple[str | None, dic
                 x["ts"]
                 for x in same_attempt
                 if (x["event"] == closing and x.get("step") == m.get("step"))
-                or x["event"] in ("raised", "sigterm", "exit")
+                or x["event"] in ("raised", "sigterm_done", "exit")
                 or (x["event"] == "fault" and x["kind"] not in GOES_ON_AFTER)
             ),
             same_attempt[-1]["ts"] if same_attempt else m["ts"],
@@ -1710,6 +1727,40 @@ def test_sigterm_from_outside(tmp_path: Path) -> None:
     errors = check_culprit(run, 2, 6, "model_forward", "SIGTERM")
     assert errors["culprit"]["state"] == "terminated"
     check_goodput(run)
+
+
+@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])
+def test_the_whole_job_interrupted_from_its_terminal(tmp_path: Path, torchrun: bool) -> None:
+    """Ctrl-C in the job's terminal: SIGINT to the launcher's process group at step 8 of rank 0 (torchrun passes it
+    on to the workers); every rank raises KeyboardInterrupt, which ends its spans `terminated` and closes its
+    stream. Nobody is blamed: the job was interrupted, each rank where its marks say. It read as `failed, cause
+    unclear: the first sign is on rank 0 (error)` before: nothing recorded the interrupt."""
+    sent: dict[str, int] = {}
+
+    def press_ctrl_c(process: subprocess.Popen[str], truth: Path) -> None:
+        wait_for_step(process, truth, 0, 8)
+        sent["ns"] = time.time_ns()
+        os.killpg(process.pid, signal.SIGINT)  # the terminal's: the foreground process group, the launcher's
+
+    run = launch(tmp_path, 3, "--steps", "200", during=press_ctrl_c, torchrun=torchrun)
+    marks = run.marks()
+    interrupted = {r: [m for m in ms if m.get("error") == "KeyboardInterrupt"] for r, ms in marks.items()}
+    assert all(interrupted.values()), run.output[-3000:]  # the premise: every rank got it
+    errors = run.cli("errors")
+    assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
+    who = "" if torchrun else "the launcher and "
+    assert errors["verdict"].startswith(
+        f"terminated by SIGINT from outside: {who}all 3 ranks got the signal at once, none failed first "
+        "(Ctrl-C in its terminal); "
+    ), errors["verdict"]
+    for state in errors["rank_states"]:
+        assert state["signal"] == "SIGINT", state
+        started = [m["step"] for m in marks[state["rank"]] if m["event"] == "step_start"]
+        assert state["step"] == started[-1], (state, started)
+        # Its stream's signal record comes as KeyboardInterrupt leaves the spans: after the test's signal, before
+        # the worker noted the exception (the spans it went through had ended then).
+        assert sent["ns"] <= state["stopped_ns"] <= interrupted[state["rank"]][0]["ts"], (state, sent)
+    assert check_goodput(run)["status"] == "failed"
 
 
 @pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])

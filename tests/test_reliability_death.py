@@ -303,6 +303,10 @@ with tt.application(), tt.training_loop():
             raise ValueError("loss is NaN")
         if how == "exit":
             sys.exit(3)
+        if how == "sigint":  # Ctrl-C: Python's own handler raises KeyboardInterrupt here
+            import signal
+            with tt.forward():
+                os.kill(os.getpid(), signal.SIGINT)
         if how == "segfault":
             tt.flush()
             import faulthandler
@@ -313,11 +317,17 @@ with tt.application(), tt.training_loop():
 @pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("how", "code", "status"),
-    [("exception", 1, "error"), ("exit", 3, "terminated"), ("os_exit_after_close", 7, None)],
+    [
+        ("exception", 1, "error"),
+        ("exit", 3, "terminated"),
+        ("sigint", -signal.SIGINT, "terminated"),
+        ("os_exit_after_close", 7, None),
+    ],
 )
 def test_exception_exit_and_os_exit(tmp_path: Path, how: str, code: int, status: str | None) -> None:
-    """Unhandled exception, sys.exit and os._exit after close(): the user's exit status, a
-    cleanly closed stream, the exception recorded once, the spans' status right."""
+    """Unhandled exception, sys.exit, Ctrl-C (SIGINT: KeyboardInterrupt) and os._exit after close(): the user's
+    exit status (the interpreter dies by SIGINT after a KeyboardInterrupt), a cleanly closed stream, the exception
+    recorded once, the interrupt once as a ``signal`` event in the span it came in, the spans' status right."""
     script = write_script(tmp_path, "end.py", ENDINGS)
     done = run_script(script, str(tmp_path / "logs"), how)
     assert done.returncode == code, done.stderr
@@ -329,8 +339,18 @@ def test_exception_exit_and_os_exit(tmp_path: Path, how: str, code: int, status:
         assert "ValueError: loss is NaN" in done.stderr  # Python's own report still happens
         errors = stream.of_kind("error")
         assert len(errors) == 1 and errors[0]["error_type"] == "ValueError"
+    signals = [r for r in stream.of_kind("event") if r["name"] == "signal"]
+    if how == "sigint":
+        forward = stream.spans("model_forward")[-1]
+        assert [(r["attrs"], r["span"]) for r in signals] == [
+            ({"signal": "SIGINT", "exception": "KeyboardInterrupt"}, forward["id"])
+        ]
+        assert forward["status"] == "terminated" and signals[0]["ts"] == forward["ts"] + forward["dur"]
+        assert not stream.of_kind("error")
+    else:
+        assert not signals
     if status is not None:
-        assert {s["name"]: s["status"] for s in stream.spans() if s["name"] != "iteration"} == {
+        assert {s["name"]: s["status"] for s in stream.spans() if s["name"] not in ("iteration", "model_forward")} == {
             "main_function": status,
             "training_loop": status,
         }

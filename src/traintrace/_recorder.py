@@ -617,6 +617,18 @@ class Recorder(_RecorderBase):
             span.status = SpanStatus.TERMINATED
             if isinstance(exc, SystemExit):
                 self._record_exit(exc, span.id, when)
+            elif isinstance(exc, KeyboardInterrupt):
+                self.record_interrupt(exc, span.id, when)
+
+    def record_interrupt(self, exc: KeyboardInterrupt, span_id: int, when: int = 0) -> None:
+        """A ``signal`` event for ``KeyboardInterrupt`` leaving a span (once per exception): Python's SIGINT (Ctrl-C
+        in the job's terminal, which signals the launcher and every rank), else the process's end reads as an
+        unexplained failure of every rank."""
+        if self.closed or _already_recorded(exc, self._recorded_exceptions):
+            return
+        attrs = {"signal": "SIGINT", "exception": "KeyboardInterrupt"}
+        self.put((EVENT, EventName.SIGNAL, attrs, span_id, _get_ident(), when or perf_counter_ns(), _ERROR))
+        self._pipeline.wake()
 
     def _record_exit(self, exc: SystemExit, span_id: int, when: int) -> None:
         """A ``system_exit`` event for ``sys.exit()`` leaving a span (once per exit): the exit status it gives, which

@@ -1878,9 +1878,12 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     if culprit is None and _terminated_together(states):
         launchers = "the launchers" if len({s.host for s in states}) > 1 else "the launcher"
         who = f"{launchers} and " if any(s.launcher_signal for s in states) else ""
+        how = _ended_how(states)
+        # SIGINT is Ctrl-C in the job's terminal (to the launcher's process group; torchrun passes it on).
+        why = "Ctrl-C in its terminal" if how.endswith("SIGINT") else "the scheduler's time limit, or a cancelled job"
         return (
-            f"{_ended_how(states)} from outside: {who}{_every_rank(len(states))} got the signal at once, none failed "
-            f"first (the scheduler's time limit, or a cancelled job); " + _doing_groups(states)
+            f"{how} from outside: {who}{_every_rank(len(states))} got the signal at once, none failed "
+            f"first ({why}); " + _doing_groups(states)
         )
     if culprit is None:
         first = min(

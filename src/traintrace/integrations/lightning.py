@@ -443,6 +443,10 @@ class TraintraceCallback(Callback):
                     rec.record_exception(exception, EventName.EXCEPTION, None, broken.id)
             if isinstance(exception, Exception):
                 rec.error(exception, name=EventName.EXCEPTION)
+            elif isinstance(exception, KeyboardInterrupt):  # Ctrl-C, which Lightning catches to shut down
+                held = (broken, self._phase_span, self._iter, self._eval, self._loop, self._stage)
+                innermost = next((span for span in held if span is not None), None)
+                rec.record_interrupt(exception, innermost.id if innermost is not None else 0)
         self._close_open(status)
         stage_span, self._stage = self._stage, None
         self._stop(stage_span, {"global_step": int(trainer.global_step)}, status)
