@@ -168,6 +168,8 @@ def raised_noted(truth: Truth, cleanup_raises: bool = False, abort: bool = False
     a few flush intervals later, as NCCL's watchdog aborts a process whose collective timed out."""
     try:
         yield
+    except GeneratorExit:  # this generator finalised at the interpreter's shutdown, a second interrupt having left it
+        raise
     except BaseException as exc:
         truth.write(event="raised", error=type(exc).__name__)
         if cleanup_raises and "injected" not in str(exc):

@@ -175,7 +175,11 @@ def kept_step_times(
     every = [m for ms in marks.values() for m in ms]
     opened = [m["ts"] for m in every if m["event"] == since]
     start = min(opened or [m["ts"] for m in every if m["event"] == "process_start"])
-    end = until or max(m["ts"] for m in every)
+    # Not past an attempt's exit mark: its exit handler runs after traintrace's closed the stream, and anything
+    # after it (the interpreter's finalisation) is beyond what a record can see.
+    exits = {(r, m["restart"]): m["ts"] for r, ms in marks.items() for m in ms if m["event"] == "exit"}
+    inside = [m["ts"] for r, ms in marks.items() for m in ms if m["ts"] <= exits.get((r, m["restart"]), m["ts"])]
+    end = until or max(inside)
     kept = truth_kept(run, failed)
     steps: dict[int, list[tuple[int, int]]] = {}
     for rank, ms in marks.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,6 +206,37 @@ def test_error_in_a_step_is_recorded_once_and_spans_end_as_errors(memory: tt.Mem
     assert loop["status"] == "error" and ids[loop["parent"]]["name"] == "user_main"
     assert memory.spans(tt.SpanName.APPLICATION) == []  # a user span was open
     assert pickle.loads(pickle.dumps(callback)).wrap_trainer is True
+
+
+class Interrupted(Exploding):
+    """Ctrl-C at a given forward call: a real SIGINT to this process (Python raises KeyboardInterrupt there)."""
+
+    def forward(self, **kwargs: Any) -> Any:
+        if self.calls + 1 == self.fail_at:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # (the interrupt comes first)
+        return super().forward(**kwargs)
+
+
+def test_ctrl_c_in_a_step_is_recorded_as_sigint(memory: tt.MemoryBackend, tmp_path: Path) -> None:
+    """Ctrl-C in forward at step 2: the Trainer lets KeyboardInterrupt through; one ``signal`` record says SIGINT at
+    the phase it broke, no error, the spans end ``terminated``. Nothing recorded the interrupt before."""
+    trainer = Trainer(
+        model=Interrupted(tiny_model(), fail_at=3),
+        args=arguments(tmp_path, eval_strategy="no", save_strategy="no", remove_unused_columns=False),
+        train_dataset=dataset(24),
+        callbacks=[TraintraceTrainerCallback()],
+    )
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    tt.flush()
+    assert memory.errors() == []
+    (interrupt,) = memory.events("signal")
+    assert interrupt["attrs"] == {"signal": "SIGINT", "exception": "KeyboardInterrupt"}
+    ids = {s["id"]: s for s in memory.spans()}
+    at = ids[interrupt["span"]]
+    assert at["name"] == tt.SpanName.FORWARD and at["status"] == "terminated", at
+    assert ids[at["parent"]]["attrs"]["step"] == 2 and ids[at["parent"]]["status"] == "terminated"
 
 
 @pytest.mark.slow

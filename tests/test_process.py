@@ -121,6 +121,17 @@ def test_exception_outside_any_span_via_excepthook(tmp_path: Path) -> None:
     assert len(errors) == 1 and errors[0]["attrs"]["unhandled"] is True
 
 
+def test_ctrl_c_outside_any_span_via_excepthook(tmp_path: Path) -> None:
+    """Ctrl-C (a real SIGINT) where no span of traintrace's is open (a framework's callbacks began its spans):
+    one ``signal`` record says SIGINT, at no span; the interpreter still dies by SIGINT."""
+    proc = _script(tmp_path, "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)\n")
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGINT
+    signals = [r for r in _records(tmp_path) if r.get("name") == "signal"]
+    assert [(r["attrs"], r["span"]) for r in signals] == [({"signal": "SIGINT", "exception": "KeyboardInterrupt"}, 0)]
+    assert not [r for r in _records(tmp_path) if r["kind"] == "error"]
+
+
 def test_interpreter_exit_flushes(tmp_path: Path) -> None:
     """Without close(), normal exit writes every record and the close record."""
     proc = _script(

@@ -330,6 +330,9 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType
     if rec is not None and isinstance(exc, Exception):
         rec.record_exception(exc, EventName.EXCEPTION, {"unhandled": True}, 0)
         rec.flush(1.0)
+    elif rec is not None and isinstance(exc, KeyboardInterrupt):
+        # Ctrl-C that left no span of traintrace's (a framework's callbacks began them): recorded here, once.
+        rec.record_interrupt(exc, 0)
     hook = _previous_excepthook or sys.__excepthook__
     hook(kind, exc, tb)
 

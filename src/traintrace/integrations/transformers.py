@@ -322,6 +322,10 @@ class TraintraceTrainerCallback(TrainerCallback):
         if rec is not None and not rec.closed and isinstance(exc, Exception):
             # Recorded at the innermost open span, once however often it is passed on.
             rec.error(exc, name=EventName.EXCEPTION)
+        elif rec is not None and not rec.closed and isinstance(exc, KeyboardInterrupt):  # Ctrl-C
+            held = (self._gather, self._wait, self._phase, self._iter, self._save, self._eval, self._loop, self._app)
+            innermost = next((span for span in held if span is not None), None)
+            rec.record_interrupt(exc, innermost.id if innermost is not None else 0)
         status = SpanStatus.ERROR if isinstance(exc, Exception) else SpanStatus.TERMINATED
         self._iter_pending = False
         for attr in ("_gather", "_wait", "_phase", "_iter", "_save", "_eval", "_loop", "_app"):
