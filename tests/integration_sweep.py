@@ -69,6 +69,8 @@ PHASES: dict[str, str] = {
     # The scheduler's SIGTERM to every process of the job (its time limit) once the rank began the step: no
     # culprit, no fault of the script's.
     "term": "",
+    # Ctrl-C: SIGINT to every process of the job (its terminal's process group) once the rank began the step.
+    "int": "",
 }
 #: Modes whose job ends normally, with one rank slower than the others from the step drawn on.
 STRAGGLERS = ("slow", "slow_data")
@@ -93,13 +95,16 @@ FRAMEWORKS = {
     "lightning": Framework(
         HERE / "_lightning_ddp_run.py",
         "ddp-test",
-        ("", "sigkill", "hang", "backward", "optimizer", "validation", "data", "data_hang", "inf", "term", *STRAGGLERS),
+        (
+            *("", "sigkill", "hang", "backward", "optimizer", "validation", "data", "data_hang", "inf", "term", "int"),
+            *STRAGGLERS,
+        ),
         "injected failure in training_step",
     ),
     "transformers": Framework(
         HERE / "_hf_ddp_run.py",
         "hf-ddp",
-        ("", "sigkill", "hang", "backward", "optimizer", "save", "data", "data_hang", "term", *STRAGGLERS),
+        ("", "sigkill", "hang", "backward", "optimizer", "save", "data", "data_hang", "term", "int", *STRAGGLERS),
         "injected failure in compute_loss",
     ),
 }
@@ -218,10 +223,10 @@ def run_job(folder: Path, job: Job, *, nvtx: bool = False) -> dict[str, Any] | N
             deadline = time.monotonic() + 300
             fault = folder / "fault.json"
             began = folder / f"started{job.rank}.txt"
-            while job.mode == "term" and process.poll() is None and time.monotonic() < deadline:
+            while job.mode in ("term", "int") and process.poll() is None and time.monotonic() < deadline:
                 text = began.read_text().strip() if began.exists() else ""
                 if text.isdigit() and int(text) >= job.step:  # (empty while the script rewrites it)
-                    signal_job(folder, signal.SIGTERM)
+                    signal_job(folder, signal.SIGTERM if job.mode == "term" else signal.SIGINT)
                     break
                 time.sleep(0.005)
             while job.mode.endswith("hang") and process.poll() is None and time.monotonic() < deadline:
@@ -276,7 +281,7 @@ def first_non_finite(notes: Path) -> float:
 def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
     """The answer of ``errors`` when the job ended, or the one read while it ran (``live``)."""
     framework = FRAMEWORKS[job.framework]
-    assert job.mode in ("inf", "term") or (folder / "fault.json").exists(), "the premise: the fault was injected"
+    assert job.mode in ("inf", "term", "int") or (folder / "fault.json").exists(), "the premise: the fault was injected"
     saved = ""
     if job.save_every and job.mode in (*STRAGGLERS, "inf"):  # jobs that end well: every save noted
         truth = check_checkpoint_save(folder, answers(folder / "logs" / framework.job)[1], job.devices)
@@ -287,10 +292,11 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
         slow = f"stragglers {data['stragglers']}: slow in {culprit['slow_in']} since step {culprit['slow_since_step']}"
         return slow + saved
     errors = live if live is not None else answers(folder / "logs" / framework.job)[0]
-    if job.mode == "term":
+    if job.mode in ("term", "int"):
         assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
         assert errors["status"] == "failed", errors["verdict"]
-        assert errors["verdict"].startswith("terminated by SIGTERM from outside"), errors["verdict"]
+        signalled = "SIGTERM" if job.mode == "term" else "SIGINT"
+        assert errors["verdict"].startswith(f"terminated by {signalled} from outside"), errors["verdict"]
         for state in errors["rank_states"]:  # the last step it began, by its own notes, or the next it prepared
             note = folder / f"started{state['rank']}.txt"
             began = int(note.read_text()) if note.exists() else -1  # none: fetching its first batch
