@@ -1428,7 +1428,13 @@ def test_a_node_terminated_from_outside(tmp_path: Path, signalled: str) -> None:
     handled = {r: next((m["ts"] for m in ms if m["event"] == "sigterm"), None) for r, ms in marks.items()}
     errors = run.cli("errors")
     if signalled == "every node":
-        assert errors["rule"] == "terminated together" and errors["culprit"] is None, errors["verdict"]
+        ends = [
+            (path.name, record.get("attrs", {}).get("data"))
+            for path in sorted((tmp_path / "logs" / "job").glob("*.jsonl"))
+            for record in map(json.loads, path.read_text().splitlines())
+            if record.get("name") == "job_end"
+        ]  # each launcher's own word on the signal it got, for a failure's message
+        assert errors["rule"] == "terminated together" and errors["culprit"] is None, (errors["verdict"], ends)
         assert errors["verdict"].startswith(
             "terminated by SIGTERM from outside: the launchers and all 4 ranks got the signal at once"
         ), errors["verdict"]

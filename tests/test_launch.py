@@ -7,12 +7,14 @@ on tests/_dist_worker.py, which all-reduces a tensor per step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,95 @@ def test_torch_metrics_become_events(agent_memory: MemoryBackend) -> None:
     metrics = [r["attrs"]["data"] for r in agent_memory.events("elastic_metric")]
     assert [m["value"] for m in metrics if m["name"].endswith("remaining_restarts")] == [1, 0]
     assert {"group": "torchelastic", "name": "workers.default.run_total", "value": 1} in metrics
+
+
+class _SignalledOnUse:
+    """A value that sends this process SIGTERM when the bridge looks at it: torchrun's handler then raises its
+    ``SignalException`` right there, inside the bridge's code, as when the signal comes while the agent's main
+    thread runs a handler of ours."""
+
+    def __eq__(self, other: object) -> bool:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return False
+
+    __hash__ = object.__hash__
+
+    def __str__(self) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return "{}"
+
+
+class _SignalledData(Mapping[str, int]):
+    """Event data that sends SIGTERM as ``events.record`` copies it."""
+
+    def __getitem__(self, key: str) -> int:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return iter(())
+
+    def __len__(self) -> int:
+        return 1
+
+
+@pytest.fixture
+def torchruns_handler() -> Iterator[None]:
+    """SIGTERM handled as torchrun's agent handles it once its workers start (its process context's handler, which
+    the bridge wraps), for one test."""
+    from torch.distributed.elastic.multiprocessing import api as mp_api
+
+    from traintrace.integrations import torchelastic
+
+    launch.install_torchelastic_bridge()
+    before = signal.signal(signal.SIGTERM, mp_api._terminate_process_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        torchelastic._bridge_state.pop("signal", None)
+
+
+@pytest.mark.usefixtures("torchruns_handler")
+@pytest.mark.parametrize("where", ["metric handler", "event handler", "events.record"])
+def test_torchruns_signal_is_never_swallowed_by_the_bridge(agent_memory: MemoryBackend, where: str) -> None:
+    """SIGTERM to the agent while its main thread is in the bridge's code: torchrun's ``SignalException`` goes
+    through (the agent then stops its workers and ends), where a handler that logs and ignores its own errors kept
+    the agent running as if no signal had come, and ``job_end`` said none. The bridge notes the signal too."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from traintrace.integrations.torchelastic import signal_received
+
+    with pytest.raises(SignalException):
+        if where == "metric handler":
+            torch_metrics.put_metric("workers.default.remaining_restarts", _SignalledOnUse())  # type: ignore[arg-type]
+        elif where == "event handler":
+            logger = torch_events._get_or_create_logger(launch.DESTINATION)
+            logger.info(_SignalledOnUse())
+        else:
+            tt.events.record(tt.events.EventType.JOB_START, data=_SignalledData(), source="agent")
+    assert signal_received() == signal.SIGTERM
+
+
+@pytest.mark.usefixtures("torchruns_handler")
+def test_the_agents_signal_is_noted_even_where_torch_swallows_its_exception() -> None:
+    """A ``logging`` handler writing when the signal comes swallows what the signal's handler raised (its
+    ``handleError``): ``traintrace-run`` still writes the signal the agent got in ``job_end``."""
+    from traintrace.integrations.torchelastic import signal_received
+
+    assert signal_received() is None
+    swallowing = logging.StreamHandler(_SignalledOnUse())  # type: ignore[arg-type]
+    swallowing.stream = types.SimpleNamespace(write=lambda _: str(_SignalledOnUse()), flush=lambda: None)
+    logger = logging.getLogger("test_the_agents_signal")
+    logger.addHandler(swallowing)
+    logger.propagate = False
+    try:
+        logging.raiseExceptions, raised = False, logging.raiseExceptions
+        logger.warning("a line as the signal comes")
+    finally:
+        logging.raiseExceptions = raised
+        logger.removeHandler(swallowing)
+    assert signal_received() == signal.SIGTERM
 
 
 def test_a_user_chosen_handler_is_kept() -> None:

@@ -153,7 +153,9 @@ def record(
                 rec.put(item)
         if _publisher.listening:
             _publisher.enqueue((name, mono, attrs, _cache_full))
-    except Exception:  # noqa: BLE001 - never raise into the caller
+    except Exception as exc:  # never raise into the caller, but for a signal (below)
+        if type(exc).__name__ == "SignalException":
+            raise  # torchrun's handler raised it here, in its agent: the signal, not a failure of this call
         _recorder.warn_once("bad_lifecycle_event", f"events.record({event_type!r}) could not record; ignored")
 
 

@@ -37,7 +37,7 @@ from typing import Any
 from . import events
 from ._identity import safe_component, scheduler_job_id
 from .events import EventSource, EventType
-from .integrations.torchelastic import DESTINATION, TorchEventHandler, install_torchelastic_bridge
+from .integrations.torchelastic import DESTINATION, TorchEventHandler, install_torchelastic_bridge, signal_received
 
 __all__ = [
     "DESTINATION",
@@ -213,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             summary["failed_ranks"] = sorted(int(rank) for rank in failures)
         raise
     finally:
+        received = signal_received()
+        if "signal" not in summary and received is not None:
+            summary["signal"] = _signal_name(received)
         summary["duration_s"] = round(time.monotonic() - started, 3)
         events.record(EventType.JOB_END, exit_code=exit_code, data=summary, source=_AGENT)
         from .publisher import get_default_event_publisher

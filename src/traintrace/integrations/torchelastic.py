@@ -16,7 +16,7 @@ from typing import Any
 from .. import _progress, events
 from ..events import EventSource, EventType
 
-__all__ = ["DESTINATION", "TorchEventHandler", "install_torchelastic_bridge"]
+__all__ = ["DESTINATION", "TorchEventHandler", "install_torchelastic_bridge", "signal_received"]
 
 log = logging.getLogger("traintrace.lib")
 
@@ -158,7 +158,9 @@ class TorchEventHandler(logging.Handler):
                 _on_rdzv_event(payload)
             else:
                 _on_torch_event(payload)
-        except Exception:  # a malformed event must not break the agent
+        except Exception as exc:  # a malformed event must not break the agent
+            if raised_by_a_signal(exc):
+                raise
             log.debug("traintrace: could not read a torchelastic event", exc_info=True)
 
 
@@ -196,7 +198,9 @@ def _metric_handler_class() -> type:
                     {"group": group, "name": name, "value": value},
                     source=_AGENT,
                 )
-            except Exception:
+            except Exception as exc:
+                if raised_by_a_signal(exc):
+                    raise
                 log.debug("traintrace: could not record a torchelastic metric", exc_info=True)
 
     return TraintraceMetricHandler
@@ -228,7 +232,9 @@ def _wrap_agent_methods() -> None:
             result = monitor(self, worker_group)
             try:
                 _record_failures(self, worker_group, result)
-            except Exception:
+            except Exception as exc:
+                if raised_by_a_signal(exc):
+                    raise
                 log.debug("traintrace: could not record worker failures", exc_info=True)
             return result
 
@@ -255,7 +261,9 @@ def _wrap_agent_methods() -> None:
                     source=_AGENT,
                     identity={"restart": spec.max_restarts - remaining, "node_rank": worker_group.group_rank},
                 )
-            except Exception:
+            except Exception as exc:
+                if raised_by_a_signal(exc):
+                    raise
                 log.debug("traintrace: could not record a restart", exc_info=True)
             return restart(self, worker_group)
 
@@ -334,4 +342,42 @@ def install_torchelastic_bridge(destination: str = DESTINATION) -> str:
         _bridge_state["metrics"] = _metric_handler_class()()
         torch_metrics.configure(_bridge_state["metrics"])
     _wrap_agent_methods()
+    _note_signals()
     return destination
+
+
+# ---------------------------------------------------------------- the agent's own signals
+
+
+def raised_by_a_signal(exc: BaseException) -> bool:
+    """torchrun's handler for SIGTERM, SIGINT, SIGHUP and SIGQUIT raises ``SignalException``, an ``Exception``,
+    wherever the agent's main thread is: inside a handler of ours too, which must let it through (the agent then
+    shuts its workers down) rather than log and swallow it."""
+    return type(exc).__name__ == "SignalException" and isinstance(getattr(exc, "sigval", None), int)
+
+
+def signal_received() -> int | None:
+    """The first signal torchrun's handler got in this (the agent's) process, or None: ``traintrace-run`` writes
+    it in ``job_end`` even where the exception it raised was caught on its way out (a ``logging`` handler swallows
+    what is raised while it writes)."""
+    received = _bridge_state.get("signal")
+    return received if isinstance(received, int) else None
+
+
+def _note_signals() -> None:
+    """Wrap torchrun's termination handler (looked up in its module each time its process context starts) to note
+    the signal first."""
+    try:
+        from torch.distributed.elastic.multiprocessing import api as mp_api
+    except ImportError:
+        return
+    handler = getattr(mp_api, "_terminate_process_handler", None)
+    if handler is None or getattr(handler, "_traintrace", False):
+        return
+
+    def _terminate_process_handler(signum: int, frame: Any) -> None:
+        _bridge_state.setdefault("signal", signum)
+        handler(signum, frame)
+
+    _terminate_process_handler._traintrace = True  # type: ignore[attr-defined]
+    setattr(mp_api, "_terminate_process_handler", _terminate_process_handler)  # noqa: B010
