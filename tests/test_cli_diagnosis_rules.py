@@ -340,6 +340,16 @@ def test_terminated_together_needs_the_signal_at_once_or_the_launchers_word() ->
         s.launcher_unsignalled = True
     culprit, rule = _culprit(late)
     assert rule == "died first" and culprit is not None and culprit.rank == 2
+    # Every rank died of the signal the launcher got and passed on, none handling it (SIGQUIT; SIGHUP where nothing
+    # of traintrace's ran): the launcher's word, not a kill from outside (read as the scheduler's, the OOM killer's
+    # or a lost node's before).
+    quit_ = [state(0, state="killed", signal="SIGQUIT", step=7, stopped_ns=T0 + 10 * S, launcher_signal="SIGQUIT")]
+    quit_ += [state(r, state="ended", step=7, stopped_ns=T0 + 10 * S, launcher_signal="SIGQUIT") for r in (1, 2)]
+    assert _culprit(quit_) == (None, "terminated together")
+    assert _sentence(None, quit_).startswith("terminated by SIGQUIT from outside: the launcher and all 3 ranks")
+    for s in quit_:
+        s.launcher_signal = None
+    assert _culprit(quit_) == (None, "killed together")
     # A rank that raised first is the culprit whatever came after.
     raised = [
         *together[:2],

@@ -1773,6 +1773,40 @@ def test_the_whole_job_interrupted_from_its_terminal(tmp_path: Path, torchrun: b
     assert check_goodput(run)["status"] == "failed"
 
 
+@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])
+def test_the_whole_job_hung_up_by_its_terminal(tmp_path: Path, torchrun: bool) -> None:
+    """The job's terminal closed (an ssh session dropped, no nohup or tmux): SIGHUP to the launcher's process group
+    at step 8 of rank 0 (torchrun passes it on). Each rank's traintrace handles it as SIGTERM: its records kept, a
+    signal record, then the process dies of SIGHUP. It read as `killed from outside: all 3 ranks were cut off
+    without a close record at once (the scheduler, the OOM killer or a lost node)` before, with the last writer
+    cycle's records lost, and so under traintrace-run too, whose launcher had recorded the SIGHUP. The truth: when
+    the test sent the signal, when it saw the launcher end, and the step each rank's marks say it began last."""
+    sent: dict[str, int] = {}
+
+    def hang_up(process: subprocess.Popen[str], truth: Path) -> None:
+        wait_for_step(process, truth, 0, 8)
+        sent["ns"] = time.time_ns()
+        os.killpg(process.pid, signal.SIGHUP)  # the kernel's, to the terminal's foreground process group
+
+    run = launch(tmp_path, 3, "--steps", "200", during=hang_up, torchrun=torchrun)
+    marks = run.marks()
+    errors = run.cli("errors")
+    assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
+    who = "" if torchrun else "the launcher and "
+    assert errors["verdict"].startswith(
+        f"terminated by SIGHUP from outside: {who}all 3 ranks got the signal at once, none failed first "
+        "(its terminal closed: "
+    ), errors["verdict"]
+    for state in errors["rank_states"]:
+        assert state["state"] == "terminated" and state["signal"] == "SIGHUP", state
+        started = [m["step"] for m in marks[state["rank"]] if m["event"] == "step_start"]
+        assert state["step"] == started[-1], (state, started)
+        assert sent["ns"] <= state["stopped_ns"] <= (run.ended_ns or 0), (state, sent, run.ended_ns)
+    for path in sorted(run.folder.glob("rank*.jsonl")):  # nothing lost: each stream ends with its close record
+        assert json.loads(path.read_text().splitlines()[-1])["kind"] == "close", path
+    assert check_goodput(run)["status"] == "failed"
+
+
 @pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
 def test_a_rank_hung_in_compute(tmp_path: Path, detection: str) -> None:
     """Rank 1 sleeps in forward; the others wait in the all-reduce until gloo times out: rank 1 is named.

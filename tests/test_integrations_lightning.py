@@ -945,13 +945,16 @@ def test_ddp_data_loading_hang_under_torchrun(tmp_path: Path) -> None:
     if "killed by signal: Terminated" in ended:
         assert culprit["state"] == "terminated", culprit
     else:
-        assert "Connection closed by peer" in ended, ended
+        # Lightning's handler failed to reach rank 0, or found the loader worker gone (the same SIGTERM ended it).
+        gone = "exited unexpectedly" in ended
+        assert "Connection closed by peer" in ended or gone, ended
         assert culprit["state"] in ("terminated", "error"), culprit
     # How it ended follows the hang in its cause: the signal, or the teardown's error.
     if culprit["state"] == "terminated":
         assert culprit["cause"].endswith("; then terminated by SIGTERM"), culprit["cause"]
     else:
-        assert "; then failed as a consequence: RuntimeError: Connection closed by peer" in culprit["cause"]
+        said = "DataLoader worker" if "exited unexpectedly" in ended else "Connection closed by peer"
+        assert f"; then failed as a consequence: RuntimeError: {said}" in culprit["cause"], culprit["cause"]
     # The worker's death by SIGTERM is not the root cause the first-error section shows.
     assert "killed by signal" not in (errors["first_error"]["message"] or "")
     assert all(g["consequence"] for g in errors["groups"]), errors["groups"]

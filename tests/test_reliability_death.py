@@ -189,7 +189,9 @@ def test_cut_final_line_is_reported_and_a_restart_starts_a_fresh_line(tmp_path: 
     assert _steps(again.streams[1].records) == [0] and again.streams[1].closed_cleanly
 
 
-def _terminated_run(tmp_path: Path, script_body: str, *, wait_line: bool = True) -> tuple[int, Path, str]:
+def _terminated_run(
+    tmp_path: Path, script_body: str, *, wait_line: bool = True, sig: int = signal.SIGTERM
+) -> tuple[int, Path, str]:
     script = write_script(tmp_path, "term.py", script_body)
     child = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path / "logs")],
@@ -202,7 +204,7 @@ def _terminated_run(tmp_path: Path, script_body: str, *, wait_line: bool = True)
     if wait_line:
         line = child.stdout.readline()
         assert line.strip() == "ready", child.stderr.read() if child.stderr else line
-    child.send_signal(signal.SIGTERM)
+    child.send_signal(sig)
     _, err = child.communicate(timeout=30)
     return child.returncode, tmp_path / "logs" / "term.jsonl", err
 
@@ -243,6 +245,41 @@ def test_sigterm_default_flushes_ends_spans_terminated_and_dies_by_the_signal(tm
     signals = [r for r in stream.of_kind("event") if r["name"] == "signal"]
     assert signals and signals[0]["attrs"]["reason"] == "SIGTERM"
     assert not schema_errors(stream.records)
+
+
+@pytest.mark.subprocess
+def test_sighup_ends_the_process_as_sigterm_does(tmp_path: Path) -> None:
+    """SIGHUP (its terminal closed) with nothing else handling it: as SIGTERM, the queued records, the spans ended
+    'terminated', the close record, a `signal` record that says SIGHUP; the process still dies of SIGHUP. Before,
+    it died at once and lost everything since the writer's last cycle, and nothing said why."""
+    code, path, err = _terminated_run(tmp_path, TERM.replace("HANDLER", ""), sig=signal.SIGHUP)
+    assert code == -signal.SIGHUP, err
+    result = read_file(path)
+    stream = result.streams[0]
+    assert stream.closed_cleanly and not result.bad_lines
+    assert _statuses(path) == {"main_function": "terminated", "training_loop": "terminated"}
+    signals = [r for r in stream.of_kind("event") if r["name"] == "signal"]
+    assert [r["attrs"]["reason"] for r in signals] == ["SIGHUP"]
+    assert not schema_errors(stream.records)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("disposition", ["nohup", "a handler of its own"])
+def test_sighup_that_the_program_ignores_or_handles_is_left_to_it(tmp_path: Path, disposition: str) -> None:
+    """Under `nohup` (SIGHUP ignored) the process goes on, and a handler of the program's own (installed before
+    configure()) decides: traintrace neither records nor ends anything."""
+    if disposition == "nohup":
+        handler = "signal.signal(signal.SIGHUP, signal.SIG_IGN)"
+        body = TERM.replace("HANDLER", handler).replace('while not globals().get("stop_now"):', "while step < 400:")
+    else:
+        handler = "signal.signal(signal.SIGHUP, lambda s, f: globals().update(stop_now=True))"
+        body = TERM.replace("HANDLER", handler)
+    code, path, err = _terminated_run(tmp_path, body, sig=signal.SIGHUP)
+    assert code == 0, err
+    stream = read_file(path).streams[0]
+    assert stream.closed_cleanly
+    assert _statuses(path) == {"main_function": "ok", "training_loop": "ok"}
+    assert not [r for r in stream.of_kind("event") if r["name"] == "signal"]
 
 
 @pytest.mark.subprocess

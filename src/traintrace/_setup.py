@@ -254,6 +254,15 @@ def _install_sigterm() -> None:
         signal.signal(signal.SIGTERM, _on_sigterm)
     except (ValueError, OSError):
         log.debug("traintrace: cannot install a SIGTERM handler here")
+    # SIGHUP (its terminal closed: an ssh session dropped, a tmux-less shell exited) ends a process that neither
+    # handles nor ignores it (``nohup``) as SIGTERM does, and torchrun passes it on to its workers: handled the same
+    # way there, and left alone where anything else decided what it does.
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) == signal.SIG_DFL:
+        try:
+            signal.signal(hangup, _on_hangup)
+        except (ValueError, OSError):
+            log.debug("traintrace: cannot install a SIGHUP handler here")
 
 
 _terminating = False
@@ -265,7 +274,6 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     # A handler runs between two bytecodes of the main thread, which may hold any lock
     # (the queue's, an Event's): nothing here takes one. The writer thread records the
     # signal and closes the stream; this only sets flags, rings a pipe and sleep-polls.
-    global _terminating
     previous = _previous_sigterm
     rec = get_active()
     if callable(previous) or previous == signal.SIG_IGN:
@@ -278,13 +286,24 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
         if callable(previous):
             _handling(rec, previous, signum, frame)
         return
+    _end_by_signal(signum, "SIGTERM")
+
+
+def _on_hangup(signum: int, frame: FrameType | None) -> None:
+    _end_by_signal(signum, "SIGHUP")
+
+
+def _end_by_signal(signum: int, name: str) -> None:
+    """Record the signal, write what is queued, end open spans ``terminated``, close; then the signal's default
+    action ends the process, as it would have without traintrace."""
+    global _terminating
     if _terminating:
-        return  # a second SIGTERM: the first one's flush goes on, then the process ends
+        return  # a second signal: the first one's flush goes on, then the process ends
     _terminating = True
     # Also when close() was under way: its flush finishes before the process ends.
-    closing = rec or _recorder._closing
+    closing = get_active() or _recorder._closing
     if closing is not None:
-        closing.signalled({"reason": "SIGTERM"}, terminate=True)
+        closing.signalled({"reason": name}, terminate=True)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 

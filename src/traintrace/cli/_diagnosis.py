@@ -1561,7 +1561,11 @@ def _left_early(states: list[RankState]) -> RankState | None:
 def _killed_together(states: list[RankState]) -> bool:
     """Every rank of the attempt died (a signal the launcher saw, or its stream cut) with no rank having seen
     trouble first (an error, a timeout, a hang report): a kill from outside, the scheduler's or the OOM
-    killer's on every rank, or a lost node."""
+    killer's on every rank, or a lost node. Not where a launcher of ``traintrace-run``'s got a signal itself: it
+    then stopped its ranks (``_terminated_together``), which died of it, or of its SIGKILL after they lingered,
+    where nothing of traintrace's handled the signal (SIGQUIT, ``handle_sigterm=False``)."""
+    if any(s.launcher_signal for s in states):
+        return False
     return len(states) > 1 and all(
         s.state in ("killed", "ended") and s.error is None and s.consequence is None and s.hang is None for s in states
     )
@@ -1866,6 +1870,14 @@ def _every_rank(count: int) -> str:
     return "the only rank" if count == 1 else "both ranks" if count == 2 else f"all {count} ranks"
 
 
+#: What a signal the whole job got at once says of where it came from, for those a terminal sends.
+_TERMINAL_SIGNALS = {
+    "SIGINT": "Ctrl-C in its terminal",
+    "SIGHUP": "its terminal closed: an ssh session dropped or its shell exited; run it under nohup, tmux or a "
+    "scheduler",
+}
+
+
 def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
     if culprit is None and _killed_together(states):
         launcher = any("launcher" in s.source for s in states)
@@ -1879,8 +1891,9 @@ def _sentence(culprit: RankState | None, states: list[RankState]) -> str:
         launchers = "the launchers" if len({s.host for s in states}) > 1 else "the launcher"
         who = f"{launchers} and " if any(s.launcher_signal for s in states) else ""
         how = _ended_how(states)
-        # SIGINT is Ctrl-C in the job's terminal (to the launcher's process group; torchrun passes it on).
-        why = "Ctrl-C in its terminal" if how.endswith("SIGINT") else "the scheduler's time limit, or a cancelled job"
+        # SIGINT is Ctrl-C in the job's terminal (to the launcher's process group; torchrun passes it on), SIGHUP
+        # the terminal closing (the kernel's to its foreground process group, the shell's to its jobs).
+        why = _TERMINAL_SIGNALS.get(how.rpartition(" ")[2], "the scheduler's time limit, or a cancelled job")
         return (
             f"{how} from outside: {who}{_every_rank(len(states))} got the signal at once, none failed "
             f"first ({why}); " + _doing_groups(states)
