@@ -127,6 +127,8 @@ FAULTS: dict[str, tuple[str | None, str, bool]] = {
     "term_all": (None, "", True),
     # Ctrl-C: SIGINT to the launcher and every rank (the terminal's process group; torchrun passes it on too).
     "int_all": (None, "", True),
+    # The terminal closed (an ssh session dropped): SIGHUP to the launcher and every rank.
+    "hup_all": (None, "", True),
     "kill_all": (None, "", True),
     "hang_term": ("model_forward", "hang", True),
 }
@@ -144,7 +146,7 @@ BEFORE_LOOP = ("model_init", "hang_init")
 #: Faults of rank 0's saves on a small file system.
 ON_SMALL_DISK = ("full_disk", "full_disk_logs")
 #: The scheduler's signals to the whole job: no rank failed first.
-FROM_OUTSIDE = ("term_all", "kill_all", "int_all")
+FROM_OUTSIDE = ("term_all", "kill_all", "int_all", "hup_all")
 
 
 #: Faults inside a step after which every other rank waits in (or fails out of) that step's gradient all-reduce, or
@@ -245,6 +247,7 @@ def check(
         rule, verdict = {
             "term_all": ("terminated together", "terminated by SIGTERM"),
             "int_all": ("terminated together", "terminated by SIGINT"),
+            "hup_all": ("terminated together", "terminated by SIGHUP"),
             "kill_all": ("killed together", "killed"),
         }[fault]
         assert errors["culprit"] is None and errors["rule"] == rule, errors["verdict"]
@@ -413,7 +416,8 @@ def from_outside(fault: str, rank: int, step: int, *, watchdog: bool) -> Any:
         else:
             wait_for_step(process, truth, 0, step)
         if process.poll() is None:
-            kill_the_job(truth, {"kill_all": signal.SIGKILL, "int_all": signal.SIGINT}.get(fault, signal.SIGTERM))
+            signals = {"kill_all": signal.SIGKILL, "int_all": signal.SIGINT, "hup_all": signal.SIGHUP}
+            kill_the_job(truth, signals.get(fault, signal.SIGTERM))
 
     return end
 

@@ -71,7 +71,11 @@ PHASES: dict[str, str] = {
     "term": "",
     # Ctrl-C: SIGINT to every process of the job (its terminal's process group) once the rank began the step.
     "int": "",
+    # Its terminal closed (an ssh session dropped): SIGHUP to every process of the job.
+    "hup": "",
 }
+#: The modes that signal every process of the job from outside, and their signals.
+FROM_OUTSIDE = {"term": signal.SIGTERM, "int": signal.SIGINT, "hup": signal.SIGHUP}
 #: Modes whose job ends normally, with one rank slower than the others from the step drawn on.
 STRAGGLERS = ("slow", "slow_data")
 #: Steps a straggler's job runs past its first slow step (ranks needs five to call it a slow-down).
@@ -96,7 +100,20 @@ FRAMEWORKS = {
         HERE / "_lightning_ddp_run.py",
         "ddp-test",
         (
-            *("", "sigkill", "hang", "backward", "optimizer", "validation", "data", "data_hang", "inf", "term", "int"),
+            *(
+                "",
+                "sigkill",
+                "hang",
+                "backward",
+                "optimizer",
+                "validation",
+                "data",
+                "data_hang",
+                "inf",
+                "term",
+                "int",
+                "hup",
+            ),
             *STRAGGLERS,
         ),
         "injected failure in training_step",
@@ -104,7 +121,20 @@ FRAMEWORKS = {
     "transformers": Framework(
         HERE / "_hf_ddp_run.py",
         "hf-ddp",
-        ("", "sigkill", "hang", "backward", "optimizer", "save", "data", "data_hang", "term", "int", *STRAGGLERS),
+        (
+            "",
+            "sigkill",
+            "hang",
+            "backward",
+            "optimizer",
+            "save",
+            "data",
+            "data_hang",
+            "term",
+            "int",
+            "hup",
+            *STRAGGLERS,
+        ),
         "injected failure in compute_loss",
     ),
 }
@@ -223,10 +253,10 @@ def run_job(folder: Path, job: Job, *, nvtx: bool = False) -> dict[str, Any] | N
             deadline = time.monotonic() + 300
             fault = folder / "fault.json"
             began = folder / f"started{job.rank}.txt"
-            while job.mode in ("term", "int") and process.poll() is None and time.monotonic() < deadline:
+            while job.mode in FROM_OUTSIDE and process.poll() is None and time.monotonic() < deadline:
                 text = began.read_text().strip() if began.exists() else ""
                 if text.isdigit() and int(text) >= job.step:  # (empty while the script rewrites it)
-                    signal_job(folder, signal.SIGTERM if job.mode == "term" else signal.SIGINT)
+                    signal_job(folder, FROM_OUTSIDE[job.mode])
                     break
                 time.sleep(0.005)
             while job.mode.endswith("hang") and process.poll() is None and time.monotonic() < deadline:
@@ -281,7 +311,9 @@ def first_non_finite(notes: Path) -> float:
 def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
     """The answer of ``errors`` when the job ended, or the one read while it ran (``live``)."""
     framework = FRAMEWORKS[job.framework]
-    assert job.mode in ("inf", "term", "int") or (folder / "fault.json").exists(), "the premise: the fault was injected"
+    assert job.mode == "inf" or job.mode in FROM_OUTSIDE or (folder / "fault.json").exists(), (
+        "the premise: the fault was injected"
+    )
     saved = ""
     if job.save_every and job.mode in (*STRAGGLERS, "inf"):  # jobs that end well: every save noted
         truth = check_checkpoint_save(folder, answers(folder / "logs" / framework.job)[1], job.devices)
@@ -292,10 +324,10 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
         slow = f"stragglers {data['stragglers']}: slow in {culprit['slow_in']} since step {culprit['slow_since_step']}"
         return slow + saved
     errors = live if live is not None else answers(folder / "logs" / framework.job)[0]
-    if job.mode in ("term", "int"):
+    if job.mode in FROM_OUTSIDE:
         assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
         assert errors["status"] == "failed", errors["verdict"]
-        signalled = "SIGTERM" if job.mode == "term" else "SIGINT"
+        signalled = FROM_OUTSIDE[job.mode].name
         assert errors["verdict"].startswith(f"terminated by {signalled} from outside"), errors["verdict"]
         for state in errors["rank_states"]:  # the last step it began, by its own notes, or the next it prepared
             note = folder / f"started{state['rank']}.txt"
