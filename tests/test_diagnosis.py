@@ -751,7 +751,8 @@ def test_an_exception_a_survivor_raised_after_the_failure_reached_it_is_not_the_
     assert rank0["error"] is None and rank0["consequence"] is not None, rank0
 
 
-@pytest.mark.parametrize("torchrun", [False, True], ids=["launcher", "torchrun"])
+# Under plain torchrun the same records: the pure core's part is the launcher's run.
+@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])
 def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_path: Path, torchrun: bool) -> None:
     """Rank 1 hangs loading its batch for step 5 (hang detection off); the others' collective times out and each,
     once its timeout error is written, is aborted (SIGABRT), as NCCL's watchdog aborts a rank whose collective timed
@@ -1739,7 +1740,8 @@ def test_sigterm_from_outside(tmp_path: Path) -> None:
     check_goodput(run)
 
 
-@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])
+@pytest.mark.once  # the records either core writes of Ctrl-C: test_exception_exit_and_os_exit[sigint]
+@pytest.mark.parametrize("torchrun", [False, True], ids=["launcher", "torchrun"])
 def test_the_whole_job_interrupted_from_its_terminal(tmp_path: Path, torchrun: bool) -> None:
     """Ctrl-C in the job's terminal: SIGINT to the launcher's process group at step 8 of rank 0 (torchrun passes it
     on to the workers); every rank raises KeyboardInterrupt, which ends its spans `terminated` and closes its
@@ -1773,7 +1775,8 @@ def test_the_whole_job_interrupted_from_its_terminal(tmp_path: Path, torchrun: b
     assert check_goodput(run)["status"] == "failed"
 
 
-@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])
+@pytest.mark.once  # the records either core writes of SIGHUP: test_sighup_ends_the_process_as_sigterm_does
+@pytest.mark.parametrize("torchrun", [False, True], ids=["launcher", "torchrun"])
 def test_the_whole_job_hung_up_by_its_terminal(tmp_path: Path, torchrun: bool) -> None:
     """The job's terminal closed (an ssh session dropped, no nohup or tmux): SIGHUP to the launcher's process group
     at step 8 of rank 0 (torchrun passes it on). Each rank's traintrace handles it as SIGTERM: its records kept, a
@@ -2576,6 +2579,7 @@ def test_a_rank_killed_in_an_attempt_plain_torchrun_restarted(tmp_path: Path) ->
     check_goodput(run, failed=False)
 
 
+@pytest.mark.once  # the subject is reading each attempt's part of the fault files, not what either core writes
 def test_ranks_a_watchdog_aborted_before_a_restart_are_not_the_cause(tmp_path: Path) -> None:
     """Under plain torchrun, rank 1 hangs in forward at step 6 of the first attempt; ranks 0 and 2 wait in backward's
     all-reduce until a watchdog aborts each (SIGABRT) after 3 s; torchrun stops rank 1 and restarts the job, which

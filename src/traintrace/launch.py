@@ -217,14 +217,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         if "signal" not in summary and received is not None:
             summary["signal"] = _signal_name(received)
         summary["duration_s"] = round(time.monotonic() - started, 3)
-        events.record(EventType.JOB_END, exit_code=exit_code, data=summary, source=_AGENT)
-        from .publisher import get_default_event_publisher
+        try:
+            events.record(EventType.JOB_END, exit_code=exit_code, data=summary, source=_AGENT)
+            from .publisher import get_default_event_publisher
 
-        get_default_event_publisher().flush(2.0)
-        if rec is not None:
-            rec.close()
-        if metrics is not None:
-            metrics.close()
+            get_default_event_publisher().flush(2.0)
+        finally:  # a second signal (Ctrl-C pressed twice) raises here too: the stream still closes
+            if rec is not None:
+                rec.close()
+            if metrics is not None:
+                metrics.close()
 
 
 def _serve_metrics(options: Any, job_id: str, rec: Any) -> Any:
