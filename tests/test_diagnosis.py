@@ -1740,6 +1740,36 @@ def test_sigterm_from_outside(tmp_path: Path) -> None:
     check_goodput(run)
 
 
+def signal_from_the_terminal(
+    tmp_path: Path, sig: signal.Signals, torchrun: bool, why: str
+) -> tuple[Run, int, dict[str, Any]]:
+    """``sig`` to the launcher's process group, the job's terminal's foreground group (torchrun passes it on), at step
+    8 of rank 0; the verdict read as the whole job's, no rank blamed, each where its marks say it began last, and
+    not before the test's signal. Returns the run, when the test sent the signal and ``errors``' answer."""
+    sent: dict[str, int] = {}
+
+    def send(process: subprocess.Popen[str], truth: Path) -> None:
+        wait_for_step(process, truth, 0, 8)
+        sent["ns"] = time.time_ns()
+        os.killpg(process.pid, sig)
+
+    run = launch(tmp_path, 3, "--steps", "200", during=send, torchrun=torchrun)
+    marks = run.marks()
+    errors = run.cli("errors")
+    assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
+    who = "" if torchrun else "the launcher and "
+    assert errors["verdict"].startswith(
+        f"terminated by {sig.name} from outside: {who}all 3 ranks got the signal at once, none failed first ({why}"
+    ), errors["verdict"]
+    for state in errors["rank_states"]:
+        assert state["signal"] == sig.name, state
+        started = [m["step"] for m in marks[state["rank"]] if m["event"] == "step_start"]
+        assert state["step"] == started[-1], (state, started)
+        assert sent["ns"] <= state["stopped_ns"], (state, sent)
+    assert check_goodput(run)["status"] == "failed"
+    return run, sent["ns"], errors
+
+
 @pytest.mark.once  # the records either core writes of Ctrl-C: test_exception_exit_and_os_exit[sigint]
 @pytest.mark.parametrize("torchrun", [False, True], ids=["launcher", "torchrun"])
 def test_the_whole_job_interrupted_from_its_terminal(tmp_path: Path, torchrun: bool) -> None:
@@ -1747,32 +1777,14 @@ def test_the_whole_job_interrupted_from_its_terminal(tmp_path: Path, torchrun: b
     on to the workers); every rank raises KeyboardInterrupt, which ends its spans `terminated` and closes its
     stream. Nobody is blamed: the job was interrupted, each rank where its marks say. It read as `failed, cause
     unclear: the first sign is on rank 0 (error)` before: nothing recorded the interrupt."""
-    sent: dict[str, int] = {}
-
-    def press_ctrl_c(process: subprocess.Popen[str], truth: Path) -> None:
-        wait_for_step(process, truth, 0, 8)
-        sent["ns"] = time.time_ns()
-        os.killpg(process.pid, signal.SIGINT)  # the terminal's: the foreground process group, the launcher's
-
-    run = launch(tmp_path, 3, "--steps", "200", during=press_ctrl_c, torchrun=torchrun)
+    run, _, errors = signal_from_the_terminal(tmp_path, signal.SIGINT, torchrun, "Ctrl-C in its terminal); ")
     marks = run.marks()
     interrupted = {r: [m for m in ms if m.get("error") == "KeyboardInterrupt"] for r, ms in marks.items()}
     assert all(interrupted.values()), run.output[-3000:]  # the premise: every rank got it
-    errors = run.cli("errors")
-    assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
-    who = "" if torchrun else "the launcher and "
-    assert errors["verdict"].startswith(
-        f"terminated by SIGINT from outside: {who}all 3 ranks got the signal at once, none failed first "
-        "(Ctrl-C in its terminal); "
-    ), errors["verdict"]
     for state in errors["rank_states"]:
-        assert state["signal"] == "SIGINT", state
-        started = [m["step"] for m in marks[state["rank"]] if m["event"] == "step_start"]
-        assert state["step"] == started[-1], (state, started)
         # Its stream's signal record comes as KeyboardInterrupt leaves the spans: after the test's signal, before
         # the worker noted the exception (the spans it went through had ended then).
-        assert sent["ns"] <= state["stopped_ns"] <= interrupted[state["rank"]][0]["ts"], (state, sent)
-    assert check_goodput(run)["status"] == "failed"
+        assert state["stopped_ns"] <= interrupted[state["rank"]][0]["ts"], state
 
 
 @pytest.mark.once  # the records either core writes of SIGHUP: test_sighup_ends_the_process_as_sigterm_does
@@ -1784,30 +1796,11 @@ def test_the_whole_job_hung_up_by_its_terminal(tmp_path: Path, torchrun: bool) -
     without a close record at once (the scheduler, the OOM killer or a lost node)` before, with the last writer
     cycle's records lost, and so under traintrace-run too, whose launcher had recorded the SIGHUP. The truth: when
     the test sent the signal, when it saw the launcher end, and the step each rank's marks say it began last."""
-    sent: dict[str, int] = {}
-
-    def hang_up(process: subprocess.Popen[str], truth: Path) -> None:
-        wait_for_step(process, truth, 0, 8)
-        sent["ns"] = time.time_ns()
-        os.killpg(process.pid, signal.SIGHUP)  # the kernel's, to the terminal's foreground process group
-
-    run = launch(tmp_path, 3, "--steps", "200", during=hang_up, torchrun=torchrun)
-    marks = run.marks()
-    errors = run.cli("errors")
-    assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
-    who = "" if torchrun else "the launcher and "
-    assert errors["verdict"].startswith(
-        f"terminated by SIGHUP from outside: {who}all 3 ranks got the signal at once, none failed first "
-        "(its terminal closed: "
-    ), errors["verdict"]
+    run, _, errors = signal_from_the_terminal(tmp_path, signal.SIGHUP, torchrun, "its terminal closed: ")
     for state in errors["rank_states"]:
-        assert state["state"] == "terminated" and state["signal"] == "SIGHUP", state
-        started = [m["step"] for m in marks[state["rank"]] if m["event"] == "step_start"]
-        assert state["step"] == started[-1], (state, started)
-        assert sent["ns"] <= state["stopped_ns"] <= (run.ended_ns or 0), (state, sent, run.ended_ns)
+        assert state["state"] == "terminated" and state["stopped_ns"] <= (run.ended_ns or 0), (state, run.ended_ns)
     for path in sorted(run.folder.glob("rank*.jsonl")):  # nothing lost: each stream ends with its close record
         assert json.loads(path.read_text().splitlines()[-1])["kind"] == "close", path
-    assert check_goodput(run)["status"] == "failed"
 
 
 @pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])

@@ -232,19 +232,25 @@ def _statuses(path: Path) -> dict[str, str]:
     return {s["name"]: s["status"] for s in stream.spans() if s["name"] in ("main_function", "training_loop")}
 
 
-@pytest.mark.subprocess
-def test_sigterm_default_flushes_ends_spans_terminated_and_dies_by_the_signal(tmp_path: Path) -> None:
-    """No handler of the user's: open spans end 'terminated', the stream closes, and the exit
-    status is death by SIGTERM, as without traintrace."""
-    code, path, err = _terminated_run(tmp_path, TERM.replace("HANDLER", ""))
-    assert code == -signal.SIGTERM, err
+def _ended_by(tmp_path: Path, sig: signal.Signals) -> None:
+    """The TERM loop with no handler of its own, sent ``sig``: open spans end 'terminated', the stream closes with
+    one `signal` record that names ``sig``, and the process dies of it, as without traintrace."""
+    code, path, err = _terminated_run(tmp_path, TERM.replace("HANDLER", ""), sig=sig)
+    assert code == -sig, err
     result = read_file(path)
     stream = result.streams[0]
     assert stream.closed_cleanly and not result.bad_lines
     assert _statuses(path) == {"main_function": "terminated", "training_loop": "terminated"}
     signals = [r for r in stream.of_kind("event") if r["name"] == "signal"]
-    assert signals and signals[0]["attrs"]["reason"] == "SIGTERM"
+    assert [r["attrs"]["reason"] for r in signals] == [sig.name]
     assert not schema_errors(stream.records)
+
+
+@pytest.mark.subprocess
+def test_sigterm_default_flushes_ends_spans_terminated_and_dies_by_the_signal(tmp_path: Path) -> None:
+    """No handler of the user's: open spans end 'terminated', the stream closes, and the exit
+    status is death by SIGTERM, as without traintrace."""
+    _ended_by(tmp_path, signal.SIGTERM)
 
 
 @pytest.mark.subprocess
@@ -252,15 +258,7 @@ def test_sighup_ends_the_process_as_sigterm_does(tmp_path: Path) -> None:
     """SIGHUP (its terminal closed) with nothing else handling it: as SIGTERM, the queued records, the spans ended
     'terminated', the close record, a `signal` record that says SIGHUP; the process still dies of SIGHUP. Before,
     it died at once and lost everything since the writer's last cycle, and nothing said why."""
-    code, path, err = _terminated_run(tmp_path, TERM.replace("HANDLER", ""), sig=signal.SIGHUP)
-    assert code == -signal.SIGHUP, err
-    result = read_file(path)
-    stream = result.streams[0]
-    assert stream.closed_cleanly and not result.bad_lines
-    assert _statuses(path) == {"main_function": "terminated", "training_loop": "terminated"}
-    signals = [r for r in stream.of_kind("event") if r["name"] == "signal"]
-    assert [r["attrs"]["reason"] for r in signals] == ["SIGHUP"]
-    assert not schema_errors(stream.records)
+    _ended_by(tmp_path, signal.SIGHUP)
 
 
 @pytest.mark.subprocess
