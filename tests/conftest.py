@@ -161,7 +161,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's, which adds each test's group to its id
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``once`` do the same in both passes: the second runs them only if the first could not.
+    """Tests marked ``once`` do the same in both passes: the second runs them only if the first could not; slow tests
+    run first.
 
     And under ``--dist loadgroup``, a test marked ``xdist_group`` must carry its group in its id: without it the
     group is split over the workers (pytest 9.2 with pytest-xdist 3.8 ran the Spark tests on two JVMs), said here.
@@ -173,6 +174,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"xdist_group is not honoured ({split[0]} carries no group): pytest {pytest.__version__} with this "
                 "pytest-xdist; install pytest<9.2 (pip install -e '.[dev]' does)"
             )
+    # The slow tests (real jobs: torchrun, Lightning, Spark) first, in their order, the quick ones after: pytest-xdist
+    # hands out tests in this order, so the pass ends on quick tests instead of one worker finishing a long one
+    # while the others wait.
+    items.sort(key=lambda item: 0 if item.get_closest_marker("slow") else 1)
     if os.environ.get("TRAINTRACE_PURE") != "1" or os.environ.get(AFTER_NATIVE_PASS) != "1":
         return
     skip = pytest.mark.skip(reason="the same in either core's pass (marked once): ran in the native pass")
