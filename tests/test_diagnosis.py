@@ -617,7 +617,7 @@ def fault_step_of(run: Run, rank: int) -> dict[str, Any]:
         pytest.param(3, "data", 1, 7, "data_loading", marks=pytest.mark.once),
         (3, "forward", 2, 9, "model_forward"),
         pytest.param(3, "backward", 1, 7, "model_backward", marks=pytest.mark.once),
-        (4, "optimizer", 3, 8, "optimizer_update"),
+        pytest.param(4, "optimizer", 3, 8, "optimizer_update", marks=pytest.mark.once),
         pytest.param(2, "iteration", 1, 6, "iteration", marks=pytest.mark.once),
     ],
 )
@@ -663,6 +663,8 @@ def first_non_finite_loss(run: Run) -> tuple[int, int, float]:
     )
 
 
+# Its core's part is tested in both passes by an exception's open spans: test_an_exception_on_one_rank.
+@pytest.mark.once
 def test_a_loss_that_becomes_infinite_on_one_rank(tmp_path: Path) -> None:
     """Rank 1's batch at step 7 overflows its loss (a corrupt sample); the all-reduce of its gradients spreads
     NaN to every rank's weights, whose losses are NaN from step 8 on, and the job runs to its end. ``errors``
@@ -735,6 +737,9 @@ def test_a_rank_killed_by_a_signal(tmp_path: Path, fault: str, sig: str) -> None
     check_goodput(run, unrecorded=unrecorded_share(run, [1]))
 
 
+# Its core's part is tested in both passes by a death by a signal, an exception: test_a_rank_killed_by_a_signal,
+# test_an_exception_on_one_rank.
+@pytest.mark.once
 def test_an_exception_a_survivor_raised_after_the_failure_reached_it_is_not_the_cause(tmp_path: Path) -> None:
     """Rank 1 is killed by SIGKILL in forward at step 4; rank 0, its all-reduce broken by the lost peer, runs a
     cleanup of its own that raises OSError (an emergency checkpoint on a full disk). That later exception is a
@@ -751,8 +756,10 @@ def test_an_exception_a_survivor_raised_after_the_failure_reached_it_is_not_the_
     assert rank0["error"] is None and rank0["consequence"] is not None, rank0
 
 
-# Under plain torchrun the same records: the pure core's part is the launcher's run.
-@pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])
+@pytest.mark.parametrize("torchrun", [False, True], ids=["launcher", "torchrun"])
+# Its core's part is tested in both passes by a hang report and a death by a signal: test_a_rank_hung_in_compute,
+# test_a_rank_killed_by_a_signal.
+@pytest.mark.once
 def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_path: Path, torchrun: bool) -> None:
     """Rank 1 hangs loading its batch for step 5 (hang detection off); the others' collective times out and each,
     once its timeout error is written, is aborted (SIGABRT), as NCCL's watchdog aborts a rank whose collective timed
@@ -782,6 +789,9 @@ def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_pa
 
 
 @pytest.mark.parametrize("torchrun", [False, pytest.param(True, marks=pytest.mark.once)], ids=["launcher", "torchrun"])
+# Its core's part is tested in both passes by a hang and a death by a signal: test_a_rank_hung_in_compute,
+# test_a_rank_killed_by_a_signal.
+@pytest.mark.once
 def test_ranks_a_watchdog_aborted_in_their_collective_are_not_the_cause(tmp_path: Path, torchrun: bool) -> None:
     """Rank 1 hangs in forward at step 6 (hang detection off); ranks 0 and 2 wait in backward's all-reduce until a
     watchdog thread aborts each (SIGABRT) after 3 s there, as NCCL's watchdog tears down a rank whose collective
@@ -1028,6 +1038,8 @@ def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path, logs_too: bool) -> Non
 
 
 @needs_namespace
+# Its core's part is tested in both passes by a full disk: test_a_checkpoint_save_on_a_full_disk.
+@pytest.mark.once
 def test_a_background_checkpoint_save_on_a_full_disk(tmp_path: Path) -> None:
     """Rank 0 saves asynchronously (the state copied in the loop, written on a thread of its own, as
     torch.distributed.checkpoint's async_save does) 700 KiB checkpoints every 5 steps to a 2 MiB file system:
@@ -1349,6 +1361,8 @@ def read_later(run: Run, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "ending", ["hang reports", *(pytest.param(e, marks=pytest.mark.once) for e in ("timeouts", "killed"))]
 )
+# Its core's part is tested in both passes by a hang report: test_a_rank_hung_in_compute.
+@pytest.mark.once
 def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: str) -> None:
     """A 2-node job (node-a, node-b, 2 ranks each): at step 8 both of node-b's ranks block in data loading, on
     a read that never returns (a FIFO nobody writes, as a hung network file system), while node-a's ranks wait
@@ -1522,6 +1536,8 @@ def kill_the_job(truth: Path, sig: int = signal.SIGKILL) -> list[int]:
     return killed
 
 
+# Its core's part is tested in both passes by SIGKILL: test_a_rank_killed_by_a_signal.
+@pytest.mark.once
 def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
     """SIGKILL to the launcher and every rank at once while they run step 7 (the scheduler's kill, the OOM
     killer on a whole node): no rank failed first, so none is named; each rank's step is the one it ran."""
@@ -1542,6 +1558,9 @@ def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
         assert f"{state['rank']}" in errors["verdict"].split(";", 1)[1]
 
 
+# Its core's part is tested in both passes by SIGKILL: test_a_rank_killed_by_a_signal; a save:
+# test_a_rank_dying_during_a_checkpoint_save.
+@pytest.mark.once
 def test_the_whole_job_killed_just_after_a_checkpoint(tmp_path: Path) -> None:
     """SIGKILL to everything 50 ms after rank 0's save after step 9 ends, with a 2 s flush interval: the save's
     record is on disk (its end wakes the writer), so the 10 steps it holds count as completed, as the worker's
@@ -1610,6 +1629,8 @@ def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
     ],
     ids=["training", "training-saving", "hung", "hung-torchrun"],
 )
+# Its core's part is tested in both passes by SIGTERM's handler: test_sigterm_from_outside.
+@pytest.mark.once
 def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool, torchrun: bool, saving: bool) -> None:
     """SIGTERM to the launcher and every rank at once (the scheduler's time limit: Slurm signals every task),
     while the job trains, or while rank 1 hangs in forward: no rank is blamed for the signal; a hang is named.
@@ -1843,6 +1864,8 @@ def test_a_rank_hung_in_compute(tmp_path: Path, detection: str) -> None:
 
 
 @pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
+# Its core's part is tested in both passes by a hang report: test_a_rank_hung_in_compute.
+@pytest.mark.once
 def test_a_rank_hung_loading_its_first_batch(tmp_path: Path, detection: str) -> None:
     """Rank 1 blocks in data loading before step 0 (a file system that stopped answering) while the others wait
     in step 0's all-reduce. With no iteration begun it had no step and counted as ahead of them: the verdict named
@@ -1867,6 +1890,9 @@ def test_a_rank_hung_loading_its_first_batch(tmp_path: Path, detection: str) -> 
 
 
 @pytest.mark.parametrize("detection", ["on", pytest.param("off", marks=pytest.mark.once)])
+# Its core's part is tested in both passes by a hang report: test_a_rank_hung_in_compute; a save:
+# test_a_rank_dying_during_a_checkpoint_save.
+@pytest.mark.once
 def test_a_rank_hung_in_a_checkpoint_save(tmp_path: Path, detection: str) -> None:
     """Rank 0 stalls in its save after step 9 (a file system that stopped answering); the others wait for it in
     the all-reduce of step 10. A save has a longer hang timeout than a step, so with detection on only the
@@ -1930,6 +1956,8 @@ def test_a_rank_hung_past_its_peers_is_hang_time(tmp_path: Path, fault: str, pha
     ("linger", "detection"),
     [("0", "on"), pytest.param("1.0", "on", marks=pytest.mark.once), pytest.param("0", "off", marks=pytest.mark.once)],
 )
+# Its core's part is tested in both passes by a hang report: test_a_rank_hung_in_compute.
+@pytest.mark.once
 def test_a_rank_hung_in_a_collective(tmp_path: Path, linger: str, detection: str) -> None:
     """Rank 0 waits in an all-reduce its partner never joins; the others wait for rank 0 one step later.
 
@@ -2152,6 +2180,9 @@ def test_a_slow_node(tmp_path: Path) -> None:
     assert run.cli("errors")["status"] == "healthy"
 
 
+# Its core's part is tested in both passes by a hang report: test_a_rank_hung_in_compute; a running job:
+# test_a_running_job_is_running.
+@pytest.mark.once
 def test_a_hang_seen_while_the_job_still_hangs(tmp_path: Path) -> None:
     """Looked at while it hangs (no timeout has fired yet): running, without progress, rank 1 behind."""
     seen: dict[str, Any] = {}
