@@ -92,6 +92,7 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
     import itertools
     import json
     import statistics
+    from collections import Counter
 
     from traintrace.cli import _analysis
     from traintrace.cli._engine import Job
@@ -105,6 +106,11 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
     stalls = [json.loads(line) for line in slow_notes.read_text().splitlines()] if slow_notes.exists() else []
     numbers = sorted({n.get("step", n.get("batch")) for n in stalls})  # a step of two batches notes it twice
     every = numbers[1] - numbers[0] if len(numbers) > 1 else 1
+    # Stalls noted by batch, steps of several batches (each noted): slow every N-th batch where N is a whole number
+    # of steps' batches is slow every N / batches-per-step steps (every 2nd batch of two-batch steps: every step).
+    per_step = max(Counter(n["step"] for n in notes[truth["rank"]]).values())
+    if stalls and "batch" in stalls[0] and every % per_step == 0:
+        every //= per_step
     medians = []
     for rank_notes in notes.values():
         began: dict[int, int] = {}  # each step's first note (a step of several batches notes each)
