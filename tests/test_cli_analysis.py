@@ -641,6 +641,11 @@ def _check_hang(script: Script, e: dict[str, Any]) -> None:
     else:
         said = f"(every rank of node {script.host(c['rank'])}) hung "
         assert e["verdict"].startswith("restart 0 failed: ranks ") and said in e["verdict"], e["verdict"]
+    # Each rank stuck with it hung too, in what `errors` says of every rank, not only how its process ended later
+    # (the time summary counts as the hang's comes from there).
+    for rank in hung:
+        state = next(s for s in e["rank_states"] if s["rank"] == rank and s["restart"] == 0)
+        assert str(state["cause"]).startswith("hang: "), (rank, state["cause"], e["verdict"])
     # One line says what every other rank was doing: waiting in its collective.
     for other in range(script.ranks):
         if other not in hung:
@@ -677,6 +682,12 @@ def _check_stall(script: Script, s: dict[str, Any], e: dict[str, Any]) -> None:
                 hang_report_s=600.0, hang_end="killed"))  # fmt: skip
 @example(Script(ranks=3, steps=5, straggler=None, fail_rank=1, fail_step=0, fault="hang", hang_phase="data_loading",
                 hang_report_s=None, hang_end="timeout"))  # fmt: skip
+# node0's two ranks hung loading their first batch, no report of their own, rank 2's report first: rank 1, named
+# with rank 0, was "terminated by SIGTERM" in rank_states, and its 6.5 s of hang counted as data loading.
+@example(Script(ranks=3, steps=2, step_s=0.05, straggler=None, init_s=0.2, checkpoint_every=1, save_s=0.1,
+                load_s=0.1, fail_rank=0, fail_step=0, restart_gap_s=1.0, ranks_per_host=2, fault="hang",
+                hang_phase="data_loading", hang_report_s=1.5, hung_reports=False, hang_end="timeout",
+                hang_node=True, stall_s=5.0, collective_timeout_s=6.0))  # fmt: skip
 # Rank 2 hung in forward with detection off: its step until torchrun's SIGTERM was "other", not lost progress.
 @example(Script(ranks=4, steps=20, straggler=None, checkpoint_every=5, fail_rank=2, fail_step=7, fault="hang",
                 hang_phase="model_forward", hang_report_s=None, hang_end="timeout"))  # fmt: skip

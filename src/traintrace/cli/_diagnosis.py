@@ -1493,9 +1493,14 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
     if hung:
         last = min(states, key=_hang_key)
         others = [s for s in hung if s is not last and s.hang is not None]
-        if last.hang is None and last.state != "hung" and others:
+        unreported = last.hang is None and last.state != "hung" and others
+        if unreported:
             _hung_unreported(last, others)
-        _stuck_alongside(last, states)
+        for stuck in _stuck_alongside(last, states):
+            # Stuck where the rank behind is, with no report of its own either (a node's ranks that hung together):
+            # hung as it is, not only ended by the signal that came later (its time is the hang's, not its phase's).
+            if unreported and stuck.hang is None and stuck.state != "hung":
+                _hung_unreported(stuck, others)
         return last, "hang: the rank behind"
     behind = _waited_for(states)
     if behind is not None:
