@@ -280,8 +280,10 @@ def main() -> None:
     # failure to run the cleanup (the launcher's SIGTERM after a peer died would otherwise race it).
     # --abort-after-failure too: the launcher's SIGTERM would end them before their collective fails.
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.cleanup_raises or args.abort_after_failure else on_sigterm)
+    # DIAG_HANG_TIMEOUT (a node's own environment: test_diagnosis.two_nodes' node_env): its ranks' hang detection.
+    hang_timeout = float(os.environ.get("DIAG_HANG_TIMEOUT", args.hang_timeout))
     tt.configure(
-        hang_timeout=args.hang_timeout, hang_check_interval=0.25, flush_interval=args.flush_interval, log_interval=5
+        hang_timeout=hang_timeout, hang_check_interval=0.25, flush_interval=args.flush_interval, log_interval=5
     )
     truth.write(event="configured")  # its stream began just before: the job's wall time as records can know it
     if args.watchdog_abort:

@@ -1433,6 +1433,54 @@ def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: p
     assert low <= later["culprit"]["stuck_ns"] / 1e9 <= times["dead"] - began / 1e9, (later["culprit"], low)
 
 
+# Its core's part is tested in both passes by a hang report: test_a_rank_hung_in_compute.
+@pytest.mark.once
+def test_a_node_hung_without_reports_of_its_own_is_hung_on_every_rank(tmp_path: Path) -> None:
+    """A 2-node job (2 ranks each) whose node-b's ranks block in data loading at step 8 (a read that never
+    returns) with their hang detection off, node-a's on (1.5 s): node-a's ranks report their hang in the
+    all-reduce, their collectives time out (6 s) and their launcher ends; then the scheduler ends node-b (SIGTERM
+    to its launcher). Both of node-b's ranks hung from when node-a's were left waiting: `errors` said so of one
+    (the culprit) and the other was `terminated by SIGTERM`, and `summary` counted the other's stuck seconds as
+    data loading. The truth: the workers' marks (their host, the fault, when each step's data loading began and
+    its step began)."""
+    truth = tmp_path / "truth"
+    fault = ("--fault", "hang_data", "--fault-host", "node-b", "--fault-step", "8")
+    quiet = {"node-b": {"DIAG_HANG_TIMEOUT": "0"}}
+    with two_nodes(tmp_path, "--gloo-timeout", "6", "--hang-timeout", "1.5", *fault, node_env=quiet) as (first, second):
+        first.wait(timeout=120)
+        os.killpg(second.pid, signal.SIGTERM)
+        second.wait(timeout=60)
+    run = Run(tmp_path / "logs" / "job", truth, first.returncode, "")
+    marks = run.marks()
+    on_b = sorted(r for r, ms in marks.items() if ms[0]["host"] == "node-b")
+    faults = {r: next(m for m in ms if m["event"] == "fault") for r, ms in marks.items() if r in on_b}
+    assert len(on_b) == 2 and len(faults) == 2, marks
+    (step,) = {f["step"] for f in faults.values()}
+    errors = run.cli("errors")
+    culprit = errors["culprit"]
+    assert errors["rule"] == "hang: the rank behind", errors["verdict"]
+    assert (sorted([culprit["rank"], *culprit["stuck_with"]]), culprit["step"]) == (on_b, step), errors["verdict"]
+    assert culprit["phase"] == "data_loading", culprit
+    for state in errors["rank_states"]:
+        if state["rank"] in on_b:
+            assert state["cause"].startswith("hang: "), (state["rank"], state["cause"])
+    # Data loading by the marks: each step's, from its data_start to its step_start; node-b's at the hung step
+    # until node-a's ranks began that step (they then waited in its all-reduce), with a second's slack for the
+    # forward before it. Their stuck seconds after that are the hang's.
+    began_a = max(next(m["ts"] for m in marks[r] if m["event"] == "step_start" and m["step"] == step) for r in marks
+                  if r not in on_b)  # fmt: skip
+    loading = 0.0
+    for rank, ms in marks.items():
+        started = {m["step"]: m["ts"] for m in ms if m["event"] == "step_start"}
+        for m in ms:
+            if m["event"] == "data_start":
+                ended = started.get(m["step"], began_a + 1e9 if rank in on_b else m["ts"])
+                loading += max(ended - m["ts"], 0) / 1e9
+    summary = run.cli("summary")
+    recorded = summary["breakdown_s"]["data_loading"] * len(marks)
+    assert recorded <= loading + 0.5, (summary["breakdown_s"], loading)
+
+
 @pytest.mark.once  # the launchers' signals; in the pure pass, SIGTERM's handler: test_sigterm_from_outside
 @pytest.mark.parametrize("signalled", ["node-b", "every node"])
 def test_a_node_terminated_from_outside(tmp_path: Path, signalled: str) -> None:
