@@ -1493,7 +1493,7 @@ def _culprit(states: list[RankState]) -> tuple[RankState | None, str]:
     if hung:
         last = min(states, key=_hang_key)
         others = [s for s in hung if s is not last and s.hang is not None]
-        unreported = last.hang is None and last.state != "hung" and others
+        unreported = last.hang is None and last.state != "hung" and bool(others)
         if unreported:
             _hung_unreported(last, others)
         for stuck in _stuck_alongside(last, states):
