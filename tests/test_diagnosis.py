@@ -1344,6 +1344,19 @@ def check_timeline_on_one_clock(run: Run, ahead_s: dict[str, float]) -> None:
     assert highest_low - lowest_high <= 5000, shift_bounds  # µs
 
 
+def faulty_node(
+    run: Run,
+) -> tuple[dict[int, list[dict[str, Any]]], list[int], dict[int, dict[str, Any]], int]:
+    """A 2-node job's truth where both of node-b's ranks noted a fault: every rank's marks, node-b's ranks, their
+    fault marks, and the step they came at (the same on both)."""
+    marks = run.marks()
+    on_b = sorted(r for r, ms in marks.items() if ms[0]["host"] == "node-b")
+    faults = {r: next(m for m in ms if m["event"] == "fault") for r, ms in marks.items() if r in on_b}
+    assert len(on_b) == 2 and len(faults) == 2, marks
+    (step,) = {f["step"] for f in faults.values()}
+    return marks, on_b, faults, step
+
+
 def read_later(run: Run, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """``errors`` as read a minute after the streams stopped (in this process): another host's silent ranks
     then count as ended, not running."""
@@ -1396,11 +1409,7 @@ def test_a_node_whose_file_system_stops_answering(tmp_path: Path, monkeypatch: p
             os.killpg(second.pid, signal.SIGTERM)
         second.wait(timeout=60)
     run = Run(tmp_path / "logs" / "job", truth, first.returncode, "")
-    marks = run.marks()
-    on_b = sorted(r for r, ms in marks.items() if ms[0]["host"] == "node-b")
-    faults = {r: next(m for m in ms if m["event"] == "fault") for r, ms in marks.items() if r in on_b}
-    assert len(on_b) == 2 and len(faults) == 2, marks
-    (step,) = {f["step"] for f in faults.values()}
+    marks, on_b, faults, step = faulty_node(run)
     waiting = [r for r in marks if r not in on_b]
     assert all(max(m["step"] for m in marks[r] if m["event"] == "step_start") == step for r in waiting)
     head = f"ranks {on_b[0]} and {on_b[1]} (every rank of node node-b)"
@@ -1451,11 +1460,7 @@ def test_a_node_hung_without_reports_of_its_own_is_hung_on_every_rank(tmp_path: 
         os.killpg(second.pid, signal.SIGTERM)
         second.wait(timeout=60)
     run = Run(tmp_path / "logs" / "job", truth, first.returncode, "")
-    marks = run.marks()
-    on_b = sorted(r for r, ms in marks.items() if ms[0]["host"] == "node-b")
-    faults = {r: next(m for m in ms if m["event"] == "fault") for r, ms in marks.items() if r in on_b}
-    assert len(on_b) == 2 and len(faults) == 2, marks
-    (step,) = {f["step"] for f in faults.values()}
+    marks, on_b, _, step = faulty_node(run)
     errors = run.cli("errors")
     culprit = errors["culprit"]
     assert errors["rule"] == "hang: the rank behind", errors["verdict"]
