@@ -26,6 +26,7 @@ def environment() -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.once  # each rank's stream under the pure core: tests/test_diagnosis.py's jobs
 def test_torchrun_ddp_example_writes_one_stream_per_rank(tmp_path: Path) -> None:
     """torchrun --nproc-per-node 2: each rank's stream has its identity, every step, and rank 0 the saves."""
     command = [

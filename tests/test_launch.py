@@ -330,6 +330,7 @@ def test_clean_run(tmp_path: Path) -> None:
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+@pytest.mark.once  # the launcher's stream under the pure core: test_clean_run, the diagnosis jobs
 def test_rank_raises_at_a_known_step(tmp_path: Path) -> None:
     """The failing rank's file has the error and stack; the agent has the failure; rank 0 shows step 3."""
     result, job = _run_job(tmp_path, "raise")
@@ -354,6 +355,7 @@ def test_rank_raises_at_a_known_step(tmp_path: Path) -> None:
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+@pytest.mark.once  # the launcher's stream under the pure core: test_clean_run, the diagnosis jobs
 def test_max_restarts_one(tmp_path: Path) -> None:
     """The second attempt's streams say restart 1 and resume at the checkpointed step."""
     result, job = _run_job(tmp_path, "restart", "--max-restarts", "1")
@@ -379,6 +381,7 @@ def test_max_restarts_one(tmp_path: Path) -> None:
 
 @pytest.mark.subprocess
 @pytest.mark.slow
+@pytest.mark.once  # the launcher's stream under the pure core: test_clean_run, the diagnosis jobs
 def test_rank_killed_with_sigkill(tmp_path: Path) -> None:
     """A SIGKILLed rank's file reads cleanly up to its last flush; the agent names the signal."""
     result, job = _run_job(tmp_path, "kill")
