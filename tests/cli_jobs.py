@@ -153,6 +153,7 @@ def write_framework_job(
     busy: dict[tuple[int, int], int] | None = None,
     at: tuple[int, ...] = (),
     slow_fetch: tuple[int, int, int] | None = None,
+    save_ms: int = 0,
 ) -> None:
     """Two ranks of a data-parallel job as the Lightning and Trainer callbacks record it: per step a wait for the
     batch just before the step, then forward, backward and the optimizer's step, no collective recorded; every
@@ -165,7 +166,8 @@ def write_framework_job(
     buckets there, a broadcast), each rank after the first 1 ms longer; ``busy`` adds milliseconds to a rank's
     forward at a step, by (rank, step): a busy host's noise. With ``at``, slower at those steps only. With
     ``slow_fetch`` (rank, from step, ms), that rank waits that much longer for each batch from that step on, and the
-    others as much longer in backward."""
+    others as much longer in backward. With ``save_ms``, every rank saves a checkpoint (blocking) for that long after
+    every other step (ModelCheckpoint's ``every_n_train_steps=2``)."""
     ms = 1_000_000
     folder.mkdir(parents=True, exist_ok=True)
     for rank in range(ranks):
@@ -213,6 +215,10 @@ def write_framework_job(
                 status="ok")  # fmt: skip
             now += step_ns
             ids += 6
+            if save_ms and step % 2 == 1:
+                rec("span", now, name="checkpoint_save_sync", id=ids, parent=1, tid=7, dur=save_ms * ms, status="ok")
+                now += save_ms * ms
+                ids += 1
             if step % 4 == 3:  # the wait the callback opens after the step, ended by the validation pass, and after it
                 rec("span", now, name="data_loading", id=ids, parent=1, tid=7, dur=ms // 2, status="ok")
                 rec("span", now + ms, name="validation_loop", id=ids + 1, parent=0, tid=7, dur=8 * ms, status="ok")
