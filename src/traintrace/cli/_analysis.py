@@ -1336,8 +1336,8 @@ def _paused(bounds: tuple[int, int, float], pauses: list[tuple[int, int]]) -> fl
     its time, and ``no stragglers``."""
     lo, hi, _ = bounds
     paused, reach = 0, lo
-    for start, end in sorted(pauses):
-        start, end = max(start, reach), min(end, hi)
+    for began, ended in sorted(pauses):
+        start, end = max(began, reach), min(ended, hi)
         if end > start:
             paused += end - start
             reach = end
