@@ -201,6 +201,21 @@ class Tiny(L.LightningModule):
         return FaultySGD(self.parameters(), self.global_rank, self)
 
 
+class MeetFirst(L.pytorch.strategies.DDPStrategy):
+    """DDP whose ranks all reach the process group's creation before it is created (a file each in the output
+    folder): the short collective timeout (``DDP_TIMEOUT_S``) also bounds how long rank 0 waits there for the
+    others, and on a loaded machine rank 1, a new process importing Lightning, came too late (``Timed out after 11
+    seconds waiting for clients. 1/2 clients joined``)."""
+
+    def setup_distributed(self) -> None:
+        self.set_world_ranks()
+        (OUT / f"meet{self.global_rank}").touch()
+        deadline = time.monotonic() + 180
+        while len(list(OUT.glob("meet*"))) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+        super().setup_distributed()
+
+
 class FaultyData(TensorDataset):
     """On rank 1, the first sample of the batch for step FAULT_STEP raises (in the loader's worker process,
     which fetches this rank's samples in order, whichever sampler Lightning gave the loader)."""
@@ -246,7 +261,7 @@ def main() -> None:
         callbacks.append(NotedCheckpoint(dirpath=out / "ck", every_n_train_steps=SAVE_EVERY, save_top_k=-1))
     trainer = L.Trainer(
         # A short collective timeout: the rank left waiting for a failed one gives up soon.
-        strategy=L.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=TIMEOUT_S)),
+        strategy=MeetFirst(timeout=datetime.timedelta(seconds=TIMEOUT_S)),
         accelerator="cpu",
         devices=DEVICES,
         max_epochs=EPOCHS,
