@@ -1021,3 +1021,56 @@ def test_the_progress_file_says_each_timed_phase(tmp_path: Path) -> None:
     assert {where for where, _ in seen} == set(expected)
     assert [(where, p) for where, p in seen if p != expected[where]] == []
     assert len([where for where, _ in seen if where == "forward"]) == 4  # the 4 steps
+
+
+def _fit_records(tmp_path: Path, native_hooks: bool) -> tuple[list[dict[str, Any]], Any]:
+    """A seeded fit's records (times, ids and sequence numbers left out, parents by name), and the callback."""
+    torch.manual_seed(0)
+    callback = TraintraceCallback(flops_per_step=1.0e6)
+    callback._native_hooks = native_hooks
+    backend = tt.MemoryBackend()
+    tt.configure(backends=[], extra_backends=[backend], statistics=False)
+    try:
+        train, val = loaders()
+        run = trainer(tmp_path, callbacks=[callback], logger=CapturingLogger(), log_every_n_steps=3)
+        run.fit(TinyModule(), train, val)
+    finally:
+        tt.close()
+    records = backend.of_kind("span", "event")
+    names = {r["id"]: r["name"] for r in records if "id" in r}
+    kept = []
+    for record in records:
+        attrs = {
+            k: v.replace(str(tmp_path), "<root>") if isinstance(v, str) else v
+            for k, v in (record.get("attrs") or {}).items()
+            if not k.endswith(("_s", "_ns", "time"))
+        }
+        kept.append(
+            {
+                "kind": record["kind"],
+                "name": record["name"],
+                "parent": names.get(record.get("parent")),
+                "status": record.get("status"),
+                "attrs": attrs,
+            }
+        )
+    return kept, callback
+
+
+def test_the_native_step_hooks_record_what_the_python_hooks_record(tmp_path: Path) -> None:
+    """Under the native core the four per-step hooks are C (``_span.StepHooks``); the same seeded fit records the
+    same spans and attributes with them as with the Python hooks, steps whose logged metrics are read (every
+    3rd, which the C hooks leave to Python) and validation passes included."""
+    from traintrace._recorder import CORE
+
+    # Folders whose names have one length: the checkpoints hold them.
+    with_c, callback = _fit_records(tmp_path / "native", native_hooks=True)
+    hook_types = {type(callback.on_train_batch_start), type(callback.on_train_batch_end)}
+    in_python, callback = _fit_records(tmp_path / "python", native_hooks=False)
+    assert {type(callback.on_train_batch_start), type(callback.on_train_batch_end)} == {type(callback.setup)}
+    if CORE == "native":
+        assert hook_types == {type(len)}  # builtin methods: the C twins
+    else:
+        assert hook_types == {type(callback.setup)}
+    assert len([r for r in with_c if r["name"] == tt.SpanName.ITERATION]) == 8
+    assert with_c == in_python

@@ -1684,6 +1684,602 @@ step_span(PyObject *module, PyObject *args)
     return new_span(cls, name, step, 1, level);
 }
 
+/* ------------------------------------------------------------ StepHooks */
+
+/*
+ * The Lightning callback's four per-step hooks (integrations/lightning.py), in C: Lightning calls
+ * them between torch's operators, where the interpreter's caches are cold, and a step's worth of
+ * their Python (four frames, some thirty attribute reads, the calls into the recorder) cost tens of
+ * microseconds there. Each hook here does what the callback's Python hook does, on the same
+ * attributes of the same callback (the rest of the callback reads and writes them as before), for
+ * the configuration the callback installs it in (TraintraceCallback._install_native_hooks: spans
+ * for the phases, no span listener, no batch or token function, no FLOP counter). A state the
+ * common path does not cover (a live phase span, a FLOP counter running, timings pending, a step
+ * whose logged metrics are read) is left whole to the Python hook, before anything is changed.
+ */
+
+enum { H_BATCH_START, H_BEFORE_BACKWARD, H_BEFORE_OPTIMIZER, H_BATCH_END, N_HOOKS };
+#define H_END_ITERATION N_HOOKS /* TraintraceCallback._end_iteration(span, trainer, loss) */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *cb;                  /* the callback */
+    PyObject *fallback[N_HOOKS + 1]; /* TraintraceCallback's Python hooks (plain functions), _end_iteration */
+    PyObject *batch_info;          /* integrations._common.batch_info */
+    PyObject *loss_of;             /* integrations.lightning._loss_of */
+    PyObject *names[5];            /* iteration, forward, backward, optimizer step, data loading */
+    PyObject *levels[3];           /* iteration, phase, wait */
+    long codes[5];                 /* the names' phase codes */
+} StepHooks;
+
+enum { N_ITERATION, N_FORWARD, N_BACKWARD, N_OPTIMIZER, N_WAIT };
+enum { L_ITERATION, L_PHASE, L_WAIT };
+
+static PyObject *h_wait_t0, *h_wait_span, *h_rec, *h_loop, *h_epoch, *h_flops, *h_iter, *h_phase, *h_phase_span,
+    *h_mark, *h_flop_counter, *h_log_metrics, *h_every, *h_timings, *h_global_step, *h_current_epoch, *h_shape,
+    *h_loss, *h_metrics, *h_exit, *h_record_span, *h_batch_idx, *h_batch_size, *h_tokens, *h_flops_key, *h_epoch_key,
+    *h_kw_phase, *h_kw_wait, *h_zero, *h_enter;
+
+static int
+hooks_intern(void)
+{
+    if (h_zero != NULL)
+        return 0;
+#define INTERN(var, text)                                  \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) \
+        return -1;
+    INTERN(h_wait_t0, "_wait_t0")
+    INTERN(h_wait_span, "_wait_span")
+    INTERN(h_rec, "_rec")
+    INTERN(h_loop, "_loop")
+    INTERN(h_epoch, "_epoch")
+    INTERN(h_flops, "_flops")
+    INTERN(h_iter, "_iter")
+    INTERN(h_phase, "_phase")
+    INTERN(h_phase_span, "_phase_span")
+    INTERN(h_mark, "_mark")
+    INTERN(h_flop_counter, "_flop_counter")
+    INTERN(h_log_metrics, "log_metrics")
+    INTERN(h_every, "_every")
+    INTERN(h_timings, "_timings")
+    INTERN(h_global_step, "global_step")
+    INTERN(h_current_epoch, "current_epoch")
+    INTERN(h_shape, "shape")
+    INTERN(h_loss, "loss")
+    INTERN(h_metrics, "metrics")
+    INTERN(h_exit, "__exit__")
+    INTERN(h_enter, "__enter__")
+    INTERN(h_record_span, "record_span")
+    INTERN(h_batch_idx, "batch_idx")
+    INTERN(h_batch_size, "batch_size")
+    INTERN(h_tokens, "tokens")
+    INTERN(h_flops_key, "flops")
+    INTERN(h_epoch_key, "epoch")
+#undef INTERN
+    if ((h_kw_phase = Py_BuildValue("(ss)", "parent", "level")) == NULL ||
+        (h_kw_wait = Py_BuildValue("(sss)", "parent", "level", "status")) == NULL)
+        return -1;
+    h_zero = PyLong_FromLong(0);
+    return h_zero == NULL ? -1 : 0;
+}
+
+static PyTypeObject StepHooksType;
+
+/* StepHooks(callback, fallbacks, batch_info, loss_of, names, levels) */
+static PyObject *
+hooks_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *cb, *fallbacks, *batch_info, *loss_of, *names, *levels;
+    if (!PyArg_ParseTuple(args, "OO!OOO!O!:StepHooks", &cb, &PyTuple_Type, &fallbacks, &batch_info, &loss_of,
+                          &PyTuple_Type, &names, &PyTuple_Type, &levels))
+        return NULL;
+    if (PyTuple_GET_SIZE(fallbacks) != N_HOOKS + 1 || PyTuple_GET_SIZE(names) != 5 || PyTuple_GET_SIZE(levels) != 3) {
+        PyErr_SetString(PyExc_TypeError, "StepHooks: 5 fallbacks, 5 names and 3 levels");
+        return NULL;
+    }
+    if (!installed || hooks_intern() < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "StepHooks: the native core is not installed");
+        return NULL;
+    }
+    long codes[5];
+    for (int i = 0; i < 5; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        int found = PyUnicode_Check(name) ? phase_code(name, &codes[i]) : 0;
+        if (found <= 0) {
+            if (found == 0)
+                PyErr_Format(PyExc_ValueError, "StepHooks: %R is not a standard phase", name);
+            return NULL;
+        }
+    }
+    StepHooks *self = (StepHooks *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->cb = Py_NewRef(cb);
+    for (int i = 0; i <= N_HOOKS; i++)
+        self->fallback[i] = Py_NewRef(PyTuple_GET_ITEM(fallbacks, i));
+    self->batch_info = Py_NewRef(batch_info);
+    self->loss_of = Py_NewRef(loss_of);
+    for (int i = 0; i < 5; i++) {
+        self->names[i] = Py_NewRef(PyTuple_GET_ITEM(names, i));
+        self->codes[i] = codes[i];
+    }
+    for (int i = 0; i < 3; i++)
+        self->levels[i] = Py_NewRef(PyTuple_GET_ITEM(levels, i));
+    return (PyObject *)self;
+}
+
+static int
+hooks_traverse(StepHooks *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->cb);
+    for (int i = 0; i <= N_HOOKS; i++)
+        Py_VISIT(self->fallback[i]);
+    Py_VISIT(self->batch_info);
+    Py_VISIT(self->loss_of);
+    for (int i = 0; i < 5; i++)
+        Py_VISIT(self->names[i]);
+    for (int i = 0; i < 3; i++)
+        Py_VISIT(self->levels[i]);
+    return 0;
+}
+
+static int
+hooks_clear(StepHooks *self)
+{
+    Py_CLEAR(self->cb);
+    for (int i = 0; i <= N_HOOKS; i++)
+        Py_CLEAR(self->fallback[i]);
+    Py_CLEAR(self->batch_info);
+    Py_CLEAR(self->loss_of);
+    for (int i = 0; i < 5; i++)
+        Py_CLEAR(self->names[i]);
+    for (int i = 0; i < 3; i++)
+        Py_CLEAR(self->levels[i]);
+    return 0;
+}
+
+static void
+hooks_dealloc(StepHooks *self)
+{
+    PyObject_GC_UnTrack(self);
+    hooks_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The Python hook `which`, with the hook's own arguments. */
+static PyObject *
+hooks_fallback(StepHooks *self, int which, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), total = nargs + (kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames));
+    PyObject *small[9], **stack = small;
+    if (total + 1 > 9 && (stack = PyMem_Malloc((size_t)(total + 1) * sizeof(PyObject *))) == NULL)
+        return PyErr_NoMemory();
+    stack[0] = self->cb;
+    for (Py_ssize_t i = 0; i < total; i++)
+        stack[i + 1] = args[i];
+    PyObject *result = PyObject_Vectorcall(self->fallback[which], stack, (size_t)nargs + 1, kwnames);
+    if (stack != small)
+        PyMem_Free(stack);
+    return result;
+}
+
+/* Positional arguments only, as Lightning passes them: else the Python hook takes the call. */
+#define HOOK_ARGS(which, expected)                                                   \
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);                                   \
+    if (nargs != (expected) || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0)) \
+        return hooks_fallback(self, (which), args, nargsf, kwnames);
+
+/* 1 if the callback's attribute `name` is None, 0 if not, -1 on error. */
+static int
+attr_is_none(PyObject *cb, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(cb, name);
+    if (value == NULL)
+        return -1;
+    int none = value == Py_None;
+    Py_DECREF(value);
+    return none;
+}
+
+/* _progress.enter_timed_phase(rec, code, t0): two stores; a failing store is _progress.failed(rec). */
+static int
+hooks_timed_phase(PyObject *rec, long code, int64_t t0)
+{
+    if (!RecorderCore_Check(rec))
+        return 0;
+    RecorderCore *R = (RecorderCore *)rec;
+    if (R->progress == Py_None || R->prog == NULL)
+        return 0;
+    int64_t seq = 0;
+    if (next_value(R->seq, &seq) < 0)
+        return progress_failed(rec, NULL, 0);
+    volatile int64_t *prog = R->prog;
+    if (prog == NULL)
+        return 0;
+    prog[S_PHASE_T0] = t0;
+    prog[S_COUNTER] = seq | code;
+    return 0;
+}
+
+/* rec.record_span(name, t0, t1, parent=parent, level=level[, status="ok"]); the span made is dropped. */
+static int
+hooks_record(PyObject *rec, PyObject *name, PyObject *t0, int64_t t1, PyObject *parent, PyObject *level, int status)
+{
+    PyObject *end = PyLong_FromLongLong(t1);
+    if (end == NULL)
+        return -1;
+    PyObject *stack[7] = {rec, name, t0, end, parent, level, s_ok};
+    PyObject *made = PyObject_VectorcallMethod(h_record_span, stack, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                               status ? h_kw_wait : h_kw_phase);
+    Py_DECREF(end);
+    if (made == NULL)
+        return -1;
+    Py_DECREF(made);
+    return 0;
+}
+
+/* The callback's _phase_to(name) where no phase is a live span (name NULL: end the phase only). */
+static int
+hooks_phase_to(StepHooks *self, int name)
+{
+    PyObject *cb = self->cb;
+    int64_t now = now_ns();
+    PyObject *current = PyObject_GetAttr(cb, h_phase);
+    if (current == NULL)
+        return -1;
+    if (current != Py_None) {
+        int rc = PyObject_SetAttr(cb, h_phase, Py_None);
+        PyObject *rec = rc < 0 ? NULL : PyObject_GetAttr(cb, h_rec);
+        if (rec == NULL) {
+            Py_DECREF(current);
+            return -1;
+        }
+        if (rec != Py_None) {
+            PyObject *mark = PyObject_GetAttr(cb, h_mark);
+            PyObject *iter = mark == NULL ? NULL : PyObject_GetAttr(cb, h_iter);
+            rc = iter == NULL ? -1 : hooks_record(rec, current, mark, now, iter, self->levels[L_PHASE], 0);
+            Py_XDECREF(mark);
+            Py_XDECREF(iter);
+        }
+        Py_DECREF(rec);
+        if (rc < 0) {
+            Py_DECREF(current);
+            return -1;
+        }
+    }
+    Py_DECREF(current);
+    if (name < 0)
+        return 0;
+    int no_iter = attr_is_none(cb, h_iter);
+    if (no_iter != 0)
+        return no_iter < 0 ? -1 : 0;
+    if (PyObject_SetAttr(cb, h_phase, self->names[name]) < 0)
+        return -1;
+    PyObject *mark = PyLong_FromLongLong(now);
+    if (mark == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(cb, h_mark, mark);
+    Py_DECREF(mark);
+    PyObject *rec = rc < 0 ? NULL : PyObject_GetAttr(cb, h_rec);
+    if (rec == NULL)
+        return -1;
+    rc = hooks_timed_phase(rec, self->codes[name], now);
+    Py_DECREF(rec);
+    return rc;
+}
+
+/* No live phase or wait span, no FLOP counter: the state the hooks here cover. 1, 0 (leave it to
+ * Python) or -1. */
+static int
+hooks_common_state(PyObject *cb)
+{
+    int ok = attr_is_none(cb, h_phase_span);
+    if (ok == 1)
+        ok = attr_is_none(cb, h_wait_span);
+    if (ok == 1)
+        ok = attr_is_none(cb, h_flop_counter);
+    return ok;
+}
+
+/* (batch size, tokens) of a tuple or list whose first item has a non-empty shape, as batch_info's
+ * first case reads it; 0 where batch_info must decide, -1 on error. */
+static int
+hooks_batch_size(PyObject *batch, PyObject **size)
+{
+    *size = NULL;
+    if (!(PyTuple_CheckExact(batch) || PyList_CheckExact(batch)) || PySequence_Fast_GET_SIZE(batch) == 0)
+        return 0;
+    PyObject *first = PySequence_Fast_GET_ITEM(batch, 0);
+    Py_INCREF(first);
+    PyObject *shape = PyObject_GetAttr(first, h_shape);
+    Py_DECREF(first);
+    if (shape == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int found = 0;
+    if (shape != Py_None && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) > 0 &&
+        PyLong_CheckExact(PyTuple_GET_ITEM(shape, 0))) {
+        *size = Py_NewRef(PyTuple_GET_ITEM(shape, 0)); /* torch.Size is a tuple of ints */
+        found = 1;
+    }
+    Py_DECREF(shape);
+    return found;
+}
+
+static PyObject *
+hooks_batch_start(StepHooks *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *cb = self->cb;
+    HOOK_ARGS(H_BATCH_START, 4)
+    int common = hooks_common_state(cb);
+    if (common <= 0)
+        return common < 0 ? NULL : hooks_fallback(self, H_BATCH_START, args, nargsf, kwnames);
+    PyObject *trainer = args[0], *batch = args[2], *batch_idx = args[3];
+    /* _end_wait() */
+    PyObject *t0 = PyObject_GetAttr(cb, h_wait_t0);
+    if (t0 == NULL)
+        return NULL;
+    if (t0 != Py_None) {
+        int64_t now = now_ns();
+        PyObject *rec = PyObject_SetAttr(cb, h_wait_t0, Py_None) < 0 ? NULL : PyObject_GetAttr(cb, h_rec);
+        int rc = rec == NULL ? -1 : 0;
+        if (rec != NULL && rec != Py_None) {
+            PyObject *loop = PyObject_GetAttr(cb, h_loop);
+            rc = loop == NULL ? -1 : hooks_record(rec, self->names[N_WAIT], t0, now, loop, self->levels[L_WAIT], 1);
+            Py_XDECREF(loop);
+        }
+        Py_XDECREF(rec);
+        if (rc < 0) {
+            Py_DECREF(t0);
+            return NULL;
+        }
+    }
+    Py_DECREF(t0);
+    PyObject *attrs = PyDict_New();
+    if (attrs == NULL)
+        return NULL;
+    PyObject *step = PyObject_GetAttr(trainer, h_global_step);
+    PyObject *epoch = step == NULL ? NULL : PyObject_GetAttr(cb, h_epoch);
+    if (epoch == Py_None) {
+        Py_DECREF(epoch);
+        epoch = PyObject_GetAttr(trainer, h_current_epoch);
+    }
+    int rc = epoch == NULL || PyDict_SetItem(attrs, s_step, step) < 0 ||
+                     PyDict_SetItem(attrs, h_batch_idx, batch_idx) < 0 || PyDict_SetItem(attrs, h_epoch_key, epoch) < 0
+                 ? -1
+                 : 0;
+    Py_XDECREF(step);
+    Py_XDECREF(epoch);
+    PyObject *size = NULL, *tokens = NULL;
+    if (rc == 0) {
+        int found = hooks_batch_size(batch, &size);
+        if (found < 0) {
+            rc = -1;
+        }
+        else if (found == 0) {
+            PyObject *info = PyObject_CallOneArg(self->batch_info, batch);
+            if (info == NULL || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 2) {
+                if (info != NULL)
+                    PyErr_SetString(PyExc_TypeError, "batch_info: expected a pair");
+                rc = -1;
+            }
+            else {
+                size = Py_NewRef(PyTuple_GET_ITEM(info, 0));
+                tokens = Py_NewRef(PyTuple_GET_ITEM(info, 1));
+            }
+            Py_XDECREF(info);
+        }
+    }
+    if (rc == 0 && size != NULL && size != Py_None)
+        rc = PyDict_SetItem(attrs, h_batch_size, size);
+    if (rc == 0 && tokens != NULL && tokens != Py_None)
+        rc = PyDict_SetItem(attrs, h_tokens, tokens);
+    Py_XDECREF(size);
+    Py_XDECREF(tokens);
+    if (rc == 0) {
+        PyObject *flops = PyObject_GetAttr(cb, h_flops);
+        rc = flops == NULL ? -1 : flops != Py_None ? PyDict_SetItem(attrs, h_flops_key, flops) : 0;
+        Py_XDECREF(flops);
+    }
+    if (rc < 0) {
+        Py_DECREF(attrs);
+        return NULL;
+    }
+    /* self._iter = self._start(ITERATION, attrs, level) */
+    PyObject *span_args[3] = {self->names[N_ITERATION], attrs, self->levels[L_ITERATION]};
+    PyObject *span = PyObject_Vectorcall(g_span_class, span_args, 3, NULL);
+    Py_DECREF(attrs);
+    if (span == NULL)
+        return NULL;
+    PyObject *entered = PyObject_CallMethodNoArgs(span, h_enter);
+    if (entered == NULL) {
+        Py_DECREF(span);
+        return NULL;
+    }
+    Py_DECREF(entered);
+    PyObject *held = ((SpanCore *)span)->rec != Py_None ? span : Py_None;
+    rc = PyObject_SetAttr(cb, h_iter, held);
+    Py_DECREF(span);
+    if (rc < 0 || hooks_phase_to(self, N_FORWARD) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+hooks_phase_hook(StepHooks *self, int which, int name, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    HOOK_ARGS(which, 3)
+    int common = attr_is_none(self->cb, h_phase_span);
+    if (common <= 0)
+        return common < 0 ? NULL : hooks_fallback(self, which, args, nargsf, kwnames);
+    if (hooks_phase_to(self, name) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+hooks_before_backward(StepHooks *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return hooks_phase_hook(self, H_BEFORE_BACKWARD, N_BACKWARD, args, nargsf, kwnames);
+}
+
+static PyObject *
+hooks_before_optimizer(StepHooks *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return hooks_phase_hook(self, H_BEFORE_OPTIMIZER, N_OPTIMIZER, args, nargsf, kwnames);
+}
+
+/* Whether _end_iteration would only put the loss on the span: no phase timings pending and, where logged
+ * metrics are read, not a step they are read at (evaluated as _end_iteration does). 1, 0 or -1. */
+static int
+hooks_loss_only(PyObject *cb, PyObject *trainer)
+{
+    PyObject *timings = PyObject_GetAttr(cb, h_timings);
+    if (timings == NULL)
+        return -1;
+    int empty = PyDict_CheckExact(timings) && PyDict_GET_SIZE(timings) == 0;
+    Py_DECREF(timings);
+    if (!empty)
+        return 0;
+    PyObject *log = PyObject_GetAttr(cb, h_log_metrics);
+    if (log == NULL)
+        return -1;
+    int logging = PyObject_IsTrue(log);
+    Py_DECREF(log);
+    if (logging <= 0)
+        return logging < 0 ? -1 : 1;
+    PyObject *step = PyObject_GetAttr(trainer, h_global_step);
+    PyObject *every = step == NULL ? NULL : PyObject_GetAttr(cb, h_every);
+    PyObject *rest = every == NULL ? NULL : PyNumber_Remainder(step, every);
+    Py_XDECREF(step);
+    Py_XDECREF(every);
+    if (rest == NULL)
+        return -1;
+    int at_log = PyObject_RichCompareBool(rest, h_zero, Py_EQ);
+    Py_DECREF(rest);
+    return at_log < 0 ? -1 : !at_log;
+}
+
+/* _loss_of(outputs) (new reference) */
+static PyObject *
+hooks_loss(StepHooks *self, PyObject *outputs)
+{
+    if (outputs == Py_None)
+        return Py_NewRef(Py_None);
+    if (PyDict_CheckExact(outputs)) {
+        PyObject *loss = PyDict_GetItemWithError(outputs, h_loss);
+        return loss != NULL ? Py_NewRef(loss) : PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    }
+    return PyObject_CallOneArg(self->loss_of, outputs);
+}
+
+/* _end_iteration(span, trainer, loss) where it only puts the loss on the span and ends it; else the Python
+ * method. */
+static int
+hooks_end_iteration(StepHooks *self, PyObject *span, PyObject *trainer, PyObject *loss)
+{
+    int plain = hooks_loss_only(self->cb, trainer);
+    if (plain < 0)
+        return -1;
+    if (!plain) {
+        PyObject *stack[4] = {self->cb, span, trainer, loss};
+        PyObject *done = PyObject_Vectorcall(self->fallback[H_END_ITERATION], stack, 4, NULL);
+        Py_XDECREF(done);
+        return done == NULL ? -1 : 0;
+    }
+    if (loss != Py_None) {
+        /* add_metrics(loss=loss) without its call, as the Python method does */
+        PyObject *held = PyObject_GetAttr(span, h_metrics);
+        if (held == NULL)
+            return -1;
+        int rc;
+        if (held == Py_None) {
+            PyObject *metrics = Py_BuildValue("{OO}", h_loss, loss);
+            rc = metrics == NULL ? -1 : PyObject_SetAttr(span, h_metrics, metrics);
+            Py_XDECREF(metrics);
+        }
+        else {
+            rc = PyObject_SetItem(held, h_loss, loss);
+        }
+        Py_DECREF(held);
+        if (rc < 0)
+            return -1;
+    }
+    PyObject *stack[4] = {span, Py_None, Py_None, Py_None};
+    PyObject *done = PyObject_VectorcallMethod(h_exit, stack, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+static PyObject *
+hooks_batch_end(StepHooks *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *cb = self->cb;
+    HOOK_ARGS(H_BATCH_END, 5)
+    int common = hooks_common_state(cb);
+    if (common <= 0)
+        return common < 0 ? NULL : hooks_fallback(self, H_BATCH_END, args, nargsf, kwnames);
+    int no_phase = attr_is_none(cb, h_phase);
+    if (no_phase < 0 || (!no_phase && hooks_phase_to(self, -1) < 0))
+        return NULL;
+    PyObject *span = PyObject_GetAttr(cb, h_iter);
+    if (span == NULL)
+        return NULL;
+    if (span != Py_None) {
+        PyObject *loss = PyObject_SetAttr(cb, h_iter, Py_None) < 0 ? NULL : hooks_loss(self, args[2]);
+        int rc = loss == NULL ? -1 : hooks_end_iteration(self, span, args[0], loss);
+        Py_XDECREF(loss);
+        if (rc < 0) {
+            Py_DECREF(span);
+            return NULL;
+        }
+    }
+    Py_DECREF(span);
+    /* _begin_wait() */
+    int64_t now = now_ns();
+    PyObject *t0 = PyLong_FromLongLong(now);
+    if (t0 == NULL)
+        return NULL;
+    int rc = PyObject_SetAttr(cb, h_wait_t0, t0);
+    Py_DECREF(t0);
+    PyObject *rec = rc < 0 ? NULL : PyObject_GetAttr(cb, h_rec);
+    if (rec == NULL)
+        return NULL;
+    rc = hooks_timed_phase(rec, self->codes[N_WAIT], now);
+    Py_DECREF(rec);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef hooks_methods[] = {
+    {"on_train_batch_start", (PyCFunction)(void (*)(void))hooks_batch_start, METH_FASTCALL | METH_KEYWORDS,
+     "on_train_batch_start(trainer, pl_module, batch, batch_idx)"},
+    {"on_before_backward", (PyCFunction)(void (*)(void))hooks_before_backward, METH_FASTCALL | METH_KEYWORDS,
+     "on_before_backward(trainer, pl_module, loss)"},
+    {"on_before_optimizer_step", (PyCFunction)(void (*)(void))hooks_before_optimizer, METH_FASTCALL | METH_KEYWORDS,
+     "on_before_optimizer_step(trainer, pl_module, optimizer)"},
+    {"on_train_batch_end", (PyCFunction)(void (*)(void))hooks_batch_end, METH_FASTCALL | METH_KEYWORDS,
+     "on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)"},
+    {NULL},
+};
+
+static PyTypeObject StepHooksType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "traintrace._span.StepHooks",
+    .tp_doc = "The Lightning callback's per-step hooks, in C (integrations/lightning.py).",
+    .tp_basicsize = sizeof(StepHooks),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = hooks_new,
+    .tp_traverse = (traverseproc)hooks_traverse,
+    .tp_clear = (inquiry)hooks_clear,
+    .tp_dealloc = (destructor)hooks_dealloc,
+    .tp_methods = hooks_methods,
+};
+
 static PyMethodDef module_methods[] = {
     {"_step_span", step_span, METH_VARARGS, "A span whose attrs are an int step until first read (tests)."},
     {"install", (PyCFunction)(void (*)(void))install, METH_VARARGS | METH_KEYWORDS,
@@ -1719,7 +2315,7 @@ PyInit__span(void)
 #undef INTERN
     RecorderCoreType.tp_methods = recorder_methods;
     if (PyType_Ready(&CounterType) < 0 || PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&SpanCoreType) < 0 ||
-        PyType_Ready(&FactoryType) < 0)
+        PyType_Ready(&FactoryType) < 0 || PyType_Ready(&StepHooksType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (module == NULL)
@@ -1739,6 +2335,7 @@ PyInit__span(void)
     Py_INCREF(&RecorderCoreType);
     Py_INCREF(&SpanCoreType);
     Py_INCREF(&FactoryType);
+    Py_INCREF(&StepHooksType);
 #ifdef HANDOFF
     PyObject *wanted = PyCapsule_New(&gil_wanted_since, "traintrace._span._gil_wanted", NULL);
     if (wanted == NULL || PyModule_AddObject(module, "_gil_wanted", wanted) < 0) {
@@ -1767,7 +2364,8 @@ PyInit__span(void)
     if (PyModule_AddObject(module, "Factory", (PyObject *)&FactoryType) < 0 ||
         PyModule_AddObject(module, "Counter", (PyObject *)&CounterType) < 0 ||
         PyModule_AddObject(module, "RecorderCore", (PyObject *)&RecorderCoreType) < 0 ||
-        PyModule_AddObject(module, "SpanCore", (PyObject *)&SpanCoreType) < 0) {
+        PyModule_AddObject(module, "SpanCore", (PyObject *)&SpanCoreType) < 0 ||
+        PyModule_AddObject(module, "StepHooks", (PyObject *)&StepHooksType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

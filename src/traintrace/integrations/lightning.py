@@ -29,6 +29,7 @@ from .._names import EventName, SpanName, SpanStatus, Verbosity, level_of
 from .._progress import PHASE_CODES, S_COUNTER, S_PHASE_T0, enter_timed_phase
 from .._progress import failed as progress_failed
 from .._recorder import Recorder, Span, current_span, warn_once
+from .._recorder import _native as _native_core
 from ..backends._scalars import framework_logs_metrics
 from ._common import (
     batch_info,
@@ -75,6 +76,9 @@ _UNUSED_HOOKS = ("on_before_zero_grad",)
 #: accumulates gradients, where the batch ends: ``on_after_backward`` would be one more call per step
 #: for the same instant. Manual optimisation keeps it (user code may run between the two).
 _AUTOMATIC_UNUSED_HOOKS = ("on_after_backward",)
+
+#: The per-step hooks the native core has in C (``_span.StepHooks``), in the order it takes their Python twins.
+_NATIVE_HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 
 #: Metric names the callback puts on spans itself; a logged metric never overwrites them.
 _RESERVED = frozenset(
@@ -135,6 +139,9 @@ class TraintraceCallback(Callback):
             which costs about a third as much per step.
         settings: passed to :func:`traintrace.configure`.
     """
+
+    #: Whether ``setup`` may put the per-step hooks' C twins on the instance (tests compare both).
+    _native_hooks = True
 
     def __init__(
         self,
@@ -397,6 +404,41 @@ class TraintraceCallback(Callback):
                 self.__dict__[hook] = None
             else:
                 self.__dict__.pop(hook, None)  # a later setup at a higher verbosity needs it again
+        self._install_native_hooks()
+
+    def _install_native_hooks(self) -> None:
+        """Put the C twins of the per-step hooks (``_span.StepHooks``, src/native/span.c) on the instance, where the
+        native core runs and the configuration is the one they cover: phases as spans without a span listener,
+        no batch or token function, FLOPs given or none. Lightning calls them between torch's operators, where a
+        step's worth of this class's Python costs tens of microseconds; each does what its Python hook does, on the
+        same attributes in the same order, and hands what it does not cover to Python: a state (a phase span open,
+        a FLOP counter running) to the Python hook whole, before it changes anything; a step whose logged metrics
+        are read or whose phase timings are pending to ``_end_iteration``. A hook a subclass overrides stays its
+        own."""
+        hooks_type = getattr(_native_core, "StepHooks", None)
+        if (
+            hooks_type is None
+            or not self._native_hooks
+            or not (self._trace and self._profile and self.phase_spans)
+            or self._live_phases
+            or self.batch_size_fn is not None
+            or self.tokens_fn is not None
+            or isinstance(self.flops_per_step, str)
+            or not isinstance(self._rec, _native_core.RecorderCore)
+        ):
+            return
+        base = TraintraceCallback
+        hooks = hooks_type(
+            self,
+            (*(getattr(base, name) for name in _NATIVE_HOOKS), base._end_iteration),
+            batch_info,
+            _loss_of,
+            (SpanName.ITERATION, SpanName.FORWARD, SpanName.BACKWARD, SpanName.OPTIMIZER_STEP, SpanName.DATA_LOADING),
+            (_ITERATION, _PHASE, _WAIT),
+        )
+        for name in _NATIVE_HOOKS:
+            if getattr(type(self), name) is getattr(base, name):
+                self.__dict__[name] = getattr(hooks, name)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._unwrap_checkpoint_io()
@@ -565,31 +607,35 @@ class TraintraceCallback(Callback):
                 self._stop_flop_counter()
                 if self._flops is not None:
                     span.add_metrics(flops=self._flops)
-            loss = _loss_of(outputs)
-            timings = self._timings
-            if self.log_metrics and trainer.global_step % self._every == 0:
-                metrics = self._new_logged(trainer)
-                if loss is not None:
-                    metrics.setdefault("loss", loss)
-                if timings:
-                    metrics.update(timings)
-                    timings.clear()
-                span.add_metrics(metrics)
-            elif timings:
-                if loss is not None:
-                    timings["loss"] = loss
-                span.add_metrics(timings)
-                timings.clear()
-            elif loss is not None:
-                # add_metrics(loss=loss) without its call: the span is open and this callback's.
-                held = span.metrics
-                if held is None:
-                    span.metrics = {"loss": loss}
-                else:
-                    held["loss"] = loss
-            span.__exit__(None, None, None)
+            self._end_iteration(span, trainer, _loss_of(outputs))
         if self._profile:
             self._begin_wait()
+
+    def _end_iteration(self, span: Span, trainer: pl.Trainer, loss: Any) -> None:
+        """The iteration's metrics (the loss, logged metrics at their steps, phase timings), then its end.
+        (The C twin of ``on_train_batch_end`` calls it for a step whose logged metrics are read.)"""
+        timings = self._timings
+        if self.log_metrics and trainer.global_step % self._every == 0:
+            metrics = self._new_logged(trainer)
+            if loss is not None:
+                metrics.setdefault("loss", loss)
+            if timings:
+                metrics.update(timings)
+                timings.clear()
+            span.add_metrics(metrics)
+        elif timings:
+            if loss is not None:
+                timings["loss"] = loss
+            span.add_metrics(timings)
+            timings.clear()
+        elif loss is not None:
+            # add_metrics(loss=loss) without its call: the span is open and this callback's.
+            held = span.metrics
+            if held is None:
+                span.metrics = {"loss": loss}
+            else:
+                held["loss"] = loss
+        span.__exit__(None, None, None)
 
     # ------------------------------------------------------------ FLOPs
     def _start_flop_counter(self) -> None:
