@@ -13,7 +13,8 @@ three modes are interleaved for ``--rounds`` rounds and the median time per
 step of each mode is compared with the median of the runs without a
 callback. Modes: ``none``; ``empty`` (a callback that does nothing: Lightning's
 cost of calling one more callback); ``traintrace`` (defaults: phases as
-spans); ``tt_attrs`` (``phase_spans=False``: one record per step, phase
+spans, the per-step hooks in C on the native core); ``tt_python`` (the same with the Python
+hooks); ``tt_attrs`` (``phase_spans=False``: one record per step, phase
 durations as attributes); ``reference``. Both libraries write every span (iteration, forward, backward,
 optimizer step) to a JSON-lines file in a temporary folder and get the FLOPs
 per step as a number, so neither measures FLOPs. Timing covers steps after
@@ -47,6 +48,9 @@ import traintrace as tt
 from traintrace.integrations.lightning import TraintraceCallback
 
 FLOPS = 1.0e6
+#: traintrace's modes: the default callback (its per-step hooks in C on the native core), ``tt_python`` (the same
+#: with the Python hooks: the pure core's, or ``_native_hooks = False``) and ``tt_attrs`` (``phase_spans=False``).
+TRAINTRACE_MODES = ("traintrace", "tt_python", "tt_attrs")
 NO_GC = False
 IN_HOOK = False
 FREEZE_GC = False
@@ -163,17 +167,17 @@ def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
     clock = StepClock(warmup)
     callbacks: list[Callback] = [clock]
     timer = None
-    if mode in ("traintrace", "tt_attrs"):
+    if mode in TRAINTRACE_MODES:
         tt.close()
-        callbacks.append(
-            TraintraceCallback(
-                log_dir=str(folder / mode),
-                job_id="bench",
-                backends=[tt.FileBackendConfig()],
-                flops_per_step=FLOPS,
-                phase_spans=mode == "traintrace",
-            )
+        ours = TraintraceCallback(
+            log_dir=str(folder / mode),
+            job_id="bench",
+            backends=[tt.FileBackendConfig()],
+            flops_per_step=FLOPS,
+            phase_spans=mode != "tt_attrs",
         )
+        ours._native_hooks = mode != "tt_python"
+        callbacks.append(ours)
     elif mode == "reference":
         callbacks.append(reference_callback(folder))
     elif mode == "empty":
@@ -186,7 +190,7 @@ def run(mode: str, steps: int, warmup: int, folder: Path) -> dict[str, float]:
         gc.disable()
     trainer.fit(Tiny(), DataLoader(data, batch_size=8))
     gc.enable()
-    if mode in ("traintrace", "tt_attrs"):
+    if mode in TRAINTRACE_MODES:
         tt.close()
     if mode == "reference":
         # The reference writes its file on the training thread: let it close before the next run.
@@ -224,7 +228,7 @@ class BlockSwitch(Callback):
     def _block_ended(self) -> None:
         if self.current is None:
             return
-        if self.modes[self.current] is not None and self.current in ("traintrace", "tt_attrs"):
+        if self.modes[self.current] is not None and self.current in TRAINTRACE_MODES:
             tt.flush()
         now = {name: clock() for name, clock in CLOCKS.items()}
         self.blocks[self.current].append({name: (now[name] - self.t0[name]) / 1e9 / self.block for name in CLOCKS})
@@ -261,16 +265,17 @@ def run_paired(
     torch.manual_seed(0)
     tt.close()
     callbacks: dict[str, Callback | None] = {"none": None, "empty": Empty()}
-    for mode in ("traintrace", "tt_attrs"):
+    for mode in TRAINTRACE_MODES:
         if mode in modes:
-            # One traintrace configuration serves both: the callbacks differ only in their hooks.
+            # One traintrace configuration serves them all: the callbacks differ only in their hooks.
             callbacks[mode] = TraintraceCallback(
                 log_dir=str(folder / "paired"),
                 job_id="bench",
                 backends=[tt.FileBackendConfig()],
                 flops_per_step=FLOPS,
-                phase_spans=mode == "traintrace",
+                phase_spans=mode != "tt_attrs",
             )
+            callbacks[mode]._native_hooks = mode != "tt_python"  # type: ignore[union-attr]
     if "reference" in modes:
         callbacks["reference"] = reference_callback(folder)
     chosen = {mode: callbacks[mode] for mode in modes}
@@ -315,7 +320,7 @@ def report(modes: list[str], times: dict[str, list[dict[str, float]]], clocks: l
                 f"{q1 * 1e6:>10.1f}{q3 * 1e6:>10.1f}   {runs}"
             )
         if "reference" in added:
-            for ours_mode in ("empty", "traintrace", "tt_attrs"):
+            for ours_mode in ("empty", *TRAINTRACE_MODES):
                 if ours_mode in added:
                     ours = added[ours_mode]
                     ratio = f"{added['reference'] / ours:.1f}x" if ours > 0 else "n/a (none measured)"
@@ -344,7 +349,9 @@ def main() -> None:
         help="one fit per mode and round (the older method) instead of blocks of one fit",
     )
     parser.add_argument(
-        "--modes", default="none,empty,traintrace,tt_attrs,reference", help="comma-separated; none is always run"
+        "--modes",
+        default="none,empty,traintrace,tt_python,tt_attrs,reference",
+        help="comma-separated; none is always run",
     )
     parser.add_argument("--block", type=int, default=500, help="steps per block (the default method)")
     parser.add_argument(
