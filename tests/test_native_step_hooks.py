@@ -106,7 +106,9 @@ STEP = st.tuples(BATCHES, OUTPUTS, STEPS, st.integers(0, 3), STATE, st.booleans(
 @pytest.fixture
 def memory() -> Iterator[tt.MemoryBackend]:
     backend = tt.MemoryBackend()
-    tt.configure(backends=[], extra_backends=[backend], statistics=False)
+    # The writer waits for each run's flush: every span it sees has ended, whatever the machine's load (a span
+    # seen open is two records, a matter of thread timing).
+    tt.configure(backends=[], extra_backends=[backend], statistics=False, flush_interval=3600.0)
     yield backend
     tt.close()
 
