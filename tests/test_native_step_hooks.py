@@ -11,6 +11,8 @@ test run, which is the point. Real fits with both are in test_integrations_light
 
 from __future__ import annotations
 
+import contextvars
+import copy
 import warnings
 from collections.abc import Iterator
 from types import MappingProxyType
@@ -141,7 +143,15 @@ def _state(callback: TraintraceCallback) -> dict[str, Any]:
 
 
 def _run(steps: list[Any], native: bool, backend: tt.MemoryBackend) -> tuple[list[Any], dict[str, Any], list[Any]]:
-    """(what each call raised, the state after, the records) of ``steps`` through one callback."""
+    """(what each call raised, the state after, the records) of ``steps`` through one callback, in a context of its
+    own: an iteration a raising hook left open is the current span of the context it ran in, and would be the
+    parent of the next run's first iteration."""
+    return contextvars.Context().run(_run_in_context, steps, native, backend)
+
+
+def _run_in_context(
+    steps: list[Any], native: bool, backend: tt.MemoryBackend
+) -> tuple[list[Any], dict[str, Any], list[Any]]:
     callback = _callback(native)
     kinds = {type(getattr(callback, hook)).__name__ for hook in HOOKS}
     assert kinds == ({"builtin_function_or_method"} if native else {"method"})
@@ -151,7 +161,8 @@ def _run(steps: list[Any], native: bool, backend: tt.MemoryBackend) -> tuple[lis
         warnings.simplefilter("ignore")
         for index, (batch, outputs, step, epoch, state, skip_phases) in enumerate(steps):
             for name, value in state.items():
-                setattr(callback, name, value)
+                # A copy: the hooks change a dict they hold (_timings), and both runs read the same drawn value.
+                setattr(callback, name, copy.deepcopy(value))
             trainer = Trainer(step, epoch)
             calls: list[tuple[str, tuple[Any, ...]]] = [("on_train_batch_start", (trainer, None, batch, index))]
             if not skip_phases:
@@ -181,6 +192,7 @@ def _run(steps: list[Any], native: bool, backend: tt.MemoryBackend) -> tuple[lis
 def test_the_c_hooks_do_what_the_python_hooks_do(memory: tt.MemoryBackend, steps: list[Any]) -> None:
     in_c = _run(steps, native=True, backend=memory)
     in_python = _run(steps, native=False, backend=memory)
+    assert tt.current_span() is None  # what a run left open stayed in its own context
     assert in_c[0] == in_python[0]
     if not any(in_python[0]):
         # An exception leaves the state where each raised (C checks what it leaves to Python before it changes
