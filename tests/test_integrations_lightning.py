@@ -647,6 +647,14 @@ def test_ddp_straggler_is_named_though_ddp_evens_the_step_times(
     if live == "1":  # the premise: the waits were live spans, and those a save cut short say so
         records = (tmp_path / "logs" / "ddp-test" / "rank1.jsonl").read_text()
         assert '"status":"interrupted"' in records, records[-2000:]
+    # Lightning broadcasts rank 0's SIGTERM flag before fetching each batch, where every rank waits for rank 0:
+    # recorded inside each wait for a batch, as a collective (a loaded machine once read rank 1's waits there, after
+    # rank 0's saves, as its own slow fetching from step 2 or 3).
+    for rank in (0, 1):
+        stream = read_file(tmp_path / "logs" / "ddp-test" / f"rank{rank}.jsonl").streams[0]
+        waits = {w["id"] for w in stream.spans(tt.SpanName.DATA_LOADING)}
+        broadcasts = [c for c in stream.spans(tt.SpanName.COLLECTIVE) if c["attrs"].get("tensors") == "sigterm"]
+        assert len(broadcasts) >= 16 and all(c["parent"] in waits for c in broadcasts), broadcasts[:3]
     data = check_straggler(tmp_path, tmp_path / "logs" / "ddp-test", mode, ranks=2)
     assert any("outside backward" in note for note in data["notes"]), data["notes"]
 

@@ -97,8 +97,22 @@ STEPS = st.one_of(st.integers(0, 10**6), st.sampled_from([10**30, -3, 2.0, "7", 
 
 #: Attributes of the callback a step may find changed: the states the C hooks hand to Python, and odd values.
 STATE = st.dictionaries(
-    st.sampled_from(["_every", "_timings", "_epoch", "_flops", "_flop_counter", "_phase", "_wait_t0", "log_metrics"]),
-    st.sampled_from([None, 0, 1, 3, -2, {}, {"forward_ns": 5}, [], "x", 2.5, 1e6, True, tt.SpanName.FORWARD]),
+    st.sampled_from(
+        [
+            "_every",
+            "_timings",
+            "_epoch",
+            "_flops",
+            "_flop_counter",
+            "_phase",
+            "_wait_t0",
+            "_wait_collective",
+            "log_metrics",
+        ]
+    ),
+    st.sampled_from(
+        [None, 0, 1, 3, -2, {}, {"forward_ns": 5}, [], "x", 2.5, 1e6, True, tt.SpanName.FORWARD, (5, 9, "ok")]
+    ),
     max_size=2,
 )
 
@@ -134,7 +148,10 @@ def _state(callback: TraintraceCallback) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         return ("span", value.name) if isinstance(value, tt.Span) else value
 
-    names = ("_iter", "_phase", "_phase_span", "_wait_t0", "_wait_span", "_mark", "_epoch", "_timings", "_seen")
+    names = (
+        *("_iter", "_phase", "_phase_span", "_wait_t0", "_wait_span", "_wait_collective"),
+        *("_mark", "_epoch", "_timings", "_seen"),
+    )
     state = {name: plain(getattr(callback, name)) for name in names}
     # Times differ between the two runs; whether one is set does not.
     state["_wait_t0"] = state["_wait_t0"] is not None

@@ -1718,7 +1718,7 @@ enum { L_ITERATION, L_PHASE, L_WAIT };
 static PyObject *h_wait_t0, *h_wait_span, *h_rec, *h_loop, *h_epoch, *h_flops, *h_iter, *h_phase, *h_phase_span,
     *h_mark, *h_flop_counter, *h_log_metrics, *h_every, *h_timings, *h_global_step, *h_current_epoch, *h_shape,
     *h_loss, *h_metrics, *h_exit, *h_record_span, *h_batch_idx, *h_batch_size, *h_tokens, *h_flops_key, *h_epoch_key,
-    *h_kw_phase, *h_kw_wait, *h_zero, *h_enter;
+    *h_kw_phase, *h_kw_wait, *h_zero, *h_enter, *h_wait_collective;
 
 static int
 hooks_intern(void)
@@ -1730,6 +1730,7 @@ hooks_intern(void)
         return -1;
     INTERN(h_wait_t0, "_wait_t0")
     INTERN(h_wait_span, "_wait_span")
+    INTERN(h_wait_collective, "_wait_collective")
     INTERN(h_rec, "_rec")
     INTERN(h_loop, "_loop")
     INTERN(h_epoch, "_epoch")
@@ -2016,6 +2017,8 @@ hooks_batch_start(StepHooks *self, PyObject *const *args, size_t nargsf, PyObjec
     PyObject *cb = self->cb;
     HOOK_ARGS(H_BATCH_START, 4)
     int common = hooks_common_state(cb);
+    if (common == 1) /* a collective inside the wait (Lightning's SIGTERM broadcast): Python records it with it */
+        common = attr_is_none(cb, h_wait_collective);
     if (common <= 0)
         return common < 0 ? NULL : hooks_fallback(self, H_BATCH_START, args, nargsf, kwnames);
     PyObject *trainer = args[0], *batch = args[2], *batch_idx = args[3];

@@ -26,7 +26,7 @@ from .. import _api
 from .._checkpoint import measure_size
 from .._config import Config, build_config
 from .._names import EventName, SpanName, SpanStatus, Verbosity, level_of
-from .._progress import PHASE_CODES, S_COUNTER, S_PHASE_T0, enter_timed_phase
+from .._progress import PHASE_CODES, S_COLLECTIVE, S_COLLECTIVE_T0, S_COUNTER, S_PHASE_T0, enter_timed_phase
 from .._progress import failed as progress_failed
 from .._recorder import Recorder, Span, current_span, warn_once
 from .._recorder import _native as _native_core
@@ -54,6 +54,11 @@ _ITERATION = level_of(SpanName.ITERATION)
 _PHASE = level_of(SpanName.FORWARD)
 _WAIT = level_of(SpanName.DATA_LOADING)
 _WAIT_CODE = PHASE_CODES[SpanName.DATA_LOADING]
+_COLLECTIVE = level_of(SpanName.COLLECTIVE)
+_COLLECTIVE_CODE = PHASE_CODES[SpanName.COLLECTIVE]
+#: The collective Lightning (2.5 and later) runs before fetching each batch under DDP: rank 0 broadcasts whether it
+#: received SIGTERM (``_TrainingEpochLoop._broadcast_sigterm_tensor``).
+_SIGTERM_BROADCAST = {"op": "broadcast", "tensors": "sigterm"}
 
 #: Attribute names of the phase timings when phases are not recorded as spans.
 _TIMING_KEYS = {
@@ -193,6 +198,10 @@ class TraintraceCallback(Callback):
         self._mark = 0
         self._wait_t0: int | None = None
         self._wait_span: Span | None = None
+        # Lightning's SIGTERM broadcast inside a timed wait for a batch, (start, end): recorded with the wait, as its
+        # child (_end_wait), so that the commands count that time as waiting for another rank, not for the batch.
+        self._wait_collective: tuple[int, int, str] | None = None
+        self._unpatch_loop: Callable[[], None] | None = None
         # A save ended the wait for the next batch: the wait goes on once the save returns (see _resuming_wait).
         self._wait_before_save = False
         self._live_phases = False
@@ -266,16 +275,34 @@ class TraintraceCallback(Callback):
         t0 = self._wait_t0
         if t0 is not None:
             self._wait_t0 = None
+            inner = self._wait_collective
             if not self.phase_spans:
-                self._timings["data_loading_ns"] = perf_counter_ns() - t0
+                waited = perf_counter_ns() - t0
+                if inner is not None:  # the loader's time: less the collective, which waited for another rank
+                    self._wait_collective = None
+                    waited -= inner[1] - inner[0]
+                self._timings["data_loading_ns"] = waited
                 return None
             rec = self._rec
             if rec is None:
                 return None
             # The recorder's own call, not record_finished's: one frame less in every step.
-            return rec.record_span(
+            span = rec.record_span(
                 SpanName.DATA_LOADING, t0, perf_counter_ns(), parent=self._loop, level=_WAIT, status=status
             )
+            if inner is not None:
+                self._wait_collective = None
+                if span is not None:
+                    rec.record_span(
+                        SpanName.COLLECTIVE,
+                        inner[0],
+                        inner[1],
+                        parent=span,
+                        metrics=dict(_SIGTERM_BROADCAST),
+                        level=_COLLECTIVE,
+                        status=inner[2],
+                    )
+            return span
         wait = self._wait_span
         if wait is not None:
             self._wait_span = None
@@ -442,6 +469,9 @@ class TraintraceCallback(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._unwrap_checkpoint_io()
+        unpatch, self._unpatch_loop = self._unpatch_loop, None
+        if unpatch is not None:
+            unpatch()
         self._close_open(None)
         stage_span, self._stage = self._stage, None
         if stage_span is not None:
@@ -516,6 +546,8 @@ class TraintraceCallback(Callback):
             from .ddp import _record_buffer_broadcasts
 
             _record_buffer_broadcasts(getattr(trainer.strategy, "model", None))
+            if int(trainer.world_size) > 1:
+                self._record_sigterm_broadcast(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_wait()
@@ -752,6 +784,7 @@ class TraintraceCallback(Callback):
         # count as no wait for a batch (as the timed stretch it was not recorded).
         if self._wait_t0 is not None:
             self._wait_t0 = None
+            self._wait_collective = None  # (Lightning broadcasts before fetching a batch, not before a save)
         else:
             self._end_wait(SpanStatus.INTERRUPTED)
         if not self._info or any(obj is not trainer for obj, *_ in self._patched):
@@ -785,6 +818,83 @@ class TraintraceCallback(Callback):
         self._patch(io, "load_checkpoint", self._traced_load())
         if is_async and inner is not None:
             self._patch(inner, "save_checkpoint", self._traced_finalization(trainer))
+
+    def _record_sigterm_broadcast(self, trainer: pl.Trainer) -> None:
+        """Time the collective Lightning 2.5 and later runs under DDP before fetching each batch: rank 0 broadcasts
+        whether it received SIGTERM, so every rank waits there for rank 0. That wait falls inside the wait for the
+        batch, where it was counted as the rank's data loading: a real 2-rank fit whose rank 0 came 28 ms late from
+        a save read rank 1's next wait for a batch at 32 ms against rank 0's 5 (rank 1 named a straggler in data
+        loading from that step, on a loaded machine). Recorded as a ``collective`` span inside the wait (live with
+        the wait, or with the timed wait when it ends); the progress file says ``collective`` meanwhile, so a rank
+        left waiting there for a rank that died is found waiting in a collective. A Lightning without that method
+        is left as it is."""
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        original = getattr(loop, "_broadcast_sigterm_tensor", None)
+        if loop is None or not callable(original) or self._unpatch_loop is not None:
+            return
+
+        def broadcast_sigterm_tensor(*args: Any, **kwargs: Any) -> Any:
+            rec = self._rec
+            if rec is None or rec.closed:
+                return original(*args, **kwargs)
+            if self._wait_span is not None:  # live: a child span of the live wait
+                span = self._start(SpanName.COLLECTIVE, dict(_SIGTERM_BROADCAST), _COLLECTIVE)
+                try:
+                    result = original(*args, **kwargs)
+                except BaseException as exc:
+                    self._stop(span, None, _broadcast_status(exc))
+                    raise
+                self._stop(span)
+                return result
+            t0 = perf_counter_ns()
+            prog = rec._progress
+            if prog is not None:
+                try:
+                    prog[S_COLLECTIVE] += 1
+                    prog[S_COLLECTIVE_T0] = t0
+                    prog[S_PHASE_T0] = t0
+                    prog[S_COUNTER] = next(rec._progress_seq) | _COLLECTIVE_CODE
+                except Exception:  # noqa: BLE001 - never raise into training
+                    progress_failed(rec)
+                    prog = None
+            status = SpanStatus.OK
+            try:
+                return original(*args, **kwargs)
+            except BaseException as exc:
+                status = _broadcast_status(exc)
+                raise
+            finally:
+                t1 = perf_counter_ns()
+                wait_t0 = self._wait_t0
+                if prog is not None:
+                    try:
+                        if prog[S_COLLECTIVE] > 0:
+                            prog[S_COLLECTIVE] -= 1
+                        code = _WAIT_CODE if wait_t0 is not None else PHASE_CODES[SpanName.TRAINING_LOOP]
+                        prog[S_PHASE_T0] = wait_t0 if wait_t0 is not None else t1
+                        prog[S_COUNTER] = next(rec._progress_seq) | code
+                    except Exception:  # noqa: BLE001
+                        progress_failed(rec)
+                if wait_t0 is not None and status == SpanStatus.OK:
+                    self._wait_collective = (t0, t1, status)
+                elif self.phase_spans:  # no wait under way (or it ends here): recorded now, under the loop
+                    rec.record_span(
+                        SpanName.COLLECTIVE,
+                        t0,
+                        t1,
+                        parent=self._loop,
+                        metrics=dict(_SIGTERM_BROADCAST),
+                        level=_COLLECTIVE,
+                        status=status,
+                    )
+
+        loop._broadcast_sigterm_tensor = broadcast_sigterm_tensor
+
+        def unpatch() -> None:
+            if loop.__dict__.get("_broadcast_sigterm_tensor") is broadcast_sigterm_tensor:
+                del loop.__dict__["_broadcast_sigterm_tensor"]
+
+        self._unpatch_loop = unpatch
 
     def _resuming_wait(self, save: Callable[..., Any]) -> Callable[..., Any]:
         """``Trainer.save_checkpoint``, after which the wait for the next batch that the save's
@@ -946,3 +1056,11 @@ def _note_sigterm_first() -> None:
         signal.signal(signal.SIGTERM, _setup.noting_sigterm(handler))
     except (ValueError, OSError):
         pass
+
+
+def _broadcast_status(exc: BaseException) -> str:
+    """A SIGTERM broadcast's status when it raised: Lightning raises ``SIGTERMException`` there when rank 0 received
+    SIGTERM (the job is being stopped), else an error."""
+    if type(exc).__name__ == "SIGTERMException" or not isinstance(exc, Exception):
+        return SpanStatus.TERMINATED
+    return SpanStatus.ERROR
