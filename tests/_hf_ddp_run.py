@@ -13,6 +13,7 @@ Stragglers: ``slow`` (the faulty rank's loss computation sleeps ``SLOW_MS``, def
 training process); with ``SLOW_EVERY`` K, at every K-th step (batch) from step N on only, each noted
 (``slow<rank>.jsonl``); ``fault.json`` is written at the first slow step or batch, and each rank notes when each
 step's own code began (``steps<rank>.jsonl``). ``MAX_STEPS`` (default 8); ``GRAD_ACCUM`` (default 1): batches a step.
+``WRITE_DELAY_MS``: each write of the model (process zero's, under DDP) takes that much longer, a slow disk.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ SLOW_EVERY = int(os.environ.get("SLOW_EVERY", "1"))
 BATCH = 4
 VOCAB, SEQ = 50, 8
 FAULT_RANK = int(os.environ.get("FAULT_RANK", "1"))
+WRITE_DELAY_S = float(os.environ.get("WRITE_DELAY_MS", "0")) / 1000
 
 
 def slow_at(step: int) -> bool:
@@ -125,6 +127,11 @@ class FaultyTrainer(Trainer):
 
             loss.register_hook(fail)
         return loss
+
+    def save_model(self, *args: Any, **kwargs: Any) -> Any:
+        if WRITE_DELAY_S and self.args.should_save:
+            time.sleep(WRITE_DELAY_S)
+        return super().save_model(*args, **kwargs)
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         if self._faulty("save"):

@@ -908,18 +908,24 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
             batches[int(rank)] = (float(slowest or 0.0), float(quickest or 0.0))
     least_wait = min(waits.values(), default=0.0)
     saves: dict[int, list[float]] = {}
+    # Ranks whose saves do not write the model (``checkpoint_writer`` false: the Trainer's ranks other than process
+    # zero under DDP save their RNG state alone): their saves are compared among themselves, the writers' among the
+    # writers (rank 0's saves, the only ones with the model, read as slow on any disk).
+    not_writers: set[int] = set()
     # The passes that stop training between steps: blocking saves and validation (an asynchronous save's span
     # runs beside the steps).
     pauses: dict[int, list[tuple[int, int]]] = {}
-    for rank, name, ts, dur in job.rows(
+    for rank, name, ts, dur, writer in job.rows(
         f"""
-        SELECT rank, name, ts, dur FROM spans_small
+        SELECT rank, name, ts, dur, attrs->>'checkpoint_writer' FROM spans_small
         WHERE name IN ('{SpanName.CHECKPOINT_SAVE_SYNC}', '{SpanName.CHECKPOINT_SAVE_ASYNC}', '{SpanName.VALIDATION}')
           AND dur IS NOT NULL AND NOT is_agent
         """
     ):
         if name != SpanName.VALIDATION:
             saves.setdefault(int(rank), []).append(int(dur) / NS)
+            if writer == "false":
+                not_writers.add(int(rank))
         if name != SpanName.CHECKPOINT_SAVE_ASYNC:
             pauses.setdefault(int(rank), []).append((int(ts), int(ts) + int(dur)))
     paused = {rank: _paused(bounds[rank], pauses.get(rank, [])) for rank in bounds}
@@ -946,6 +952,8 @@ def ranks(job: Job, top: int = 5, windows: int = 10, threshold: float = 1.1) -> 
         excess: dict[str, float] = {}
         for part in SLOW_PARTS:
             values = {k: v[part] for k, v in parts.items() if part in v}
+            if part == "checkpoint_save":
+                values = {k: v for k, v in values.items() if (k in not_writers) == (r["rank"] in not_writers)}
             ref = _reference(values, r["rank"]) if part in mine else None
             r[f"{part}_median_s"] = mine.get(part)
             r[f"{part}_score"] = mine[part] / ref if ref else None

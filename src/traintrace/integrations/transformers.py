@@ -301,7 +301,11 @@ class TraintraceTrainerCallback(TrainerCallback):
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
             self._end_pending_iteration()
             state = getattr(self._trainer, "state", None)
-            attrs = {"current_iteration": getattr(state, "global_step", None), "checkpoint_strategy": "sync"}
+            attrs = {
+                "current_iteration": getattr(state, "global_step", None),
+                "checkpoint_strategy": "sync",
+                "checkpoint_writer": self._writes_model(),
+            }
             span = self._start(SpanName.CHECKPOINT_SAVE_SYNC, attrs, _INFO)
             self._save = span
             try:
@@ -316,6 +320,19 @@ class TraintraceTrainerCallback(TrainerCallback):
             # The span ends in on_save, right after this returns, with the folder and its size.
 
         return save_checkpoint
+
+    def _writes_model(self) -> bool | None:
+        """Whether this rank writes the model in a save: under DDP only process zero does (``should_save``) and the
+        others save their RNG state alone, so their saves are not comparable with its; with FSDP or DeepSpeed every
+        rank writes its shard. ``None`` where the Trainer does not say."""
+        trainer = self._trainer
+        try:
+            if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+                return True
+            should_save = trainer.args.should_save
+        except Exception:  # noqa: BLE001 - a Trainer without these: the save is recorded as before
+            return None
+        return should_save if isinstance(should_save, bool) else None
 
     def _failed(self, exc: BaseException) -> None:
         rec = self._rec
@@ -510,6 +527,10 @@ class TraintraceTrainerCallback(TrainerCallback):
         span, self._save = self._save, None
         if span is None:
             # No wrapper: the write is over, its duration unknown; the record still says it happened.
-            span = self._start(SpanName.CHECKPOINT_SAVE_SYNC, {"checkpoint_strategy": "sync"}, _INFO)
+            should_save = getattr(args, "should_save", None)
+            writer = should_save if isinstance(should_save, bool) else None
+            span = self._start(
+                SpanName.CHECKPOINT_SAVE_SYNC, {"checkpoint_strategy": "sync", "checkpoint_writer": writer}, _INFO
+            )
         if span is not None:
             _api.stop(span, metrics)
