@@ -1411,7 +1411,8 @@ def _intermittent(
     totals = job.rows(
         kept_sql
         + """
-        SELECT part, who, count(*), sum(e), arg_min(step, ts), arg_max(step, ts), min(ts), arg_min(restart, ts)
+        SELECT part, who, count(*), sum(e), arg_min(step, ts), arg_max(step, ts), min(ts), arg_min(restart, ts),
+               max(e)
         FROM kept GROUP BY part, who
         """,
         params,
@@ -1420,12 +1421,15 @@ def _intermittent(
     for part in ALIGNED_PARTS:
         mine = {int(who): row for p, who, *row in totals if p == part}
         lost = {who: float(row[1]) / NS for who, row in mine.items()}
-        for rank, (count, _, first, last, first_ts, first_restart) in mine.items():
+        for rank, (count, _, first, last, first_ts, first_restart, longest) in mine.items():
             # Ranks with no slow step held the job up for nothing: zeros in the median.
             others = [lost.get(other, 0.0) for other in ranks if other != rank]
             if (
                 count < INTERMITTENT_MIN_STEPS
                 or lost[rank] < INTERMITTENT_SHARE * training_time
+                # Held up at several steps, not at one: a rank's single long stall (a busy machine's 0.75 s in one
+                # forward) with two slow steps of noise read as slow in compute at 3 steps.
+                or lost[rank] - float(longest) / NS < INTERMITTENT_SHARE * training_time
                 or lost[rank] < INTERMITTENT_STANDS_OUT * _median(others)
             ):
                 continue
