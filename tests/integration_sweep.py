@@ -331,8 +331,15 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
         assert errors["verdict"].startswith(f"terminated by {signalled} from outside"), errors["verdict"]
         for state in errors["rank_states"]:  # the last step it began, by its own notes, or the next it prepared
             note = folder / f"started{state['rank']}.txt"
-            began = int(note.read_text()) if note.exists() else -1  # none: fetching its first batch
-            allowed = (began, began + 1) if began >= 0 else (None, 0)
+            text = note.read_text() if note.exists() else None
+            began = int(text) if text else -1  # none: fetching its first batch
+            allowed: tuple[int | None, ...] = (began, began + 1) if began >= 0 else (None, 0)
+            if text == "":
+                # The signal came as the rank rewrote the note at a step's start (emptied, not yet written): that
+                # step is the one after its last note of a step begun, or the same (another batch of it).
+                steps = (folder / f"steps{state['rank']}.jsonl").read_text().splitlines()
+                last = json.loads(steps[-1])["step"] if steps else -1
+                allowed = (last, last + 1, last + 2) if last >= 0 else (None, 0, 1)
             assert state["step"] in allowed, (state["rank"], state["step"], began, errors["verdict"])
         return str(errors["verdict"])
     culprit = errors["culprit"]
