@@ -895,6 +895,23 @@ def test_ranks_describes_stalls_at_some_steps_of_a_rank_whose_medians_are_slower
     assert any(n.startswith(said) and n.endswith("its medians are slower too") for n in r["notes"]), r["notes"]
 
 
+def test_ranks_counts_only_the_stalls_of_a_rank_a_little_slower_at_every_other_step(tmp_path: Path) -> None:
+    """Rank 1 stalls 50 ms in forward every other step from step 4, and a busy host makes each of its other 8 steps 2
+    to 9 ms slower than rank 0's: the noise passes the first tests at more steps than the stalls, so the median
+    excess of its slow steps was the noise's, half of that let 6 of the noisy steps count, and it read slow at 10
+    steps, 2 to 11 (a real Lightning DDP fit in CI, slow every other step from step 6, read ``slow since step 1``,
+    10 steps, 1 to 15). Its excesses fall into two classes far apart: the stalls, the steps the script slowed."""
+    noise = dict(zip((0, 1, 2, 3, 5, 7, 9, 11), (2, 3, 5, 9, 4, 6, 8, 7), strict=True))
+    busy = {(1, step): ms for step, ms in noise.items()}
+    write_framework_job(tmp_path / "job", 1, 4, "compute", every=2, until=11, busy=busy)
+    r = _analysis.ranks(_open(tmp_path / "job"))
+    assert r["stragglers"] == [1], (r["stragglers"], r["notes"])
+    slow = next(x for x in r["ranks"] if x["rank"] == 1)
+    seen = tuple(slow.get(k) for k in ("slow_in", "slow_since_step", "slow_until_step", "slow_steps", "slow_every"))
+    assert seen == ("compute", 4, 10, 4, 2), (seen, r["notes"])
+    assert slow["lost_s"] == pytest.approx(0.05 * 4)
+
+
 def test_ranks_names_a_rank_slow_at_more_than_half_its_steps_not_in_a_row(tmp_path: Path) -> None:
     """Rank 1 fetches its batch 50 ms late at steps 3, 5, 6, 8, 9 and 11: half its steps, not one run from some
     step on (a real Trainer job, two batches a step and every third batch slow on a busy host, was slow at steps

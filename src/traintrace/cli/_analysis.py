@@ -1333,6 +1333,11 @@ INTERMITTENT_MIN_STEPS = 3
 #: ...and at least this many times what the other ranks' slow steps held it up (the median of theirs): on a busy
 #: machine every rank is now and then the slowest by noise.
 INTERMITTENT_STANDS_OUT = 3.0
+#: A rank's slow steps fall into two classes when, split where they are farthest apart (on a log scale), the upper
+#: class's smallest excess is at least BREAK_GAP times the lower's largest, and its typical (geometric mean) excess
+#: BREAK_APART times the lower's: then the lower class is noise, however many steps it has.
+BREAK_GAP = 2.0
+BREAK_APART = 4.0
 
 
 def _paused(bounds: tuple[int, int, float], pauses: list[tuple[int, int]]) -> float:
@@ -1403,11 +1408,30 @@ def _intermittent(
                   AND d.who <> c.who AND d.e * 2 >= c.e)
         ), b AS (
             SELECT part, who, median(e) / 2 AS bar FROM f GROUP BY part, who
+        ), o AS (
+            -- Each split of a rank's excesses, in order, into a lower and an upper class (n0 and s0: the lower's
+            -- count and sum of logarithms; above: the upper's smallest).
+            SELECT part, who, e, lead(e) OVER (PARTITION BY part, who ORDER BY e) AS above,
+                   count(*) OVER (PARTITION BY part, who ORDER BY e ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+                       AS n0,
+                   sum(ln(e)) OVER (PARTITION BY part, who ORDER BY e ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+                       AS s0,
+                   count(*) OVER (PARTITION BY part, who) AS n, sum(ln(e)) OVER (PARTITION BY part, who) AS s
+            FROM f
+        ), g AS (
+            -- The natural break: the split farthest between its classes (log scale), kept when they are apart.
+            SELECT part, who,
+                   arg_max(CASE WHEN above >= $gap * e AND exp((s - s0) / (n - n0) - s0 / n0) >= $apart
+                           THEN above ELSE 0 END,
+                           n0 * (n - n0) * power((s - s0) / (n - n0) - s0 / n0, 2)) AS cut
+            FROM o WHERE above IS NOT NULL GROUP BY part, who
         ), kept AS (
             SELECT f.part, f.who, f.restart, f.k, coalesce(f.step, f.k - 1) AS step, f.ts, f.e
-            FROM f JOIN b ON b.part = f.part AND b.who = f.who WHERE f.e >= b.bar
+            FROM f JOIN b ON b.part = f.part AND b.who = f.who
+            LEFT JOIN g ON g.part = f.part AND g.who = f.who
+            WHERE f.e >= b.bar AND f.e >= coalesce(g.cut, 0)
         )"""
-    params = {"threshold": threshold, "floor": int(floor * NS)}
+    params = {"threshold": threshold, "floor": int(floor * NS), "gap": BREAK_GAP, "apart": BREAK_APART}
     totals = job.rows(
         kept_sql
         + """
