@@ -21,6 +21,11 @@ from traintrace.backends._scalars import framework_logs
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# pytest keeps each test module's assertion-rewritten bytecode beside it, unless bytecode writing is off (CI's machines
+# set PYTHONDONTWRITEBYTECODE): then each of the two passes' 8 workers rewrote all 190 test modules again, 5 s of CPU
+# each time. This process writes them; the processes the tests start keep the environment's setting.
+sys.dont_write_bytecode = False
+
 # The fast inner loop (scripts/test --fast) draws fewer examples in property tests that keep
 # hypothesis's default count; tests that set their own count use tests._examples.examples().
 settings.register_profile("fast", max_examples=20)

@@ -201,6 +201,7 @@ def _dump(page: Path, profile: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.subprocess
 @needs_chromium
+@pytest.mark.once  # the report of a finished run, whichever core wrote it
 def test_single_rank_report_draws_that_rank(tmp_path: Path) -> None:
     """A real one-process run (examples/train_cpu.py): its rank's line, loss with validation loss and the
     learning rate on the step axis, no heat map or straggler card (there is nothing to compare it with)."""

@@ -1012,7 +1012,9 @@ def launch_on_a_small_disk(tmp_path: Path, *args: str, logs_too: bool = False) -
 
 
 @needs_namespace
-@pytest.mark.parametrize("logs_too", [False, pytest.param(True, marks=pytest.mark.once)], ids=["apart", "logs-too"])
+# Apart: the checkpoint's disk fills, not the streams' (in the pure pass, its error record: an exception's).
+@pytest.mark.once
+@pytest.mark.parametrize("logs_too", [False, True], ids=["apart", "logs-too"])
 def test_a_checkpoint_save_on_a_full_disk(tmp_path: Path, logs_too: bool) -> None:
     """Rank 0 saves 700 KiB checkpoints every 5 steps to a 2 MiB file system (a tmpfs in the job's own mount
     namespace) until one does not fit: PyTorch's zip writer then says only ``unexpected pos ...``. The rank, the
@@ -1549,6 +1551,7 @@ def test_a_node_terminated_from_outside(tmp_path: Path, signalled: str) -> None:
     assert errors["verdict"].endswith(f"{_ranks_phrase(on_a)} were waiting in a collective in backward at step {step}")
 
 
+@pytest.mark.once  # in the pure pass, a SIGKILLed pure core: test_a_rank_killed_by_a_signal
 def test_a_rank_dying_during_a_checkpoint_save(tmp_path: Path) -> None:
     """Rank 0 killed inside its save after step 14: the save before (after step 9) is the last completed one."""
     run = launch(tmp_path, 3, "--fault", "kill_in_checkpoint", "--fault-rank", "0", "--fault-step", "15")
@@ -1800,6 +1803,7 @@ def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
         assert state["step"] in steps_by_marks(run.marks()[state["rank"]], killed=state["state"] == "killed"), state
 
 
+@pytest.mark.once  # in the pure pass, the pure core's SIGTERM record: test_progress_jobs.py, test_reliability_death.py
 def test_sigterm_from_outside(tmp_path: Path) -> None:
     """SIGTERM sent by another process to one rank: that rank, not the ranks the launcher stopped after."""
 
@@ -2089,6 +2093,7 @@ def test_the_others_wait_for_rank_0s_save_and_then_for_its_stall(tmp_path: Path)
     check_goodput(run, failed=False)
 
 
+@pytest.mark.once  # the reading of a live job; in the pure pass, its flushes: test_a_rank_killed_in_its_first_steps_...
 def test_a_running_job_is_running(tmp_path: Path) -> None:
     """While the job runs, its ranks are running, not failed; nothing is lost."""
     seen: dict[str, Any] = {}
@@ -2510,7 +2515,12 @@ def test_an_exception_after_the_training_loop(tmp_path: Path, abort: bool) -> No
 
 @pytest.mark.parametrize(
     ("fault", "torchrun"),
-    [("exit", False), ("sys_exit", False), pytest.param("sys_exit", True, marks=pytest.mark.once)],
+    # os._exit runs nothing of either core, as SIGKILL (in the pure pass: test_a_rank_killed_by_a_signal)
+    [
+        pytest.param("exit", False, marks=pytest.mark.once),
+        ("sys_exit", False),
+        pytest.param("sys_exit", True, marks=pytest.mark.once),
+    ],
     ids=["exit", "sys_exit", "sys_exit-torchrun"],
 )
 def test_a_rank_exiting_with_a_code(tmp_path: Path, fault: str, torchrun: bool) -> None:

@@ -73,6 +73,7 @@ def _spawned_rank(rank: int, folder: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.once  # the rank a process registers under, whichever core records
 def test_refresh_from_the_process_group_in_plain_multiprocessing(tmp_path: Path) -> None:
     """Two spawned processes learn their rank when distributed_init ends, and register under it."""
     context = multiprocessing.get_context("spawn")

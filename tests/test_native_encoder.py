@@ -395,6 +395,7 @@ def run_both(tmp_path: Path, workload: list[Any], **options: Any) -> tuple[list[
     return outputs[0], outputs[1]
 
 
+@pytest.mark.once  # both paths, whichever core the pass asks for
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     workload=workloads(),
