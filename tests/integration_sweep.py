@@ -256,7 +256,8 @@ def run_job(folder: Path, job: Job, *, nvtx: bool = False) -> dict[str, Any] | N
             while job.mode in FROM_OUTSIDE and process.poll() is None and time.monotonic() < deadline:
                 text = began.read_text().strip() if began.exists() else ""
                 if text.isdigit() and int(text) >= job.step:  # (empty while the script rewrites it)
-                    signal_job(folder, FROM_OUTSIDE[job.mode])
+                    reached = signal_job(folder, FROM_OUTSIDE[job.mode])
+                    (folder / "signalled.json").write_text(json.dumps(reached))
                     break
                 time.sleep(0.005)
             while job.mode.endswith("hang") and process.poll() is None and time.monotonic() < deadline:
@@ -277,15 +278,19 @@ def run_job(folder: Path, job: Job, *, nvtx: bool = False) -> dict[str, Any] | N
     return live
 
 
-def signal_job(folder: Path, sig: int) -> None:
+def signal_job(folder: Path, sig: int) -> list[str]:
     """``sig`` to every process started with the job's folder in its command line (the launcher, the ranks and
-    their DataLoader workers), at once."""
+    their DataLoader workers), at once; the command lines of those it reached."""
+    reached = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if str(folder).encode() in cmdline.read_bytes():
+            line = cmdline.read_bytes()
+            if str(folder).encode() in line:
                 os.kill(int(cmdline.parent.name), sig)
+                reached.append(line.replace(b"\0", b" ").decode(errors="replace"))
         except (OSError, ValueError):  # gone meanwhile
             pass
+    return reached
 
 
 def kill_job(folder: Path, launcher: subprocess.Popen[bytes]) -> None:
@@ -325,9 +330,19 @@ def check(folder: Path, job: Job, live: dict[str, Any] | None = None) -> str:
         return slow + saved
     errors = live if live is not None else answers(folder / "logs" / framework.job)[0]
     if job.mode in FROM_OUTSIDE:
+        signalled = FROM_OUTSIDE[job.mode].name
+        reached = folder / "signalled.json"
+        lines = json.loads(reached.read_text()) if reached.exists() else None
+        if lines is not None and not [
+            line for line in lines if "traintrace.launch" not in line and "torchrun" not in line
+        ]:
+            # The signal came at the job's last step, after every rank had ended (a busy host delayed this
+            # process's look at the note): only the launcher got it. The training finished.
+            assert errors["status"] == "healthy", errors["verdict"]
+            assert errors["verdict"].endswith(f"; then the launcher got {signalled} from outside"), errors["verdict"]
+            return str(errors["verdict"])
         assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
         assert errors["status"] == "failed", errors["verdict"]
-        signalled = FROM_OUTSIDE[job.mode].name
         assert errors["verdict"].startswith(f"terminated by {signalled} from outside"), errors["verdict"]
         for state in errors["rank_states"]:  # the last step it began, by its own notes, or the next it prepared
             note = folder / f"started{state['rank']}.txt"

@@ -237,6 +237,36 @@ def _append(path: Path, *records: dict[str, object]) -> None:
             handle.write(json.dumps(record) + "\n")
 
 
+@pytest.mark.parametrize("signalled", ["SIGHUP", None])
+def test_a_finished_job_whose_launcher_got_a_signal_after_its_ranks_ended(
+    tmp_path: Path, signalled: str | None
+) -> None:
+    """Every rank finished and closed its stream; then the launcher alone got SIGHUP (the terminal closed as the
+    job ended: a real Lightning job whose ranks had exited when the signal came, only traintrace-run was left). The
+    training is healthy and the verdict says so, and that the launcher got the signal: it exits 1, and the
+    scheduler reads the job as failed (before, the verdict said only ``healthy: 3 ranks finished``)."""
+    from tests.cli_jobs import T0
+
+    write_job(tmp_path / "job", Script(ranks=3, fail_step=None, fail_rank=None, straggler=None))
+    header = {"seq": 0, "kind": "header", "ts": T0 - 10**9, "schema": "traintrace", "schema_version": 1}
+    end = {"seq": 1, "kind": "event", "ts": T0 + 3600 * 10**9, "name": "job_end", "span": 0, "tid": 1}
+    data = {"error_type": "SignalException", "signal": signalled} if signalled else {}
+    _append(
+        tmp_path / "job" / "agent.jsonl",
+        {**header, "job": "scripted", "source": "agent", "host": "h", "pid": 1},
+        {**end, "attrs": {"exit_code": 1 if signalled else 0, "data": data}},
+    )
+    job = _open(tmp_path / "job")
+    try:
+        errors = _analysis.errors(job)
+    finally:
+        job.close()
+    assert errors["status"] == "healthy", errors["verdict"]
+    assert errors["verdict"].startswith("healthy: 3 ranks finished; last step "), errors["verdict"]
+    then = "; then the launcher got SIGHUP from outside"
+    assert errors["verdict"].endswith(then) == (signalled is not None), errors["verdict"]
+
+
 def test_launcher_stream_and_progress_events(tmp_path: Path) -> None:
     """agent.jsonl is the launcher, not a rank; training_iterations counters feed samples, tokens and MFU."""
     from tests.cli_jobs import T0

@@ -300,6 +300,10 @@ def diagnose(job: Job) -> dict[str, Any]:
             out = _result(FINISHED_WITH_ERRORS, f"finished with errors: {phrase}; {finished}", raised, states, last, [])
             out["rule"] = "first exception"
             return out
+        if known.launcher_signal is not None:
+            # Every rank had finished (none recorded the signal): the launcher alone got it, after they ended, and
+            # exits non-zero; the scheduler reads the job as failed, the training was not.
+            finished += f"; then the launcher got {known.launcher_signal} from outside"
         return _result("healthy", f"healthy: {finished}", None, states, last, failed)
     about = failed[-1]
     states = _rank_states(job, attempts[about], known)
