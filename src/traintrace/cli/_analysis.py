@@ -1372,8 +1372,10 @@ def _intermittent(
     made the one of them that waited longer a rank slow in compute). A rank's slow steps are those where it was
     ``threshold`` times that and ``floor`` seconds above it, then only those above half the median excess of its
     slow steps (noise on a busy machine passes the first bar now and then, a real stall is far above the
-    second). A rank's slow compute at a step where another rank fetched its batch late by half as much or more
-    is not its own: it waited in forward for that batch. What they held the job up is the sum of those excesses.
+    second); where its slow steps fall into two classes far apart (``BREAK_GAP``, ``BREAK_APART``), only those of
+    the upper one (noise at more steps than the stalls made that median the noise's). A rank's slow compute at a
+    step where another rank fetched its batch late by half as much or more is not its own: it waited in forward
+    for that batch. What they held the job up is the sum of those excesses.
     """
     if training_time <= 0:
         return []
