@@ -22,7 +22,7 @@ from traintrace.backends._scalars import framework_logs
 ROOT = Path(__file__).resolve().parents[1]
 
 # pytest keeps each test module's assertion-rewritten bytecode beside it, unless bytecode writing is off (CI's machines
-# set PYTHONDONTWRITEBYTECODE): then each of the two passes' 8 workers rewrote all 190 test modules again, 5 s of CPU
+# set PYTHONDONTWRITEBYTECODE): then each of the two passes' 8 workers rewrote all 190 test modules again, 4 s of CPU
 # each time. This process writes them; the processes the tests start keep the environment's setting.
 sys.dont_write_bytecode = False
 
