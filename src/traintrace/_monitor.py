@@ -406,9 +406,12 @@ class Watchdog(_Periodic):
         self.suspected_at: int | None = None
         self._suspected_ref = 0
         self.fired = 0
-        # The last tick that saw a long phase open: once it ends, however it ended (an exception leaving a failed
-        # model initialisation), the plain limit counts from there, not from the progress before the phase.
+        # Once a long phase ends, however it ended (an exception leaving a failed model initialisation), the plain
+        # limit counts from the first tick that saw it ended, not from the progress before the phase. From that
+        # tick, not the last one that saw it open: that one came up to a period before its end, and a report came
+        # 0.8 s after the end of a phase with a limit of 1 s.
         self._phase_seen = 0
+        self._phase_open = False
 
     def _reference(self, spans: list[Span]) -> int:
         ref = max(self.stats.last_progress, self.beat)
@@ -423,12 +426,15 @@ class Watchdog(_Periodic):
         ref = self._reference(spans)
         phases = [s for s in spans if s.name in self.phase_timeouts_ns]
         if phases:
-            self._phase_seen = now
+            self._phase_open = True
             for span in phases:
                 limit = self.phase_timeouts_ns[span.name]
                 if now - max(span.t0, ref) > limit:
                     return True, max(span.t0, ref), limit, span.name, spans
             return False, ref, self.timeout_ns, phases[0].name, spans
+        if self._phase_open:
+            self._phase_open = False
+            self._phase_seen = now
         looping = any(s.name == SpanName.TRAINING_LOOP for s in spans)
         if ref == 0 or (self.stats.loop_ended and not looping):
             # Not armed: no loop or progress yet, or the loop is over.
@@ -446,7 +452,7 @@ class Watchdog(_Periodic):
             # The user's SIGTERM handler runs (the process is being ended): no hang of training is reported while it
             # does (a 2 s emergency save read as a hang on every rank of a job the scheduler terminated), and the
             # plain limit counts from its end if the process goes on.
-            self._phase_seen = now
+            self._phase_open = True
             return
         if self.suspected_at is not None:
             progressed = self._reference(open_spans(self.pipeline)) > self._suspected_ref
