@@ -49,6 +49,7 @@ def faults_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Five real processes: rank 0 with slow checkpoints, 1 slow in compute, 2 slow in data loading,
     3 raises at step 25, 4 hangs inside its first checkpoint save (killed once the others are done)."""
     logs = tmp_path_factory.mktemp("faults")
+    (logs / "truth").mkdir()  # each rank's own step times, beside the job's folder
     worker = ROOT / "tests" / "cli_worker.py"
     procs = []
     for rank in range(5):
@@ -71,6 +72,8 @@ def faults_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "60",
                     "--slow-checkpoint",
                     "0",
+                    "--truth",
+                    str(logs / "truth"),
                 ],
                 env=env,
                 stdout=subprocess.DEVNULL,
@@ -111,18 +114,47 @@ def test_errors_names_the_failing_rank_step_and_cause(faults_job: Path) -> None:
     assert "raised in span iteration (step 25)" in text
 
 
+def slow_by_own_clock(truth: Path, rank: int, part: str, since: int) -> bool:
+    """Whether ``rank`` was slow in ``part`` from step ``since`` on by the workers' own clocks: at half of those
+    steps or more, 1.1 times the other ranks' median for the same step and 2 ms above it."""
+    own = {
+        int(path.stem[4:]): {m["step"]: m[f"{part}_ns"] for m in map(json.loads, path.read_text().splitlines())}
+        for path in truth.glob("rank*.jsonl")
+    }
+    slow = total = 0
+    for step, value in own[rank].items():
+        others = sorted(times[step] for r, times in own.items() if r != rank and step in times)
+        if step < since or not others:
+            continue
+        median = (
+            others[len(others) // 2]
+            if len(others) % 2
+            else (others[len(others) // 2 - 1] + others[len(others) // 2]) / 2
+        )
+        total += 1
+        slow += value >= 1.1 * median and value - median >= 2e6
+    return total > 0 and slow >= total / 2
+
+
 @pytest.mark.subprocess
 def test_ranks_finds_both_stragglers_and_where_they_are_slow(faults_job: Path) -> None:
-    """Rank 1 is slow in compute, rank 2 in data loading, rank 0 in its checkpoint saves; 3 and 4 are not."""
+    """Rank 1 is slow in compute, rank 2 in data loading, rank 0 in its checkpoint saves. Ranks 3 and 4 are not
+    made slow, but their processes run beside the others on a host that may be busy (the ranks are not in
+    lockstep): named, they must have been slow by their own clocks (CI's loaded machine, once: rank 3's sleeps of
+    8 ms took 12 from its step 18 on, and it was named slow in compute)."""
     r = cli_json("ranks", str(faults_job))
     by_rank = {x["rank"]: x for x in r["ranks"]}
-    assert set(r["stragglers"]) == {0, 1, 2}
+    assert {0, 1, 2} <= set(r["stragglers"]) <= {0, 1, 2, 3, 4}
+    for rank in set(r["stragglers"]) - {0, 1, 2}:
+        named = by_rank[rank]
+        part = {"compute": "compute", "data_loading": "data"}.get(named["slow_in"])
+        assert part is not None, named  # its saves took 5 ms, as every rank's but rank 0's
+        assert slow_by_own_clock(faults_job.parent / "truth", rank, part, named["slow_since_step"] or 0), named
     assert by_rank[1]["slow_in"] == "compute"
     assert by_rank[2]["slow_in"] == "data_loading"
     assert by_rank[0]["slow_in"] == "checkpoint_save"
     assert by_rank[1]["score"] > 1.5
     assert by_rank[1]["slow_since_step"] == 0 and by_rank[2]["slow_since_step"] == 0
-    assert not by_rank[3]["straggler"] and not by_rank[4]["straggler"]
     text = cli("ranks", str(faults_job), "--all").stdout
     assert "stragglers:" in text and "data_loading" in text
 
