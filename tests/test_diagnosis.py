@@ -772,7 +772,7 @@ def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_pa
     where each stream ended, outside the loop (`fault_sweep --seed 290 --abort --torchrun`)."""
     run = launch(
         tmp_path,
-        3,
+        2,
         *("--fault", "hang_data", "--fault-rank", "1", "--fault-step", "5", "--hang-timeout", "0"),
         "--abort-after-failure",
         torchrun=torchrun,
@@ -802,7 +802,7 @@ def test_ranks_a_watchdog_aborted_in_their_collective_are_not_the_cause(tmp_path
     signal) and plain torchrun (which records nothing). Before, the first rank aborted was named: killed first."""
     run = launch(
         tmp_path,
-        3,
+        2,
         *("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6", "--hang-timeout", "0"),
         *("--gloo-timeout", "30", "--watchdog-abort", "3"),
         torchrun=torchrun,
@@ -868,20 +868,20 @@ def check_open_spans_drawn_until(run: Run, deaths: dict[int, dict[str, Any]]) ->
 
 
 def test_a_rank_killed_in_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
-    """Rank 2 is killed by SIGKILL in its second step, within a flush interval of its initialisation's end: its
+    """Rank 1 is killed by SIGKILL in its second step, within a flush interval of its initialisation's end: its
     stream most often ends at the initialisation's start, its end and the first step lost with the last flush
     interval. The progress file's first iteration ends it: `summary`'s initialisation is the marks' (not the part
     up to the stream's last record, nor the rest read as idle with no process), and the verdict names the step."""
-    run = launch(tmp_path, 3, "--fault", "sigkill", "--fault-rank", "2", "--fault-step", "1", "--step-ms", "10")
-    check_culprit(run, 2, 1, "model_forward", "killed by SIGKILL")
-    summary = check_goodput(run, unrecorded=unrecorded_share(run, [2]))
-    init = [m for m in run.marks()[2] if m["event"] in ("init_start", "init_end")]
+    run = launch(tmp_path, 2, "--fault", "sigkill", "--fault-rank", "1", "--fault-step", "1", "--step-ms", "10")
+    check_culprit(run, 1, 1, "model_forward", "killed by SIGKILL")
+    summary = check_goodput(run, unrecorded=unrecorded_share(run, [1]))
+    init = [m for m in run.marks()[1] if m["event"] in ("init_start", "init_end")]
     marked = (init[1]["ts"] - init[0]["ts"]) / 1e9
-    records = [json.loads(line) for line in (run.folder / "rank2.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run.folder / "rank1.jsonl").read_text().splitlines()]
     lost_its_end = not any(r.get("kind") in ("end", "span") and r.get("name") == SpanName.MODEL_INIT for r in records)
-    print(f"rank 2's stream {'lost' if lost_its_end else 'kept'} its initialisation's end; marks {marked:.3f} s")
-    per_rank = summary["breakdown_s"]["initialization"] * 3
-    others = sum((ms[1]["ts"] - ms[0]["ts"]) / 1e9 for r, ms in _init_marks(run).items() if r != 2)
+    print(f"rank 1's stream {'lost' if lost_its_end else 'kept'} its initialisation's end; marks {marked:.3f} s")
+    per_rank = summary["breakdown_s"]["initialization"] * 2
+    others = sum((ms[1]["ts"] - ms[0]["ts"]) / 1e9 for r, ms in _init_marks(run).items() if r != 1)
     assert per_rank - others == pytest.approx(marked, abs=0.01 + 0.05 * marked), (per_rank, others, marked)
 
 
