@@ -1609,12 +1609,12 @@ def test_the_whole_job_killed_at_once(tmp_path: Path) -> None:
         wait_for_step(process, truth, 0, 7)
         killed.extend(kill_the_job(truth))
 
-    run = launch(tmp_path, 3, during=kill_everything)
-    assert run.returncode == -signal.SIGKILL and len(killed) == 4, (run.returncode, killed)  # launcher and 3 ranks
+    run = launch(tmp_path, 2, during=kill_everything)
+    assert run.returncode == -signal.SIGKILL and len(killed) == 3, (run.returncode, killed)  # launcher and 2 ranks
     errors = run.cli("errors")
     assert errors["culprit"] is None and errors["rule"] == "killed together", errors["verdict"]
     assert errors["status"] == "failed"
-    assert errors["verdict"].startswith("killed from outside: all 3 ranks were"), errors["verdict"]
+    assert errors["verdict"].startswith("killed from outside: both ranks were"), errors["verdict"]
     for state in errors["rank_states"]:
         assert state["step"] in steps_by_marks(run.marks()[state["rank"]], killed=True), state
         assert f"{state['rank']}" in errors["verdict"].split(";", 1)[1]
@@ -1659,7 +1659,7 @@ def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
 
     run = launch(
         tmp_path,
-        3,
+        2,
         *("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6"),
         *("--hang-timeout", "0", "--gloo-timeout", "60"),
         during=kill_after_the_hang,
@@ -1678,7 +1678,7 @@ def test_a_hung_job_killed_by_the_scheduler(tmp_path: Path) -> None:
     assert low <= culprit["stuck_ns"] / 1e9 <= high, (culprit["stuck_ns"], low, high)
     others = [r for r in errors["rank_states"] if r["rank"] != 1]
     assert all(r["in_collective"] and r["step"] == 6 for r in others), others
-    assert "ranks 0 and 2 were waiting in a collective" in errors["verdict"], errors["verdict"]
+    assert "rank 0 was waiting in a collective" in errors["verdict"], errors["verdict"]
 
 
 @pytest.mark.parametrize(
@@ -1717,7 +1717,7 @@ def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool, t
     fault += ("--sigterm-cleanup", "2.5") if saving else ()
     run = launch(
         tmp_path,
-        3,
+        2,
         *fault,
         *("--hang-timeout", "1.5" if saving else "0", "--gloo-timeout", "60"),
         during=terminate_everything,
@@ -1725,12 +1725,12 @@ def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool, t
     )
     if torchrun:  # the others' handlers ran once rank 1's process had ended, by their own marks
         handled = {rank: next(m["ts"] for m in ms if m["event"] == "sigterm") for rank, ms in run.marks().items()}
-        assert all(handled[rank] - handled[1] >= 2e9 for rank in (0, 2)), handled
+        assert handled[0] - handled[1] >= 2e9, handled
     errors = run.cli("errors")
     if not hung:
         assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
         assert errors["verdict"].startswith(
-            "terminated by SIGTERM from outside: the launcher and all 3 ranks got the signal at once, none failed first"
+            "terminated by SIGTERM from outside: the launcher and both ranks got the signal at once, none failed first"
         ), errors["verdict"]
         for state in errors["rank_states"]:
             started = [m["step"] for m in run.marks()[state["rank"]] if m["event"] == "step_start"]
@@ -1745,7 +1745,7 @@ def test_the_whole_job_terminated_by_the_scheduler(tmp_path: Path, hung: bool, t
     assert (culprit["rank"], culprit["step"], culprit["phase"]) == (1, fault_mark["step"], "model_forward")
     assert errors["verdict"].startswith(
         "rank 1 hung in forward at step 6, not in a collective: no progress for 3 s when the whole job was "
-        "terminated by SIGTERM from outside; ranks 0 and 2 were waiting in a collective in backward at step 6"
+        "terminated by SIGTERM from outside; rank 0 was waiting in a collective in backward at step 6"
     ), errors["verdict"]
     # From forward's start to the signal, by the worker's marks and the test's clock (the signal is handled
     # within milliseconds of the kill).
@@ -1823,17 +1823,17 @@ def test_sigterm_from_outside(tmp_path: Path) -> None:
 
     run = launch(
         tmp_path,
-        3,
+        2,
         "--fault",
         "sigterm",
         "--fault-rank",
-        "2",
+        "1",
         "--fault-step",
         "6",
         env={"TRAINTRACE_HANG_TIMEOUT": "60"},
         during=send_sigterm,
     )
-    errors = check_culprit(run, 2, 6, "model_forward", "SIGTERM")
+    errors = check_culprit(run, 1, 6, "model_forward", "SIGTERM")
     assert errors["culprit"]["state"] == "terminated"
     check_goodput(run)
 
@@ -1851,13 +1851,13 @@ def signal_from_the_terminal(
         sent["ns"] = time.time_ns()
         os.killpg(process.pid, sig)
 
-    run = launch(tmp_path, 3, "--steps", "200", during=send, torchrun=torchrun)
+    run = launch(tmp_path, 2, "--steps", "200", during=send, torchrun=torchrun)
     marks = run.marks()
     errors = run.cli("errors")
     assert errors["culprit"] is None and errors["rule"] == "terminated together", errors["verdict"]
     who = "" if torchrun else "the launcher and "
     assert errors["verdict"].startswith(
-        f"terminated by {sig.name} from outside: {who}all 3 ranks got the signal at once, none failed first ({why}"
+        f"terminated by {sig.name} from outside: {who}both ranks got the signal at once, none failed first ({why}"
     ), errors["verdict"]
     for state in errors["rank_states"]:
         assert state["signal"] == sig.name, state
