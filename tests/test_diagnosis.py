@@ -1798,7 +1798,7 @@ def test_two_ranks_killed_at_once(tmp_path: Path) -> None:
         for pid in pids.values():
             os.kill(pid, signal.SIGKILL)
 
-    run = launch(tmp_path, 4, during=kill_two)
+    run = launch(tmp_path, 3, during=kill_two)
     errors = run.cli("errors")
     culprit = errors["culprit"]
     assert culprit is not None and culprit["rank"] in pids and culprit["state"] == "killed", errors["verdict"]
