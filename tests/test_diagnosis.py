@@ -639,11 +639,11 @@ def test_an_exception_on_one_rank(  # noqa: PLR0917 - pytest passes the paramete
 @pytest.mark.once
 def test_an_exception_in_data_loading_while_rank_0_broadcasts_the_buffers(tmp_path: Path) -> None:
     """A model with a BatchNorm layer: DDP broadcasts its buffers from rank 0 before each forward. Rank 1 raises
-    fetching its batch at step 7, so rank 0 waits in that broadcast (in forward) and rank 2 in backward's
-    all-reduce; rank 0's broadcast then fails, the peer gone. `errors` says rank 0 was waiting in a collective
-    (the broadcast) in forward at the step the workers' marks give (it read `rank 0 was in forward` before, its
-    broadcast's failure recorded at the forward), and rank 1 is the culprit."""
-    run = launch(tmp_path, 3, "--fault", "data", "--fault-rank", "1", "--fault-step", "7", "--batch-norm")
+    fetching its batch at step 7, so rank 0 waits in that broadcast (in forward), which then fails, the peer gone.
+    `errors` says rank 0 was waiting in a collective (the broadcast) in forward at the step the workers' marks give
+    (it read `rank 0 was in forward` before, its broadcast's failure recorded at the forward), and rank 1 is the
+    culprit."""
+    run = launch(tmp_path, 2, "--fault", "data", "--fault-rank", "1", "--fault-step", "7", "--batch-norm")
     assert run.returncode != 0
     marks = run.marks()
     step = fault_step_of(run, 1)["step"]
@@ -2065,7 +2065,7 @@ def test_the_others_wait_for_rank_0s_checkpoint_save(tmp_path: Path, validate: b
     rank's share of the save time is most of rank 0's saves that a step followed."""
     validation = ("--validate-every", "4") if validate else ()
     run = launch(
-        tmp_path, 3, "--checkpoint-every", "3", "--checkpoint-pad-kb", "80000", "--step-ms", "20", "--steps", "12",
+        tmp_path, 2, "--checkpoint-every", "3", "--checkpoint-pad-kb", "80000", "--step-ms", "20", "--steps", "12",
         *validation,
     )  # fmt: skip
     assert run.returncode == 0, run.output[-3000:]
@@ -2087,7 +2087,7 @@ def test_the_others_wait_for_rank_0s_save_and_then_for_its_stall(tmp_path: Path)
     long after the save did: a real 4-rank job read goodput 39.0% against its workers' 37.0% (the step ended more
     than two usual steps after the save, so no wait was counted)."""
     run = launch(
-        tmp_path, 4, "--fault", "slow_compute", "--fault-rank", "0", "--fault-step", "3", "--checkpoint-every", "3",
+        tmp_path, 2, "--fault", "slow_compute", "--fault-rank", "0", "--fault-step", "3", "--checkpoint-every", "3",
         "--step-ms", "30", "--validate-every", "2", "--checkpoint-pad-kb", "20000", "--steps", "30",
         "--slow-every", "4", "--slow-ms", "100",
     )  # fmt: skip
