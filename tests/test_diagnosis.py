@@ -2686,15 +2686,15 @@ def test_a_rank_killed_in_an_attempt_plain_torchrun_restarted(tmp_path: Path) ->
 
 @pytest.mark.once  # the subject is reading each attempt's part of the fault files, not what either core writes
 def test_ranks_a_watchdog_aborted_before_a_restart_are_not_the_cause(tmp_path: Path) -> None:
-    """Under plain torchrun, rank 1 hangs in forward at step 6 of the first attempt; ranks 0 and 2 wait in backward's
-    all-reduce until a watchdog aborts each (SIGABRT) after 3 s; torchrun stops rank 1 and restarts the job, which
+    """Under plain torchrun, rank 1 hangs in forward at step 6 of the first attempt; rank 0 waits in backward's
+    all-reduce until a watchdog aborts it (SIGABRT) after 3 s; torchrun stops rank 1 and restarts the job, which
     finishes. The restart's processes append to the same stream files, and so to the same fault files: `errors`
     reads each attempt's own part of them (a process's marker line), and names rank 1, hung in forward at step 6 of
     restart 0, and that the job recovered. Before, the stacks beside an attempt's stream were read for a file's
-    last stream only: the aborted ranks' streams just ended, and rank 2 was named, `died first`."""
+    last stream only: an aborted rank's stream just ended, and it was named, `died first` (rank 2 of 3)."""
     run = launch(
         tmp_path,
-        3,
+        2,
         *("--fault", "hang_compute", "--fault-rank", "1", "--fault-step", "6", "--fault-attempt", "0"),
         *("--hang-timeout", "0", "--gloo-timeout", "30", "--watchdog-abort", "3"),
         max_restarts=1,
