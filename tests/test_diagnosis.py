@@ -617,7 +617,7 @@ def fault_step_of(run: Run, rank: int) -> dict[str, Any]:
     ("nproc", "where", "rank", "step", "phase"),
     [
         pytest.param(2, "data", 1, 7, "data_loading", marks=pytest.mark.once),
-        (3, "forward", 2, 9, "model_forward"),
+        (2, "forward", 1, 9, "model_forward"),
         pytest.param(2, "backward", 1, 7, "model_backward", marks=pytest.mark.once),
         pytest.param(4, "optimizer", 3, 8, "optimizer_update", marks=pytest.mark.once),
         pytest.param(2, "iteration", 1, 6, "iteration", marks=pytest.mark.once),
