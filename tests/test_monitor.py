@@ -145,7 +145,10 @@ def test_watchdog_counts_from_the_end_of_a_long_phase_that_failed(memory: tt.Mem
         pass
     try:
         with tt.model_init():
-            time.sleep(LIMIT + 4 * PERIOD)
+            # Half a period off the watchdog's ticks (which began with the configuration): its last tick that saw
+            # the phase open came half a period before the end.
+            time.sleep(LIMIT + 4.5 * PERIOD)
+            raising_ns = time.time_ns()  # the phase ends after this
             raise RuntimeError("Timed out waiting 6000ms for recv operation to complete")
     except RuntimeError:
         ended = time.monotonic()
@@ -156,9 +159,11 @@ def test_watchdog_counts_from_the_end_of_a_long_phase_that_failed(memory: tt.Mem
     assert wait_for(lambda: [e for e in memory.errors() if e["name"] == "hang_suspected"], timeout=LIMIT + 10)
     (error,) = (e for e in memory.errors() if e["name"] == "hang_suspected")
     idle = error["attrs"]["idle_seconds"]
-    # Counted from the first tick that saw the phase ended: never more than the time since its end. (From the last
-    # tick that saw it open, CI's loaded run read 1.006 s at 0.805 s past the end.)
+    # Counted from the first tick that saw the phase ended: never more than the time since its end, and the report
+    # no sooner than the limit after it, by the test's clock. (From the last tick that saw it open, CI's loaded run
+    # read 1.006 s at 0.805 s past the end.)
     assert LIMIT <= idle <= time.monotonic() - ended + PERIOD, idle
+    assert error["ts"] - raising_ns >= LIMIT * 1e9, (error["ts"] - raising_ns) / 1e9
 
 
 def test_watchdog_is_paused_while_the_users_sigterm_handler_runs(memory: tt.MemoryBackend) -> None:
