@@ -795,8 +795,8 @@ def test_ranks_aborted_after_their_collective_timed_out_are_not_the_cause(tmp_pa
 # test_a_rank_killed_by_a_signal.
 @pytest.mark.once
 def test_ranks_a_watchdog_aborted_in_their_collective_are_not_the_cause(tmp_path: Path, torchrun: bool) -> None:
-    """Rank 1 hangs in forward at step 6 (hang detection off); ranks 0 and 2 wait in backward's all-reduce until a
-    watchdog thread aborts each (SIGABRT) after 3 s there, as NCCL's watchdog tears down a rank whose collective
+    """Rank 1 hangs in forward at step 6 (hang detection off); rank 0 waits in backward's all-reduce until a
+    watchdog thread aborts it (SIGABRT) after 3 s there, as NCCL's watchdog tears down a rank whose collective
     timed out: no exception in Python, the stream just stops (faulthandler writes `Fatal Python error: Aborted`
     beside it). The aborted ranks waited; rank 1 is named, hung in forward, under traintrace-run (which sees the
     signal) and plain torchrun (which records nothing). Before, the first rank aborted was named: killed first."""
