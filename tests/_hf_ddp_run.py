@@ -12,23 +12,27 @@ Stragglers: ``slow`` (the faulty rank's loss computation sleeps ``SLOW_MS``, def
 ``slow_data`` (its dataset sleeps ``SLOW_MS`` on the first sample of each batch from its N-th on, in the
 training process); with ``SLOW_EVERY`` K, at every K-th step (batch) from step N on only, each noted
 (``slow<rank>.jsonl``); ``fault.json`` is written at the first slow step or batch, and each rank notes when each
-step's own code began (``steps<rank>.jsonl``). ``MAX_STEPS`` (default 8); ``GRAD_ACCUM`` (default 1): batches a step.
+step's own code began (``steps<rank>.jsonl``) and its own work in it, outside backward (``work/rank<rank>.jsonl``).
+``MAX_STEPS`` (default 8); ``GRAD_ACCUM`` (default 1): batches a step.
 ``WRITE_DELAY_MS``: each write of the model (process zero's, under DDP) takes that much longer, a slow disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+import transformers.trainer
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from traintrace.integrations.transformers import TraintraceTrainerCallback
@@ -94,12 +98,57 @@ class FaultyData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return self.rows[index]
 
 
+class OwnWork:
+    """Each step's own work by the script's own clock (``work/rank<rank>.jsonl``: ``step``, ``compute_ns``): from
+    one step's training_step to the next's, less the time in backward (where DDP's all-reduce waits for the slowest
+    rank), in fetching batches, in saving checkpoints, in the Trainer's loss gather and in DDP's broadcast of the
+    buffers. What is left is the forward pass, the optimizer and the Trainer's own code, what `traintrace ranks`
+    calls a step's compute. The last step is not noted (no next step ends it)."""
+
+    def __init__(self) -> None:
+        self.began: tuple[int, int] | None = None  # the step and when it began
+        self.waited = 0
+
+    def step_began(self, rank: int, step: int) -> None:
+        now = time.perf_counter_ns()
+        if self.began is not None and self.began[0] == step:
+            return  # the step's next batch (gradient accumulation): the step goes on
+        if self.began is not None:
+            (OUT / "work").mkdir(exist_ok=True)
+            with (OUT / "work" / f"rank{rank}.jsonl").open("a") as notes:
+                notes.write(json.dumps({"step": self.began[0], "compute_ns": now - self.began[1] - self.waited}) + "\n")
+        self.began, self.waited = (step, now), 0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        began = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self.waited += time.perf_counter_ns() - began
+
+    def timed(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def waits(*args: Any, **kwargs: Any) -> Any:
+            with self.waiting():
+                return function(*args, **kwargs)
+
+        return waits
+
+
+own_work = OwnWork()
+
+
 class FaultyTrainer(Trainer):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         (OUT / f"started{self.args.process_index}.txt").write_text(str(self.state.global_step))
         with (OUT / f"steps{self.args.process_index}.jsonl").open("a") as notes:  # when each step's own code began
             notes.write(json.dumps({"step": self.state.global_step, "ts": time.time_ns()}) + "\n")
+        own_work.step_began(self.args.process_index, self.state.global_step)
         return super().training_step(*args, **kwargs)
+
+    def get_batch_samples(self, *args: Any, **kwargs: Any) -> Any:
+        with own_work.waiting():  # fetching the step's batches, the token-count gather among them
+            return super().get_batch_samples(*args, **kwargs)
 
     def _faulty(self, *modes: str) -> bool:
         return self.args.process_index == FAULT_RANK and self.state.global_step == FAULT_STEP and MODE in modes
@@ -137,7 +186,8 @@ class FaultyTrainer(Trainer):
         if self._faulty("save"):
             note_fault(self.args.process_index, self.state.global_step)
             raise OSError(f"injected failure saving the checkpoint of step {self.state.global_step}")
-        return super()._save_checkpoint(*args, **kwargs)
+        with own_work.waiting():
+            return super()._save_checkpoint(*args, **kwargs)
 
 
 class FaultySGD(torch.optim.SGD):
@@ -189,6 +239,10 @@ def main() -> None:
         optimizers=(optimizer, None) if MODE == "optimizer" else (None, None),
     )
     optimizer.trainer = trainer
+    trainer.accelerator.backward = own_work.timed(trainer.accelerator.backward)  # type: ignore[method-assign]
+    transformers.trainer.nested_gather = own_work.timed(transformers.trainer.nested_gather)  # the loss gather
+    # DDP's broadcast of the buffers before each forward (BUFFERS), where rank 0 waits for the others.
+    torch.distributed._broadcast_coalesced = own_work.timed(torch.distributed._broadcast_coalesced)
     trainer.train()
 
 

@@ -6,7 +6,6 @@ import io
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests._fault_runs import slow_by_own_clock
 from tests.cli_jobs import Script, write_job
 from traintrace.reader import read_file
 
@@ -113,24 +113,6 @@ def test_errors_names_the_failing_rank_step_and_cause(faults_job: Path) -> None:
     text = cli("errors", str(faults_job), "--hang-after", "0.5").stdout
     assert "FIRST ERROR (likely root cause): rank 3" in text
     assert "raised in span iteration (step 25)" in text
-
-
-def slow_by_own_clock(truth: Path, rank: int, part: str, since: int) -> bool:
-    """Whether ``rank`` was slow in ``part`` from step ``since`` on by the workers' own clocks: at half of those
-    steps or more, 1.1 times the other ranks' median for the same step and 2 ms above it."""
-    own = {
-        int(path.stem[4:]): {m["step"]: m[f"{part}_ns"] for m in map(json.loads, path.read_text().splitlines())}
-        for path in truth.glob("rank*.jsonl")
-    }
-    slow = total = 0
-    for step, value in own[rank].items():
-        others = [times[step] for r, times in own.items() if r != rank and step in times]
-        if step < since or not others:
-            continue
-        median = statistics.median(others)
-        total += 1
-        slow += value >= 1.1 * median and value - median >= 2e6
-    return total > 0 and slow >= total / 2
 
 
 @pytest.mark.subprocess
