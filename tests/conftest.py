@@ -187,7 +187,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="the same in either core's pass (marked once): ran in the native pass")
     for item in items:
-        if item.get_closest_marker("once"):
+        if item.get_closest_marker("once") and not item.get_closest_marker("each_core"):
             item.add_marker(skip)
 
 

@@ -31,6 +31,10 @@ from traintrace.cli import _analysis
 from traintrace.cli._engine import Job
 from traintrace.cli._render import render_ranks
 
+# The analysis of files written by hand (tests/cli_jobs.py), not by either core: the same in both passes (the two
+# tests here that record with the core run in both, marked each_core).
+pytestmark = pytest.mark.once
+
 
 def _open(folder: Path) -> Job:
     return Job.open([folder])
@@ -505,6 +509,7 @@ with tt.application():
 
 
 @pytest.mark.subprocess
+@pytest.mark.each_core
 def test_a_rank_killed_within_a_flush_interval_of_its_first_steps_keeps_its_initialisation(tmp_path: Path) -> None:
     """A rank SIGKILLed in the flush interval that holds its initialisation's end and its first steps: its stream
     ends at the initialisation's start. The progress file's first iteration ends it there: `summary` counts the
@@ -529,6 +534,7 @@ def test_a_rank_killed_within_a_flush_interval_of_its_first_steps_keeps_its_init
     assert s["verdict"].startswith("rank 0 "), s["verdict"]
 
 
+@pytest.mark.each_core
 @pytest.mark.parametrize(
     ("failing", "micro_batches"),
     [(0, 1), (3, 2)],

@@ -27,6 +27,9 @@ pytest.importorskip("duckdb")
 
 from traintrace.cli._report import _safe_json
 
+# The analysis of files written by hand (tests/cli_jobs.py), not by either core: the same in both passes.
+pytestmark = pytest.mark.once
+
 
 @given(st.sets(st.integers(min_value=0, max_value=5000), max_size=200))
 def test_rank_lists_round_trip(ranks: set[int]) -> None:

@@ -27,6 +27,10 @@ from tests.test_cli import faults_job  # noqa: F401 - the real five-process job,
 from tests.test_device_timing import FakeDevice, _write_job, device  # noqa: F401 - device timing's fixture
 from traintrace.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_USAGE, main
 
+# The export and analysis of files: written by hand (tests/cli_jobs.py), or recorded, where both cores write the same
+# records (tests/test_native_encoder.py): the same in both passes.
+pytestmark = pytest.mark.once
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("summary", "ranks", "errors")
 

@@ -18,6 +18,9 @@ pytest.importorskip("duckdb")
 
 from traintrace.cli import main
 
+# The analysis of files written by hand (tests/cli_jobs.py), not by either core: the same in both passes.
+pytestmark = pytest.mark.once
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
