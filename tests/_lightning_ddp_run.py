@@ -23,7 +23,8 @@ Stragglers: ``slow`` (the faulty rank's training step sleeps ``SLOW_MS``, defaul
 and ``slow_data`` (its dataset sleeps ``SLOW_MS`` per batch from the batch of step N on, in the
 training process: ``num_workers=0``); with ``SLOW_EVERY`` K, at every K-th step (batch) from step N on only, each
 noted (``slow<rank>.jsonl``); the truth (``fault.json``) is written at the first slow step, and
-every rank notes when each step's own code began (``steps<rank>.jsonl``, ``time.time_ns()``).
+every rank notes when each step's own code began (``steps<rank>.jsonl``, ``time.time_ns()``) and how long it
+took (``work/rank<rank>.jsonl``).
 Checkpoints: with ``SAVE_EVERY`` K, a ``ModelCheckpoint`` saves every K steps, ``SAVE_MB`` (default 80) more in
 each checkpoint; global rank 0 alone writes, the others wait at the strategy's barrier. Every rank notes when
 its ``Trainer.save_checkpoint`` began and ended (``saves<rank>.jsonl``), when ModelCheckpoint's collective before it
@@ -151,6 +152,7 @@ class Tiny(L.LightningModule):
         self.pad = torch.ones(int(SAVE_MB * 2**20 / 4)) if SAVE_EVERY else None
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        began = time.perf_counter_ns()
         x, y = batch
         (OUT / f"started{self.global_rank}.txt").write_text(str(self.global_step))  # the last step begun
         with (OUT / f"steps{self.global_rank}.jsonl").open("a") as notes:  # when each step's own code began
@@ -184,6 +186,11 @@ class Tiny(L.LightningModule):
         with (OUT / f"losses{self.global_rank}.jsonl").open("a") as notes:
             notes.write(json.dumps({"step": self.global_step, "loss": float(loss.detach())}) + "\n")
         self.log("train_loss", loss)
+        # Its own work by its own clock (``work/rank<rank>.jsonl``): the training step's code, the forward pass
+        # (DDP's broadcast of the buffers comes before it, backward after).
+        (OUT / "work").mkdir(exist_ok=True)
+        with (OUT / "work" / f"rank{self.global_rank}.jsonl").open("a") as notes:
+            notes.write(json.dumps({"step": self.global_step, "compute_ns": time.perf_counter_ns() - began}) + "\n")
         return loss
 
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
