@@ -517,7 +517,8 @@ def _waits_for_other_ranks(
             waits AS (
                 -- Where the step went on more than two of its medians after the phase ended: whether it ended with
                 -- the phase's rank's first step ending after the phase (that rank, out of its phase, then stalled in
-                -- its own work, and this one waited on for it: lockstep), within a quarter of its median.
+                -- its own work, and this one waited on for it: lockstep), within half its median (a quarter missed
+                -- a step of a busy host's, 0.3 of its median after that rank's).
                 SELECT stream, t0, rank, excess, cat, max(o) AS o FROM (
                     SELECT c.stream, c.t0, c.rank, c.excess, c.cat, c.o FROM candidates c
                     WHERE c.t1 - c.p1 <= 2 * c.median
@@ -526,7 +527,7 @@ def _waits_for_other_ranks(
                     JOIN (SELECT rank AS jrank, restart AS jrestart, t0 AS j0, t1 AS j1 FROM slow_steps) j
                       ON j.jrank = c.prank AND j.jrestart = c.restart
                     WHERE c.t1 - c.p1 > 2 * c.median AND j.j1 > c.p1 AND j.j0 <= c.p1 + c.median
-                      AND abs(j.j1 - c.t1) * 4 <= c.median
+                      AND abs(j.j1 - c.t1) * 2 <= c.median
                 ) GROUP BY stream, t0, rank, excess, cat
             )
             SELECT rank, cat, sum(o * least(1.0, greatest(excess, 0) / total)) / 1e9
