@@ -128,6 +128,15 @@ def slow_by_own_clock(truth: Path, rank: int, part: str, since: int) -> bool:
     return total > 0 and slow >= total / 2
 
 
+def every_nth(steps: list[int]) -> int | None:
+    """N where most of the sorted ``steps`` (three quarters of their gaps or more) are N apart, N of 2 or more."""
+    import itertools
+
+    gaps = [b - a for a, b in itertools.pairwise(steps)]
+    common = max(set(gaps), key=gaps.count) if gaps else 1
+    return common if common >= 2 and gaps.count(common) >= 0.75 * len(gaps) else None
+
+
 def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, Any]:
     """A framework job's straggler (``slow``: its training step's own code, ``slow_data``: its batches), as
     ``traintrace ranks`` names it, against the script's own notes (``fault.json``: the rank and the first slow
@@ -137,7 +146,6 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
     a batch ahead delays the step before it). The notes also show the premise: data-parallel training evened
     the ranks' step times (each rank's mean step over the same steps within a fifth of the others'), so the step
     time alone cannot tell the straggler. Returns ``ranks``' answer."""
-    import itertools
     import json
     import statistics
     from collections import Counter
@@ -199,9 +207,7 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
     # the steps are those the script's notes say were delayed; a stall every few steps is found that way only.
     # Every N-th step when most of the delayed steps are N apart (docs/analysis.md): a loader that prefetches
     # delays the step before a slow batch's or its own, so every third batch may delay steps 2, 6, 8, 12, 14.
-    gaps = [b - a for a, b in itertools.pairwise(delayed)]
-    common = max(set(gaps), key=gaps.count) if gaps else 1
-    steps_every = common if common >= 2 and gaps.count(common) >= 0.75 * len(gaps) else None
+    steps_every = every_nth(delayed)
     # Every step from the first delayed one on (a loader's every other batch, two batches a step): a steady straggler.
     steady = delayed == list(range(delayed[0], max(n["step"] for n in notes[truth["rank"]]) + 1)) if delayed else False
     if (every > 1 and not steady) or "slow_until_step" in culprit:
@@ -218,9 +224,7 @@ def check_straggler(out: Path, logs: Path, mode: str, ranks: int) -> dict[str, A
         given = [excess[step] for step in delayed if step in excess]
         bar = statistics.median(given) / 2 if given else float("inf")
         allowed = sorted({*delayed, *(step for step, e in excess.items() if step >= delayed[0] and e >= bar)})
-        apart = [b - a for a, b in itertools.pairwise(allowed)]
-        usual = max(set(apart), key=apart.count) if apart else 1
-        allowed_every = {steps_every, usual if usual >= 2 and apart.count(usual) >= 0.75 * len(apart) else None}
+        allowed_every = {steps_every, every_nth(allowed)}
         assert seen[0] in allowed and seen[0] >= delayed[-1], (seen, delayed, allowed)
         assert len(delayed) <= seen[1] <= len(allowed) and seen[2] in allowed_every, (seen, delayed, allowed)
     return data
